@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build (once) and print the path of an engine's virtual environment.
+#
+#   scripts/engine-venv.sh vllm   ->  ~/.cache/kvstore/venvs/vllm-<hash>
+#
+# The venv is built from connectors/requirements/<engine>.txt (pins, passed to pip) and, if present,
+# connectors/requirements/<engine>.sh (extra steps, run with $VENV set), then kvstore itself is
+# installed into it without dependencies. The directory name carries a hash of both files, so a
+# change of pins builds a fresh venv and an unchanged one is reused across CI runs.
+set -euo pipefail
+engine=$1
+root=$(cd "$(dirname "$0")/.." && pwd)
+req="$root/connectors/requirements/$engine.txt"
+post="$root/connectors/requirements/$engine.sh"
+[ -f "$req" ] || { echo "no pins for engine '$engine' ($req)" >&2; exit 2; }
+key=$(cat "$req" "$post" 2>/dev/null | sha256sum | cut -c1-16)
+cache=${KVSTORE_VENV_CACHE:-$HOME/.cache/kvstore/venvs}
+venv="$cache/$engine-$key"
+mkdir -p "$cache"
+exec 9>"$cache/$engine.lock"
+flock 9
+if [ ! -f "$venv/.complete" ]; then
+  rm -rf "$venv"
+  echo "building $engine venv in $venv (first run only)" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q -U pip >&2
+  "$venv/bin/python" -m pip install -q -r "$req" >&2
+  if [ -f "$post" ]; then VENV="$venv" bash "$post" >&2; fi
+  touch "$venv/.complete"
+fi
+# kvstore itself (editable, so the venv always runs this checkout's code)
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+echo "$venv"

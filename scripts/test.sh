@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The one test command (README: `make test`): builds the environments from the project's own files,
+# starts the services the tests need, and runs the whole suite in one pytest run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q -U pip >/dev/null
+.venv/bin/python -m pip install -q -e '.[test]'
+
+# Redis for the fleet tests: use the one on 6379 if it answers, else start our own there.
+if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+  if ! command -v redis-server >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  fi
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
+fi
+
+# Engine environments (vLLM, SGLang, LMCache) live outside the clone, keyed by their pins.
+for engine in $(ls connectors/requirements/*.txt 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.txt$//'); do
+  path=$(scripts/engine-venv.sh "$engine")
+  export "KVSTORE_VENV_$(echo "$engine" | tr a-z A-Z)=$path"
+done
+
+exec .venv/bin/python -m pytest "$@"

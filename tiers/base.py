@@ -1,0 +1,93 @@
+"""The contract every tier honours (GPU pool, shared CPU arena, NVMe directory, Redis).
+
+A tier is a dumb medium: it stores opaque payloads under keys and never chooses what to evict.
+The Store owns policy, pins and the index; a tier owns bytes and their accounting.
+
+Primitive by primitive:
+
+* ``footprint(nbytes)`` — bytes the tier would account for a payload of ``nbytes`` (slot or
+  page rounding included). Raises ``BlockTooLarge`` if no amount of eviction could fit it.
+* ``allocate(record)`` — reserve room for ``record.stored_size`` bytes under ``record.key``.
+  Raises ``TierFull`` when ``free_bytes`` is short; nothing changes then. Called under the Store
+  lock, so it must be quick (no I/O).
+* ``write(record, data)`` — fill a reservation. Once it returns, ``read_into`` returns exactly
+  ``data``; for a durable tier the bytes have also reached stable storage (fsync) and survive
+  a crash. On failure (``TierIOError``) the reservation is released. May run outside the Store
+  lock, concurrently with writes and reads of *other* keys.
+* ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
+  stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
+  deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
+* ``extents(key)`` — for tiers a same-host client can map: the (offset, length) pieces of the
+  payload inside the shared segment, else None.
+* ``drop(key)`` — release the space; idempotent.
+* ``recover()`` — for durable tiers: yield the ``BlockRecord`` of every intact block found at
+  start-up (torn or corrupt ones are deleted and counted, never yielded).
+* ``close()`` — flush and release resources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+from kvstore.keys import block_key
+
+
+@dataclasses.dataclass
+class BlockRecord:
+    """What a tier keeps beside a payload: enough to rebuild the index after a restart."""
+
+    namespace_id: bytes
+    block_hash: bytes
+    parent_hash: bytes | None
+    stored_size: int
+    raw_size: int
+    codec: int = 0
+    checksum: int = 0  # xxh3_64 of the stored payload; 0 = not computed yet
+
+    @property
+    def key(self) -> bytes:
+        return block_key(self.namespace_id, self.block_hash)
+
+
+class Tier(ABC):
+    name: str = "tier"
+    durable: bool = False
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = int(capacity_bytes)
+        self.used_bytes = 0
+        self.corrupt_dropped = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    @abstractmethod
+    def footprint(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def allocate(self, record: BlockRecord) -> None: ...
+
+    @abstractmethod
+    def write(self, record: BlockRecord, data: memoryview) -> None: ...
+
+    @abstractmethod
+    def read_into(self, key: bytes, out: memoryview) -> int: ...
+
+    def extents(self, key: bytes) -> list[tuple[int, int]] | None:
+        return None
+
+    @abstractmethod
+    def drop(self, key: bytes) -> None: ...
+
+    def recover(self) -> Iterator[BlockRecord]:
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
+                "corrupt_dropped": self.corrupt_dropped}

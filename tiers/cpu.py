@@ -1,0 +1,112 @@
+"""CPU tier: one pre-allocated shared-memory arena carved into fixed slots.
+
+The arena is a file in ``/dev/shm`` mapped once, so a same-host client can map the very same
+pages and copy blocks in and out without the bytes crossing a socket (see
+``kvstore.transport.shm``). Pages are touched once at start-up: first touch of fresh memory runs
+at about 1.5 GB/s here, a touched page at memcpy speed. When CUDA is present the segment is also
+page-locked (``cudaHostRegister``) so host<->device copies are DMA.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+from kvstore.errors import TierIOError
+from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.slots import Extent, SlotTable
+
+
+def as_bytes_array(buf) -> np.ndarray:
+    """A flat uint8 numpy view of any buffer (bytes, bytearray, memoryview, ndarray, mmap)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+class CpuTier(Tier):
+    name = "cpu"
+    durable = False
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
+                 pretouch: bool = True, segment_name: str | None = None) -> None:
+        self.slots = SlotTable(capacity_bytes, slot_bytes, self.name)
+        super().__init__(self.slots.capacity_bytes)
+        self.segment_name = segment_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        self.segment_path = os.path.join(shm_dir, self.segment_name)
+        size = max(self.capacity_bytes, mmap.PAGESIZE)
+        try:
+            fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise TierIOError(f"cpu tier: cannot create shared segment {self.segment_path}: {e.strerror}") from e
+        try:
+            os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if /dev/shm is too small
+            self._mmap = mmap.mmap(fd, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(self.segment_path)
+            raise TierIOError(f"cpu tier: {self.segment_path} cannot hold {size} bytes ({e.strerror}); "
+                              "lower cpu_bytes or point shm_dir at a larger tmpfs") from e
+        os.close(fd)
+        self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
+        if pretouch:
+            self.arena[::mmap.PAGESIZE] = 0
+        self._cuda_registered = _register_with_cuda(self.arena)
+
+    def footprint(self, nbytes: int) -> int:
+        return self.slots.footprint(nbytes)
+
+    def allocate(self, record: BlockRecord) -> None:
+        self.slots.allocate(record.key, record.stored_size)
+        self.used_bytes += self.slots.footprint(record.stored_size)
+
+    def write(self, record: BlockRecord, data) -> None:
+        src = as_bytes_array(data)
+        pos = 0
+        for off, length in self.slots.lookup(record.key)[0]:
+            np.copyto(self.arena[off:off + length], src[pos:pos + length])
+            pos += length
+
+    def read_into(self, key: bytes, out) -> int:
+        extents, nbytes = self.slots.lookup(key)
+        dst = as_bytes_array(out)
+        pos = 0
+        for off, length in extents:
+            np.copyto(dst[pos:pos + length], self.arena[off:off + length])
+            pos += length
+        return nbytes
+
+    def view(self, key: bytes) -> list[np.ndarray]:
+        """Zero-copy views of a block's pieces (valid while the block is pinned)."""
+        return [self.arena[off:off + length] for off, length in self.slots.lookup(key)[0]]
+
+    def extents(self, key: bytes) -> list[Extent]:
+        return self.slots.lookup(key)[0]
+
+    def drop(self, key: bytes) -> None:
+        self.used_bytes -= self.slots.release(key)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.segment_path)
+        except FileNotFoundError:
+            pass
+        self.arena = None  # the mmap closes once no view of it is left
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes}
+
+
+def _register_with_cuda(arena: np.ndarray) -> bool:
+    """Page-lock the arena when a CUDA device is present; a no-op on CPU-only hosts."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.nbytes, 0)
+    return int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0

@@ -1,0 +1,75 @@
+"""GPU tier: a device pool carved into fixed slots, in device-agnostic torch.
+
+The same code runs with ``device="cpu"`` in CI and on ``cuda`` on a GPU host (the CUDA tests in
+``tests/test_gpu_tier.py`` skip without one). Sized 0 by default: HBM belongs to the engine
+unless an operator gives some to the cache. Same-host workers get CUDA IPC handles for the pool
+(``ipc_handle``) and copy device-to-device.
+"""
+
+from __future__ import annotations
+
+from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.cpu import as_bytes_array
+from kvstore.tiers.slots import SlotTable
+
+
+def _torch():
+    import torch  # lazy: the daemon runs without torch when no GPU tier or codec needs it
+    return torch
+
+
+class GpuTier(Tier):
+    name = "gpu"
+    durable = False
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, device: str = "cuda") -> None:
+        torch = _torch()
+        self.slots = SlotTable(capacity_bytes, slot_bytes, self.name)
+        super().__init__(self.slots.capacity_bytes)
+        self.device = torch.device(device)
+        self.pool = torch.zeros(self.capacity_bytes, dtype=torch.uint8, device=self.device)
+
+    def footprint(self, nbytes: int) -> int:
+        return self.slots.footprint(nbytes)
+
+    def allocate(self, record: BlockRecord) -> None:
+        self.slots.allocate(record.key, record.stored_size)
+        self.used_bytes += self.slots.footprint(record.stored_size)
+
+    def _as_tensor(self, buf):
+        torch = _torch()
+        if isinstance(buf, torch.Tensor):
+            return buf.reshape(-1).view(torch.uint8)
+        return torch.from_numpy(as_bytes_array(buf))
+
+    def write(self, record: BlockRecord, data) -> None:
+        src = self._as_tensor(data)
+        pos = 0
+        for off, length in self.slots.lookup(record.key)[0]:
+            self.pool[off:off + length].copy_(src[pos:pos + length], non_blocking=False)
+            pos += length
+
+    def read_into(self, key: bytes, out) -> int:
+        extents, nbytes = self.slots.lookup(key)
+        dst = self._as_tensor(out)
+        pos = 0
+        for off, length in extents:
+            dst[pos:pos + length].copy_(self.pool[off:off + length])
+            pos += length
+        return nbytes
+
+    def extents(self, key: bytes):
+        return self.slots.lookup(key)[0]
+
+    def ipc_handle(self):
+        """CUDA IPC handle of the pool for same-host workers (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        return self.pool.untyped_storage()._share_cuda_()
+
+    def drop(self, key: bytes) -> None:
+        self.used_bytes -= self.slots.release(key)
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "blocks": len(self.slots)}
+
