@@ -87,6 +87,17 @@ class Lease:
     extents: list[list[tuple[int, int]] | None]
 
 
+class StoreListener:
+    """Told when blocks appear in or leave the store (the fleet directory publishes from this).
+    Called with the store lock held: implementations must only enqueue, never block."""
+
+    def blocks_added(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
+        pass
+
+    def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
+        pass
+
+
 @dataclasses.dataclass
 class StoreConfig:
     eviction_policy: str = "prefix"
@@ -109,6 +120,7 @@ class Store:
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self.counters: dict[str, int] = defaultdict(int)
+        self.listeners: list[StoreListener] = []
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self._scratch = threading.local()
@@ -299,6 +311,8 @@ class Store:
         if self._index.get(entry.key) is entry:
             self._unlink(entry)
             del self._index[entry.key]
+            for listener in self.listeners:
+                listener.blocks_removed(entry.namespace_id, [entry.block_hash])
             if entry.ready:
                 self._ns_bytes[entry.namespace_id] -= entry.raw_size
 
@@ -372,6 +386,8 @@ class Store:
             self.policies[t].insert(entry.key, entry.children)
             entry.ready = True
             self._link(entry)
+            for listener in self.listeners:
+                listener.blocks_added(entry.namespace_id, [entry.block_hash])
             self._ns_bytes[entry.namespace_id] += entry.raw_size
             self.counters["puts"] += 1
             self.counters["bytes_in"] += entry.raw_size
