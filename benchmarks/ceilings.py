@@ -1,0 +1,311 @@
+"""Physical ceilings measured in the same run as a benchmark, so results are quoted as ratios.
+
+The machines this project runs on are shared and noisy: an absolute GB/s figure means little,
+a ratio against memcpy / raw O_DIRECT / raw sockets measured a second earlier means a lot.
+Every function returns the median GB/s (1e9 bytes/s) of ``reps`` repetitions and uses pooled,
+already-touched buffers, exactly what a well-written data path could hope to reach.
+
+    from benchmarks.ceilings import memcpy_gbps, odirect_write_gbps, machine_facts
+    # or, from a script in benchmarks/:  sys.path.insert(0, os.path.dirname(__file__)); import ceilings
+
+Functions: memcpy_gbps(nbytes), odirect_write_gbps(dir, nbytes), odirect_read_gbps(dir, nbytes),
+tcp_loopback_gbps(nbytes), unix_socket_gbps(nbytes), machine_facts(dir), median_of(fn, reps).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+ALIGN = 4096
+GB = 1e9
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def touched_buffer(nbytes: int, fill: int | None = None) -> mmap.mmap:
+    """A page-aligned anonymous buffer with every page already faulted in (O_DIRECT-ready)."""
+    buf = mmap.mmap(-1, max(_round_up(nbytes), ALIGN))
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    if fill is None:
+        arr[:] = np.random.default_rng(0).integers(0, 256, size=len(arr), dtype=np.uint8)
+    else:
+        arr[:] = fill
+    del arr
+    return buf
+
+
+def median_of(fn: Callable[[], float], reps: int) -> float:
+    """Median of ``reps`` calls of ``fn`` (each returns seconds); returns seconds."""
+    return statistics.median(fn() for _ in range(reps))
+
+
+def _iters_for(nbytes: int, target_bytes: int = 256 << 20) -> int:
+    return max(1, target_bytes // max(nbytes, 1))
+
+
+def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    """numpy copyto between two pre-touched buffers (one core): the CPU-tier ceiling."""
+    src = np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]
+    dst = np.frombuffer(touched_buffer(nbytes, fill=0), dtype=np.uint8)[:nbytes]
+    iters = _iters_for(nbytes)
+
+    def once() -> float:
+        t = time.perf_counter()
+        for _ in range(iters):
+            np.copyto(dst, src)
+        return time.perf_counter() - t
+
+    once()
+    return nbytes * iters / median_of(once, reps) / GB
+
+
+def _odirect_flags() -> int:
+    return getattr(os, "O_DIRECT", 0)
+
+
+def odirect_supported(directory: str) -> bool:
+    """Whether ``directory``'s filesystem accepts O_DIRECT (tmpfs does not)."""
+    flag = _odirect_flags()
+    if not flag:
+        return False
+    probe = os.path.join(directory, f".odirect-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, touched_buffer(ALIGN, fill=0))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def odirect_write_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
+    """Write ``files`` new files of ``nbytes`` each with O_DIRECT + fsync per file (buffered where
+    O_DIRECT is refused), the way a durable block store must. Files are removed afterwards."""
+    flag = _odirect_flags() if odirect_supported(directory) else 0
+    size = _round_up(nbytes)
+    buf = touched_buffer(size)
+    n = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
+    work = tempfile.mkdtemp(prefix="ceiling-w-", dir=directory)
+
+    def once() -> float:
+        t = time.perf_counter()
+        for i in range(n):
+            fd = os.open(os.path.join(work, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+            try:
+                os.write(fd, buf)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - t
+
+    try:
+        once()
+        return size * n / median_of(once, reps) / GB
+    finally:
+        for f in os.listdir(work):
+            os.unlink(os.path.join(work, f))
+        os.rmdir(work)
+
+
+def odirect_read_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
+    """Read ``files`` files of ``nbytes`` each with O_DIRECT (preadv into one pooled aligned buffer;
+    buffered readinto where O_DIRECT is refused)."""
+    flag = _odirect_flags() if odirect_supported(directory) else 0
+    size = _round_up(nbytes)
+    buf = touched_buffer(size)
+    n = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
+    work = tempfile.mkdtemp(prefix="ceiling-r-", dir=directory)
+    paths = [os.path.join(work, f"{i}.bin") for i in range(n)]
+    try:
+        for p in paths:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.write(fd, buf)
+            os.fsync(fd)
+            os.close(fd)
+
+        def once() -> float:
+            t = time.perf_counter()
+            for p in paths:
+                fd = os.open(p, os.O_RDONLY | flag)
+                try:
+                    got = os.preadv(fd, [buf], 0)
+                finally:
+                    os.close(fd)
+                assert got == size
+            return time.perf_counter() - t
+
+        once()
+        return size * n / median_of(once, reps) / GB
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+        os.rmdir(work)
+
+
+def _socket_pair_gbps(server: socket.socket, connect: Callable[[], socket.socket], nbytes: int,
+                      reps: int) -> float:
+    """Send ``nbytes`` from a client thread to the accepting side, recv_into a pooled buffer."""
+    iters = max(2, _iters_for(nbytes, 128 << 20))
+    payload = memoryview(touched_buffer(nbytes))[:nbytes]
+    sink = memoryview(touched_buffer(nbytes, fill=0))[:nbytes]
+    total_rounds = reps + 1
+
+    def sender() -> None:
+        c = connect()
+        try:
+            for _ in range(total_rounds * iters):
+                c.sendall(payload)
+            c.recv(1)
+        finally:
+            c.close()
+
+    th = threading.Thread(target=sender, daemon=True)
+    th.start()
+    conn, _ = server.accept()
+    times = []
+    try:
+        for r in range(total_rounds):
+            t = time.perf_counter()
+            for _ in range(iters):
+                got = 0
+                while got < nbytes:
+                    k = conn.recv_into(sink[got:], nbytes - got)
+                    if k == 0:
+                        raise ConnectionError("sender closed early")
+                    got += k
+            if r:
+                times.append(time.perf_counter() - t)
+        conn.sendall(b"x")
+    finally:
+        conn.close()
+        th.join(10)
+    return nbytes * iters / statistics.median(times) / GB
+
+
+def tcp_loopback_gbps(nbytes: int, reps: int = 5) -> float:
+    """Raw TCP over 127.0.0.1, one stream, recv_into a pre-allocated buffer."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+
+    def connect() -> socket.socket:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return c
+
+    try:
+        return _socket_pair_gbps(srv, connect, nbytes, reps)
+    finally:
+        srv.close()
+
+
+def unix_socket_gbps(nbytes: int, reps: int = 5) -> float:
+    """A Unix stream socket, recv_into a pre-allocated buffer."""
+    d = tempfile.mkdtemp(prefix="ceiling-uds-")
+    path = os.path.join(d, "s")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def connect() -> socket.socket:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(path)
+        return c
+
+    try:
+        return _socket_pair_gbps(srv, connect, nbytes, reps)
+    finally:
+        srv.close()
+        os.unlink(path)
+        os.rmdir(d)
+
+
+def _fs_type(directory: str) -> str:
+    try:
+        out = subprocess.run(["stat", "-f", "-c", "%T", directory], capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def machine_facts(directory: str | None = None) -> dict:
+    """What a reader needs to interpret the numbers: CPU, cores, RAM, kernel, fs, versions."""
+    facts = {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gib": round(_ram_bytes() / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if directory is not None:
+        facts["dir"] = directory
+        facts["dir_fs_type"] = _fs_type(directory)
+        facts["dir_o_direct"] = odirect_supported(directory)
+    for mod in ("torch", "xxhash"):
+        m = sys.modules.get(mod)
+        if m is None:
+            try:
+                m = __import__(mod)
+            except ImportError:
+                continue
+        facts[mod] = getattr(m, "__version__", getattr(m, "VERSION", "?"))
+    return facts
+
+
+if __name__ == "__main__":
+    import json
+
+    d = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()
+    mib = 16 << 20
+    print(json.dumps({
+        "machine": machine_facts(d),
+        "memcpy_16MiB": memcpy_gbps(mib),
+        "odirect_write_16MiB": odirect_write_gbps(d, mib),
+        "odirect_read_16MiB": odirect_read_gbps(d, mib),
+        "tcp_16MiB": tcp_loopback_gbps(mib),
+        "unix_16MiB": unix_socket_gbps(mib),
+    }, indent=2))
