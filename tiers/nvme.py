@@ -48,6 +48,8 @@ def encode_header(r: BlockRecord) -> bytes:
 
 def decode_header(buf: bytes) -> BlockRecord:
     """Parse a header; ValueError if it is not one of ours or is damaged."""
+    if len(buf) < _HEADER.size + _HEADER_SUM.size:
+        raise ValueError(f"header is {len(buf)} bytes (torn or empty file)")
     body = bytes(buf[:_HEADER.size])
     (want,) = _HEADER_SUM.unpack_from(buf, _HEADER.size)
     if xxhash.xxh3_64_intdigest(body) != want:

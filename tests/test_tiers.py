@@ -1,0 +1,313 @@
+"""Each tier on its own against the Tier contract (tiers/base.py): real shm, real files, real torch."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
+from kvstore.tiers.base import BlockRecord
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.nvme import HEADER_BYTES, SUFFIX, NvmeTier
+from kvstore.tiers.slots import SlotTable
+from mounts import mounted
+
+NS = b"N" * 16
+KIB = 1024
+
+
+def rec(i: int, size: int, parent: int | None = None) -> BlockRecord:
+    return BlockRecord(NS, i.to_bytes(16, "little"), None if parent is None else parent.to_bytes(16, "little"),
+                       size, size)
+
+
+def payload(i: int, size: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size=size, dtype=np.uint8)
+
+
+def roundtrip(tier, r: BlockRecord, data: np.ndarray) -> None:
+    tier.allocate(r)
+    tier.write(r, data)
+    out = np.zeros(r.stored_size + 100, dtype=np.uint8)
+    assert tier.read_into(r.key, out) == r.stored_size
+    assert np.array_equal(out[:r.stored_size], data)
+
+
+# -- slots -----------------------------------------------------------------------------------------
+
+def test_slot_table_accounting_and_errors():
+    st = SlotTable(10 * 4096, 4096, "t")
+    assert st.footprint(1) == 4096 and st.footprint(4097) == 8192
+    with pytest.raises(BlockTooLarge, match="exceeds the t tier"):
+        st.footprint(11 * 4096)
+    assert st.allocate(b"a", 3 * 4096) == [(0, 3 * 4096)]
+    assert st.allocate(b"b", 4096 + 10) == [(3 * 4096, 4096 + 10)]
+    with pytest.raises(KeyError):
+        st.allocate(b"a", 1)
+    with pytest.raises(TierFull, match="5 free slots, needs 6"):
+        st.allocate(b"c", 6 * 4096)
+    assert b"c" not in st and len(st) == 2  # a failed allocation changes nothing
+    assert st.release(b"a") == 3 * 4096 and st.release(b"a") == 0
+
+
+# -- CPU tier --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cpu():
+    tier = CpuTier(16 * 64 * KIB, slot_bytes=64 * KIB)
+    yield tier
+    tier.close()
+
+
+def test_cpu_tier_roundtrip_and_shared_segment(cpu):
+    assert os.path.exists(cpu.segment_path) and cpu.segment_path.startswith("/dev/shm/")
+    r = rec(1, 100 * KIB)
+    roundtrip(cpu, r, payload(1, 100 * KIB))
+    assert cpu.used_bytes == 2 * 64 * KIB  # slot rounding is accounted
+    # a second process mapping the segment sees the very same bytes at the given extents
+    (off, length), = cpu.extents(r.key)
+    with open(cpu.segment_path, "rb") as f:
+        f.seek(off)
+        assert f.read(length) == payload(1, 100 * KIB).tobytes()
+    cpu.drop(r.key)
+    cpu.drop(r.key)  # idempotent
+    assert cpu.used_bytes == 0
+    with pytest.raises(KeyError):
+        cpu.read_into(r.key, np.zeros(100 * KIB, np.uint8))
+    cpu.close()
+    assert not os.path.exists(cpu.segment_path)
+
+
+def test_cpu_tier_multi_extent_blocks_after_churn(cpu):
+    # fill with one-slot blocks, free every other one: a 4-slot block must then span 4 extents
+    small = [rec(i, 64 * KIB) for i in range(16)]
+    for r in small:
+        cpu.allocate(r)
+        cpu.write(r, payload(r.block_hash[0], 64 * KIB))
+    for r in small[::2]:
+        cpu.drop(r.key)
+    big = rec(100, 4 * 64 * KIB - 123)
+    data = payload(100, big.stored_size)
+    roundtrip(cpu, big, data)
+    ext = cpu.extents(big.key)
+    assert len(ext) == 4 and sum(n for _, n in ext) == big.stored_size
+    assert np.array_equal(np.concatenate(cpu.view(big.key)), data)
+    for r in small[1::2]:  # neighbours untouched
+        out = np.empty(64 * KIB, np.uint8)
+        cpu.read_into(r.key, out)
+        assert np.array_equal(out, payload(r.block_hash[0], 64 * KIB))
+    with pytest.raises(TierFull):
+        cpu.allocate(rec(200, 5 * 64 * KIB))  # 4 free slots left
+
+
+def test_cpu_tier_too_large_and_too_big_for_shm():
+    tier = CpuTier(4 * 64 * KIB, slot_bytes=64 * KIB)
+    try:
+        with pytest.raises(BlockTooLarge, match="cpu tier"):
+            tier.footprint(5 * 64 * KIB)
+    finally:
+        tier.close()
+    with tempfile.TemporaryDirectory() as d:
+        not_a_dir = os.path.join(d, "file")
+        open(not_a_dir, "w").close()
+        with pytest.raises(TierIOError, match="cannot create shared segment"):
+            CpuTier(64 * KIB, slot_bytes=64 * KIB, shm_dir=not_a_dir)
+
+
+# -- NVMe tier -------------------------------------------------------------------------------------
+
+def test_nvme_roundtrip_uses_o_direct_on_a_disk(tmp_path):
+    tier = NvmeTier(str(tmp_path / "n"), 64 << 20)
+    if not tier.o_direct:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    for i, size in enumerate((1, 4096, 100_000, 1 << 20)):
+        roundtrip(tier, rec(i, size), payload(i, size))
+    assert tier.stats()["o_direct"] == 1
+    files = sorted(os.listdir(tier.path))
+    assert len(files) == 4 and all(f.endswith(SUFFIX) for f in files)
+    assert os.path.getsize(tier.file_path(rec(2, 1).key)) == HEADER_BYTES + 102_400
+
+
+def _buffered_fallback(d: str) -> None:
+    tier = NvmeTier(d, 8 << 20)
+    assert tier.o_direct is False and tier.stats()["o_direct"] == 0
+    for i, size in enumerate((7, 65536, 300_001)):
+        roundtrip(tier, rec(i, size), payload(i, size))
+    assert len(list(NvmeTier(d, 8 << 20).recover())) == 3
+
+
+def test_nvme_falls_back_to_buffered_io_where_o_direct_is_refused():
+    # tmpfs refused O_DIRECT until Linux 6.6; ramfs still does. Use whichever refuses it here.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        if not NvmeTier(d, 1 << 20).o_direct:
+            _buffered_fallback(d)
+            return
+    with mounted("ramfs") as d:
+        _buffered_fallback(d)
+
+
+def test_nvme_on_tmpfs(tmp_path):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        tier = NvmeTier(d, 8 << 20)  # O_DIRECT or not, depending on the kernel: both must work
+        for i, size in enumerate((7, 65536, 300_001)):
+            roundtrip(tier, rec(i, size), payload(i, size))
+        assert len(list(NvmeTier(d, 8 << 20).recover())) == 3
+    assert NvmeTier(str(tmp_path), 1 << 20, use_o_direct=False).o_direct is False
+
+
+def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    records = [rec(i, 50_000, parent=i - 1 if i else None) for i in range(5)]
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 50_000))
+    open(os.path.join(d, "deadbeef" + SUFFIX + ".tmp"), "wb").write(b"half a block")
+    open(os.path.join(d, "unrelated.txt"), "w").write("not ours")
+    again = NvmeTier(d, 64 << 20)
+    found = {r.key: r for r in again.recover()}
+    assert set(found) == {r.key for r in records}
+    assert found[records[3].key].parent_hash == records[2].block_hash
+    assert found[records[0].key].parent_hash is None
+    assert again.used_bytes == tier.used_bytes
+    assert not any(n.endswith(".tmp") for n in os.listdir(d))
+    assert os.path.exists(os.path.join(d, "unrelated.txt"))  # never deletes what is not ours
+    out = np.empty(50_000, np.uint8)
+    again.read_into(records[4].key, out)
+    assert np.array_equal(out, payload(4, 50_000))
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("damage", ["payload-bit", "header-bit", "truncate", "delete", "swap"])
+def test_nvme_read_detects_damage_and_drops_the_block(tmp_path, damage):
+    tier = NvmeTier(str(tmp_path), 64 << 20)
+    a, b = rec(1, 20_000), rec(2, 20_000)
+    for r in (a, b):
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 20_000))
+    path = tier.file_path(a.key)
+    if damage == "payload-bit":
+        _flip(path, HEADER_BYTES + 12_345)
+    elif damage == "header-bit":
+        _flip(path, 40)
+    elif damage == "truncate":
+        os.truncate(path, HEADER_BYTES + 10_000)
+    elif damage == "delete":
+        os.unlink(path)
+    else:  # another block's (intact) file under this name
+        os.replace(tier.file_path(b.key), path)
+    used = tier.used_bytes
+    with pytest.raises(BlockCorrupt, match="dropped"):
+        tier.read_into(a.key, np.empty(20_000, np.uint8))
+    assert tier.corrupt_dropped == 1
+    assert tier.used_bytes < used and not os.path.exists(path)
+    with pytest.raises(KeyError):
+        tier.read_into(a.key, np.empty(20_000, np.uint8))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header-bit", "empty", "renamed"])
+def test_nvme_recover_never_yields_a_damaged_file(tmp_path, damage):
+    tier = NvmeTier(str(tmp_path), 64 << 20)
+    a, b = rec(1, 20_000), rec(2, 20_000)
+    for r in (a, b):
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 20_000))
+    path = tier.file_path(a.key)
+    if damage == "truncate":
+        os.truncate(path, HEADER_BYTES + 4096)
+    elif damage == "header-bit":
+        _flip(path, 17)
+    elif damage == "empty":
+        os.truncate(path, 0)
+    else:
+        os.rename(path, tier.file_path(rec(3, 1).key))
+    again = NvmeTier(str(tmp_path), 64 << 20)
+    assert [r.key for r in again.recover()] == [b.key]
+    assert again.corrupt_dropped == 1
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(again.file_path(b.key))]
+
+
+def test_nvme_recover_with_verification_catches_payload_rot(tmp_path):
+    tier = NvmeTier(str(tmp_path), 64 << 20)
+    a = rec(1, 20_000)
+    tier.allocate(a)
+    tier.write(a, payload(1, 20_000))
+    _flip(tier.file_path(a.key), HEADER_BYTES + 5)
+    assert len(list(NvmeTier(str(tmp_path), 64 << 20).recover())) == 1  # header-only scan: cheap
+    assert list(NvmeTier(str(tmp_path), 64 << 20, verify_on_recover=True).recover()) == []
+
+
+def test_nvme_capacity_and_bad_directory(tmp_path):
+    tier = NvmeTier(str(tmp_path / "n"), 3 * (HEADER_BYTES + 8192))
+    for i in range(3):
+        tier.allocate(rec(i, 8192))
+    with pytest.raises(TierFull, match="nvme tier"):
+        tier.allocate(rec(9, 1))
+    with pytest.raises(BlockTooLarge, match="nvme tier"):
+        tier.footprint(1 << 20)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(TierIOError, match="not writable"):
+        NvmeTier(str(blocker / "sub"), 1 << 20)
+
+
+# -- GPU tier (device-agnostic torch) --------------------------------------------------------------
+
+def _gpu_roundtrip(device: str) -> None:
+    import torch
+
+    tier = GpuTier(8 * 64 * KIB, slot_bytes=64 * KIB, device=device)
+    assert tier.pool.device.type == torch.device(device).type
+    blocks = [rec(i, 64 * KIB) for i in range(8)]
+    for r in blocks:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 64 * KIB))
+    for r in blocks[::2]:
+        tier.drop(r.key)
+    big = rec(50, 3 * 64 * KIB + 1)
+    src = torch.from_numpy(payload(50, big.stored_size))
+    tier.allocate(big)
+    tier.write(big, src.to(device))  # a tensor on the device
+    assert len(tier.extents(big.key)) == 4
+    out = torch.zeros(big.stored_size, dtype=torch.uint8, device=device)
+    assert tier.read_into(big.key, out) == big.stored_size
+    assert torch.equal(out.cpu(), src)
+    host = np.zeros(64 * KIB, np.uint8)  # numpy in and out work too
+    tier.read_into(blocks[1].key, host)
+    assert np.array_equal(host, payload(1, 64 * KIB))
+    with pytest.raises(TierFull):
+        tier.allocate(rec(99, 64 * KIB))
+
+
+def test_gpu_tier_on_cpu_device():
+    _gpu_roundtrip("cpu")
+
+
+def test_gpu_tier_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _gpu_roundtrip("cuda")
+    assert GpuTier(64 * KIB, slot_bytes=64 * KIB, device="cuda").ipc_handle() is not None
+
+
+def test_cpu_arena_is_page_locked_with_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    tier = CpuTier(4 * 64 * KIB, slot_bytes=64 * KIB)
+    try:
+        assert tier._cuda_registered
+    finally:
+        tier.close()
