@@ -1,0 +1,138 @@
+"""KV block codecs: raw, FP8 e4m3, INT4 (KIVI-style), zstd — the API the store and client call.
+
+    codec_id, payload = encode_block("fp8", raw, layout)   # payload: 1-D numpy uint8 (host)
+    block = decode_block(codec_id, payload, layout, out=gpu_buffer)  # torch uint8, out's device
+
+* Codec ids are stable small ints stored with each block (``CODEC_IDS``); 0 = raw (payload is the
+  block itself, no header). Never renumber one: stored blocks name their codec by id.
+* ``encode_block`` runs on the device ``raw`` lives on (a CUDA tensor encodes on its GPU) and
+  always returns the payload on the host, ready to store or send.
+* ``decode_block`` decodes on the device of ``out`` (a preallocated uint8 buffer of the block's
+  size: numpy, CPU or CUDA tensor); without ``out`` it returns a new CPU tensor. Only the
+  compressed bytes cross to the device.
+* Anything a codec cannot represent faithfully raises ``CodecError`` (a ``KVStoreError``):
+  unknown codec id, a layout or dtype the codec does not interpret (store raw instead),
+  NaN/Inf in a block, a truncated or corrupted payload, a payload encoded for another shape.
+
+See docs/codecs.md for formats, fidelity and speed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstore.codecs.base import Codec, as_byte_tensor
+from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.header import HEADER_BYTES, parse_header, verify_body
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.lossless import RawCodec, ZstdCodec
+from kvstore.errors import CodecError
+from kvstore.keys import KVLayout
+
+__all__ = ["CODEC_IDS", "Codec", "CodecError", "check_layout", "codec_for_id", "decode_block",
+           "encode_block", "get_codec"]
+
+_CODECS: tuple[Codec, ...] = (
+    RawCodec(),
+    Fp8Codec("fp8", 1, per_head=False),
+    Fp8Codec("fp8_head", 2, per_head=True),
+    Int4Codec("int4_g32", 3, group=32),
+    Int4Codec("int4_g64", 4, group=64),
+    Int4Codec("int4_g128", 5, group=128),
+    ZstdCodec("zstd", 6),
+)
+_BY_ID = {c.codec_id: c for c in _CODECS}
+_BY_NAME = {c.name: c for c in _CODECS}
+
+#: codec name -> stable id stored with each block
+CODEC_IDS: dict[str, int] = {c.name: c.codec_id for c in _CODECS}
+
+
+def codec_for_id(codec_id: int) -> Codec:
+    try:
+        return _BY_ID[int(codec_id)]
+    except (KeyError, TypeError, ValueError):
+        raise CodecError(f"unknown codec id {codec_id!r}: this build knows {CODEC_IDS}") from None
+
+
+def get_codec(name_or_id: str | int) -> Codec:
+    if isinstance(name_or_id, str):
+        try:
+            return _BY_NAME[name_or_id]
+        except KeyError:
+            raise CodecError(f"unknown codec {name_or_id!r}: one of {sorted(CODEC_IDS)}") from None
+    return codec_for_id(name_or_id)
+
+
+def check_layout(name_or_id: str | int, layout: KVLayout) -> None:
+    """Raise ``CodecError`` (saying why) if this codec cannot encode blocks of ``layout``.
+
+    Call it once per namespace and tier to decide raw vs encoded, instead of per block.
+    """
+    get_codec(name_or_id).check_layout(layout)
+
+
+def _block_bytes(raw, layout: KVLayout, field: str) -> torch.Tensor:
+    t = as_byte_tensor(raw, field)
+    if t.numel() != layout.block_bytes:
+        raise CodecError(f"{field}: is {t.numel()} bytes; blocks of this layout are "
+                         f"{layout.block_bytes} bytes")
+    return t
+
+
+def encode_block(name_or_id: str | int, raw, layout: KVLayout) -> tuple[int, np.ndarray]:
+    """Encode one block. ``raw``: bytes-like, numpy array or torch tensor (CPU or CUDA) of
+    exactly ``layout.block_bytes`` bytes in the layout's byte order.
+
+    Returns ``(codec_id, payload)``; payload is a 1-D numpy uint8 array on the host (for raw,
+    a zero-copy view of ``raw`` when it is already host memory).
+    """
+    codec = get_codec(name_or_id)
+    t = _block_bytes(raw, layout, "raw")
+    if codec.codec_id == 0:
+        return 0, t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+    return codec.codec_id, codec.encode(t, layout)
+
+
+def _writable_out(out, layout: KVLayout) -> torch.Tensor:
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise CodecError("out: array is read-only")
+    if isinstance(out, (bytes, memoryview)):
+        raise CodecError("out: must be a writable numpy array, bytearray or torch tensor")
+    return _block_bytes(out, layout, "out")
+
+
+def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Tensor:
+    """Decode one block into ``out`` (or a new CPU buffer) and return it as a flat torch uint8
+    tensor of ``layout.block_bytes`` (sharing memory with ``out`` when given).
+
+    ``payload``: bytes-like, numpy array or torch tensor. Its header is read and checksummed on
+    the host (a CUDA payload is copied back for that); decoding runs on ``out``'s device.
+    """
+    codec = codec_for_id(codec_id)
+    dst = (torch.empty(layout.block_bytes, dtype=torch.uint8) if out is None
+           else _writable_out(out, layout))
+    src = as_byte_tensor(payload, "payload")
+    if codec.codec_id == 0:
+        if src.numel() != layout.block_bytes:
+            raise CodecError(f"payload: raw block is {src.numel()} bytes; blocks of this layout "
+                             f"are {layout.block_bytes} bytes")
+        dst.copy_(src)
+        return dst
+    host = src.cpu() if src.device.type != "cpu" else src
+    view = memoryview(host.numpy())
+    header = parse_header(view)
+    if header.codec_id != codec.codec_id:
+        raise CodecError(f"block is labelled codec {codec.codec_id} ({codec.name}) but its payload "
+                         f"header says codec {header.codec_id}")
+    if header.param != codec.header_param(layout):
+        raise CodecError(f"{codec.name}: payload parameter is {header.param}, expected "
+                         f"{codec.header_param(layout)} for this layout")
+    header.check_layout(layout)
+    verify_body(header, view[HEADER_BYTES:])
+    body = host[HEADER_BYTES:]
+    if dst.device.type != "cpu" and codec.lossy:
+        body = body.to(dst.device)
+    codec.decode(header, body, layout, dst)
+    return dst

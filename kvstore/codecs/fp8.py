@@ -1,0 +1,60 @@
+"""FP8 e4m3: one byte per element plus a bf16 scale per (token, head) — or per head.
+
+``code = e4m3(x / scale)`` with ``scale = amax / 448`` (rounded up so nothing saturates), and
+``x' = e4m3_to_float(code) * scale``. e4m3 keeps ~3 significant bits over a wide exponent range,
+so outlier key channels cost precision only within their own (token, head) row. The per-head
+variant (one scale for all tokens of a head in the block) is smaller by a rounding error and
+coarser wherever token magnitudes differ.
+
+Scales are bf16: as wide as float32 (no overflow for any input) at half the bytes; precision does
+not matter because encode quantises with the already-rounded scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.codecs.base import Section, SectionCodec, check_finite, round_up
+from kvstore.codecs.layout import BlockShape
+
+E4M3_MAX = 448.0
+SCALE_DTYPE = torch.bfloat16
+
+
+class Fp8Codec(SectionCodec):
+    def __init__(self, name: str, codec_id: int, per_head: bool) -> None:
+        self.name, self.codec_id, self.per_head = name, codec_id, per_head
+        self.param = 1 if per_head else 0
+
+    def _scale_shape(self, s: BlockShape) -> tuple[int, ...]:
+        return (2, s.layers, s.heads) if self.per_head else (2, s.layers, s.tokens, s.heads)
+
+    def sections(self, s: BlockShape) -> list[Section]:
+        return [Section("codes", torch.uint8, (2, s.layers, s.tokens, s.heads, s.dim)),
+                Section("scales", SCALE_DTYPE, self._scale_shape(s))]
+
+    def _broadcast(self, scale: torch.Tensor) -> torch.Tensor:
+        """[2, L, H] or [2, L, T, H] -> broadcastable against [2, L, T, H, D]."""
+        return scale[:, :, None, :, None] if self.per_head else scale[..., None]
+
+    def quantize(self, k: torch.Tensor, v: torch.Tensor, s: BlockShape) -> dict[str, torch.Tensor]:
+        x = torch.empty((2, s.layers, s.tokens, s.heads, s.dim), dtype=torch.float32, device=k.device)
+        x[0].copy_(k)
+        x[1].copy_(v)
+        lo, hi = torch.aminmax(x, dim=-1)                 # [2, L, T, H]
+        check_finite(lo, hi, "K/V")
+        amax = torch.maximum(-lo, hi)
+        if self.per_head:
+            amax = amax.amax(dim=2)                       # [2, L, H]
+        scale = round_up(amax / E4M3_MAX, SCALE_DTYPE)
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+        x.div_(self._broadcast(safe)).clamp_(-E4M3_MAX, E4M3_MAX)
+        codes = x.to(torch.float8_e4m3fn).view(torch.uint8)
+        return {"codes": codes, "scales": scale}
+
+    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape,
+                   k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        x = parts["codes"].view(torch.float8_e4m3fn).float()
+        x.mul_(self._broadcast(parts["scales"].float()))
+        k_out.copy_(x[0])
+        v_out.copy_(x[1])
