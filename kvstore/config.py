@@ -1,0 +1,233 @@
+"""Daemon settings: one file (YAML or TOML) + ``KVSTORE_*`` environment variables + CLI flags.
+
+Precedence, highest first: **flags > environment > file > defaults**. The file is named by
+``--config FILE`` or ``KVSTORE_CONFIG``. Nested keys use ``__`` in the environment
+(``KVSTORE_FLEET__ENABLED=true``); dict-valued keys take JSON there
+(``KVSTORE_TOKENS='{"s3cret": "team-a"}'``). Sizes accept units: ``4GiB``, ``512MiB``, ``1.5GB``,
+``65536``. Every value is validated at start; a bad one is reported with its key and the allowed
+range, and the daemon refuses to start (see docs/config.md for every knob).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from typing import Annotated, Any, Literal
+
+import psutil
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvstore.errors import KVStoreError
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A setting is invalid; the message names the key and what is allowed."""
+
+    grpc_status = "INVALID_ARGUMENT"
+
+
+def parse_size(value: Any) -> int:
+    """``"4GiB"`` -> 4294967296. Integers pass through; units are case-insensitive."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '4GiB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{value!r} is not a size; write bytes or a number with a unit "
+                     "(KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % (size // 1024 or 1) == 0:
+            v = n / size
+            return f"{v:g}{unit}" if v == int(v) else f"{v:.2f}{unit}"
+    return f"{n}B"
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def default_cpu_bytes() -> int:
+    """Conservative: a quarter of the RAM available now, at most 4 GiB, at least 64 MiB."""
+    return max(64 * MiB, min(psutil.virtual_memory().available // 4, 4 * GiB))
+
+
+def default_nvme_path() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "kvstore", "nvme")
+
+
+def default_nvme_bytes() -> int:
+    """16 GiB, or half the free space of the filesystem that would hold the NVMe directory."""
+    path = default_nvme_path()
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        free = psutil.disk_usage(path or "/").free
+    except OSError:
+        return 16 * GiB
+    return max(256 * MiB, min(16 * GiB, free // 2))
+
+
+class FleetSettings(BaseModel):
+    """Sharing blocks between daemons through a Redis directory (kvstore.fleet)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    redis_url: str = "redis://127.0.0.1:6379/0"
+
+
+class CodecSettings(BaseModel):
+    """Codec per tier ("raw" stores bytes as given; others come with kvstore.codecs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str = "raw"
+    cpu: str = "raw"
+    nvme: str = "raw"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", env_nested_delimiter="__", extra="forbid",
+                                      validate_default=True)
+
+    listen: str = "127.0.0.1:7373"
+    workers: int = Field(16, ge=1, le=256)
+    max_message_bytes: Size = Field(16 * MiB, ge=64 * KiB, le=1 * GiB)
+    chunk_bytes: Size = Field(1 * MiB, ge=4 * KiB, le=8 * MiB)
+
+    cpu_bytes: Size = Field(default_factory=default_cpu_bytes, ge=1 * MiB, le=64 * TiB)
+    cpu_slot_bytes: Size = Field(256 * KiB, ge=4 * KiB, le=1 * GiB)
+    shm_dir: str = "/dev/shm"
+    nvme_path: str = Field(default_factory=default_nvme_path)
+    nvme_bytes: Size = Field(default_factory=default_nvme_bytes, ge=0, le=1024 * TiB)
+    gpu_bytes: Size = Field(0, ge=0, le=64 * TiB)
+    gpu_device: str = "cuda"
+
+    eviction_policy: Literal["lru", "prefix"] = "prefix"
+    write_through: bool = False
+    promote_on_hit: bool = True
+    lease_seconds: float = Field(5.0, gt=0, le=3600)
+    hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    hash_seed: int = Field(0, ge=0, lt=2**64)
+    codecs: CodecSettings = Field(default_factory=CodecSettings)
+
+    tokens: dict[str, str] = Field(default_factory=dict)      # bearer token -> tenant
+    quotas: dict[str, Size] = Field(default_factory=dict)     # tenant -> max stored bytes
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    shm_with_auth: bool = False  # offer the shared arena even when tokens are configured (see docs)
+    metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
+    metrics_host: str = "127.0.0.1"
+    bulk_channel: bool = True
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, v: str) -> str:
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"{v!r} is not HOST:PORT (port 0..65535)")
+        return v
+
+    @field_validator("quotas")
+    @classmethod
+    def _check_quotas(cls, v: dict[str, int]) -> dict[str, int]:
+        for tenant, n in v.items():
+            if n < 0:
+                raise ValueError(f"quota of tenant {tenant!r} must be >= 0")
+        return v
+
+    def model_post_init(self, _: Any) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        # flags (init kwargs) > environment > file > defaults
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Values from the config file chosen by ``load_settings`` (or ``KVSTORE_CONFIG``)."""
+
+    path: str | None = None
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - whole-dict source
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _FileSource.path or os.environ.get("KVSTORE_CONFIG")
+        return read_config_file(path) if path else {}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path}: {e.strerror}") from e
+    try:
+        if path.endswith(".toml"):
+            data = tomllib.loads(raw.decode())
+        elif path.endswith((".yaml", ".yml")):
+            data = yaml.safe_load(raw) or {}
+        elif path.endswith(".json"):
+            data = json.loads(raw)
+        else:
+            raise ConfigError(f"config: {path} must end in .yaml, .yml, .toml or .json")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config: {path} is not valid: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of settings")
+    return data
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "config"
+    ctx = error.get("ctx") or {}
+    bounds = [f"{op} {format_size(v) if isinstance(v, int) and v >= 4096 else v}"
+              for op, name in ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")) if (v := ctx.get(name)) is not None]
+    allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown setting; see docs/config.md for the known ones"
+    got = error.get("input")
+    return f"{key}: {error['msg']}{allowed}; got {got!r}"
+
+
+def load_settings(config_file: str | None = None, **flags: Any) -> Settings:
+    """Settings from defaults < file < environment < ``flags`` (None-valued flags are ignored)."""
+    flags = {k: v for k, v in flags.items() if v is not None}
+    _FileSource.path = config_file
+    try:
+        return Settings(**flags)
+    except ValidationError as e:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
+    except ValueError as e:  # model_post_init and size parsing outside a field
+        raise ConfigError(f"invalid configuration: {e}") from None
+    finally:
+        _FileSource.path = None

@@ -1,0 +1,169 @@
+"""The daemon process: tiers and Store from settings, the gRPC server, the lease reaper, shutdown.
+
+Start-up refuses to run if hashing is not deterministic here (``determinism_self_check``): a
+daemon that hashes differently from its clients would silently never hit. Shutdown on SIGTERM or
+SIGINT: mark health NOT_SERVING, stop accepting, let in-flight RPCs finish (``grace_s``), flush
+write-back blocks to NVMe, close the tiers, exit 0 — so a restart on the same NVMe directory
+serves what the old daemon held.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+from grpc_health.v1 import health_pb2
+
+from kvstore.auth import Authenticator
+from kvstore.config import Settings
+from kvstore.keys import determinism_self_check
+from kvstore.metrics import Metrics
+from kvstore.server import build_server
+from kvstore.store import Store, StoreConfig
+from kvstore.tiers.cpu import CpuTier
+from kvstore.transport import shm
+
+log = logging.getLogger("kvstore.daemon")
+
+
+def clean_stale_segments(shm_dir: str) -> int:
+    """Remove arenas and probe files left by daemons that died without closing (SIGKILL, OOM)."""
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir, "kvstore-*")) + glob.glob(os.path.join(shm_dir, shm.PROBE_PREFIX + "*")):
+        name = os.path.basename(path).removeprefix(shm.PROBE_PREFIX).removeprefix("kvstore-")
+        pid = name.split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def build_tiers(settings: Settings) -> list:
+    tiers = []
+    if settings.gpu_bytes:
+        from kvstore.tiers.gpu import GpuTier
+        tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
+    tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir))
+    if settings.nvme_bytes:
+        from kvstore.tiers.nvme import NvmeTier
+        tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
+    return tiers
+
+
+class Daemon:
+    """Everything one ``kvstore serve`` runs; usable in-process (tests, ``kvstore bench``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        determinism_self_check()
+        for tier, codec in settings.codecs.model_dump().items():
+            if codec != "raw":
+                raise ValueError(f"codecs.{tier}: codec {codec!r} is not available in this build; use 'raw'")
+        self.settings = settings
+        clean_stale_segments(settings.shm_dir)
+        self.store = Store(build_tiers(settings), StoreConfig(
+            eviction_policy=settings.eviction_policy, write_through=settings.write_through,
+            promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds))
+        self.metrics = Metrics(self.store)
+        auth = Authenticator(settings.tokens, settings.quotas)
+        try:
+            self.server, self.servicer, self.health, self.port = build_server(
+                self.store, listen=settings.listen, workers=settings.workers,
+                max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
+                metrics=self.metrics, shm_dir=settings.shm_dir,
+                offer_shm=not auth.enabled or settings.shm_with_auth,
+                bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+        except Exception:
+            self.store.close()
+            raise
+        self.metrics_port: int | None = None
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def start(self) -> None:
+        self.server.start()
+        if self.settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        self._reaper.start()
+        log.info("kvstore serving on %s (tiers: %s)", self.address, ", ".join(t.name for t in self.store.tiers))
+
+    def _reap(self) -> None:
+        """Release leases of clients that never came back (a killed client leaks nothing)."""
+        period = min(1.0, max(0.05, self.store.config.lease_seconds / 4))
+        while not self._stop.wait(period):
+            try:
+                self.store.expire_leases()
+                self.servicer.prune_leases()
+                shm.reap_probes(self.settings.shm_dir)
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad tick
+                log.exception("lease reaper tick failed")
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """Graceful: refuse new work, finish in-flight RPCs, flush to NVMe. Returns blocks flushed."""
+        if self._stop.is_set():
+            return 0
+        for name in ("", "kvstore.v1.KVStore"):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace_s).wait()
+        self._stop.set()
+        if self.servicer.bulk is not None:
+            self.servicer.bulk.close()
+        flushed = self.store.flush()
+        self.store.expire_leases(now=float("inf"))
+        self.metrics.close()
+        self.store.close()
+        log.info("kvstore stopped; %d blocks flushed to the durable tier", flushed)
+        return flushed
+
+    def ready_info(self) -> dict:
+        cpu = self.store.tiers[self.store.cpu_index] if self.store.cpu_index is not None else None
+        return {"address": self.address, "port": self.port, "metrics_port": self.metrics_port,
+                "pid": os.getpid(), "arena_path": cpu.segment_path if cpu else None,
+                "tiers": [t.name for t in self.store.tiers]}
+
+
+def run(settings: Settings, ready_file: str | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; exit code 0 after a clean shutdown."""
+    daemon = Daemon(settings)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.start()
+    info = daemon.ready_info()
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, ready_file)
+    print(f"kvstore: serving on {info['address']}"
+          + (f", metrics on :{info['metrics_port']}" if info["metrics_port"] else ""), flush=True)
+    while not stop.wait(0.5):
+        pass
+    t0 = time.monotonic()
+    flushed = daemon.stop()
+    print(f"kvstore: stopped in {time.monotonic() - t0:.2f}s; {flushed} blocks flushed", flush=True)
+    return 0

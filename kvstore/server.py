@@ -1,0 +1,504 @@
+"""The gRPC servicer: validate every field, authorise, translate, call the Store.
+
+Every handler runs inside ``_rpc``, which turns a ``KVStoreError`` into its gRPC status (the
+class's ``grpc_status``) with trailing metadata naming the class and the field, turns anything
+unexpected into INTERNAL, and records latency — so no request can crash the daemon, and a client
+sees the same exception class the store raised. Messages larger than ``max_message_bytes`` are
+refused by gRPC itself with RESOURCE_EXHAUSTED.
+
+Tenancy (see ``kvstore.auth``): the caller's tenant is folded into every namespace it registers;
+a namespace id of another tenant is answered like an unknown one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.auth import Authenticator
+from kvstore.errors import (CodecError, InvalidArgument, KVStoreError, LayoutMismatch, LeaseExpired,
+                            UnknownNamespace)
+from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.store import MAX_BATCH, Store
+from kvstore.transport import bulk as bulk_transport
+from kvstore.transport import chunks, shm
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+PROTOCOL_VERSION = 1
+MAX_LOOKUP_BATCH = 1024
+MAX_STRING = 256
+RAW_CODEC = 0
+_PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
+
+
+def _status_code(err: KVStoreError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.grpc_status, grpc.StatusCode.INTERNAL)
+
+
+def _abort(context, method: str, err: Exception, metrics) -> None:
+    if isinstance(err, KVStoreError):
+        code, message = _status_code(err), str(err)
+        meta = [("kvstore-error", type(err).__name__)]
+        if getattr(err, "field", None):
+            meta.append(("kvstore-field", str(err.field)))
+    else:
+        log.exception("unexpected error in %s", method)
+        code, message, meta = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}", []
+    if metrics is not None:
+        metrics.errors.labels(method, code.name).inc()
+    context.set_trailing_metadata(meta)
+    context.abort(code, message[:2000])
+
+
+def _rpc(method):
+    """Unary handler wrapper: status mapping + latency."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortionError":
+                raise
+            _abort(context, method.__name__, e, self.metrics)
+        finally:
+            if self.metrics is not None:
+                self.metrics.latency.labels(method.__name__).observe(time.perf_counter() - t0)
+    return wrapper
+
+
+def _rpc_stream(method):
+    """Server-streaming handler wrapper (the handler is a generator)."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            yield from method(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortionError":
+                raise
+            _abort(context, method.__name__, e, self.metrics)
+        finally:
+            if self.metrics is not None:
+                self.metrics.latency.labels(method.__name__).observe(time.perf_counter() - t0)
+    return wrapper
+
+
+def check_hashes(hashes, field: str = "hashes", allow_empty: bool = False) -> list[bytes]:
+    if len(hashes) > MAX_BATCH:
+        raise InvalidArgument(field, f"{len(hashes)} hashes in one call; at most {MAX_BATCH}")
+    if not hashes and not allow_empty:
+        raise InvalidArgument(field, "at least one block hash is required")
+    out = []
+    for i, h in enumerate(hashes):
+        if not 1 <= len(h) <= MAX_HASH_BYTES:
+            raise InvalidArgument(f"{field}[{i}]", f"a block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(h)}")
+        out.append(bytes(h))
+    return out
+
+
+def check_parent(parent: bytes) -> bytes | None:
+    if not parent:
+        return None
+    if len(parent) > MAX_HASH_BYTES:
+        raise InvalidArgument("parent", f"a block hash must be 1..{MAX_HASH_BYTES} bytes, got {len(parent)}")
+    return bytes(parent)
+
+
+def layout_from_proto(m: pb.Layout) -> KVLayout:
+    """Proto3 zeros mean "unset": fall back to KVLayout's defaults so old clients keep working."""
+    for name in ("model", "dtype", "layout"):
+        if len(getattr(m, name)) > MAX_STRING:
+            raise InvalidArgument(f"layout.{name}", f"longer than {MAX_STRING} characters")
+    return KVLayout(model=m.model, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+                    head_dim=m.head_dim, dtype=m.dtype, block_tokens=m.block_tokens,
+                    layout=m.layout or "opaque", kv_per_token=m.kv_per_token or 2,
+                    tp_rank=m.tp_rank, tp_size=m.tp_size or 1, pp_rank=m.pp_rank, pp_size=m.pp_size or 1,
+                    cp_rank=m.cp_rank, cp_size=m.cp_size or 1, block_bytes=m.block_bytes)
+
+
+def layout_to_proto(layout: KVLayout) -> pb.Layout:
+    return pb.Layout(**layout.to_dict())
+
+
+class _Pool(threading.local):
+    """One pre-touched payload buffer per server thread (no fresh large allocation per request)."""
+
+    def get(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.zeros(max(nbytes, 1 << 20), dtype=np.uint8)
+            self.buf = buf
+        return buf[:nbytes]
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
+                 shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
+                 max_message_bytes: int = 16 << 20, bulk: bulk_transport.BulkServer | None = None) -> None:
+        self.store = store
+        self.auth = auth or Authenticator()
+        self.metrics = metrics
+        self.shm_dir = shm_dir
+        self.offer_shm = offer_shm
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.bulk = bulk
+        self.server_id = secrets.token_hex(8)
+        self.started = time.time()
+        self._pool = _Pool()
+        self._lease_owner: dict[int, tuple[str, float]] = {}
+        self._lease_lock = threading.Lock()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _tenant(self, context, requested: str = "") -> str:
+        return self.auth.tenant(context.invocation_metadata(), requested)
+
+    def _namespace(self, context, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
+        """The caller's namespace, or NOT_FOUND (also for another tenant's: no probing)."""
+        tenant = self._tenant(context)
+        if len(namespace_id) != 16:
+            raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
+        try:
+            ns = self.store.namespace(bytes(namespace_id))
+        except UnknownNamespace:
+            raise UnknownNamespace(bytes(namespace_id)) from None
+        if self.auth.enabled and ns.tenant != tenant:
+            raise UnknownNamespace(bytes(namespace_id))
+        if block_bytes and block_bytes != ns.block_bytes:
+            raise LayoutMismatch(f"block_bytes: the client expects {block_bytes}-byte blocks; namespace "
+                                 f"{ns.id.hex()} has {ns.block_bytes}-byte blocks (layout differs)")
+        return ns
+
+    def _tenant_bytes(self, tenant: str) -> int:
+        return sum(self.store.namespace_bytes(ns.id) for ns in self.store.namespaces() if ns.tenant == tenant)
+
+    def _check_quota(self, ns: Namespace, hashes: list[bytes]) -> None:
+        if ns.tenant not in self.auth.quotas:
+            return
+        new = sum(1 for present in self.store.contains(ns.id, hashes) if not present)
+        self.auth.check_quota(ns.tenant, self._tenant_bytes(ns.tenant), new * ns.block_bytes)
+
+    def _own_lease(self, lease_id: int, tenant: str) -> None:
+        with self._lease_lock:
+            self._lease_owner[lease_id] = (tenant, time.monotonic() + self.store.config.lease_seconds + 60)
+
+    def _check_lease(self, context, lease_id: int) -> None:
+        tenant = self._tenant(context)
+        with self._lease_lock:
+            owner = self._lease_owner.pop(lease_id, None)
+        if owner is None or owner[0] != tenant:
+            raise LeaseExpired(f"lease_id: lease {lease_id} is unknown or expired")
+
+    def prune_leases(self) -> None:
+        now = time.monotonic()
+        with self._lease_lock:
+            for lid in [k for k, (_, until) in self._lease_owner.items() if until < now]:
+                del self._lease_owner[lid]
+
+    def _moved(self, direction: str, transport: str, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.moved(direction, transport, nbytes)
+
+    # -- control ---------------------------------------------------------------------------------
+
+    @_rpc
+    def Handshake(self, request, context):
+        tenant = self._tenant(context)
+        if request.nonce and not 16 <= len(request.nonce) <= 64:
+            raise InvalidArgument("nonce", f"must be 16..64 bytes, got {len(request.nonce)}")
+        resp = pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id=self.server_id,
+                                    lease_seconds=self.store.config.lease_seconds,
+                                    max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
+                                    tenant=tenant)
+        cpu = self.store.tiers[self.store.cpu_index] if self.store.cpu_index is not None else None
+        if cpu is not None and self.offer_shm and request.nonce:
+            st = os.stat(cpu.segment_path)
+            resp.arena_path = cpu.segment_path
+            resp.arena_bytes = cpu.arena.nbytes
+            resp.arena_dev, resp.arena_ino = st.st_dev, st.st_ino
+            resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
+        if self.bulk is not None:
+            resp.bulk_port = self.bulk.port
+            resp.bulk_ticket = self.bulk.ticket
+        return resp
+
+    @_rpc
+    def RegisterNamespace(self, request, context):
+        if len(request.cache_salt) > MAX_STRING:
+            raise InvalidArgument("cache_salt", f"longer than {MAX_STRING} characters")
+        if len(request.tenant) > MAX_STRING:
+            raise InvalidArgument("tenant", f"longer than {MAX_STRING} characters")
+        tenant = self._tenant(context, request.tenant)
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout", "the KV layout descriptor is required")
+        ns = Namespace(layout_from_proto(request.layout), tenant=tenant, cache_salt=request.cache_salt)
+        ns_id = self.store.register_namespace(ns)
+        return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=ns.block_bytes, tenant=tenant)
+
+    def _lookup(self, context, request) -> pb.LookupResponse:
+        ns = self._namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        if not hashes:
+            return pb.LookupResponse(num_hit=0)
+        found = self.store.lookup(ns.id, hashes, lease=not request.no_lease)
+        return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
+
+    @_rpc
+    def Lookup(self, request, context):
+        return self._lookup(context, request)
+
+    @_rpc
+    def LookupBatch(self, request, context):
+        if len(request.requests) > MAX_LOOKUP_BATCH:
+            raise InvalidArgument("requests", f"{len(request.requests)} lookups in one call; at most {MAX_LOOKUP_BATCH}")
+        out = pb.LookupBatchResponse()
+        for i, r in enumerate(request.requests):
+            try:
+                out.responses.append(self._lookup(context, r))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"requests[{i}].{e.field}", str(e).split(": ", 1)[-1]) from None
+        return out
+
+    @_rpc
+    def Exists(self, request, context):
+        ns = self._namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        return pb.ExistsResponse(present=self.store.contains(ns.id, hashes) if hashes else [])
+
+    @_rpc
+    def Delete(self, request, context):
+        ns = self._namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        return pb.DeleteResponse(deleted=self.store.delete(ns.id, hashes) if hashes else 0)
+
+    @_rpc
+    def Stats(self, request, context):
+        tenant = self._tenant(context)
+        stats = self.store.stats()
+        stats["server"] = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
+                           "bulk_sessions": self.bulk.session_count if self.bulk else 0,
+                           "tenant": tenant, "tenant_bytes": self._tenant_bytes(tenant)}
+        return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
+
+    # -- gRPC streams ----------------------------------------------------------------------------
+
+    @_rpc
+    def Put(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("header", "the first message of a Put stream must carry the header")
+        h = first.header
+        ns = self._namespace(context, h.namespace_id, h.block_bytes)
+        hashes = check_hashes(h.hashes)
+        parent = check_parent(h.parent)
+        if h.codec != RAW_CODEC:
+            raise CodecError(f"codec: payloads must be raw (0) on the wire, got codec {h.codec}")
+        self._check_quota(ns, hashes)
+        expected = len(hashes) * ns.block_bytes
+        splitter = chunks.BlockSplitter(ns.block_bytes, self._pool.get(ns.block_bytes))
+        results: list[int] = []
+        received = 0
+        msg = first
+        while msg is not None:
+            if msg is not first and msg.HasField("header"):
+                raise InvalidArgument("header", "only the first message of a Put stream may carry a header")
+            received += len(msg.data)
+            if received > expected:
+                raise InvalidArgument("data", f"the stream carries more than {expected} bytes "
+                                              f"({len(hashes)} blocks of {ns.block_bytes})")
+            for i, block in splitter.feed(msg.data):
+                p = parent if i == 0 else hashes[i - 1]
+                results.append(_PUT_RESULT[self.store.put(ns.id, [hashes[i]], [block], parent=p)[0]])
+            msg = next(request_iterator, None)
+        if received < expected:
+            raise InvalidArgument("data", f"the stream ended after {received} of {expected} bytes; "
+                                          f"{len(results)} of {len(hashes)} blocks were stored")
+        self._moved("in", "grpc", received)
+        return pb.PutResponse(results=results)
+
+    @_rpc_stream
+    def Get(self, request, context):
+        ns = self._namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        chunk = request.chunk_bytes or self.chunk_bytes
+        chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
+        buf = self._pool.get(ns.block_bytes)
+        sent = 0
+        for i, h in enumerate(hashes):
+            n = self.store.get_into(ns.id, [h], [buf])[0]
+            block = None if n is None else buf[:n]
+            sent += 0 if n is None else n
+            yield from chunks.get_messages(i, block, RAW_CODEC, chunk)
+        self._moved("out", "grpc", sent)
+
+    # -- same-host zero-copy ---------------------------------------------------------------------
+
+    def _lease_response(self, lease, present_none: bool, size: int) -> pb.LeaseResponse:
+        resp = pb.LeaseResponse(lease_id=lease.id, expires_in=self.store.config.lease_seconds)
+        for ext in lease.extents:
+            b = resp.blocks.add(present=ext is None and present_none, codec=RAW_CODEC, size=size)
+            for off, length in ext or ():
+                b.extents.add(offset=off, length=length)
+        return resp
+
+    @_rpc
+    def PrepareStore(self, request, context):
+        ns = self._namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        parent = check_parent(request.parent)
+        self._check_quota(ns, hashes)
+        lease = self.store.prepare_store(ns.id, hashes, parent)
+        self._own_lease(lease.id, ns.tenant)
+        return self._lease_response(lease, True, ns.block_bytes)
+
+    @_rpc
+    def CompleteStore(self, request, context):
+        self._check_lease(context, request.lease_id)
+        results = self.store.complete_store(request.lease_id)
+        return pb.PutResponse(results=[_PUT_RESULT[r] for r in results])
+
+    @_rpc
+    def AbortStore(self, request, context):
+        self._check_lease(context, request.lease_id)
+        self.store.abort_store(request.lease_id)
+        return pb.Empty()
+
+    @_rpc
+    def PrepareLoad(self, request, context):
+        ns = self._namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        lease = self.store.prepare_load(ns.id, hashes)
+        self._own_lease(lease.id, ns.tenant)
+        return self._lease_response(lease, False, ns.block_bytes)
+
+    @_rpc
+    def CompleteLoad(self, request, context):
+        self._check_lease(context, request.lease_id)
+        self.store.complete_load(request.lease_id)
+        return pb.Empty()
+
+    # -- bulk side channel -----------------------------------------------------------------------
+
+    def _session(self, sid: bytes):
+        session = self.bulk.session(bytes(sid)) if self.bulk is not None else None
+        if session is None:
+            raise InvalidArgument("session", "unknown side-channel session; reconnect or use the gRPC stream")
+        return session
+
+    @_rpc
+    def BulkGet(self, request, context):
+        session = self._session(request.session)
+        with session.lock:
+            sent = 0
+            try:
+                ns = self._namespace(context, request.namespace_id, request.block_bytes)
+                hashes = check_hashes(request.hashes)
+                buf = self._pool.get(ns.block_bytes)
+                sizes = []
+                for h in hashes:
+                    n = self.store.get_into(ns.id, [h], [buf])[0]
+                    bulk_transport.send_block(session.sock, None if n is None else buf[:n])
+                    sizes.append(n or 0)
+                    sent += n or 0
+            except OSError as e:
+                self.bulk.drop(bytes(request.session))
+                raise InvalidArgument("session", f"side channel failed: {e}") from e
+            except Exception:
+                try:
+                    bulk_transport.send_error(session.sock)
+                except OSError:
+                    self.bulk.drop(bytes(request.session))
+                raise
+        self._moved("out", "bulk", sent)
+        return pb.BulkGetResponse(sizes=sizes, codecs=[RAW_CODEC] * len(sizes))
+
+    @_rpc
+    def BulkPut(self, request, context):
+        session = self._session(request.session)
+        # What the client committed to send: its own idea of the block size times the count.
+        if len(request.hashes) > MAX_BATCH or request.block_bytes > self.store.tiers[-1].capacity_bytes + (1 << 30):
+            self.bulk.drop(bytes(request.session))  # cannot drain an absurd amount: cut the channel
+            raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
+                                  "request too large for the side channel")
+        committed = len(request.hashes) * request.block_bytes
+        with session.lock:
+            received = 0
+            results: list[int] = []
+            try:
+                if not request.block_bytes:
+                    raise InvalidArgument("block_bytes", "required on the side channel")
+                ns = self._namespace(context, request.namespace_id, request.block_bytes)
+                hashes = check_hashes(request.hashes)
+                parent = check_parent(request.parent)
+                self._check_quota(ns, hashes)
+                buf = self._pool.get(ns.block_bytes)
+                for i, h in enumerate(hashes):
+                    bulk_transport.recv_exact_into(session.sock, memoryview(buf))
+                    received += ns.block_bytes
+                    p = parent if i == 0 else hashes[i - 1]
+                    results.append(_PUT_RESULT[self.store.put(ns.id, [h], [buf], parent=p)[0]])
+            except OSError as e:
+                self.bulk.drop(bytes(request.session))
+                raise InvalidArgument("session", f"side channel failed: {e}") from e
+            except Exception:
+                try:
+                    bulk_transport.drain(session.sock, committed - received, self._pool.get(1 << 20))
+                except OSError:
+                    self.bulk.drop(bytes(request.session))
+                raise
+        self._moved("in", "bulk", received)
+        return pb.PutResponse(results=results)
+
+
+def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
+                 chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
+                 shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+    """A ready-to-start gRPC server with the KVStore service, health and reflection.
+
+    Returns ``(server, servicer, health_servicer, port)``; the caller starts and stops it."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
+                         options=options)
+    host = listen.rpartition(":")[0].strip("[]")
+    bulk = bulk_transport.BulkServer(host) if bulk_channel and not tls_cert else None
+    servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
+                               chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk)
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    if tls_cert:
+        with open(tls_key, "rb") as f:
+            key = f.read()
+        with open(tls_cert, "rb") as f:
+            cert = f.read()
+        port = server.add_secure_port(listen, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(listen)
+    if not port:
+        raise OSError(f"listen: cannot bind {listen}")
+    return server, servicer, health_servicer, port

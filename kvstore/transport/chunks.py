@@ -1,0 +1,74 @@
+"""Remote fallback: blocks as streams of ~1 MiB protobuf chunks.
+
+One large protobuf message moves at ~0.3 GB/s here, 1 MiB chunks at ~2 GB/s (shared/notes), so
+Put sends the blocks back to back cut into ``chunk_bytes`` pieces (the first message also carries
+the header) and Get answers with per-block chunks that carry their block index and offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.proto import kvstore_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PutChunk]:
+    """The Put stream: header first, then every block's bytes in ``chunk_bytes`` pieces."""
+    first = True
+    for a in arrays:
+        for off in range(0, a.nbytes, chunk_bytes):
+            data = a[off:off + chunk_bytes].tobytes()
+            if first:
+                yield pb.PutChunk(header=header, data=data)
+                first = False
+            else:
+                yield pb.PutChunk(data=data)
+    if first:
+        yield pb.PutChunk(header=header)
+
+
+def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.GetChunk]:
+    """One block of a Get answer (a miss is a single chunk with hit=False)."""
+    if block is None:
+        yield pb.GetChunk(index=index, hit=False)
+        return
+    size = block.nbytes
+    if size == 0:
+        yield pb.GetChunk(index=index, hit=True, codec=codec, size=0)
+        return
+    for off in range(0, size, chunk_bytes):
+        yield pb.GetChunk(index=index, hit=True, codec=codec, size=size, offset=off,
+                          data=block[off:off + chunk_bytes].tobytes())
+
+
+class BlockSplitter:
+    """Server side of Put: cut an incoming byte stream into blocks of ``block_bytes``.
+
+    ``feed`` copies bytes into one pooled block buffer and yields ``(index, block)`` each time a
+    block is complete (the view is reused: consume it before the next ``feed``).
+    """
+
+    def __init__(self, block_bytes: int, buffer: np.ndarray) -> None:
+        self.block_bytes = block_bytes
+        self.buf = buffer[:block_bytes]
+        self.fill = 0
+        self.index = 0
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, np.ndarray]]:
+        src = np.frombuffer(data, dtype=np.uint8)
+        pos = 0
+        while pos < len(src):
+            take = min(self.block_bytes - self.fill, len(src) - pos)
+            self.buf[self.fill:self.fill + take] = src[pos:pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.block_bytes:
+                yield self.index, self.buf
+                self.index += 1
+                self.fill = 0

@@ -1,0 +1,317 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_STORED: _ClassVar[PutResult]
+    PUT_EXISTS: _ClassVar[PutResult]
+    PUT_PERSISTED: _ClassVar[PutResult]
+PUT_STORED: PutResult
+PUT_EXISTS: PutResult
+PUT_PERSISTED: PutResult
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("nonce", "client_version")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    client_version: int
+    def __init__(self, nonce: _Optional[bytes] = ..., client_version: _Optional[int] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_DEV_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INO_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PATH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    server_version: int
+    server_id: str
+    arena_path: str
+    arena_bytes: int
+    arena_dev: int
+    arena_ino: int
+    probe_path: str
+    lease_seconds: float
+    max_message_bytes: int
+    chunk_bytes: int
+    bulk_port: int
+    bulk_ticket: bytes
+    tenant: str
+    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "layout", "kv_per_token", "tp_rank", "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size", "block_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_tokens: int
+    layout: str
+    kv_per_token: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    cp_rank: int
+    cp_size: int
+    block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., layout: _Optional[str] = ..., kv_per_token: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("layout", "cache_salt", "tenant")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    layout: Layout
+    cache_salt: str
+    tenant: str
+    def __init__(self, layout: _Optional[_Union[Layout, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class RegisterNamespaceResponse(_message.Message):
+    __slots__ = ("namespace_id", "block_bytes", "tenant")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_bytes: int
+    tenant: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "no_lease")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    NO_LEASE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    no_lease: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_lease: _Optional[bool] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_hit", "tiers")
+    NUM_HIT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    num_hit: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_hit: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LookupBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[LookupRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[LookupRequest, _Mapping]]] = ...) -> None: ...
+
+class LookupBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[LookupResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "codec")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    block_bytes: int
+    codec: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., codec: _Optional[int] = ...) -> None: ...
+
+class PutChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedScalarFieldContainer[PutResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_bytes: int
+    chunk_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("index", "hit", "codec", "size", "offset", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    hit: bool
+    codec: int
+    size: int
+    offset: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., hit: _Optional[bool] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PrepareStoreRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    block_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class PrepareLoadRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "block_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class Extent(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class BlockSlots(_message.Message):
+    __slots__ = ("present", "extents", "codec", "size")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    extents: _containers.RepeatedCompositeFieldContainer[Extent]
+    codec: int
+    size: int
+    def __init__(self, present: _Optional[bool] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "blocks", "expires_in")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockSlots]
+    expires_in: float
+    def __init__(self, lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockSlots, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class BulkRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    block_bytes: int
+    session: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+
+class BulkGetResponse(_message.Message):
+    __slots__ = ("sizes", "codecs")
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[int]] = ...) -> None: ...
