@@ -272,11 +272,14 @@ class Store:
 
     def _demote(self, entry: Entry, src: int, dst: int) -> None:
         record = entry.copies[src]
+        self._make_room(dst, record.stored_size)  # first: making room may reuse the scratch buffer
         data = self._read_copy(entry, src)
         self._store_copy(entry, dst, data, record)
 
     def _read_copy(self, entry: Entry, t: int) -> np.ndarray:
-        """The bytes of one copy, zero-copy when the tier can give a single view."""
+        """The bytes of one copy, zero-copy when the tier can give a single view. May return the
+        thread's scratch buffer: make room in the destination *before* calling this, since making
+        room can demote another block through the same scratch buffer."""
         tier = self.tiers[t]
         record = entry.copies[t]
         if isinstance(tier, CpuTier):
@@ -568,6 +571,7 @@ class Store:
                 if c not in entry.copies:
                     try:
                         src = entry.fastest
+                        self._make_room(c, entry.copies[src].stored_size)  # before filling scratch
                         data = self._read_copy(entry, src)
                         self._store_copy(entry, c, data, entry.copies[src])
                     except BlockCorrupt:
@@ -663,6 +667,7 @@ class Store:
                     continue
                 src = entry.fastest
                 try:
+                    self._make_room(d, entry.copies[src].stored_size)  # before filling scratch
                     self._store_copy(entry, d, self._read_copy(entry, src), entry.copies[src])
                     written += 1
                 except (TierFull, TierIOError, BlockTooLarge):
