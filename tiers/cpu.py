@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import sys
 
 import numpy as np
 
@@ -102,6 +103,8 @@ class CpuTier(Tier):
 
 def _register_with_cuda(arena: np.ndarray) -> bool:
     """Page-lock the arena when a CUDA device is present; a no-op on CPU-only hosts."""
+    if "torch" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+        return False  # no NVIDIA driver: do not pay seconds of `import torch` at daemon start
     try:
         import torch
     except ImportError:
