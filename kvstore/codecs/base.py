@@ -121,6 +121,7 @@ class SectionCodec(Codec):
             t = parts[s.name]
             assert t.dtype == s.dtype and tuple(t.shape) == s.shape, (s, t.dtype, t.shape)
             body[offset:offset + s.nbytes].view(s.dtype).view(s.shape).copy_(t)
+            body[offset + s.nbytes:offset + _aligned(s.nbytes)] = 0  # padding: deterministic bytes
             offset += _aligned(s.nbytes)
 
     def _unpack(self, body: torch.Tensor, shape: kvlayout.BlockShape) -> dict[str, torch.Tensor]:

@@ -1,0 +1,382 @@
+"""Codecs: round trips in every layout, error bounds, known answers, and refusals of bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.codecs import CODEC_IDS, check_layout, codec_for_id, decode_block, encode_block, get_codec
+from kvstore.codecs.header import HEADER_BYTES
+from kvstore.errors import CodecError, KVStoreError
+from kvstore.keys import KVLayout
+
+AXES = ("kv", "layer", "token", "head", "dim")
+LAYOUTS = ["kv,layer,token,head,dim", "kv,token,layer,head,dim", "kv,head,token,layer,dim",
+           "layer,kv,token,head,dim", "vllm_cpu"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128"]
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def make_layout(layout="kv,layer,token,head,dim", L=2, T=32, H=2, D=64, dtype="bfloat16", **kw):
+    return KVLayout("test/model", num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype,
+                    block_tokens=T, layout=layout, **kw)
+
+
+def pack_block(k: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
+    """Reference packing of K, V [L, T, H, D] into a flat block, written independently of
+    kvstore.codecs.layout (from the layout descriptions)."""
+    if layout == "vllm_cpu":
+        L, T, H, D = k.shape
+        per_head = [torch.cat((k[l, :, h, :].T.reshape(-1), v[l, :, h, :].reshape(-1)))
+                    for l in range(L) for h in range(H)]
+        return torch.cat(per_head)
+    kv = torch.stack((k, v))  # kv, layer, token, head, dim
+    return kv.permute(*(AXES.index(a) for a in layout.split(","))).contiguous().reshape(-1)
+
+
+def unpack_block(block: torch.Tensor, layout: str, L, T, H, D) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout == "vllm_cpu":
+        b = block.view(L, H, 2, D * T)
+        k = b[:, :, 0].reshape(L, H, D, T).permute(0, 3, 1, 2)
+        v = b[:, :, 1].reshape(L, H, T, D).permute(0, 2, 1, 3)
+        return k, v
+    sizes = dict(kv=2, layer=L, token=T, head=H, dim=D)
+    order = layout.split(",")
+    kv = block.view(*(sizes[a] for a in order)).permute(*(order.index(a) for a in AXES))
+    return kv[0], kv[1]
+
+
+def realistic_kv(L, T, H, D, dtype=torch.bfloat16, seed=0):
+    """Keys with a few outlier channels (large, biased), values varying per token."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, T, H, D, generator=g)
+    outliers = torch.randperm(D, generator=g)[:max(1, D // 32)]
+    k[..., outliers] = k[..., outliers] * 4 + 20 * torch.sign(torch.randn(len(outliers), generator=g))
+    v = torch.randn(L, T, H, D, generator=g) * torch.rand(L, T, H, 1, generator=g).mul(3).add(0.1)
+    return k.to(dtype), v.to(dtype)
+
+
+def as_bytes(block: torch.Tensor) -> bytes:
+    return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def roundtrip(codec, block: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    cid, payload = encode_block(codec, as_bytes(block), layout)
+    assert cid == CODEC_IDS[codec]
+    return decode_block(cid, payload, layout).view(block.dtype)
+
+
+# --- the API contract -------------------------------------------------------------------------
+
+def test_codec_ids_are_pinned():
+    # Stored blocks name their codec by id: these numbers may never change.
+    assert CODEC_IDS == {"raw": 0, "fp8": 1, "fp8_head": 2, "int4_g32": 3, "int4_g64": 4,
+                         "int4_g128": 5, "zstd": 6}
+    for name, cid in CODEC_IDS.items():
+        assert get_codec(name) is codec_for_id(cid) is get_codec(cid)
+
+
+def test_unknown_codec_id_and_name_raise_codec_error_naming_them():
+    with pytest.raises(CodecError, match="unknown codec id 99"):
+        codec_for_id(99)
+    with pytest.raises(CodecError, match="unknown codec id 99"):
+        decode_block(99, b"x" * 10, make_layout())
+    with pytest.raises(CodecError, match="'int3'"):
+        encode_block("int3", b"", make_layout())
+    assert issubclass(CodecError, KVStoreError)
+
+
+def test_raw_is_identity_and_zero_copy():
+    layout = make_layout()
+    block = np.random.default_rng(0).integers(0, 256, layout.block_bytes, dtype=np.uint8)
+    cid, payload = encode_block("raw", block, layout)
+    assert cid == 0 and np.shares_memory(payload, block)
+    assert bytes(decode_block(0, payload, layout).numpy()) == block.tobytes()
+
+
+@pytest.mark.parametrize("codec", list(CODEC_IDS))
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_every_codec_round_trips_in_every_layout(codec, layout_name):
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(layout_name, L, T, H, D)
+    k, v = realistic_kv(L, T, H, D)
+    out = roundtrip(codec, pack_block(k, v, layout_name), layout)
+    k2, v2 = unpack_block(out, layout_name, L, T, H, D)
+    if not get_codec(codec).lossy:
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+        return
+    for name, a, b in (("K", k, k2), ("V", v, v2)):
+        rel = ((b.float() - a.float()).norm() / a.float().norm()).item()
+        assert rel < (0.04 if codec.startswith("fp8") else 0.12), (name, rel)
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_layout_changes_byte_order_not_quantisation(codec):
+    """The same K/V stored in different layouts encodes to the same payload and decodes to the
+    same K/V: codecs quantise the real K and V axes, whatever the byte order."""
+    L, T, H, D = 3, 32, 2, 32
+    k, v = realistic_kv(L, T, H, D, seed=1)
+    payloads, decoded = [], []
+    for name in LAYOUTS:
+        layout = make_layout(name, L, T, H, D)
+        cid, p = encode_block(codec, as_bytes(pack_block(k, v, name)), layout)
+        payloads.append(bytes(p[HEADER_BYTES:]))
+        out = decode_block(cid, p, layout).view(torch.bfloat16)
+        decoded.append(unpack_block(out, name, L, T, H, D))
+    assert all(p == payloads[0] for p in payloads)
+    for k2, v2 in decoded:
+        assert torch.equal(k2, decoded[0][0]) and torch.equal(v2, decoded[0][1])
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("codec", LOSSY)
+def test_elementwise_error_bounds(codec, dtype):
+    """Every element is within the codec's quantisation step of the input (plus output rounding)."""
+    L, T, H, D = 2, 32, 4, 64
+    layout = make_layout(L=L, T=T, H=H, D=D, dtype=dtype)
+    k, v = realistic_kv(L, T, H, D, TORCH_DTYPES[dtype], seed=2)
+    out = roundtrip(codec, pack_block(k, v, layout.layout), layout)
+    k2, v2 = unpack_block(out, layout.layout, L, T, H, D)
+    eps = torch.finfo(TORCH_DTYPES[dtype]).eps
+    for x, y, is_key in ((k.float(), k2.float(), True), (v.float(), v2.float(), False)):
+        err = (y - x).abs()
+        if codec.startswith("fp8"):
+            dims = (1, 3) if codec == "fp8_head" else (3,)
+            amax = x.abs().amax(dim=dims, keepdim=True)
+            # e4m3 rounds to 3 mantissa bits: half an ulp is 1/16 of the value; subnormals
+            # have a fixed spacing of amax/448 * 2^-9.
+            bound = x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + y.abs() * eps
+        else:
+            if is_key:  # per channel, groups of min(group, T) tokens
+                g = min(int(codec.split("_g")[1]), T)
+                xg = x.view(L, T // g, g, H, D)
+                rng = (xg.amax(2, keepdim=True) - xg.amin(2, keepdim=True)).expand_as(xg).reshape(x.shape)
+            else:       # per token, groups of min(group, D) dims
+                g = min(int(codec.split("_g")[1]), D)
+                xg = x.view(L, T, H, D // g, g)
+                rng = (xg.amax(4, keepdim=True) - xg.amin(4, keepdim=True)).expand_as(xg).reshape(x.shape)
+            # half a step, a little slack for the stored scale being rounded up to the
+            # block's dtype, plus the output's own rounding
+            bound = rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps + y.abs() * eps
+        assert bool((err <= bound).all()), float((err - bound).max())
+
+
+# --- known answers ----------------------------------------------------------------------------
+
+def test_fp8_known_answer():
+    """A row whose amax is 448 gets scale 1.0; e4m3-representable values decode exactly and
+    encode to their e4m3 bit patterns."""
+    L, T, H, D = 1, 1, 1, 8
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    row = torch.tensor([448, -448, 1.5, 0.125, -256, 0, 3.5, 2 ** -9])
+    block = pack_block(row.view(1, 1, 1, D), (row / 2).view(1, 1, 1, D), layout.layout).to(torch.bfloat16)
+    cid, payload = encode_block("fp8", as_bytes(block), layout)
+    codes = payload[HEADER_BYTES:HEADER_BYTES + 2 * D]
+    assert codes[:D].tolist() == [0x7E, 0xFE, 0x3C, 0x20, 0xF8, 0x00, 0x46, 0x01]
+    scales = torch.from_numpy(payload[HEADER_BYTES + 16:HEADER_BYTES + 20].copy()).view(torch.bfloat16)
+    assert scales.tolist() == [1.0, 0.5]
+    assert torch.equal(decode_block(cid, payload, layout).view(torch.bfloat16), block)
+
+
+def test_int4_known_answer():
+    """Keys t % 16 along tokens and values i % 16 along dims are exact on the 16-level grid:
+    decode is exact and the packed nibbles are predictable."""
+    L, T, H, D = 1, 32, 1, 32
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k = (torch.arange(T) % 16).float().view(1, T, 1, 1).expand(L, T, H, D)
+    v = (torch.arange(D) % 16).float().view(1, 1, 1, D).expand(L, T, H, D)
+    block = pack_block(k, v, layout.layout).to(torch.bfloat16)
+    cid, payload = encode_block("int4_g32", as_bytes(block), layout)
+    n = L * T * H * D // 2
+    k_codes = payload[HEADER_BYTES:HEADER_BYTES + n].reshape(T, D // 2)
+    v_codes = payload[HEADER_BYTES + n:HEADER_BYTES + 2 * n].reshape(T, D // 2)
+    assert [row[0] for row in k_codes.tolist()] == [(t % 16) * 0x11 for t in range(T)]
+    assert v_codes[0].tolist() == [(2 * i % 16) | ((2 * i + 1) % 16) << 4 for i in range(D // 2)]
+    assert torch.equal(decode_block(cid, payload, layout).view(torch.bfloat16), block)
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_constant_and_zero_blocks_are_exact(codec):
+    layout = make_layout()
+    for value in (0.0, -3.25):
+        block = torch.full((layout.block_bytes // 2,), value, dtype=torch.bfloat16)
+        assert torch.equal(roundtrip(codec, block, layout), block)
+
+
+@pytest.mark.parametrize("codec", list(CODEC_IDS))
+def test_encoding_is_deterministic(codec):
+    layout = make_layout()
+    block = as_bytes(pack_block(*realistic_kv(2, 32, 2, 64, seed=3), layout.layout))
+    assert bytes(encode_block(codec, block, layout)[1]) == bytes(encode_block(codec, block, layout)[1])
+
+
+def test_compression_ratios_for_bf16_blocks():
+    layout = make_layout(L=4, T=32, H=8, D=128)
+    block = as_bytes(pack_block(*realistic_kv(4, 32, 8, 128), layout.layout))
+    ratio = {c: layout.block_bytes / len(encode_block(c, block, layout)[1]) for c in LOSSY}
+    assert ratio["fp8"] >= 1.9 and ratio["fp8_head"] >= 1.9
+    assert ratio["int4_g32"] >= 3.1 and ratio["int4_g128"] > ratio["int4_g32"]
+
+
+# --- buffers ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["fp8", "int4_g32", "zstd", "raw"])
+def test_inputs_and_out_buffers_of_every_kind(codec):
+    layout = make_layout()
+    block = pack_block(*realistic_kv(2, 32, 2, 64, seed=4), layout.layout)
+    want = roundtrip(codec, block, layout)
+    raw = as_bytes(block)
+    for given in (raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8), block):
+        cid, payload = encode_block(codec, given, layout)
+        for p in (payload, bytes(payload), torch.from_numpy(np.array(payload))):
+            np_out = np.zeros(layout.block_bytes, np.uint8)
+            got = decode_block(cid, p, layout, out=np_out)
+            assert np.shares_memory(got.numpy(), np_out)
+            assert torch.equal(got.view(torch.bfloat16), want)
+            t_out = torch.zeros(layout.block_bytes // 2, dtype=torch.bfloat16)
+            got = decode_block(cid, p, layout, out=t_out)
+            assert got.data_ptr() == t_out.data_ptr() and torch.equal(t_out, want)
+
+
+def test_bad_buffers_are_refused():
+    layout = make_layout()
+    raw = bytes(layout.block_bytes)
+    cid, payload = encode_block("fp8", raw, layout)
+    with pytest.raises(CodecError, match="read-only"):
+        decode_block(cid, payload, layout, out=np.frombuffer(raw, np.uint8))
+    with pytest.raises(CodecError, match="out"):
+        decode_block(cid, payload, layout, out=np.zeros(layout.block_bytes - 1, np.uint8))
+    with pytest.raises(CodecError, match="raw: is 7 bytes"):
+        encode_block("fp8", b"1234567", layout)
+    with pytest.raises(CodecError, match="expected bytes"):
+        encode_block("fp8", [1, 2, 3], layout)
+
+
+# --- refusals: layouts and dtypes a codec cannot interpret -------------------------------------
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(layout="opaque"), "not a layout codecs understand"),
+    (dict(layout="kv,layer,token,head"), "not a layout codecs understand"),
+    (dict(layout="kv,kv,token,head,dim"), "not a layout codecs understand"),
+    (dict(kv_per_token=1), "MLA"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(dtype="float8_e4m3fn"), "dtype"),
+    (dict(block_bytes=1 << 20), "padded"),
+])
+def test_lossy_codecs_refuse_layouts_they_cannot_interpret(codec, kwargs, why):
+    layout = make_layout(**kwargs)
+    with pytest.raises(CodecError, match=why):
+        check_layout(codec, layout)
+    with pytest.raises(CodecError, match=why):
+        encode_block(codec, bytes(layout.block_bytes), layout)
+
+
+def test_int4_refuses_groups_that_do_not_divide():
+    with pytest.raises(CodecError, match="block_tokens=48"):
+        check_layout("int4_g32", make_layout(T=48))
+    with pytest.raises(CodecError, match="head_dim=80"):
+        check_layout("int4_g64", make_layout(D=80))
+    with pytest.raises(CodecError, match="head_dim=80"):
+        check_layout("int4_g32", make_layout(D=80))
+    check_layout("int4_g32", make_layout(T=16, D=64))   # keys: groups of all 16 tokens
+    check_layout("int4_g128", make_layout(T=64, D=32))  # values: groups of all 32 dims
+
+
+def test_zstd_accepts_any_layout_and_dtype():
+    for layout in (make_layout(layout="opaque", dtype="int8"), make_layout(kv_per_token=1),
+                   make_layout(dtype="float32")):
+        raw = np.random.default_rng(5).integers(0, 4, layout.block_bytes, dtype=np.uint8)
+        cid, payload = encode_block("zstd", raw, layout)
+        assert bytes(decode_block(cid, payload, layout).numpy()) == raw.tobytes()
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["K", "V"])
+def test_nan_and_inf_are_refused(codec, bad, where):
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k, v = realistic_kv(L, T, H, D)
+    (k if where == "K" else v)[1, 5, 1, 7] = bad
+    with pytest.raises(CodecError, match=f"NaN or Inf in {where}" if "int4" in codec else "NaN or Inf"):
+        encode_block(codec, as_bytes(pack_block(k, v, layout.layout)), layout)
+
+
+# --- refusals: damaged payloads ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def encoded():
+    layout = make_layout()
+    block = as_bytes(pack_block(*realistic_kv(2, 32, 2, 64, seed=6), layout.layout))
+    return layout, {c: encode_block(c, block, layout) for c in CODEC_IDS if c != "raw"}
+
+
+@pytest.mark.parametrize("codec", [c for c in CODEC_IDS if c != "raw"])
+def test_truncated_payloads_are_refused(encoded, codec):
+    layout, payloads = encoded
+    cid, payload = payloads[codec]
+    for cut in (0, 10, HEADER_BYTES - 1, HEADER_BYTES, len(payload) - 1):
+        with pytest.raises(CodecError, match="truncated"):
+            decode_block(cid, payload[:cut], layout)
+    with pytest.raises(CodecError, match="truncated or padded"):
+        decode_block(cid, np.concatenate([payload, np.zeros(1, np.uint8)]), layout)
+
+
+@pytest.mark.parametrize("codec", [c for c in CODEC_IDS if c != "raw"])
+def test_every_corrupted_byte_is_detected(encoded, codec):
+    layout, payloads = encoded
+    cid, payload = payloads[codec]
+    positions = list(range(HEADER_BYTES)) + list(range(HEADER_BYTES, len(payload), 997)) + [len(payload) - 1]
+    for pos in positions:
+        bad = payload.copy()
+        bad[pos] ^= 0x40
+        with pytest.raises(CodecError):
+            decode_block(cid, bad, layout)
+
+
+def test_payload_labelled_with_another_codec_is_refused(encoded):
+    layout, payloads = encoded
+    _, payload = payloads["fp8"]
+    with pytest.raises(CodecError, match="labelled codec 3 .* header says codec 1"):
+        decode_block(3, payload, layout)
+    with pytest.raises(CodecError, match="raw block is"):
+        decode_block(0, payload, layout)
+
+
+def test_payload_decoded_with_another_layout_is_refused(encoded):
+    layout, payloads = encoded
+    cid, payload = payloads["int4_g32"]
+    with pytest.raises(CodecError, match="encoded for"):
+        decode_block(cid, payload, make_layout(L=4, T=16))
+    with pytest.raises(CodecError, match="encoded for"):
+        decode_block(cid, payload, make_layout(dtype="float16"))
+
+
+# --- property: any permutation layout, any small shape -----------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.permutations(AXES), L=st.integers(1, 3), T=st.sampled_from([1, 4, 16, 32]),
+       H=st.integers(1, 3), D=st.sampled_from([2, 8, 32, 64]), dtype=st.sampled_from(list(TORCH_DTYPES)),
+       codec=st.sampled_from(list(CODEC_IDS)), seed=st.integers(0, 2 ** 16))
+def test_property_any_permutation_layout(order, L, T, H, D, dtype, codec, seed):
+    name = ",".join(order)
+    layout = make_layout(name, L, T, H, D, dtype)
+    k, v = realistic_kv(L, T, H, D, TORCH_DTYPES[dtype], seed)
+    out = roundtrip(codec, pack_block(k, v, name), layout)
+    k2, v2 = unpack_block(out, name, L, T, H, D)
+    if not get_codec(codec).lossy:
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    else:
+        # reference: the same K/V in the canonical layout must decode identically
+        ref_layout = make_layout("kv,layer,token,head,dim", L, T, H, D, dtype)
+        ref = roundtrip(codec, pack_block(k, v, ref_layout.layout), ref_layout)
+        k3, v3 = unpack_block(ref, ref_layout.layout, L, T, H, D)
+        assert torch.equal(k2, k3) and torch.equal(v2, v3)
+        scale = max(k.float().abs().max().item(), v.float().abs().max().item())
+        assert (k2.float() - k.float()).abs().max().item() <= scale * 0.5
