@@ -1,0 +1,451 @@
+"""Fleet mode against a real Redis: directory publishing, expiry of dead nodes, Redis restarts,
+KV-aware routing, and peer fetch with checksum verification.
+
+Daemons are real Stores (CPU arena in a temp dir). Where a test needs a node to die by SIGKILL or
+a Redis to restart, it is a real process. Peer transfers in the in-process tests go straight to
+the peer's Store (``StorePeer``); the gRPC path is covered by the daemon tests at the end, which
+run once ``kvstore serve`` and ``tests/daemon_util.py`` exist.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis
+import xxhash
+
+from kvstore.errors import InvalidArgument
+from kvstore.fleet import Directory, Fleet, route_main
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.store import Store, StoreConfig
+from kvstore.tiers.cpu import CpuTier
+
+BLOCK_TOKENS = 16
+LAYOUT = KVLayout(model="test/fleet", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
+                  block_tokens=BLOCK_TOKENS)   # 4 KiB blocks
+NS = Namespace(LAYOUT, tenant="t", cache_salt="fleet")
+BLOCK = LAYOUT.block_bytes
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port: int) -> subprocess.Popen:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server on port {port} did not start")
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """The machine's Redis at 6379, or one started for this module if there is none."""
+    try:
+        redis.Redis(port=6379, socket_connect_timeout=0.5).ping()
+        yield "redis://127.0.0.1:6379/0"
+        return
+    except redis.ConnectionError:
+        pass
+    port = _free_port()
+    proc = _start_redis(port)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def prefix(redis_url):
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    p = f"kvstest-{uuid.uuid4().hex[:12]}"
+    yield p
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+class StorePeer:
+    """The slice of ``kvstore.client.Client`` that peer fetch uses, answered by a peer's Store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.corrupt_next = False
+
+    def get(self, namespace_id, hashes):
+        out = self.store.get(namespace_id, hashes)
+        if self.corrupt_next:
+            out = [None if b is None else bytes([b[0] ^ 0xFF]) + b[1:] for b in out]
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def make_node(tmp_path, redis_url, prefix):
+    """Build (store, fleet) pairs sharing one directory; peers reach each other in-process."""
+    made = []
+    peers: dict[str, StorePeer] = {}
+
+    def make(node_id: str, cpu_blocks: int = 64, **fleet_kw):
+        tier = CpuTier(cpu_blocks * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
+        store = Store([tier], StoreConfig(lease_seconds=0.0))
+        store.register_namespace(NS)
+        addr = f"inproc-{node_id}:1"
+        peers[addr] = StorePeer(store)
+        kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a: peers[a])
+        kw.update(fleet_kw)
+        fleet = Fleet(store, kw.pop("redis_url", redis_url), node_id, addr, **kw).start()
+        made.append((store, fleet))
+        return store, fleet
+
+    make.peers = peers
+    yield make
+    for store, fleet in made:
+        fleet.close()
+        store.close()
+
+
+def chain(n: int, seed: int = 0) -> tuple[list[bytes], list[np.ndarray]]:
+    tokens = (np.arange(n * BLOCK_TOKENS) * 7919 + seed * 104729) % 50_000
+    hashes = ChainHasher(seed=0).chain(tokens, BLOCK_TOKENS)
+    blocks = [np.random.default_rng([seed, i]).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(n)]
+    return hashes, blocks
+
+
+def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# -- directory publishing ----------------------------------------------------------------------
+
+def test_put_publishes_entries_with_checksums_and_delete_withdraws(make_node, redis_url, prefix):
+    store, fleet = make_node("n1")
+    hashes, blocks = chain(5)
+    store.put(NS.id, hashes, blocks)
+    assert fleet.wait_published()
+    d = Directory(redis_url, prefix)
+    assert d.entries(NS.id, "n1") == 5
+    assert d.checksums(NS.id, "n1", hashes) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    key = d.node_key(NS.id, "n1")
+    ttl_ms = d.redis.pttl(key)
+    assert 0 < ttl_ms <= 1500, "entries must carry the node's TTL"
+    assert "{" + NS.id.hex() + "}" in key, "namespace keys must share one cluster hash tag"
+
+    store.delete(NS.id, hashes[3:])
+    assert fleet.wait_published()
+    assert d.entries(NS.id, "n1") == 3
+    assert d.checksums(NS.id, "n1", hashes[3:]) == [None, None]
+
+
+def test_eviction_withdraws_entries(make_node, redis_url, prefix):
+    store, fleet = make_node("n1", cpu_blocks=4)
+    hashes, blocks = chain(10)
+    for h, b, p in zip(hashes, blocks, [None] + hashes[:-1]):
+        store.put(NS.id, [h], [b], parent=p)
+    assert fleet.wait_published()
+    d = Directory(redis_url, prefix)
+    published = [c is not None for c in d.checksums(NS.id, "n1", hashes)]
+    assert published == store.contains(NS.id, hashes)
+    assert sum(published) == 4
+
+
+def test_blocks_held_before_start_are_published(tmp_path, redis_url, prefix):
+    tier = CpuTier(16 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
+    store = Store([tier])
+    store.register_namespace(NS)
+    hashes, blocks = chain(3)
+    store.put(NS.id, hashes, blocks)
+    fleet = Fleet(store, redis_url, "late", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2).start()
+    try:
+        assert fleet.wait_published()
+        assert Directory(redis_url, prefix).entries(NS.id, "late") == 3
+    finally:
+        fleet.close()
+        store.close()
+
+
+def test_close_withdraws_this_nodes_entries(make_node, redis_url, prefix):
+    store, fleet = make_node("n1")
+    hashes, blocks = chain(2)
+    store.put(NS.id, hashes, blocks)
+    assert fleet.wait_published()
+    fleet.close()
+    d = Directory(redis_url, prefix)
+    assert d.entries(NS.id, "n1") == 0
+    assert d.route(NS.id, hashes) == []
+
+
+def test_bad_config_names_the_field(tmp_path, redis_url):
+    store = Store([CpuTier(4 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))])
+    try:
+        with pytest.raises(InvalidArgument, match="fleet.node_id"):
+            Fleet(store, redis_url, "has space", "127.0.0.1:1")
+        with pytest.raises(InvalidArgument, match="fleet.ttl_s"):
+            Fleet(store, redis_url, "n", "127.0.0.1:1", heartbeat_s=5, ttl_s=2)
+    finally:
+        store.close()
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+def test_route_picks_the_node_with_the_longest_cached_prefix(make_node):
+    s1, f1 = make_node("n1")
+    s2, f2 = make_node("n2")
+    s3, f3 = make_node("n3")
+    hashes, blocks = chain(8)
+    s1.put(NS.id, hashes[:2], blocks[:2])
+    s2.put(NS.id, hashes[:6], blocks[:6])
+    s3.put(NS.id, hashes[1:8], blocks[1:8], parent=hashes[0])   # lacks the first block: serves 0
+    for f in (f1, f2, f3):
+        assert f.wait_published()
+    routes = f3.route(NS.id, hashes)
+    assert [(r.node_id, r.blocks, r.tokens) for r in routes] == [("n2", 6, 6 * BLOCK_TOKENS),
+                                                                ("n1", 2, 2 * BLOCK_TOKENS)]
+    assert routes[0].tiers == {"cpu": 6}
+    assert routes[0].address == "inproc-n2:1"
+
+    tokens = (np.arange(8 * BLOCK_TOKENS) * 7919) % 50_000
+    by_tokens = f1.route(NS.id, token_ids=tokens.tolist() + [1, 2, 3])   # a partial tail block is ignored
+    assert [(r.node_id, r.blocks) for r in by_tokens] == [("n2", 6), ("n1", 2)]
+
+
+def test_route_of_a_long_prompt_and_unknown_prefix(make_node):
+    s1, f1 = make_node("n1", cpu_blocks=700)
+    hashes, blocks = chain(600)
+    for i in range(0, 600, 100):
+        s1.put(NS.id, hashes[i:i + 100], blocks[i:i + 100], parent=hashes[i - 1] if i else None)
+    assert f1.wait_published()
+    assert [(r.node_id, r.blocks) for r in f1.route(NS.id, hashes)] == [("n1", 600)]
+    other, _ = chain(4, seed=9)
+    assert f1.route(NS.id, other) == []
+    with pytest.raises(InvalidArgument, match="hashes"):
+        f1.route(NS.id)
+
+
+def test_route_cli(make_node, redis_url, prefix, capsys):
+    s1, f1 = make_node("n1")
+    hashes, blocks = chain(3)
+    s1.put(NS.id, hashes, blocks)
+    assert f1.wait_published()
+    rc = route_main(["--redis", redis_url, "--key-prefix", prefix, "--namespace", NS.id.hex(),
+                     "--hashes", ",".join(h.hex() for h in hashes), "--block-tokens", str(BLOCK_TOKENS), "--json"])
+    assert rc == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["nodes"][0]["node_id"] == "n1" and out["nodes"][0]["tokens"] == 3 * BLOCK_TOKENS
+    assert route_main(["--redis", "redis://127.0.0.1:1/0", "--namespace", NS.id.hex(), "--hashes", "00"]) == 1
+
+
+# -- peer fetch --------------------------------------------------------------------------------
+
+def test_lookup_miss_is_filled_from_the_peer_holding_the_prefix(make_node):
+    s1, f1 = make_node("n1")
+    s2, f2 = make_node("n2")
+    s3, f3 = make_node("n3")
+    hashes, blocks = chain(6)
+    s1.put(NS.id, hashes, blocks)
+    s3.put(NS.id, hashes[:2], blocks[:2])
+    assert f1.wait_published() and f3.wait_published()
+    result = f3.lookup(NS.id, hashes)
+    assert result.num_hit == 6
+    got = s3.get(NS.id, hashes)
+    assert all(g == b.tobytes() for g, b in zip(got, blocks))
+    assert f3.counters["fetched_blocks"] == 4
+    assert f3.wait_published()
+    assert {r.node_id for r in f2.route(NS.id, hashes) if r.blocks == 6} == {"n1", "n3"}
+
+
+def test_peer_bytes_that_fail_the_published_checksum_are_never_stored(make_node):
+    s1, f1 = make_node("n1")
+    s3, f3 = make_node("n3")
+    hashes, blocks = chain(3)
+    s1.put(NS.id, hashes, blocks)
+    assert f1.wait_published()
+    make_node.peers["inproc-n1:1"].corrupt_next = True
+    assert f3.lookup(NS.id, hashes).num_hit == 0
+    assert f3.counters["peer_checksum_mismatch"] == 1
+    assert s3.contains(NS.id, hashes) == [False] * 3
+
+
+def test_stale_directory_entry_is_a_miss_not_wrong_bytes(make_node, redis_url, prefix):
+    """The owner replaced a block's bytes but its directory entry still carries the old checksum
+    (a publish not yet flushed): the fetcher must refuse the new bytes."""
+    s1, f1 = make_node("n1")
+    s3, f3 = make_node("n3")
+    hashes, blocks = chain(2)
+    s1.put(NS.id, hashes, blocks)
+    assert f1.wait_published()
+    f1.close()   # stop publishing; re-plant the entries as they were, then swap the bytes under them
+    d = Directory(redis_url, prefix)
+    pipe = d.redis.pipeline()
+    for h, b in zip(hashes, blocks):
+        pipe.hset(d.node_key(NS.id, "n1"), h, xxhash.xxh3_64_intdigest(b).to_bytes(8, "little") + b"\x01")
+    pipe.hset(d.nodes_key(NS.id), "n1", f"{int((time.time() + 30) * 1000)} inproc-n1:1")
+    pipe.execute()
+    s1.delete(NS.id, hashes[1:])
+    s1.put(NS.id, hashes[1:], [np.zeros(BLOCK, dtype=np.uint8)], parent=hashes[0])
+    assert f3.lookup(NS.id, hashes).num_hit == 1
+    assert s3.get(NS.id, hashes[:1]) == [blocks[0].tobytes()]
+    assert f3.counters["peer_checksum_mismatch"] == 1
+
+
+def test_redis_down_means_local_service_and_no_peers(tmp_path):
+    port = _free_port()   # nothing listens here
+    store = Store([CpuTier(8 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))])
+    store.register_namespace(NS)
+    fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "lonely", "127.0.0.1:1", heartbeat_s=0.1, ttl_s=1).start()
+    try:
+        hashes, blocks = chain(3)
+        assert store.put(NS.id, hashes, blocks) == ["stored"] * 3
+        assert fleet.lookup(NS.id, hashes).num_hit == 3
+        other, _ = chain(2, seed=5)
+        assert fleet.lookup(NS.id, other).num_hit == 0
+        assert fleet.route(NS.id, hashes) == []
+        wait_for(lambda: fleet.counters["redis_errors"] > 0, what="a counted directory error")
+        assert not fleet.connected
+    finally:
+        fleet.close()
+        store.close()
+
+
+# -- liveness: SIGKILL and Redis restarts (real processes) -------------------------------------
+
+_NODE_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    from kvstore.fleet import Fleet
+    from kvstore.keys import ChainHasher, KVLayout, Namespace
+    from kvstore.store import Store
+    from kvstore.tiers.cpu import CpuTier
+    redis_url, prefix, node_id, shm_dir, n = sys.argv[1:6]
+    layout = KVLayout(model="test/fleet", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
+    ns = Namespace(layout, tenant="t", cache_salt="fleet")
+    store = Store([CpuTier(64 * layout.block_bytes, slot_bytes=layout.block_bytes, shm_dir=shm_dir)])
+    store.register_namespace(ns)
+    fleet = Fleet(store, redis_url, node_id, "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5).start()
+    tokens = (np.arange(int(n) * 16) * 7919) % 50_000
+    hashes = ChainHasher(seed=0).chain(tokens, 16)
+    store.put(ns.id, hashes, [np.full(layout.block_bytes, i, np.uint8) for i in range(int(n))])
+    assert fleet.wait_published()
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_sigkilled_node_entries_expire(make_node, redis_url, prefix, tmp_path):
+    s2, f2 = make_node("n2")
+    proc = subprocess.Popen([sys.executable, "-c", _NODE_SCRIPT, redis_url, prefix, "doomed", str(tmp_path), "4"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        hashes, _ = chain(4)
+        assert [(r.node_id, r.blocks) for r in f2.route(NS.id, hashes)] == [("doomed", 4)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        d = Directory(redis_url, prefix)
+        wait_for(lambda: f2.route(NS.id, hashes) == [], timeout_s=5, what="the dead node to leave routing")
+        wait_for(lambda: d.entries(NS.id, "doomed") == 0, timeout_s=5, what="the dead node's entries to expire")
+        assert f2.lookup(NS.id, hashes).num_hit == 0   # a miss, not an error
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = _start_redis(port)
+    try:
+        s1, f1 = make_node("n1", redis_url=url)
+        s2, f2 = make_node("n2", redis_url=url)
+        hashes, blocks = chain(5)
+        s1.put(NS.id, hashes, blocks)
+        assert f1.wait_published()
+        assert [r.node_id for r in f2.route(NS.id, hashes)] == ["n1"]
+
+        server.kill()
+        server.wait()
+        more, more_blocks = chain(3, seed=3)
+        assert s1.put(NS.id, more, more_blocks) == ["stored"] * 3      # local service goes on
+        assert f2.lookup(NS.id, hashes).num_hit == 0                   # no directory: a miss
+        wait_for(lambda: not f1.connected, what="n1 to notice Redis is gone")
+
+        server = _start_redis(port)
+        d = Directory(url, f1.directory.prefix)
+        wait_for(lambda: d.entries(NS.id, "n1") == 8, what="n1 to republish everything it holds")
+        assert f1.counters["republishes"] >= 2
+        result = f2.lookup(NS.id, hashes)
+        assert result.num_hit == 5
+        assert s2.get(NS.id, hashes) == [b.tobytes() for b in blocks]
+    finally:
+        server.kill()
+        server.wait()
+
+
+# -- real daemons (gRPC peer fetch) ------------------------------------------------------------
+
+def _daemons_available() -> bool:
+    try:
+        import kvstore.client  # noqa: F401
+        import kvstore.server  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(__file__), "daemon_util.py"))
+
+
+@pytest.mark.skipif(not _daemons_available(), reason="kvstore.server / tests/daemon_util.py not built yet")
+def test_peer_fetch_over_grpc_from_a_real_daemon(tmp_path, redis_url, prefix):
+    """Daemon 1 holds the prefix (stored through its client); a local Store's fleet fetches it
+    over gRPC with the real Client, verifying checksums."""
+    import daemon_util
+    from kvstore.client import Client
+
+    with daemon_util.running_daemon(tmp_path / "d1", extra_args=[
+            "--fleet-redis", redis_url, "--fleet-key-prefix", prefix, "--fleet-node-id", "d1"]) as d1:
+        c = Client(url=d1.url)
+        ns_id = c.register_namespace(NS)
+        hashes, blocks = chain(4)
+        c.put(ns_id, hashes, blocks)
+        tier = CpuTier(16 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
+        store = Store([tier])
+        store.register_namespace(NS)
+        fleet = Fleet(store, redis_url, "local", "127.0.0.1:1", key_prefix=prefix).start()
+        try:
+            wait_for(lambda: fleet.route(ns_id, hashes), what="daemon 1 to publish")
+            assert fleet.lookup(ns_id, hashes).num_hit == 4
+            assert store.get(ns_id, hashes) == [b.tobytes() for b in blocks]
+        finally:
+            fleet.close()
+            store.close()
+            c.close()
