@@ -567,6 +567,7 @@ class Store:
             with self._lock:
                 entry = self._pin(namespace_id, h)
                 if entry is None:
+                    self.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
                     break
                 if c not in entry.copies:
                     try:
