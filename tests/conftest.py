@@ -1,0 +1,35 @@
+"""Shared fixtures. ``daemon_factory`` starts real daemon subprocesses (tests/daemon_util.py) and
+stops every one it started at teardown; ``kv_daemon`` is one shared default daemon per module."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from daemon_util import DaemonProcess, start_daemon  # noqa: E402
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str, **kwargs) -> DaemonProcess:
+        sub = tmp_path / f"daemon{len(started)}"
+        d = start_daemon(kwargs.pop("tmp", sub), *flags, **kwargs)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+@pytest.fixture(scope="module")
+def kv_daemon(tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("kvd"), "--metrics-port", "0")
+    yield d
+    d.kill()
