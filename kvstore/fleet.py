@@ -133,8 +133,13 @@ def connect(redis_url: str, socket_timeout_s: float = 0.5):
     return redis.Redis.from_url(redis_url, **kw)
 
 
-def _pack(checksum: int, tier: str) -> bytes:
+def pack_entry(checksum: int, tier: str) -> bytes:
     return checksum.to_bytes(8, "little") + bytes([TIER_CODES.get(tier, UNKNOWN_TIER)])
+
+
+def node_field(address: str, ttl_s: float) -> str:
+    """The nodes-hash value: when this node stops counting as alive (ms since epoch), and where."""
+    return f"{int((time.time() + ttl_s) * 1000)} {address}"
 
 
 def _unpack_checksum(value: bytes | None) -> int | None:
@@ -183,6 +188,33 @@ class Directory:
         routes.sort(key=lambda r: (-r.blocks, -r.tiers.get("gpu", 0) - r.tiers.get("cpu", 0), r.node_id))
         return routes
 
+    def publish(self, node_id: str, address: str, ttl_s: float,
+                delta: dict[bytes, dict[bytes, bytes | None]], replace: bool = False) -> tuple[int, int]:
+        """Write one node's changes (hash -> packed value, or None to withdraw) in one pipeline,
+        refreshing its TTLs; ``replace`` first deletes what the node had (a full republish).
+        Returns (entries written, entries withdrawn)."""
+        pipe = self.redis.pipeline(transaction=False)
+        field = node_field(address, ttl_s)
+        ttl_ms = int(ttl_s * 1000)
+        n_add = n_del = 0
+        for ns, changes in delta.items():
+            key = self.node_key(ns, node_id)
+            if replace:
+                pipe.delete(key)
+            adds = [(h, v) for h, v in changes.items() if v is not None]
+            dels = [h for h, v in changes.items() if v is None]
+            for i in range(0, len(adds), _PUSH_CHUNK):
+                pipe.hset(key, mapping=dict(adds[i:i + _PUSH_CHUNK]))
+            for i in range(0, len(dels), _PUSH_CHUNK):
+                pipe.hdel(key, *dels[i:i + _PUSH_CHUNK])
+            pipe.pexpire(key, ttl_ms)
+            pipe.hset(self.nodes_key(ns), node_id, field)
+            pipe.pexpire(self.nodes_key(ns), ttl_ms)
+            n_add += len(adds)
+            n_del += len(dels)
+        pipe.execute()
+        return n_add, n_del
+
     def checksums(self, namespace_id: bytes, node_id: str, hashes: Sequence[bytes]) -> list[int | None]:
         """What ``node_id`` published for each block (None where it publishes nothing)."""
         if not hashes:
@@ -202,7 +234,7 @@ class Directory:
 def _default_client_factory(token: str | None, timeout_s: float) -> Callable[[str], object]:
     def make(address: str):
         from kvstore.client import Client
-        return Client(url=address, token=token, timeout_s=timeout_s, transport="grpc")
+        return Client(url=address, token=token, timeout_s=timeout_s, transport="grpc", retries=0)
     return make
 
 
@@ -216,7 +248,7 @@ class Fleet(StoreListener):
     def __init__(self, store: Store, redis_url: str, node_id: str, advertise_addr: str, *,
                  key_prefix: str = "kvs", heartbeat_s: float = 2.0, ttl_s: float = 10.0,
                  flush_interval_s: float = 0.02, peer_token: str | None = None,
-                 peer_timeout_s: float = 5.0, peer_fetch: bool = True, fetch_batch: int = 64,
+                 peer_timeout_s: float = 2.0, peer_fetch: bool = True, fetch_batch: int = 64,
                  socket_timeout_s: float = 0.5, shared_pool=None,
                  client_factory: Callable[[str], object] | None = None) -> None:
         if not node_id or any(c in node_id for c in " {}"):
@@ -237,6 +269,7 @@ class Fleet(StoreListener):
         self.shared_pool = shared_pool                     # a RedisTier shared by the fleet, or None
         self._client_factory = client_factory or _default_client_factory(peer_token, peer_timeout_s)
         self._clients: dict[str, object] = {}
+        self._registered: set[tuple[str, bytes]] = set()
         self._clients_lock = threading.Lock()
         self._suspects: dict[str, float] = {}       # node id -> until when we skip it
         self._events: collections.deque = collections.deque()
@@ -390,7 +423,7 @@ class Fleet(StoreListener):
                 n = tier.read_into(entry.key, self._scratch)
                 checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
             self.counters["checksummed"] += 1
-            return _pack(checksum, tier.name)
+            return pack_entry(checksum, tier.name)
         except (BlockCorrupt, KeyError):
             return None
         finally:
@@ -398,44 +431,18 @@ class Fleet(StoreListener):
                 store._unpin(entry)  # noqa: SLF001
 
     def _node_field(self) -> str:
-        expiry_ms = int((time.time() + self.ttl_s) * 1000)
-        return f"{expiry_ms} {self.advertise_addr}"
+        return node_field(self.advertise_addr, self.ttl_s)
 
     def _push(self, delta: dict[bytes, dict[bytes, bytes | None]]) -> None:
-        d = self.directory
-        pipe = d.redis.pipeline(transaction=False)
-        field = self._node_field()
-        for ns, changes in delta.items():
-            key = d.node_key(ns, self.node_id)
-            adds = {h: v for h, v in changes.items() if v is not None}
-            dels = [h for h, v in changes.items() if v is None]
-            items = list(adds.items())
-            for i in range(0, len(items), _PUSH_CHUNK):
-                pipe.hset(key, mapping=dict(items[i:i + _PUSH_CHUNK]))
-            for i in range(0, len(dels), _PUSH_CHUNK):
-                pipe.hdel(key, *dels[i:i + _PUSH_CHUNK])
-            pipe.pexpire(key, int(self.ttl_s * 1000))
-            pipe.hset(d.nodes_key(ns), self.node_id, field)
-            pipe.pexpire(d.nodes_key(ns), int(self.ttl_s * 1000))
-            self.counters["published"] += len(adds)
-            self.counters["withdrawn"] += len(dels)
-        pipe.execute()
+        n_add, n_del = self.directory.publish(self.node_id, self.advertise_addr, self.ttl_s, delta)
+        self.counters["published"] += n_add
+        self.counters["withdrawn"] += n_del
         self.counters["pushes"] += 1
 
     def _republish(self) -> None:
         """Replace this node's entries with the mirror (first start, Redis restarted or lost)."""
-        d = self.directory
         for ns, held in list(self._mirror.items()):
-            pipe = d.redis.pipeline(transaction=False)
-            key = d.node_key(ns, self.node_id)
-            pipe.delete(key)
-            items = list(held.items())
-            for i in range(0, len(items), _PUSH_CHUNK):
-                pipe.hset(key, mapping=dict(items[i:i + _PUSH_CHUNK]))
-            pipe.pexpire(key, int(self.ttl_s * 1000))
-            pipe.hset(d.nodes_key(ns), self.node_id, self._node_field())
-            pipe.pexpire(d.nodes_key(ns), int(self.ttl_s * 1000))
-            pipe.execute()
+            self.directory.publish(self.node_id, self.advertise_addr, self.ttl_s, {ns: dict(held)}, replace=True)
         self._resync = False
         self.counters["republishes"] += 1
 
@@ -566,12 +573,19 @@ class Fleet(StoreListener):
         self.counters["pool_blocks"] += run
         return run
 
-    def _peer(self, address: str):
+    def _peer(self, address: str, ns: bytes):
+        """A client for the peer, with the namespace registered there (the Client needs its layout)."""
         with self._clients_lock:
             client = self._clients.get(address)
             if client is None:
                 client = self._client_factory(address)
                 self._clients[address] = client
+            if (address, ns) not in self._registered and hasattr(client, "register_namespace"):
+                got = client.register_namespace(self.store.namespace(ns))
+                if got != ns:
+                    raise InvalidArgument("fleet.peer_token", f"peer {address} files this namespace under "
+                                          "another tenant; give the fleet a token of the same tenant")
+                self._registered.add((address, ns))
             return client
 
     def _fetch_from(self, route: NodeRoute, ns: bytes, want: list[bytes], parent: bytes | None) -> int:
@@ -579,7 +593,7 @@ class Fleet(StoreListener):
         stored = 0
         try:
             expected = self.directory.checksums(ns, route.node_id, want)
-            client = self._peer(route.address)
+            client = self._peer(route.address, ns)
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]
                 datas = client.get(ns, batch)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -340,47 +339,7 @@ def test_redis_down_means_local_service_and_no_peers(tmp_path):
         store.close()
 
 
-# -- liveness: SIGKILL and Redis restarts (real processes) -------------------------------------
-
-_NODE_SCRIPT = textwrap.dedent("""
-    import sys, time, numpy as np
-    from kvstore.fleet import Fleet
-    from kvstore.keys import ChainHasher, KVLayout, Namespace
-    from kvstore.store import Store
-    from kvstore.tiers.cpu import CpuTier
-    redis_url, prefix, node_id, shm_dir, n = sys.argv[1:6]
-    layout = KVLayout(model="test/fleet", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=16)
-    ns = Namespace(layout, tenant="t", cache_salt="fleet")
-    store = Store([CpuTier(64 * layout.block_bytes, slot_bytes=layout.block_bytes, shm_dir=shm_dir)])
-    store.register_namespace(ns)
-    fleet = Fleet(store, redis_url, node_id, "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5).start()
-    tokens = (np.arange(int(n) * 16) * 7919) % 50_000
-    hashes = ChainHasher(seed=0).chain(tokens, 16)
-    store.put(ns.id, hashes, [np.full(layout.block_bytes, i, np.uint8) for i in range(int(n))])
-    assert fleet.wait_published()
-    print("ready", flush=True)
-    time.sleep(120)
-""")
-
-
-def test_sigkilled_node_entries_expire(make_node, redis_url, prefix, tmp_path):
-    s2, f2 = make_node("n2")
-    proc = subprocess.Popen([sys.executable, "-c", _NODE_SCRIPT, redis_url, prefix, "doomed", str(tmp_path), "4"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        hashes, _ = chain(4)
-        assert [(r.node_id, r.blocks) for r in f2.route(NS.id, hashes)] == [("doomed", 4)]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        d = Directory(redis_url, prefix)
-        wait_for(lambda: f2.route(NS.id, hashes) == [], timeout_s=5, what="the dead node to leave routing")
-        wait_for(lambda: d.entries(NS.id, "doomed") == 0, timeout_s=5, what="the dead node's entries to expire")
-        assert f2.lookup(NS.id, hashes).num_hit == 0   # a miss, not an error
-    finally:
-        proc.kill()
-        proc.wait()
-
+# -- Redis restarts -----------------------------------------------------------------------
 
 def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
     port = _free_port()
@@ -413,39 +372,156 @@ def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
         server.wait()
 
 
-# -- real daemons (gRPC peer fetch) ------------------------------------------------------------
+# -- real daemons: gRPC peer fetch, SIGKILL, Redis restart ----------------------------------
 
-def _daemons_available() -> bool:
+# ``kvstore serve`` has no fleet flags yet: this starts the very same Daemon and wires a Fleet into
+# it the way docs/fleet.md asks the daemon to (store listener + Lookup through fleet.lookup).
+_FLEET_DAEMON = textwrap.dedent("""
+    import json, logging, os, signal, sys, threading
+    logging.basicConfig(level=logging.INFO)
+    from kvstore.config import Settings
+    from kvstore.daemon import Daemon
+    from kvstore.fleet import Fleet
+    redis_url, prefix, node_id, workdir = sys.argv[1:5]
+
+    class FleetView:
+        # The servicer's store, with Lookup answered by the fleet (local first, then peers).
+        def __init__(self, store, fleet):
+            self._store, self._fleet = store, fleet
+        def lookup(self, namespace_id, hashes, lease=True):
+            return self._fleet.lookup(namespace_id, hashes, lease=lease)
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+    settings = Settings(listen="127.0.0.1:0", cpu_bytes="16MiB", cpu_slot_bytes="4KiB", nvme_bytes=0,
+                        shm_dir=workdir, lease_seconds=1.0, bulk_channel=False)
+    daemon = Daemon(settings)
+    fleet = Fleet(daemon.store, redis_url, node_id, daemon.address, key_prefix=prefix,
+                  heartbeat_s=0.2, ttl_s=1.5, peer_timeout_s=2.0)
+    daemon.servicer.store = FleetView(daemon.store, fleet)
+    daemon.start()
+    fleet.start()
+    with open(os.path.join(workdir, "ready.tmp"), "w") as f:
+        json.dump({"address": daemon.address}, f)
+    os.replace(os.path.join(workdir, "ready.tmp"), os.path.join(workdir, "ready.json"))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    stop.wait()
+    fleet.close()
+    daemon.stop(grace_s=1.0)
+""")
+
+
+class FleetDaemon:
+    def __init__(self, workdir, redis_url: str, prefix: str, node_id: str) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        self.node_id = node_id
+        self.proc = subprocess.Popen([sys.executable, "-c", _FLEET_DAEMON, redis_url, prefix, node_id, str(workdir)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "log", "wb"))
+        ready = workdir / "ready.json"
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fleet daemon {node_id} exited:\n{(workdir / 'log').read_text()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise TimeoutError(f"fleet daemon {node_id} did not start")
+            time.sleep(0.05)
+        import json
+        self.address = json.loads(ready.read_text())["address"]
+        from kvstore.client import Client
+        self.client = Client(self.address, timeout_s=10.0, transport="grpc")
+
+    def kill(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def fleet_daemons(tmp_path):
+    started: list[FleetDaemon] = []
+
+    def start(redis_url: str, prefix: str, *node_ids: str) -> list[FleetDaemon]:
+        out = [FleetDaemon(tmp_path / n, redis_url, prefix, n) for n in node_ids]
+        started.extend(out)
+        return out
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+def test_three_daemons_share_prefixes_and_survive_a_sigkill(fleet_daemons, redis_url, prefix):
+    d1, d2, d3 = fleet_daemons(redis_url, prefix, "d1", "d2", "d3")
+    ns_ids = {d.client.register_namespace(NS) for d in (d1, d2, d3)}
+    assert ns_ids == {NS.id}
+    shared, shared_blocks = chain(6, seed=1)      # will also be copied to d2
+    only_d1, only_d1_blocks = chain(4, seed=2)    # never leaves d1
+    d1.client.put(NS.id, shared, shared_blocks)
+    d1.client.put(NS.id, only_d1, only_d1_blocks)
+    directory = Directory(redis_url, prefix)
+    wait_for(lambda: directory.entries(NS.id, "d1") == 10, what="d1 to publish")
+
+    # a prefix stored via daemon 1 is served by daemon 3 (peer fetch over gRPC, verified)
+    assert d3.client.lookup(NS.id, shared).num_hit == 6
+    assert d3.client.get(NS.id, shared) == [b.tobytes() for b in shared_blocks]
+    # routing picks the node with the longest cached prefix
+    assert d2.client.lookup(NS.id, shared[:3]).num_hit == 3
+    wait_for(lambda: directory.entries(NS.id, "d2") == 3, what="d2 to publish its copies")
+    routes = directory.route(NS.id, shared)
+    assert [r.blocks for r in routes] == [6, 6, 3]
+    assert {r.node_id for r in routes[:2]} == {"d1", "d3"} and routes[2].node_id == "d2"
+    assert routes[0].address in (d1.address, d3.address)
+
+    # kill -9 daemon 1: its entries expire; requests still succeed, from a peer or as a miss
+    d1.kill()
+    wait_for(lambda: directory.entries(NS.id, "d1") == 0, timeout_s=10, what="d1's entries to expire")
+    assert all(r.node_id != "d1" for r in directory.route(NS.id, shared))
+    assert d2.client.lookup(NS.id, shared).num_hit == 6           # the rest comes from d3
+    assert d2.client.get(NS.id, shared) == [b.tobytes() for b in shared_blocks]
+    assert d2.client.lookup(NS.id, only_d1).num_hit == 0          # only the dead node had it
+    assert d2.client.get(NS.id, only_d1) == [None] * 4
+
+
+def test_daemon_lookup_before_the_dead_peer_expires_is_a_miss_not_an_error(fleet_daemons, redis_url, prefix):
+    d1, d2 = fleet_daemons(redis_url, prefix, "d1", "d2")
+    d2.client.register_namespace(NS)
+    d1.client.register_namespace(NS)
+    hashes, blocks = chain(3, seed=4)
+    d1.client.put(NS.id, hashes, blocks)
+    directory = Directory(redis_url, prefix)
+    wait_for(lambda: directory.entries(NS.id, "d1") == 3, what="d1 to publish")
+    d1.kill()                                                     # entries still in the directory
+    assert [r.node_id for r in directory.route(NS.id, hashes)] == ["d1"]
+    assert d2.client.lookup(NS.id, hashes).num_hit == 0
+    assert d2.client.get(NS.id, hashes) == [None] * 3
+
+
+def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = _start_redis(port)
     try:
-        import kvstore.client  # noqa: F401
-        import kvstore.server  # noqa: F401
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(__file__), "daemon_util.py"))
-
-
-@pytest.mark.skipif(not _daemons_available(), reason="kvstore.server / tests/daemon_util.py not built yet")
-def test_peer_fetch_over_grpc_from_a_real_daemon(tmp_path, redis_url, prefix):
-    """Daemon 1 holds the prefix (stored through its client); a local Store's fleet fetches it
-    over gRPC with the real Client, verifying checksums."""
-    import daemon_util
-    from kvstore.client import Client
-
-    with daemon_util.running_daemon(tmp_path / "d1", extra_args=[
-            "--fleet-redis", redis_url, "--fleet-key-prefix", prefix, "--fleet-node-id", "d1"]) as d1:
-        c = Client(url=d1.url)
-        ns_id = c.register_namespace(NS)
-        hashes, blocks = chain(4)
-        c.put(ns_id, hashes, blocks)
-        tier = CpuTier(16 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
-        store = Store([tier])
-        store.register_namespace(NS)
-        fleet = Fleet(store, redis_url, "local", "127.0.0.1:1", key_prefix=prefix).start()
-        try:
-            wait_for(lambda: fleet.route(ns_id, hashes), what="daemon 1 to publish")
-            assert fleet.lookup(ns_id, hashes).num_hit == 4
-            assert store.get(ns_id, hashes) == [b.tobytes() for b in blocks]
-        finally:
-            fleet.close()
-            store.close()
-            c.close()
+        d1, d2 = fleet_daemons(url, "kvsrestart", "d1", "d2")
+        for d in (d1, d2):
+            d.client.register_namespace(NS)
+        hashes, blocks = chain(5, seed=6)
+        d1.client.put(NS.id, hashes, blocks)
+        directory = Directory(url, "kvsrestart")
+        wait_for(lambda: directory.entries(NS.id, "d1") == 5, what="d1 to publish")
+        server.kill()
+        server.wait()
+        assert d2.client.lookup(NS.id, hashes).num_hit == 0       # no directory, still an answer
+        more, more_blocks = chain(2, seed=7)
+        assert d1.client.put(NS.id, more, more_blocks) == ["stored"] * 2
+        time.sleep(0.5)
+        server = _start_redis(port)
+        wait_for(lambda: directory.entries(NS.id, "d1") == 7, timeout_s=15, what="d1 to republish")
+        assert d2.client.lookup(NS.id, hashes).num_hit == 5
+        assert d2.client.get(NS.id, hashes) == [b.tobytes() for b in blocks]
+    finally:
+        server.kill()
+        server.wait()
