@@ -176,15 +176,13 @@ class ChainHasher:
         self.digest_size = 16 if algorithm == "xxh3_128" else 32
         self.root = self._digest(b"kvstore-root", seed.to_bytes(8, "little"), b"")
 
-    def _digest(self, parent: bytes, extra: bytes, tokens: memoryview | bytes) -> bytes:
+    def _digest(self, parent: bytes, extra: bytes, tokens: bytes) -> bytes:
+        return self._one_shot(parent + extra + tokens)
+
+    def _one_shot(self, data: bytes) -> bytes:
         if self.algorithm == "xxh3_128":
-            h = xxhash.xxh3_128(seed=self.seed)
-        else:
-            h = hashlib.sha256(self.seed.to_bytes(8, "little"))
-        h.update(parent)
-        h.update(extra)
-        h.update(tokens)
-        return h.digest()
+            return xxhash.xxh3_128_digest(data, self.seed)
+        return hashlib.sha256(self.seed.to_bytes(8, "little") + data).digest()
 
     def chain(self, token_ids: Sequence[int] | np.ndarray, block_tokens: int,
               parent: bytes | None = None, extra_keys: Sequence[Any] | None = None) -> list[bytes]:
@@ -198,14 +196,22 @@ class ChainHasher:
         n_blocks = len(tokens) // block_tokens
         if extra_keys is not None and len(extra_keys) < n_blocks:
             raise InvalidArgument("extra_keys", f"need one entry per full block ({n_blocks})")
-        raw = memoryview(tokens.view(np.uint8))
         stride = block_tokens * 4
+        raw = tokens[:n_blocks * block_tokens].tobytes()  # one conversion; slices below are tiny copies
         h = self.root if parent is None else parent
-        out = []
+        out: list[bytes] = []
+        append = out.append
+        # The loop runs once per block, so it is kept to one slice, one concatenation, one C call.
+        if self.algorithm == "xxh3_128" and extra_keys is None:
+            digest, seed = xxhash.xxh3_128_digest, self.seed
+            for off in range(0, n_blocks * stride, stride):
+                h = digest(h + raw[off:off + stride], seed)
+                append(h)
+            return out
         for i in range(n_blocks):
             extra = _encode_extra(extra_keys[i]) if extra_keys is not None else b""
-            h = self._digest(h, extra, raw[i * stride:(i + 1) * stride])
-            out.append(h)
+            h = self._one_shot(h + extra + raw[i * stride:(i + 1) * stride])
+            append(h)
         return out
 
 

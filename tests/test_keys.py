@@ -195,7 +195,7 @@ def test_self_check_fails_loudly_when_a_vector_is_wrong(monkeypatch, what):
 
 def test_self_check_catches_a_hash_function_that_changed(monkeypatch):
     # Simulate a build whose xxhash computes something else (e.g. a different seed handling).
-    real = xxhash.xxh3_128
-    monkeypatch.setattr(keys.xxhash, "xxh3_128", lambda seed=0: real(seed=seed + 1))
+    real = xxhash.xxh3_128_digest
+    monkeypatch.setattr(keys.xxhash, "xxh3_128_digest", lambda data, seed=0: real(data, seed + 1))
     with pytest.raises(HashSelfCheckFailed, match="xxh3_128 chain hash"):
         keys.determinism_self_check()
