@@ -1,0 +1,360 @@
+"""kvstore as LMCache's L2 storage: an L2 adapter plugin for LMCache's multiprocess server.
+
+Loaded by LMCache's "plugin" adapter type, by module path and class name::
+
+    --l2-adapter '{"type": "plugin", "module_path": "kvstore.connectors.lmcache",
+                   "class_name": "KVStoreL2Adapter",
+                   "adapter_params": {"url": "127.0.0.1:7300"}}'
+
+(``KVStoreL2AdapterConfig`` is found by LMCache's naming convention and built from
+``adapter_params``.)
+
+Mapping LMCache objects to kvstore blocks
+-----------------------------------------
+An LMCache ``ObjectKey`` is (chunk hash, model, kv_rank, object group, cache salt) and its
+``MemoryObj`` is a fixed-size chunk in LMCache's own memory format. kvstore blocks live in a
+namespace with one exact block size, so the namespace is (model, object size, cache salt,
+layout ``lmcache_mp_object``) and the block hash is the chunk hash extended with kv_rank and
+object group: two shards or groups of one chunk never share a block, and bytes of one size
+are never read into a buffer of another.
+
+A lookup is told the object layout by LMCache's prefetch controller (``group_layout_descs``);
+when it is not (``lmcache bench l2`` passes a placeholder), the sizes this adapter has already
+stored or loaded are tried.
+
+Threads and failures
+--------------------
+LMCache's store and prefetch controller threads submit tasks and poll event fds; the adapter
+never blocks them: each task runs on a small worker pool, then records its result and
+signals the task kind's event fd. A daemon that is down or slow turns into failed stores and
+zero bitmaps, never an exception.
+
+Locks: a lookup also takes kvstore's lookup lease on the blocks it found, so they are not
+evicted before the load that follows; leases expire by themselves, so unlock has nothing
+to undo and always succeeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvstore.client import Client
+from kvstore.errors import KVStoreError, UnknownNamespace
+from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_NAME = "lmcache_mp_object"
+FAILURE_LOG_INTERVAL_S = 10.0
+#: the store's per-request limit on hashes (kvstore.store.MAX_BATCH)
+MAX_HASHES_PER_CALL = 4096
+
+
+class KVStoreL2AdapterConfig(L2AdapterConfigBase):
+    """adapter_params: url, token, timeout_s (per request), transport, num_workers, tenant."""
+
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None, timeout_s: float = 5.0,
+                 transport: str = "auto", num_workers: int = 4, tenant: str = "") -> None:
+        self.url = url
+        self.token = token
+        self.timeout_s = timeout_s
+        self.transport = transport
+        self.num_workers = num_workers
+        self.tenant = tenant
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVStoreL2AdapterConfig":
+        known = {"url", "token", "timeout_s", "transport", "num_workers", "tenant"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"adapter_params: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        url = d.get("url")
+        if url is not None and (not isinstance(url, str) or not url):
+            raise ValueError("adapter_params.url must be a non-empty string like '127.0.0.1:7300'")
+        timeout_s = d.get("timeout_s", 5.0)
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError("adapter_params.timeout_s must be a positive number")
+        num_workers = d.get("num_workers", 4)
+        if not isinstance(num_workers, int) or num_workers <= 0:
+            raise ValueError("adapter_params.num_workers must be a positive integer")
+        transport = d.get("transport", "auto")
+        if transport not in ("auto", "grpc", "shm"):
+            raise ValueError("adapter_params.transport must be one of 'auto', 'grpc', 'shm'")
+        return cls(url=url, token=d.get("token"), timeout_s=float(timeout_s), transport=transport,
+                   num_workers=num_workers, tenant=str(d.get("tenant", "")))
+
+    @classmethod
+    def help(cls) -> str:
+        return ("kvstore L2 adapter fields (adapter_params):\n"
+                "- url (str): kvstore daemon address, e.g. '127.0.0.1:7300' (default: the client's)\n"
+                "- token (str): bearer token if the daemon requires one\n"
+                "- timeout_s (float): per-request timeout (default 5)\n"
+                "- transport (str): 'auto' | 'grpc' | 'shm' (default auto)\n"
+                "- num_workers (int): worker threads for I/O (default 4)\n"
+                "- tenant (str): extra namespace isolation (default empty)")
+
+
+def block_hash(key: Any) -> bytes:
+    """Chunk hash + kv_rank + object group: one block per shard and group of a chunk."""
+    suffix = int(key.kv_rank).to_bytes(8, "big", signed=True) + int(key.object_group_id).to_bytes(4, "big")
+    chunk = bytes(key.chunk_hash)
+    if len(chunk) + len(suffix) > MAX_HASH_BYTES:
+        chunk = hashlib.sha256(chunk).digest()
+    return chunk + suffix
+
+
+def object_bytes(obj: Any) -> torch.Tensor:
+    """The object's payload as a flat uint8 tensor view (no copy)."""
+    raw = obj.raw_tensor
+    if raw is None:
+        raise ValueError("memory object has no tensor")
+    return raw.reshape(-1).view(torch.uint8)[: obj.get_size()]
+
+
+def layout_desc_bytes(desc: Any) -> int:
+    """Bytes of one object described by an LMCache MemoryLayoutDesc (0 if it is a placeholder)."""
+    total = 0
+    for shape, dtype in zip(getattr(desc, "shapes", []) or [], getattr(desc, "dtypes", []) or []):
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+class KVStoreL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter backed by a kvstore daemon (see the module docstring)."""
+
+    def __init__(self, config: KVStoreL2AdapterConfig | dict | None = None, l1_memory_desc: Any = None) -> None:
+        super().__init__(max_capacity_bytes=0)  # the daemon evicts by itself
+        if config is None:
+            config = KVStoreL2AdapterConfig()
+        elif isinstance(config, dict):
+            config = KVStoreL2AdapterConfig.from_dict(config)
+        self.config = config
+        self.client = Client(url=config.url, token=config.token, timeout_s=config.timeout_s,
+                             transport=config.transport)
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._pool = ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="kvstore-l2")
+        self._lock = threading.Lock()
+        self._next_task_id: L2TaskId = 0
+        self._done_store: dict[L2TaskId, L2StoreResult] = {}
+        self._done_lookup: dict[L2TaskId, Bitmap] = {}
+        self._done_load: dict[L2TaskId, Bitmap] = {}
+        self._namespaces: dict[tuple[str, str, int], bytes] = {}   # (model, salt, size) -> namespace id
+        self._sizes: dict[tuple[str, str], set[int]] = {}          # (model, salt) -> object sizes seen
+        self._last_failure_log = 0.0
+        self._closed = False
+
+    # ---- event fds ---------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # ---- namespaces ----------------------------------------------------------------------
+    def _namespace(self, model: str, salt: str, size: int) -> bytes:
+        k = (model, salt, size)
+        ns = self._namespaces.get(k)
+        if ns is None:
+            layout = KVLayout(model=model, num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                              block_tokens=1, layout=LAYOUT_NAME, kv_per_token=1, block_bytes=size)
+            ns = self.client.register_namespace(Namespace(layout, tenant=self.config.tenant, cache_salt=salt))
+            with self._lock:
+                self._namespaces[k] = ns
+                self._sizes.setdefault((model, salt), set()).add(size)
+        return ns
+
+    def _with_namespace(self, model: str, salt: str, size: int, fn, *args):
+        """Call ``fn(ns, *args)``; if the daemon restarted and forgot the namespace, register again."""
+        try:
+            return fn(self._namespace(model, salt, size), *args)
+        except UnknownNamespace:
+            with self._lock:
+                self._namespaces.pop((model, salt, size), None)
+            return fn(self._namespace(model, salt, size), *args)
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
+            self._last_failure_log = now
+            kind = "" if isinstance(e, KVStoreError) else f" ({type(e).__name__})"
+            logger.warning("kvstore L2 %s failed%s: %s", what, kind, e)
+
+    # ---- tasks ---------------------------------------------------------------------------
+    def _new_task(self) -> L2TaskId:
+        with self._lock:
+            tid = self._next_task_id
+            self._next_task_id += 1
+            return tid
+
+    @staticmethod
+    def _groups(keys: list, sizes: list[int]) -> dict[tuple[str, str, int], list[int]]:
+        """Key indices grouped by namespace (model, salt, size), in order."""
+        groups: dict[tuple[str, str, int], list[int]] = {}
+        for i, (k, size) in enumerate(zip(keys, sizes)):
+            groups.setdefault((k.model_name, k.cache_salt, size), []).append(i)
+        return groups
+
+    def submit_store_task(self, keys: list, objects: list) -> L2TaskId:
+        tid = self._new_task()
+        self._pool.submit(self._run_store, tid, list(keys), list(objects))
+        return tid
+
+    def _run_store(self, tid: L2TaskId, keys: list, objects: list) -> None:
+        ok, stored = True, 0
+        try:
+            sizes = [o.get_size() for o in objects]
+            for (model, salt, size), idx in self._groups(keys, sizes).items():
+                for s in range(0, len(idx), MAX_HASHES_PER_CALL):
+                    part = idx[s:s + MAX_HASHES_PER_CALL]
+                    self._with_namespace(model, salt, size, self.client.put,
+                                         [block_hash(keys[i]) for i in part],
+                                         [object_bytes(objects[i]) for i in part])
+                    stored += size * len(part)
+            if keys:
+                self._notify_keys_stored(keys, sizes)
+        except Exception as e:
+            ok = False
+            self._failed("store", e)
+        with self._lock:
+            self._done_store[tid] = L2StoreResult(ok, stored if ok else 0)
+        self._store_efd.notify()
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done_store = self._done_store, {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: dict) -> L2TaskId:
+        tid = self._new_task()
+        self._pool.submit(self._run_lookup, tid, list(keys), dict(group_layout_descs or {}))
+        return tid
+
+    def _candidate_sizes(self, key: Any, descs: dict) -> list[int]:
+        desc = descs.get(key.object_group_id)
+        size = layout_desc_bytes(desc) if desc is not None else 0
+        if size > 0:
+            return [size]
+        with self._lock:
+            return sorted(self._sizes.get((key.model_name, key.cache_salt), ()))
+
+    def _run_lookup(self, tid: L2TaskId, keys: list, descs: dict) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            pending = list(range(len(keys)))
+            sizes_per_key = [self._candidate_sizes(k, descs) for k in keys]
+            max_tries = max((len(s) for s in sizes_per_key), default=0)
+            for attempt in range(max_tries):
+                tries = [i for i in pending if attempt < len(sizes_per_key[i])]
+                groups = self._groups([keys[i] for i in tries], [sizes_per_key[i][attempt] for i in tries])
+                found: set[int] = set()
+                for (model, salt, size), local in groups.items():
+                    idx = [tries[j] for j in local]
+                    hashes = [block_hash(keys[i]) for i in idx]
+                    present = self._with_namespace(model, salt, size, self.client.exists, hashes)
+                    hit = [i for i, p in zip(idx, present) if p]
+                    if hit:  # the lock: a lookup lease pins these blocks until the load
+                        self._with_namespace(model, salt, size, self.client.lookup,
+                                             [block_hash(keys[i]) for i in hit])
+                    found.update(hit)
+                for i in found:
+                    bitmap.set(i)
+                pending = [i for i in pending if i not in found]
+        except Exception as e:
+            self._failed("lookup", e)
+        with self._lock:
+            self._done_lookup[tid] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_lookup.pop(task_id, None)
+
+    def submit_unlock(self, keys: list) -> None:
+        """Nothing to do: kvstore's lookup leases expire on their own."""
+
+    def submit_load_task(self, keys: list, objects: list) -> L2TaskId:
+        tid = self._new_task()
+        self._pool.submit(self._run_load, tid, list(keys), list(objects))
+        return tid
+
+    def _run_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            sizes = [o.get_size() for o in objects]
+            hits = []
+            for (model, salt, size), idx in self._groups(keys, sizes).items():
+                for s in range(0, len(idx), MAX_HASHES_PER_CALL):
+                    part = idx[s:s + MAX_HASHES_PER_CALL]
+                    outs = [object_bytes(objects[i]).numpy() for i in part]
+                    got = self._with_namespace(model, salt, size, self.client.get_into,
+                                               [block_hash(keys[i]) for i in part], outs)
+                    for i, n in zip(part, got):
+                        if n is not None and n == size:
+                            bitmap.set(i)
+                            hits.append(keys[i])
+            if hits:
+                self._notify_keys_accessed(hits)
+        except Exception as e:
+            self._failed("load", e)
+        with self._lock:
+            self._done_load[tid] = bitmap
+        self._load_efd.notify()
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_load.pop(task_id, None)
+
+    # ---- optional -----------------------------------------------------------------------
+    def delete(self, keys: list) -> None:
+        by_ns: dict[tuple[str, str], list] = {}
+        for k in keys:
+            by_ns.setdefault((k.model_name, k.cache_salt), []).append(k)
+        for (model, salt), ks in by_ns.items():
+            with self._lock:
+                sizes = sorted(self._sizes.get((model, salt), ()))
+            for size in sizes:
+                try:
+                    self._with_namespace(model, salt, size, self.client.delete, [block_hash(k) for k in ks])
+                except Exception as e:
+                    self._failed("delete", e)
+
+    def report_status(self) -> dict:
+        try:
+            healthy = bool(self.client.health())
+        except Exception:
+            healthy = False
+        return {"is_healthy": healthy, "type": "KVStoreL2Adapter", "url": self.config.url,
+                "namespaces": len(self._namespaces)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        try:
+            self.client.close()
+        except Exception:
+            pass
+        self._store_efd.close()
+        self._lookup_efd.close()
+        self._load_efd.close()
