@@ -274,7 +274,9 @@ class Store:
         record = entry.copies[src]
         self._make_room(dst, record.stored_size)  # first: making room may reuse the scratch buffer
         data = self._read_copy(entry, src)
-        self._store_copy(entry, dst, data, record)
+        # a demoted block was never acknowledged as persisted: its directory entry may wait for
+        # the next sync (a crash before then loses it, a miss; it is never torn)
+        self._store_copy(entry, dst, data, record, sync=False)
 
     def _read_copy(self, entry: Entry, t: int) -> np.ndarray:
         """The bytes of one copy, zero-copy when the tier can give a single view. May return the
@@ -290,13 +292,17 @@ class Store:
         tier.read_into(entry.key, out)
         return out
 
-    def _store_copy(self, entry: Entry, t: int, data, like: BlockRecord) -> None:
-        """Place a copy of ``data`` in tier ``t``, evicting there first. Caller holds the lock."""
+    def _store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True) -> None:
+        """Place a copy of ``data`` in tier ``t``, evicting there first. Caller holds the lock.
+        ``sync=False`` leaves a durable tier's directory entry to the caller's ``sync()``."""
         record = dataclasses.replace(like)
         self._make_room(t, record.stored_size)
         self.tiers[t].allocate(record)
         try:
-            self.tiers[t].write(record, data)
+            if sync:
+                self.tiers[t].write(record, data)
+            else:
+                self.tiers[t].write_unsynced(record, data)
         except Exception:
             self.tiers[t].drop(record.key)
             raise
@@ -314,8 +320,9 @@ class Store:
         if self._index.get(entry.key) is entry:
             self._unlink(entry)
             del self._index[entry.key]
-            for listener in self.listeners:
-                listener.blocks_removed(entry.namespace_id, [entry.block_hash])
+            if entry.ready or entry.doomed:  # only blocks that were announced as added
+                for listener in self.listeners:
+                    listener.blocks_removed(entry.namespace_id, [entry.block_hash])
             if entry.ready:
                 self._ns_bytes[entry.namespace_id] -= entry.raw_size
 
@@ -338,22 +345,30 @@ class Store:
         for i, a in enumerate(arrays):
             if a.nbytes != ns.block_bytes:
                 raise WrongBlockSize(ns.block_bytes, a.nbytes, i)
-        results = []
+        results: list[str] = []
+        on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
         parents = [parent] + list(hashes[:-1])
-        for h, p, data in zip(hashes, parents, arrays):
-            entry = self._reserve(namespace_id, h, p, ns.block_bytes, 0)
-            if entry is None:
-                results.append("exists")
-                continue
-            t = entry.fastest
-            try:
-                self.tiers[t].write(entry.copies[t], data)
-            except Exception:
-                with self._lock:
-                    entry.ready = True
-                    self._drop_entry(entry)
-                raise
-            results.append(self._publish(entry, data))
+        try:
+            for h, p, data in zip(hashes, parents, arrays):
+                entry = self._reserve(namespace_id, h, p, ns.block_bytes, 0)
+                if entry is None:
+                    results.append("exists")
+                    continue
+                t = entry.fastest
+                try:
+                    self.tiers[t].write_unsynced(entry.copies[t], data)
+                except Exception:
+                    with self._lock:
+                        self._drop_entry(entry)
+                    raise
+                results.append("stored")
+                if self._publish(entry, data):
+                    on_durable.append(len(results) - 1)
+        finally:
+            # blocks written before a failure stay; one directory sync covers the whole batch
+            if on_durable and self._sync_durable():
+                for i in on_durable:
+                    results[i] = "persisted"
         return results
 
     def _reserve(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int,
@@ -381,9 +396,9 @@ class Store:
             self._index[key] = entry
             return entry
 
-    def _publish(self, entry: Entry, data) -> str:
-        """Make a written entry visible; write through to the durable tier if configured."""
-        status = "stored"
+    def _publish(self, entry: Entry, data) -> bool:
+        """Make a written entry visible; write through to the durable tier if configured. Returns
+        whether it has a durable copy, which the caller reports as "persisted" after ``_sync_durable``."""
         with self._lock:
             t = entry.fastest
             self.policies[t].insert(entry.key, entry.children)
@@ -396,14 +411,23 @@ class Store:
             self.counters["bytes_in"] += entry.raw_size
             d = self.durable_index
             if d is not None and d in entry.copies:
-                status = "persisted"
-            elif d is not None and self.config.write_through:
+                return True
+            if d is not None and self.config.write_through:
                 try:
-                    self._store_copy(entry, d, data, entry.copies[t])
-                    status = "persisted"
+                    self._store_copy(entry, d, data, entry.copies[t], sync=False)
+                    return True
                 except (TierFull, TierIOError, BlockTooLarge):
                     self.counters["write_through_failures"] += 1
-        return status
+        return False
+
+    def _sync_durable(self) -> bool:
+        """One directory sync for a batch of durable writes; False (counted) if it failed."""
+        try:
+            self.tiers[self.durable_index].sync()  # type: ignore[index]
+            return True
+        except TierIOError:
+            self.counters["sync_failures"] += 1
+            return False
 
     # -- two-phase store (zero-copy writers) -----------------------------------------------------
 
@@ -435,17 +459,20 @@ class Store:
     def complete_store(self, lease_id: int) -> list[str]:
         lease = self._take_lease(lease_id, "store")
         results = []
+        on_durable = []
         for key, ext in zip(lease.keys, lease.extents):
-            if ext is None:
-                results.append("exists")
-                continue
-            entry = self._index.get(key)
+            entry = self._index.get(key) if ext is not None else None
             if entry is None or entry.ready:
                 results.append("exists")
                 continue
             data = self.tiers[self.cpu_index].view(key)  # type: ignore[attr-defined]
             payload = data[0] if len(data) == 1 else np.concatenate(data)
-            results.append(self._publish(entry, payload))
+            results.append("stored")
+            if self._publish(entry, payload):
+                on_durable.append(len(results) - 1)
+        if on_durable and self._sync_durable():
+            for i in on_durable:
+                results[i] = "persisted"
         return results
 
     def abort_store(self, lease_id: int) -> None:
@@ -669,10 +696,11 @@ class Store:
                 src = entry.fastest
                 try:
                     self._make_room(d, entry.copies[src].stored_size)  # before filling scratch
-                    self._store_copy(entry, d, self._read_copy(entry, src), entry.copies[src])
+                    self._store_copy(entry, d, self._read_copy(entry, src), entry.copies[src], sync=False)
                     written += 1
                 except (TierFull, TierIOError, BlockTooLarge):
                     self.counters["flush_failures"] += 1
+        self.tiers[d].sync()  # also covers blocks demoted earlier without a sync
         return written
 
     def stats(self) -> dict:

@@ -14,6 +14,10 @@ Primitive by primitive:
   ``data``; for a durable tier the bytes have also reached stable storage (fsync) and survive
   a crash. On failure (``TierIOError``) the reservation is released. May run outside the Store
   lock, concurrently with writes and reads of *other* keys.
+* ``write_unsynced(record, data)`` / ``sync()`` — the batched form of ``write``: the payload is
+  complete and fsynced, but a durable tier may leave the *directory entry* unsynced until the next
+  ``sync()``, so a batch pays one directory fsync. A crash before ``sync()`` may lose such a block
+  (a miss), never tear it. Volatile tiers inherit the defaults (``write``; no-op).
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
   stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
   deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
@@ -72,6 +76,12 @@ class Tier(ABC):
 
     @abstractmethod
     def write(self, record: BlockRecord, data: memoryview) -> None: ...
+
+    def write_unsynced(self, record: BlockRecord, data: memoryview) -> None:
+        self.write(record, data)
+
+    def sync(self) -> None:
+        pass
 
     @abstractmethod
     def read_into(self, key: bytes, out: memoryview) -> int: ...

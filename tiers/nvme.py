@@ -5,7 +5,7 @@ padded to 4 KiB, so the whole file moves with O_DIRECT from one aligned staging 
 back to buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs).
 
 Atomic and durable: a block is written to ``<name>.tmp``, fsynced, renamed, and the directory is
-fsynced once per batch. A crash leaves either no file, a ``.tmp`` (deleted at recovery) or a
+fsynced once per batch (``write_unsynced`` + ``sync``; ``write`` does both). A crash leaves either no file, a ``.tmp`` (deleted at recovery) or a
 complete file. Every read verifies the payload checksum; a bad or torn file is deleted, counted
 and reported as ``BlockCorrupt`` (the store turns that into a miss). Warm restart: ``recover()``
 rebuilds the index from the headers, so a restarted daemon serves what it had.
@@ -139,25 +139,34 @@ class NvmeTier(Tier):
             self.used_bytes += fp
 
     def write(self, record: BlockRecord, data) -> None:
-        self.write_many([record], [data])
+        self.write_unsynced(record, data)
+        self.sync()
 
-    def write_many(self, records: Sequence[BlockRecord], datas: Sequence) -> None:
-        """Write several reserved blocks with one directory fsync for the batch."""
-        done = []
+    def write_unsynced(self, record: BlockRecord, data) -> None:
+        """Write, fsync and rename one reserved block; its directory entry waits for ``sync()``."""
         try:
-            for record, data in zip(records, datas):
-                self._write_file(record, data)
-                done.append(record)
+            self._write_file(record, data)
+        except OSError as e:
+            self.drop(record.key)
+            cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
+            raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
+
+    def sync(self) -> None:
+        """Make every rename so far durable: one directory fsync for a whole batch."""
+        try:
             dfd = os.open(self.path, os.O_RDONLY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
         except OSError as e:
-            for record in records:
-                self.drop(record.key)
-            cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
-            raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
+            raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
+
+    def write_many(self, records: Sequence[BlockRecord], datas: Sequence) -> None:
+        """Write several reserved blocks with one directory fsync for the batch."""
+        for record, data in zip(records, datas):
+            self.write_unsynced(record, data)
+        self.sync()
 
     def _write_file(self, record: BlockRecord, data) -> None:
         src = as_bytes_array(data)
