@@ -42,7 +42,25 @@ class GpuTier(Tier):
             return buf.reshape(-1).view(torch.uint8)
         return torch.from_numpy(as_bytes_array(buf))
 
+    def _host_array(self, buf):
+        """A numpy view when both sides live in host memory (device "cpu"): numpy copies there are
+        2-3x faster than torch's copy_ on a busy CPU. None otherwise."""
+        if self.device.type != "cpu":
+            return None
+        torch = _torch()
+        if isinstance(buf, torch.Tensor):
+            return buf.reshape(-1).view(torch.uint8).numpy() if buf.device.type == "cpu" else None
+        return as_bytes_array(buf)
+
     def write(self, record: BlockRecord, data) -> None:
+        host = self._host_array(data)
+        if host is not None:
+            pool = self.pool.numpy()
+            pos = 0
+            for off, length in self.slots.lookup(record.key)[0]:
+                pool[off:off + length] = host[pos:pos + length]
+                pos += length
+            return
         src = self._as_tensor(data)
         pos = 0
         for off, length in self.slots.lookup(record.key)[0]:
@@ -51,6 +69,14 @@ class GpuTier(Tier):
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
+        host = self._host_array(out)
+        if host is not None:
+            pool = self.pool.numpy()
+            pos = 0
+            for off, length in extents:
+                host[pos:pos + length] = pool[off:off + length]
+                pos += length
+            return nbytes
         dst = self._as_tensor(out)
         pos = 0
         for off, length in extents:
