@@ -1,0 +1,184 @@
+"""``kvstore top``: a live terminal view of a running daemon (hit rates, bytes/s, occupancy).
+
+It polls ``Client.stats()`` (the store's stats plus a ``server`` section) every ``--interval``
+seconds and shows rates as deltas between two polls, so a counter that only grows becomes
+"what is happening now". ``--once`` prints a single frame (two polls ``--interval`` apart, so
+rates are real) and exits: for scripts and tests.
+
+Rendering is a pure function of (stats now, stats before, seconds between): ``view()`` computes
+the numbers, ``render()`` lays them out, and neither talks to a daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from kvstore.errors import DaemonUnavailable, KVStoreError
+
+#: counters shown as per-second rates, in display order (label, counter name, is bytes)
+RATES = [("lookups", "lookups", False), ("puts", "puts", False), ("misses", "misses", False),
+         ("bytes in", "bytes_in", True), ("bytes out", "bytes_out", True), ("evictions", "evictions", False),
+         ("demotions", "demotions", False), ("promotions", "promotions", False),
+         ("corrupt dropped", "corrupt_dropped", False), ("put rejected (full)", "put_rejected_full", False)]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _hits(counters: dict, tiers: list[str]) -> dict[str, int]:
+    return {t: int(counters.get(f"hits_{t}", 0)) for t in tiers}
+
+
+def _hit_rate(hits: dict[str, int], misses: int) -> float | None:
+    total = sum(hits.values()) + misses
+    return sum(hits.values()) / total if total else None
+
+
+def view(stats: dict, prev: dict | None = None, dt: float | None = None) -> dict:
+    """The numbers of one frame: totals since start, and rates over the last ``dt`` seconds."""
+    counters = stats.get("counters", {})
+    tiers = list(stats.get("tiers", {}))
+    hits = _hits(counters, tiers)
+    misses = int(counters.get("misses", 0))
+    out = {
+        "blocks": stats.get("blocks", 0), "leases": stats.get("leases", 0), "namespaces": stats.get("namespaces", 0),
+        "server": stats.get("server", {}),
+        "hit_rate_total": _hit_rate(hits, misses),
+        "hit_share_total": {t: (h / (sum(hits.values()) + misses) if sum(hits.values()) + misses else None)
+                            for t, h in hits.items()},
+        "tiers": [], "rates": {}, "hit_rate_now": None, "namespace_usage": [],
+    }
+    for name, t in stats.get("tiers", {}).items():
+        cap, used = int(t.get("capacity_bytes", 0)), int(t.get("used_bytes", 0))
+        out["tiers"].append({"name": name, "capacity_bytes": cap, "used_bytes": used,
+                             "occupancy": used / cap if cap else 0.0, "blocks": t.get("blocks", t.get("policy_blocks", 0)),
+                             "hits": hits.get(name, 0), "corrupt_dropped": t.get("corrupt_dropped", 0)})
+    if prev is not None and dt and dt > 0:
+        before = prev.get("counters", {})
+        for label, key, _ in RATES:
+            out["rates"][key] = max(0, counters.get(key, 0) - before.get(key, 0)) / dt
+        prev_hits = _hits(before, tiers)
+        d_hits = {t: hits[t] - prev_hits.get(t, 0) for t in tiers}
+        out["hit_rate_now"] = _hit_rate(d_hits, misses - int(before.get("misses", 0)))
+        for t in tiers:
+            out["rates"][f"hits_{t}"] = max(0, d_hits[t]) / dt
+    usage = stats.get("namespace_usage") or []
+    out["namespace_usage"] = sorted(usage, key=lambda n: n.get("bytes", 0), reverse=True)[:5]
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def _bar(fraction: float, width: int = 20) -> Text:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    color = "green" if fraction < 0.8 else "yellow" if fraction < 0.95 else "red"
+    return Text("█" * filled, style=color) + Text("░" * (width - filled), style="dim")
+
+
+def render(stats: dict, prev: dict | None = None, dt: float | None = None, address: str = "") -> Group:
+    v = view(stats, prev, dt)
+    server = v["server"]
+    head = Text.assemble(("kvstore top", "bold"), f"  {address}" if address else "",
+                         f"  server {server.get('server_id', '?')}" if server else "",
+                         f"  up {server.get('uptime_s', 0):.0f}s" if server else "",
+                         f"  | blocks {v['blocks']:,}  leases {v['leases']}  namespaces {v['namespaces']}")
+    hits = Text.assemble("hit rate ", ("now " + _pct(v["hit_rate_now"]), "bold cyan"),
+                         f"   since start {_pct(v['hit_rate_total'])}  (",
+                         ", ".join(f"{t} {_pct(s)}" for t, s in v["hit_share_total"].items()), ")")
+
+    tiers = Table(title="tiers", title_justify="left", expand=False)
+    for col in ("tier", "used", "capacity", "occupancy", "", "blocks", "hits", "hits/s", "corrupt"):
+        tiers.add_column(col, justify="left" if col in ("tier", "") else "right")
+    for t in v["tiers"]:
+        rate = v["rates"].get(f"hits_{t['name']}")
+        tiers.add_row(t["name"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
+                      f"{t['occupancy']:.1%}", _bar(t["occupancy"]), f"{t['blocks']:,}", f"{t['hits']:,}",
+                      "—" if rate is None else f"{rate:,.1f}", str(t["corrupt_dropped"]))
+
+    rates = Table(title=f"activity (per second over {dt:.1f}s)" if dt else "activity (since start)",
+                  title_justify="left")
+    rates.add_column("counter")
+    rates.add_column("per second", justify="right")
+    rates.add_column("total", justify="right")
+    counters = stats.get("counters", {})
+    for label, key, is_bytes in RATES:
+        r = v["rates"].get(key)
+        total = counters.get(key, 0)
+        rates.add_row(label, "—" if r is None else (f"{human_bytes(r)}/s" if is_bytes else f"{r:,.1f}"),
+                      human_bytes(total) if is_bytes else f"{total:,}")
+
+    parts = [head, hits, tiers, rates]
+    if v["namespace_usage"]:
+        ns = Table(title="top namespaces (by bytes)", title_justify="left")
+        for col in ("namespace", "model", "tenant", "bytes", "blocks"):
+            ns.add_column(col, justify="right" if col in ("bytes", "blocks") else "left")
+        for n in v["namespace_usage"]:
+            ns.add_row(str(n.get("id", ""))[:16], str(n.get("model", "")), str(n.get("tenant", "")),
+                       human_bytes(n.get("bytes", 0)), f"{n.get('blocks', 0):,}" if "blocks" in n else "—")
+        parts.append(ns)
+    elif server.get("tenant_bytes") is not None:
+        parts.append(Text(f"tenant {server.get('tenant') or '(default)'}: {human_bytes(server['tenant_bytes'])}"))
+    return Group(*parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore top", description="live view of a running kvstore daemon")
+    p.add_argument("--url", help="daemon HOST:PORT (default: the client's default)")
+    p.add_argument("--token", help="bearer token")
+    p.add_argument("--root-ca", help="CA certificate for a TLS daemon")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    from kvstore.client import Client
+    try:
+        client = Client(args.url, token=args.token, timeout_s=max(2.0, args.interval * 2), root_ca=args.root_ca)
+    except KVStoreError as e:
+        print(f"kvstore top: {e}", file=sys.stderr)
+        return 2
+    address = client.address
+    try:
+        prev, prev_t = client.stats(), time.monotonic()
+        if args.once:
+            if args.interval > 0:
+                time.sleep(args.interval)
+                now, now_t = client.stats(), time.monotonic()
+                console.print(render(now, prev, now_t - prev_t, address))
+            else:
+                console.print(render(prev, address=address))
+            return 0
+        with Live(render(prev, address=address), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                now, now_t = client.stats(), time.monotonic()
+                live.update(render(now, prev, now_t - prev_t, address))
+                prev, prev_t = now, now_t
+    except DaemonUnavailable as e:
+        print(f"kvstore top: daemon at {address} unavailable: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
