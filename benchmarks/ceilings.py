@@ -57,16 +57,28 @@ def _iters_for(nbytes: int, target_bytes: int = 256 << 20) -> int:
     return max(1, target_bytes // max(nbytes, 1))
 
 
-def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
-    """numpy copyto between two pre-touched buffers (one core): the CPU-tier ceiling."""
-    src = np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]
-    dst = np.frombuffer(touched_buffer(nbytes, fill=0), dtype=np.uint8)[:nbytes]
-    iters = _iters_for(nbytes)
+def memcpy_gbps(nbytes: int, reps: int = 5, working_set: int | None = None) -> float:
+    """numpy copyto of ``nbytes`` blocks (one core): the CPU-tier ceiling.
+
+    Without ``working_set`` the same two buffers are copied over and over, so blocks that fit
+    the CPU caches are measured at cache speed ("hot"). With ``working_set`` each copy goes to the
+    next ``nbytes`` of a ``working_set``-byte destination (from a pool of 8 sources), the memory
+    traffic of a store filling its arena: the fair ceiling for a tier of that size."""
+    if working_set is None:
+        srcs = [np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]]
+        dst_all = np.frombuffer(touched_buffer(nbytes, fill=0), dtype=np.uint8)
+        slots = 1
+    else:
+        srcs = [np.frombuffer(touched_buffer(nbytes, fill=i), dtype=np.uint8)[:nbytes] for i in range(8)]
+        slots = max(1, working_set // nbytes)
+        dst_all = np.frombuffer(touched_buffer(slots * nbytes, fill=0), dtype=np.uint8)
+    dsts = [dst_all[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
+    iters = max(_iters_for(nbytes), slots)
 
     def once() -> float:
         t = time.perf_counter()
-        for _ in range(iters):
-            np.copyto(dst, src)
+        for i in range(iters):
+            np.copyto(dsts[i % slots], srcs[i % len(srcs)])
         return time.perf_counter() - t
 
     once()
