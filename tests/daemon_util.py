@@ -25,8 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class DaemonProcess:
-    def __init__(self, proc: subprocess.Popen, info: dict, nvme_path: str | None, log_path: str) -> None:
+    def __init__(self, proc: subprocess.Popen, info: dict, nvme_path: str | None, log_path: str,
+                 client_kwargs: dict | None = None) -> None:
         self.proc = proc
+        self.client_kwargs = dict(client_kwargs or {})
         self.info = info
         self.address: str = info["address"]
         self.port: int = info["port"]
@@ -43,7 +45,7 @@ class DaemonProcess:
     def client(self, **kwargs):
         from kvstore.client import Client
 
-        return Client(self.address, **kwargs)
+        return Client(self.address, **{**self.client_kwargs, **kwargs})
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -68,8 +70,12 @@ class DaemonProcess:
 
 
 def start_daemon(tmp_path, *flags: str, cpu_bytes: str = "64MiB", nvme_bytes: str = "256MiB",
-                 nvme_path: str | None = None, env: dict | None = None, timeout: float = 90.0) -> DaemonProcess:
-    """Start ``kvstore serve`` with ``flags`` and wait until it is healthy."""
+                 nvme_path: str | None = None, env: dict | None = None, timeout: float = 90.0,
+                 client_kwargs: dict | None = None) -> DaemonProcess:
+    """Start ``kvstore serve`` with ``flags`` and wait until it is healthy.
+
+    ``client_kwargs`` are the defaults of ``DaemonProcess.client()`` (and of the health probe),
+    e.g. ``{"root_ca": cert_path}`` for a TLS daemon or ``{"token": ...}``."""
     tmp = str(tmp_path)
     os.makedirs(tmp, exist_ok=True)
     nvme_path = nvme_path or os.path.join(tmp, "nvme")
@@ -91,7 +97,7 @@ def start_daemon(tmp_path, *flags: str, cpu_bytes: str = "64MiB", nvme_bytes: st
             raise TimeoutError(f"kvstore serve did not become ready in {timeout}s:\n{open(log_path).read()}")
         time.sleep(0.05)
     with open(ready) as f:
-        d = DaemonProcess(proc, json.load(f), nvme_path, log_path)
+        d = DaemonProcess(proc, json.load(f), nvme_path, log_path, client_kwargs)
     c = d.client(timeout_s=2.0)
     try:
         while not c.health():
