@@ -207,10 +207,14 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "nvme_bytes", "gpu_bytes", "quotas"}
+
+
 def _describe(error: dict) -> str:
     key = ".".join(str(p) for p in error["loc"]) or "config"
     ctx = error.get("ctx") or {}
-    bounds = [f"{op} {format_size(v) if isinstance(v, int) and v >= 4096 else v}"
+    sized = error["loc"] and error["loc"][0] in _SIZE_KEYS
+    bounds = [f"{op} {format_size(v) if sized and isinstance(v, int) and v >= 4096 else v}"
               for op, name in ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")) if (v := ctx.get(name)) is not None]
     allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
     if error["type"] == "extra_forbidden":
