@@ -58,7 +58,8 @@ def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1) -> dict[
     store = Store([tier], StoreConfig(promote_on_hit=False, eviction_policy="lru"))
     ns = store.register_namespace(Namespace(layout(size)))
     sources = payload_pool(size, min(n, 8))
-    outs = [np.zeros(size, dtype=np.uint8) for _ in range(min(n, 8))]
+    # pooled, page-aligned, touched output buffers (like the CPU arena's slots): O_DIRECT lands there
+    outs = [np.frombuffer(ceilings.touched_buffer(size, fill=0), dtype=np.uint8)[:size] for _ in range(min(n, 8))]
     hasher = ChainHasher()
     put_s, get_s = [], []
     try:
