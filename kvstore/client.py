@@ -52,6 +52,7 @@ DEFAULT_URL = "127.0.0.1:7373"
 MAX_BATCH = 4096          # hashes per RPC (the daemon's limit)
 MAX_LOOKUP_BATCH = 1024   # chains per LookupBatch
 TRANSPORTS = ("auto", "shm", "bulk", "grpc")
+SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs (see server._identify)
 _PUT_RESULT = {pb.PUT_STORED: "stored", pb.PUT_EXISTS: "exists", pb.PUT_PERSISTED: "persisted"}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _SLOW_LINK_BYTES_PER_S = 100e6   # deadline allowance per byte for bulk calls
@@ -70,6 +71,10 @@ class RemoteError(KVStoreError):
         self.code = code
         self.grpc_status = code.name
         super().__init__(f"{code.name}: {message}")
+
+
+class _DaemonRestarted(DaemonUnavailable):
+    """A lease came from another daemon run than the arena we mapped (handled inside Client)."""
 
 
 def _error_from_rpc(e: grpc.RpcError) -> KVStoreError:
@@ -155,12 +160,36 @@ class Client:
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _call(self, method: str, request, timeout_s: float | None = None, stream_factory=None):
+    def _call_same_daemon(self, method: str, request):
+        """A lease RPC whose answer holds arena offsets: valid only if the daemon run that answered
+        is the one whose arena we mapped. A daemon restarted behind the same address (the channel
+        reconnects silently) has a new arena; using its offsets in the old mapping would hand out
+        wrong bytes, so that raises ``_DaemonRestarted`` and the caller renegotiates."""
+        resp, call = self._call(method, request, with_call=True)
+        answered_by = dict(call.trailing_metadata() or ()).get(SERVER_ID_KEY)
+        if answered_by != self._server_id:
+            if method == "PrepareLoad":
+                release = ("CompleteLoad", pb.LeaseRequest(lease_id=resp.lease_id))
+            else:
+                release = ("AbortStore", pb.LeaseRequest(lease_id=resp.lease_id))
+            try:
+                self._call(*release)
+            except KVStoreError:
+                pass  # it expires on its own
+            self._reset_transport()
+            raise _DaemonRestarted(f"the daemon at {self.address} restarted (run {answered_by}, "
+                                   f"mapped {self._server_id})")
+        return resp
+
+    def _call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
+              with_call: bool = False):
         """One RPC with retries on UNAVAILABLE inside the deadline; raises kvstore errors."""
         if self._closed:
             raise DaemonUnavailable("client is closed")
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         fn = getattr(self._stub, method)
+        if with_call:
+            fn = fn.with_call
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
@@ -310,6 +339,10 @@ class Client:
                 return self._put_shm(ns_id, hashes, arrays, parent, block_bytes)
             except errors.TierFull:
                 pass  # the arena is full of pinned blocks: the streaming paths can land lower down
+            except _DaemonRestarted:
+                self._negotiate()  # map the new daemon's arena (or fall back), then go on below
+                if self._arena is not None:
+                    return self._put_shm(ns_id, hashes, arrays, parent, block_bytes)
         bulk = self._bulk
         if bulk is not None:
             return self._put_bulk(bulk, ns_id, hashes, arrays, parent, block_bytes)
@@ -320,8 +353,8 @@ class Client:
 
     def _put_shm(self, ns_id, hashes, arrays, parent, block_bytes) -> list[str]:
         t0 = time.monotonic()
-        lease = self._call("PrepareStore", pb.PrepareStoreRequest(namespace_id=ns_id, hashes=hashes,
-                                                                  parent=parent or b"", block_bytes=block_bytes))
+        lease = self._call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
+            namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes))
         safe_until = t0 + 0.8 * lease.expires_in
         try:
             for blk, src in zip(lease.blocks, arrays):
@@ -394,7 +427,12 @@ class Client:
 
     def _get_batch(self, ns_id, hashes, dsts) -> list[int | None]:
         if self._arena is not None:
-            return self._get_shm(ns_id, hashes, dsts)
+            try:
+                return self._get_shm(ns_id, hashes, dsts)
+            except _DaemonRestarted:
+                self._negotiate()  # map the new daemon's arena (or fall back), then go on below
+                if self._arena is not None:
+                    return self._get_shm(ns_id, hashes, dsts)
         bulk = self._bulk
         if bulk is not None:
             return self._get_bulk(bulk, ns_id, hashes, dsts)
@@ -404,8 +442,8 @@ class Client:
         sizes: list[int | None] = [None] * len(hashes)
         start = 0
         while start < len(hashes):
-            lease = self._call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns_id, hashes=hashes[start:],
-                                                                    block_bytes=self._expected(ns_id)))
+            lease = self._call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=self._expected(ns_id)))
             got = []
             try:
                 for k, blk in enumerate(lease.blocks):

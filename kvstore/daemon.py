@@ -54,6 +54,32 @@ def clean_stale_segments(shm_dir: str) -> int:
     return removed
 
 
+def memory_available() -> int:
+    """Bytes this process can still fill: RAM available now, capped by a cgroup (container) limit."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_memory(cpu_bytes: int) -> None:
+    """Refuse to start rather than be OOM-killed later: the arena is allocated and touched up
+    front, so an arena larger than the memory left would take the host (or the daemon) down."""
+    available = memory_available()
+    if cpu_bytes > available:
+        raise ValueError(f"cpu_bytes: {cpu_bytes} bytes requested for the CPU tier but only {available} bytes of "
+                         "memory are available on this host (or in its cgroup); lower --cpu-bytes")
+
+
 def build_tiers(settings: Settings) -> list:
     tiers = []
     if settings.gpu_bytes:
@@ -75,6 +101,7 @@ class Daemon:
             if codec != "raw":
                 raise ValueError(f"codecs.{tier}: codec {codec!r} is not available in this build; use 'raw'")
         self.settings = settings
+        check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
         self.store = Store(build_tiers(settings), StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
@@ -87,7 +114,8 @@ class Daemon:
                 max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
                 metrics=self.metrics, shm_dir=settings.shm_dir,
                 offer_shm=not auth.enabled or settings.shm_with_auth,
-                bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+                bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                stream_idle_s=max(2 * settings.lease_seconds, 1.0))
         except Exception:
             self.store.close()
             raise
@@ -113,6 +141,7 @@ class Daemon:
             try:
                 self.store.expire_leases()
                 self.servicer.prune_leases()
+                self.servicer.cancel_stalled_streams()
                 shm.reap_probes(self.settings.shm_dir)
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad tick
                 log.exception("lease reaper tick failed")

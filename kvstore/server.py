@@ -12,6 +12,7 @@ a namespace id of another tenant is answered like an unknown one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -28,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.auth import Authenticator
 from kvstore.errors import (CodecError, InvalidArgument, KVStoreError, LayoutMismatch, LeaseExpired,
-                            UnknownNamespace)
+                            PermissionDenied, UnknownNamespace)
 from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -43,6 +44,7 @@ PROTOCOL_VERSION = 1
 MAX_LOOKUP_BATCH = 1024
 MAX_STRING = 256
 RAW_CODEC = 0
+SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered
 _PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
 
@@ -150,7 +152,8 @@ class _Pool(threading.local):
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
-                 max_message_bytes: int = 16 << 20, bulk: bulk_transport.BulkServer | None = None) -> None:
+                 max_message_bytes: int = 16 << 20, bulk: bulk_transport.BulkServer | None = None,
+                 stream_idle_s: float = 30.0) -> None:
         self.store = store
         self.auth = auth or Authenticator()
         self.metrics = metrics
@@ -162,8 +165,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.server_id = secrets.token_hex(8)
         self.started = time.time()
         self._pool = _Pool()
-        self._lease_owner: dict[int, tuple[str, float]] = {}
+        self._lease_owner: dict[int, tuple[str, float, int]] = {}  # public id -> tenant, until, store id
         self._lease_lock = threading.Lock()
+        self.stream_idle_s = stream_idle_s
+        self.stalled_streams_cancelled = 0
+        self._watched_streams: dict[object, tuple] = {}
+        self._watch_lock = threading.Lock()
+        self._quota_pending: dict[str, int] = {}
+        self._quota_lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -189,28 +198,96 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def _tenant_bytes(self, tenant: str) -> int:
         return sum(self.store.namespace_bytes(ns.id) for ns in self.store.namespaces() if ns.tenant == tenant)
 
-    def _check_quota(self, ns: Namespace, hashes: list[bytes]) -> None:
-        if ns.tenant not in self.auth.quotas:
-            return
-        new = sum(1 for present in self.store.contains(ns.id, hashes) if not present)
-        self.auth.check_quota(ns.tenant, self._tenant_bytes(ns.tenant), new * ns.block_bytes)
-
-    def _own_lease(self, lease_id: int, tenant: str) -> None:
+    def _own_lease(self, store_lease_id: int, tenant: str) -> int:
+        """The id the client sees: random, so a stale or hostile client cannot name another
+        client's lease (store ids count up from 1 in every daemon run)."""
         with self._lease_lock:
-            self._lease_owner[lease_id] = (tenant, time.monotonic() + self.store.config.lease_seconds + 60)
+            public = secrets.randbits(63) or 1
+            while public in self._lease_owner:
+                public = secrets.randbits(63) or 1
+            self._lease_owner[public] = (tenant, time.monotonic() + self.store.config.lease_seconds + 60,
+                                         store_lease_id)
+        return public
 
-    def _check_lease(self, context, lease_id: int) -> None:
+    def _check_lease(self, context, lease_id: int) -> int:
+        """The store's lease id behind the caller's ``lease_id``; only its owner may use it."""
         tenant = self._tenant(context)
         with self._lease_lock:
-            owner = self._lease_owner.pop(lease_id, None)
-        if owner is None or owner[0] != tenant:
-            raise LeaseExpired(f"lease_id: lease {lease_id} is unknown or expired")
+            owner = self._lease_owner.get(lease_id)
+            if owner is not None and owner[0] == tenant:
+                del self._lease_owner[lease_id]
+                return owner[2]
+        raise LeaseExpired(f"lease_id: lease {lease_id} is unknown or expired")
 
     def prune_leases(self) -> None:
         now = time.monotonic()
         with self._lease_lock:
-            for lid in [k for k, (_, until) in self._lease_owner.items() if until < now]:
+            for lid in [k for k, (_, until, _) in self._lease_owner.items() if until < now]:
                 del self._lease_owner[lid]
+
+    def _identify(self, context) -> None:
+        """Tell a same-host client which daemon run answered: its arena mapping is only valid
+        for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes)."""
+        context.set_trailing_metadata(((SERVER_ID_KEY, self.server_id),))
+
+    # -- stalled streams ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _watched(self, context, on_stall=None):
+        """Register a streaming RPC so ``cancel_stalled_streams`` can end it if its peer stops
+        sending or reading: each stalled stream holds one of the server's worker threads, so a
+        handful of slowloris clients would otherwise starve everyone. Yields ``touch()``."""
+        token = object()
+        cell = [time.monotonic()]
+
+        def touch() -> None:
+            cell[0] = time.monotonic()
+
+        with self._watch_lock:
+            self._watched_streams[token] = (cell, context, on_stall)
+        try:
+            yield touch
+        finally:
+            with self._watch_lock:
+                self._watched_streams.pop(token, None)
+
+    def cancel_stalled_streams(self, idle_s: float | None = None) -> int:
+        """Cancel streams idle for longer than ``idle_s`` (default ``stream_idle_s``)."""
+        idle_s = self.stream_idle_s if idle_s is None else idle_s
+        cutoff = time.monotonic() - idle_s
+        with self._watch_lock:
+            stalled = [(ctx, on_stall) for cell, ctx, on_stall in self._watched_streams.values()
+                       if cell[0] < cutoff]
+            for cell, _, _ in self._watched_streams.values():
+                cell[0] = max(cell[0], cutoff + idle_s) if cell[0] < cutoff else cell[0]  # once per idle period
+        for ctx, on_stall in stalled:
+            log.warning("cancelling a stream idle for more than %.1fs (stalled client)", idle_s)
+            if on_stall is not None:
+                on_stall()
+            ctx.cancel()
+        if stalled:
+            self.stalled_streams_cancelled += len(stalled)
+        return len(stalled)
+
+    # -- quotas ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _quota(self, ns: Namespace, hashes: list[bytes]):
+        """Check and reserve the bytes a put may add, so concurrent writers of one tenant cannot
+        all pass the check before any of them has stored (check-then-act race)."""
+        if ns.tenant not in self.auth.quotas:
+            yield
+            return
+        new = sum(1 for present in self.store.contains(ns.id, hashes) if not present) * ns.block_bytes
+        with self._quota_lock:
+            pending = self._quota_pending.get(ns.tenant, 0)
+            self.auth.check_quota(ns.tenant, self._tenant_bytes(ns.tenant) + pending, new)
+            self._quota_pending[ns.tenant] = pending + new
+        try:
+            yield
+        finally:
+            with self._quota_lock:
+                self._quota_pending[ns.tenant] -= new
 
     def _moved(self, direction: str, transport: str, nbytes: int) -> None:
         if self.metrics is not None:
@@ -294,14 +371,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         stats = self.store.stats()
         stats["server"] = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
                            "bulk_sessions": self.bulk.session_count if self.bulk else 0,
-                           "tenant": tenant, "tenant_bytes": self._tenant_bytes(tenant)}
+                           "tenant": tenant, "tenant_bytes": self._tenant_bytes(tenant),
+                           "client_leases": len(self._lease_owner), "open_streams": len(self._watched_streams),
+                           "stalled_streams_cancelled": self.stalled_streams_cancelled}
         return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
 
     # -- gRPC streams ----------------------------------------------------------------------------
 
     @_rpc
     def Put(self, request_iterator, context):
+        with self._watched(context) as touch:
+            return self._put_stream(request_iterator, context, touch)
+
+    def _put_stream(self, request_iterator, context, touch):
         first = next(request_iterator, None)
+        touch()
         if first is None or not first.HasField("header"):
             raise InvalidArgument("header", "the first message of a Put stream must carry the header")
         h = first.header
@@ -310,23 +394,26 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         parent = check_parent(h.parent)
         if h.codec != RAW_CODEC:
             raise CodecError(f"codec: payloads must be raw (0) on the wire, got codec {h.codec}")
-        self._check_quota(ns, hashes)
         expected = len(hashes) * ns.block_bytes
         splitter = chunks.BlockSplitter(ns.block_bytes, self._pool.get(ns.block_bytes))
         results: list[int] = []
         received = 0
         msg = first
-        while msg is not None:
-            if msg is not first and msg.HasField("header"):
-                raise InvalidArgument("header", "only the first message of a Put stream may carry a header")
-            received += len(msg.data)
-            if received > expected:
-                raise InvalidArgument("data", f"the stream carries more than {expected} bytes "
-                                              f"({len(hashes)} blocks of {ns.block_bytes})")
-            for i, block in splitter.feed(msg.data):
-                p = parent if i == 0 else hashes[i - 1]
-                results.append(_PUT_RESULT[self.store.put(ns.id, [hashes[i]], [block], parent=p)[0]])
-            msg = next(request_iterator, None)
+        with self._quota(ns, hashes):
+            while msg is not None:
+                if msg is not first and msg.HasField("header"):
+                    raise InvalidArgument("header", "only the first message of a Put stream may carry a header")
+                received += len(msg.data)
+                if received > expected:
+                    raise InvalidArgument("data", f"the stream carries more than {expected} bytes "
+                                                  f"({len(hashes)} blocks of {ns.block_bytes})")
+                for i, block in splitter.feed(msg.data):
+                    p = parent if i == 0 else hashes[i - 1]
+                    results.append(_PUT_RESULT[self.store.put(ns.id, [hashes[i]], [block], parent=p)[0]])
+                msg = next(request_iterator, None)
+                touch()
+        if not context.is_active():
+            raise InvalidArgument("data", "the stream was cancelled (stalled client)")
         if received < expected:
             raise InvalidArgument("data", f"the stream ended after {received} of {expected} bytes; "
                                           f"{len(results)} of {len(hashes)} blocks were stored")
@@ -341,57 +428,69 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
         buf = self._pool.get(ns.block_bytes)
         sent = 0
-        for i, h in enumerate(hashes):
-            n = self.store.get_into(ns.id, [h], [buf])[0]
-            block = None if n is None else buf[:n]
-            sent += 0 if n is None else n
-            yield from chunks.get_messages(i, block, RAW_CODEC, chunk)
+        with self._watched(context) as touch:  # a client that stops reading would hold this thread
+            for i, h in enumerate(hashes):
+                n = self.store.get_into(ns.id, [h], [buf])[0]
+                block = None if n is None else buf[:n]
+                sent += 0 if n is None else n
+                for message in chunks.get_messages(i, block, RAW_CODEC, chunk):
+                    yield message
+                    touch()
+                if not context.is_active():
+                    return
         self._moved("out", "grpc", sent)
 
     # -- same-host zero-copy ---------------------------------------------------------------------
 
-    def _lease_response(self, lease, present_none: bool, size: int) -> pb.LeaseResponse:
-        resp = pb.LeaseResponse(lease_id=lease.id, expires_in=self.store.config.lease_seconds)
+    def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
+        resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
         for ext in lease.extents:
             b = resp.blocks.add(present=ext is None and present_none, codec=RAW_CODEC, size=size)
             for off, length in ext or ():
                 b.extents.add(offset=off, length=length)
         return resp
 
+    def _require_shared_arena(self) -> None:
+        """The zero-copy RPCs only where the arena is offered: with auth on (and shm_with_auth
+        off) a tenant completing a store it never wrote would publish the previous occupant's
+        bytes of those slots (another tenant's data) as its own block."""
+        if not self.offer_shm:
+            raise PermissionDenied("transport: this daemon does not share its CPU arena with clients "
+                                   "(auth is on); use the gRPC or side-channel transports")
+
     @_rpc
     def PrepareStore(self, request, context):
+        self._require_shared_arena()
         ns = self._namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         parent = check_parent(request.parent)
-        self._check_quota(ns, hashes)
-        lease = self.store.prepare_store(ns.id, hashes, parent)
-        self._own_lease(lease.id, ns.tenant)
-        return self._lease_response(lease, True, ns.block_bytes)
+        with self._quota(ns, hashes):
+            lease = self.store.prepare_store(ns.id, hashes, parent)
+        self._identify(context)
+        return self._lease_response(lease, self._own_lease(lease.id, ns.tenant), True, ns.block_bytes)
 
     @_rpc
     def CompleteStore(self, request, context):
-        self._check_lease(context, request.lease_id)
-        results = self.store.complete_store(request.lease_id)
+        results = self.store.complete_store(self._check_lease(context, request.lease_id))
         return pb.PutResponse(results=[_PUT_RESULT[r] for r in results])
 
     @_rpc
     def AbortStore(self, request, context):
-        self._check_lease(context, request.lease_id)
-        self.store.abort_store(request.lease_id)
+        self.store.abort_store(self._check_lease(context, request.lease_id))
         return pb.Empty()
 
     @_rpc
     def PrepareLoad(self, request, context):
+        self._require_shared_arena()
         ns = self._namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         lease = self.store.prepare_load(ns.id, hashes)
-        self._own_lease(lease.id, ns.tenant)
-        return self._lease_response(lease, False, ns.block_bytes)
+        self._identify(context)
+        return self._lease_response(lease, self._own_lease(lease.id, ns.tenant), False, ns.block_bytes)
 
     @_rpc
     def CompleteLoad(self, request, context):
-        self._check_lease(context, request.lease_id)
-        self.store.complete_load(request.lease_id)
+        self.store.complete_load(self._check_lease(context, request.lease_id))
         return pb.Empty()
 
     # -- bulk side channel -----------------------------------------------------------------------
@@ -405,7 +504,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def BulkGet(self, request, context):
         session = self._session(request.session)
-        with session.lock:
+        sid = bytes(request.session)
+        with self._watched(context, on_stall=lambda: self.bulk.drop(sid)) as touch, session.lock:
             sent = 0
             try:
                 ns = self._namespace(context, request.namespace_id, request.block_bytes)
@@ -415,6 +515,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 for h in hashes:
                     n = self.store.get_into(ns.id, [h], [buf])[0]
                     bulk_transport.send_block(session.sock, None if n is None else buf[:n])
+                    touch()
                     sizes.append(n or 0)
                     sent += n or 0
             except OSError as e:
@@ -438,7 +539,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
                                   "request too large for the side channel")
         committed = len(request.hashes) * request.block_bytes
-        with session.lock:
+        sid = bytes(request.session)
+        with self._watched(context, on_stall=lambda: self.bulk.drop(sid)) as touch, session.lock:
             received = 0
             results: list[int] = []
             try:
@@ -447,13 +549,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 ns = self._namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 parent = check_parent(request.parent)
-                self._check_quota(ns, hashes)
                 buf = self._pool.get(ns.block_bytes)
-                for i, h in enumerate(hashes):
-                    bulk_transport.recv_exact_into(session.sock, memoryview(buf))
-                    received += ns.block_bytes
-                    p = parent if i == 0 else hashes[i - 1]
-                    results.append(_PUT_RESULT[self.store.put(ns.id, [h], [buf], parent=p)[0]])
+                with self._quota(ns, hashes):
+                    for i, h in enumerate(hashes):
+                        bulk_transport.recv_exact_into(session.sock, memoryview(buf))
+                        touch()
+                        received += ns.block_bytes
+                        p = parent if i == 0 else hashes[i - 1]
+                        results.append(_PUT_RESULT[self.store.put(ns.id, [h], [buf], parent=p)[0]])
             except OSError as e:
                 self.bulk.drop(bytes(request.session))
                 raise InvalidArgument("session", f"side channel failed: {e}") from e
@@ -470,7 +573,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
                  chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0):
     """A ready-to-start gRPC server with the KVStore service, health and reflection.
 
     Returns ``(server, servicer, health_servicer, port)``; the caller starts and stops it."""
@@ -482,7 +585,8 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
     host = listen.rpartition(":")[0].strip("[]")
     bulk = bulk_transport.BulkServer(host) if bulk_channel and not tls_cert else None
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
-                               chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk)
+                               chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
+                               stream_idle_s=stream_idle_s)
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
