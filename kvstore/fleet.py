@@ -5,31 +5,38 @@ to a directory in Redis; any daemon (or a router) can then ask which node holds 
 prefix of a request, and a daemon that misses locally can fetch the blocks from a peer instead of
 letting its engine recompute them.
 
-Directory layout (every key of one namespace shares the hash tag ``{<namespace hex>}``, so in a
-Redis Cluster they live in one slot and the route script may touch them all):
+Directory layout. Every key of one namespace shares the hash tag ``{<namespace hex>}``, so in a
+Redis Cluster a namespace lives in one slot and its scripts touch only declared, co-located keys:
 
-* ``<prefix>:{<ns>}:n:<node_id>`` — HASH, field = raw block hash, value = 9 bytes: xxh3_64 of
-  the block's bytes (little-endian) + one tier code. Key TTL ``ttl_s``, refreshed by the owner's
-  heartbeat, so a node killed with SIGKILL loses its entries after at most ``ttl_s`` with no
-  janitor. One entry is ~80 bytes of Redis memory (measured: docs/fleet.md).
-* ``<prefix>:{<ns>}:nodes`` — HASH, field = node id, value = ``"<expiry ms> <address>"``. The
-  route script skips nodes whose expiry has passed even before their entries expire.
+* ``<prefix>:{<ns>}:holders`` — HASH, field = raw block hash, value = the xxh3_64 of the block's
+  bytes (8 bytes, little-endian) followed by a bitmap with two bits per node *slot*: "holds it" and
+  "its copy is on disk (NVMe/Redis) rather than in GPU/CPU memory". A block held by 100 nodes is
+  one field of ~33 bytes, so replicated prefixes (system prompts) cost almost nothing, and
+  ``route`` is a single HMGET whose cost does not grow with the number of nodes.
+* ``<prefix>:{<ns>}:nodes`` — HASH, field = slot number, value = ``"<expiry ms> <node id>
+  <address>"``. A node takes the lowest free slot when it joins and refreshes its expiry with each
+  heartbeat. A slot whose expiry has passed no longer counts anywhere (route, peer fetch) even
+  before its bits are cleared; expiry 0 marks a slot dead for good (node closed, restarted, or
+  swept). A janitor (any live node, under a lock, every few heartbeats) clears dead slots' bits
+  and frees the slot. Both keys carry a long TTL refreshed by heartbeats, so a namespace whose
+  whole fleet is gone disappears too.
 
-Why per-node hashes rather than one set of holders per block: expiry is free (a key TTL, no
-read-modify-write, no garbage after a crash), the owner's checksum sits beside its entry, and a
-restart or Redis loss is repaired by rewriting one's own keys only.
+Checksums: the first holder's checksum is the block's. A node whose bytes for the same hash
+differ (non-deterministic kernels) is not advertised as a holder (``checksum_conflicts``), so a
+fetcher can always verify what it receives against one published value.
 
 Publishing: the Store calls ``blocks_added`` / ``blocks_removed`` with its lock held, so the
 listener only appends to a queue. One background thread drains it: it pins each new block just
 long enough to checksum it (zero-copy for the CPU arena, the recorded checksum for NVMe), keeps a
-local mirror of what it published, and pushes the delta with one pipeline per batch. If Redis
-fails or comes back empty (restart, failover, flush), the mirror is republished in full; the
-daemon keeps serving locally meanwhile. Peer fetch and routing degrade to "no peers".
+local mirror of what it published, and sends the delta in batched Lua calls. If Redis fails or
+comes back empty (restart, failover, flush), the node joins again under a fresh slot and
+republishes its mirror; the daemon keeps serving locally meanwhile. Peer fetch and routing degrade
+to "no peers".
 
 Peer fetch (``Fleet.lookup`` / ``Fleet.fetch``) runs in the daemon, not the client: every engine
 gets it through one code path, the fetched copy lands in the local Store where all local workers
-reuse it, clients need no Redis credentials, and a peer's bytes are checked against the checksum
-its owner published before a single byte is stored or served.
+reuse it, clients need no Redis credentials, and a peer's bytes are checked against the published
+checksum before a single byte is stored or served.
 """
 
 from __future__ import annotations
@@ -49,59 +56,148 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import BlockCorrupt, InvalidArgument, KVStoreError
-from kvstore.keys import ChainHasher, check_block_hash
+from kvstore.keys import MAX_HASH_BYTES, ChainHasher, check_block_hash
 from kvstore.store import Lookup, Store, StoreListener
 
 log = logging.getLogger("kvstore.fleet")
 
-TIER_CODES = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}
-TIER_NAMES = {v: k for k, v in TIER_CODES.items()}
-UNKNOWN_TIER = 255
+TIER_CODES = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}   # >= 2: "disk" in the holders bitmap
 MAX_ROUTE_HASHES = 8192
-_PUSH_CHUNK = 1000
+PUBLISH_CHUNK = 256          # entries per Lua call: bounds how long one call holds Redis (~0.5 ms)
+ROUTE_CHUNKS = (256, 1024, 4096)  # HMGET sizes while some node still holds every block asked so far
 
-# Per live node: the length of the leading run of ``hashes`` present in its hash, read in growing
-# chunks (8, 32, 128, 512...) so a node holding nothing costs one small HMGET. Returns a flat list
-# [node_id, address, tier codes of the run, ...] for nodes with a run of at least one block.
-_ROUTE_LUA = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local nodes = redis.call('HGETALL', KEYS[1])
-local n = #ARGV
-local out = {}
-for i = 1, #nodes, 2 do
-  local id = nodes[i]
-  local v = nodes[i + 1]
-  local sp = string.find(v, ' ', 1, true)
-  if sp and tonumber(string.sub(v, 1, sp - 1)) >= now_ms then
-    local key = KEYS[2] .. id
-    local count = 0
-    local tiers = {}
-    local first = 2
-    local step = 8
-    local done = false
-    while first <= n and not done do
-      local last = math.min(first + step - 1, n)
-      local vals = redis.call('HMGET', key, unpack(ARGV, first, last))
-      for k = 1, #vals do
-        local val = vals[k]
-        if not val then done = true; break end
-        count = count + 1
-        tiers[count] = string.sub(val, 9, 9)
+# KEYS[1] holders. ARGV: slot, 'a' (add) | 'r' (remove), hash length, packed hashes,
+# packed 9-byte values (checksum LE + tier code) for adds. Returns the number of checksum conflicts.
+_PUBLISH_LUA = """
+local slot = tonumber(ARGV[1])
+local add = ARGV[2] == 'a'
+local L = tonumber(ARGV[3])
+local hs = ARGV[4]
+local vs = ARGV[5]
+local bi = 9 + math.floor(slot / 4)
+local shift = (slot % 4) * 2
+local both = bit.lshift(3, shift)
+local hold = bit.lshift(1, shift)
+local conflicts = 0
+for i = 0, #hs / L - 1 do
+  local h = string.sub(hs, i * L + 1, (i + 1) * L)
+  local v = redis.call('HGET', KEYS[1], h)
+  if add then
+    local cs = string.sub(vs, i * 9 + 1, i * 9 + 8)
+    local flag = hold
+    if string.byte(vs, i * 9 + 9) >= 2 then flag = both end
+    local skip = false
+    if not v then
+      v = cs
+    elseif string.sub(v, 1, 8) ~= cs then
+      if string.find(v, '[^%z]', 9) then
+        skip = true
+        conflicts = conflicts + 1
+      else
+        v = cs .. string.sub(v, 9)
       end
-      first = last + 1
-      step = math.min(step * 4, 512)
     end
-    if count > 0 then
-      out[#out + 1] = id
-      out[#out + 1] = string.sub(v, sp + 1)
-      out[#out + 1] = table.concat(tiers)
+    if not skip then
+      if #v < bi then v = v .. string.rep('\\0', bi - #v) end
+      local b = bit.bor(bit.band(string.byte(v, bi), bit.bnot(both)), flag)
+      redis.call('HSET', KEYS[1], h, string.sub(v, 1, bi - 1) .. string.char(b) .. string.sub(v, bi + 1))
+    end
+  elseif v and #v >= bi then
+    local b = bit.band(string.byte(v, bi), bit.bnot(both))
+    v = string.sub(v, 1, bi - 1) .. string.char(b) .. string.sub(v, bi + 1)
+    if string.find(v, '[^%z]', 9) then
+      redis.call('HSET', KEYS[1], h, v)
+    else
+      redis.call('HDEL', KEYS[1], h)
     end
   end
 end
-return out
+return conflicts
 """
-# ARGV[1] is unused padding so that hashes start at ARGV[2] (keeps the index arithmetic obvious).
+
+# KEYS[1] holders. ARGV: hash length, packed hashes, dead slots... Clears those slots' bits.
+_SWEEP_LUA = """
+local L = tonumber(ARGV[1])
+local hs = ARGV[2]
+local cleared = 0
+for i = 0, #hs / L - 1 do
+  local h = string.sub(hs, i * L + 1, (i + 1) * L)
+  local v = redis.call('HGET', KEYS[1], h)
+  if v then
+    local changed = false
+    for j = 3, #ARGV do
+      local slot = tonumber(ARGV[j])
+      local bi = 9 + math.floor(slot / 4)
+      local mask = bit.lshift(3, (slot % 4) * 2)
+      if #v >= bi and bit.band(string.byte(v, bi), mask) ~= 0 then
+        v = string.sub(v, 1, bi - 1) .. string.char(bit.band(string.byte(v, bi), bit.bnot(mask))) .. string.sub(v, bi + 1)
+        changed = true
+      end
+    end
+    if changed then
+      cleared = cleared + 1
+      if string.find(v, '[^%z]', 9) then redis.call('HSET', KEYS[1], h, v) else redis.call('HDEL', KEYS[1], h) end
+    end
+  end
+end
+return cleared
+"""
+
+# KEYS[1] nodes. ARGV: node id, value. Marks earlier incarnations of the node dead, takes the
+# lowest free slot. Returns the slot.
+_JOIN_LUA = """
+local all = redis.call('HGETALL', KEYS[1])
+local used = {}
+for i = 1, #all, 2 do
+  used[tonumber(all[i])] = true
+  local v = all[i + 1]
+  local sp1 = string.find(v, ' ', 1, true)
+  local sp2 = string.find(v, ' ', sp1 + 1, true)
+  if sp1 and sp2 and string.sub(v, sp1 + 1, sp2 - 1) == ARGV[1] then
+    redis.call('HSET', KEYS[1], all[i], '0' .. string.sub(v, sp1))
+  end
+end
+local s = 0
+while used[s] do s = s + 1 end
+redis.call('HSET', KEYS[1], tostring(s), ARGV[2])
+return s
+"""
+
+# KEYS[1] nodes, KEYS[2] holders. ARGV: slot, new value, keep ms. Refreshes the slot's expiry if
+# it is still this node's and alive; 0 means "your slot is gone: join again and republish".
+_HEARTBEAT_LUA = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+local ok = 0
+if v then
+  local sp = string.find(v, ' ', 1, true)
+  local sp_new = string.find(ARGV[2], ' ', 1, true)
+  if sp and string.sub(v, sp) == string.sub(ARGV[2], sp_new) and tonumber(string.sub(v, 1, sp - 1)) > 0 then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    ok = 1
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return ok
+"""
+
+# KEYS[1] nodes. ARGV: now ms, grace ms. Marks slots expired for longer than grace as dead
+# (expiry 0) and returns every dead slot.
+_CLAIM_DEAD_LUA = """
+local all = redis.call('HGETALL', KEYS[1])
+local dead = {}
+local limit = tonumber(ARGV[1]) - tonumber(ARGV[2])
+for i = 1, #all, 2 do
+  local v = all[i + 1]
+  local sp = string.find(v, ' ', 1, true)
+  local exp = tonumber(string.sub(v, 1, sp - 1))
+  if exp < limit then
+    if exp > 0 then redis.call('HSET', KEYS[1], all[i], '0' .. string.sub(v, sp)) end
+    dead[#dead + 1] = all[i]
+  end
+end
+return dead
+"""
 
 
 @dataclasses.dataclass
@@ -112,7 +208,8 @@ class NodeRoute:
     address: str
     blocks: int
     tokens: int | None            # blocks x block_tokens when the layout is known
-    tiers: dict[str, int]         # tier name -> how many of those blocks it published there
+    tiers: dict[str, int]         # "memory" (GPU/CPU) and "disk" (NVMe/Redis): blocks of the run in each
+    slot: int = -1                # the node's slot in this namespace's directory
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,101 +231,221 @@ def connect(redis_url: str, socket_timeout_s: float = 0.5):
 
 
 def pack_entry(checksum: int, tier: str) -> bytes:
-    return checksum.to_bytes(8, "little") + bytes([TIER_CODES.get(tier, UNKNOWN_TIER)])
+    """The mirror's (and publish script's) value for one block: checksum LE + tier code."""
+    return checksum.to_bytes(8, "little") + bytes([TIER_CODES.get(tier, 2)])
 
 
-def node_field(address: str, ttl_s: float) -> str:
-    """The nodes-hash value: when this node stops counting as alive (ms since epoch), and where."""
-    return f"{int((time.time() + ttl_s) * 1000)} {address}"
+def node_value(node_id: str, address: str, ttl_s: float) -> str:
+    """The nodes-hash value: when this slot stops counting as alive (ms since epoch), who, where."""
+    return f"{int((time.time() + ttl_s) * 1000)} {node_id} {address}"
 
 
-def _unpack_checksum(value: bytes | None) -> int | None:
-    return None if value is None or len(value) < 8 else int.from_bytes(value[:8], "little")
+def _holds(value: bytes | None, slot: int) -> bool:
+    i = 8 + slot // 4
+    return value is not None and len(value) > i and bool(value[i] >> ((slot % 4) * 2) & 1)
 
 
 class Directory:
-    """The Redis side of the fleet: key names, the route query, checksum look-ups.
-    Holds no Store, so a router or ``kvstore route`` can use it on its own."""
+    """The Redis side of the fleet: key names and every script. Holds no Store, so a router or
+    ``kvstore route`` can use it on its own."""
 
     def __init__(self, redis_url: str, key_prefix: str = "kvs", socket_timeout_s: float = 0.5,
-                 client=None) -> None:
+                 client=None, keep_s: float = 600.0) -> None:
         if not key_prefix or "{" in key_prefix or "}" in key_prefix:
             raise InvalidArgument("key_prefix", "must be non-empty and contain no braces")
         self.prefix = key_prefix
+        self.keep_ms = int(keep_s * 1000)   # TTL of a namespace's keys, pushed forward by every write
         self.redis = client if client is not None else connect(redis_url, socket_timeout_s)
-        self._route_script = self.redis.register_script(_ROUTE_LUA)
+        self._publish = self.redis.register_script(_PUBLISH_LUA)
+        self._sweep = self.redis.register_script(_SWEEP_LUA)
+        self._join = self.redis.register_script(_JOIN_LUA)
+        self._heartbeat = self.redis.register_script(_HEARTBEAT_LUA)
+        self._claim_dead = self.redis.register_script(_CLAIM_DEAD_LUA)
 
-    def node_key(self, namespace_id: bytes, node_id: str) -> str:
-        return f"{self.prefix}:{{{namespace_id.hex()}}}:n:{node_id}"
+    def _tag(self, namespace_id: bytes) -> str:
+        return f"{self.prefix}:{{{namespace_id.hex()}}}"
+
+    def holders_key(self, namespace_id: bytes) -> str:
+        return self._tag(namespace_id) + ":holders"
 
     def nodes_key(self, namespace_id: bytes) -> str:
-        return f"{self.prefix}:{{{namespace_id.hex()}}}:nodes"
+        return self._tag(namespace_id) + ":nodes"
+
+    def janitor_key(self, namespace_id: bytes) -> str:
+        return self._tag(namespace_id) + ":janitor"
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def join(self, namespace_id: bytes, node_id: str, address: str, ttl_s: float) -> int:
+        """Take a slot in this namespace (earlier incarnations of ``node_id`` become dead)."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._join(keys=[self.nodes_key(namespace_id)], args=[node_id, node_value(node_id, address, ttl_s)],
+                   client=pipe)
+        pipe.pexpire(self.nodes_key(namespace_id), self.keep_ms)
+        return int(pipe.execute()[0])
+
+    def heartbeat(self, beats: Sequence[tuple[bytes, int]], node_id: str, address: str,
+                  ttl_s: float) -> list[bool]:
+        """Refresh this node's slots, one per namespace; False where the slot is gone."""
+        pipe = self.redis.pipeline(transaction=False)
+        value = node_value(node_id, address, ttl_s)
+        for ns, slot in beats:
+            self._heartbeat(keys=[self.nodes_key(ns), self.holders_key(ns)],
+                            args=[slot, value, self.keep_ms], client=pipe)
+        return [bool(x) for x in pipe.execute()]
+
+    def leave(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes]) -> None:
+        """Withdraw ``hashes`` from ``slot`` and free it (a clean shutdown)."""
+        self.publish(namespace_id, slot, {h: None for h in hashes})
+        self.redis.hdel(self.nodes_key(namespace_id), str(slot))
+
+    # -- entries ---------------------------------------------------------------------------------
+
+    def publish(self, namespace_id: bytes, slot: int, changes: dict[bytes, bytes | None]) -> int:
+        """Set (value = ``pack_entry``) or clear (None) ``slot``'s bit for each block hash, in
+        bounded Lua calls pipelined together. Returns how many adds hit a checksum conflict."""
+        key = self.holders_key(namespace_id)
+        pipe = self.redis.pipeline(transaction=False)
+        groups: dict[tuple[bool, int], list[tuple[bytes, bytes | None]]] = collections.defaultdict(list)
+        for h, v in changes.items():
+            groups[(v is not None, len(h))].append((h, v))
+        for (is_add, length), items in groups.items():
+            for i in range(0, len(items), PUBLISH_CHUNK):
+                chunk = items[i:i + PUBLISH_CHUNK]
+                self._publish(keys=[key], client=pipe, args=[
+                    slot, "a" if is_add else "r", length, b"".join(h for h, _ in chunk),
+                    b"".join(v for _, v in chunk) if is_add else b""])
+        pipe.pexpire(key, self.keep_ms)
+        results = pipe.execute()
+        return int(sum(results[:-1]))
+
+    def sweep(self, namespace_id: bytes, grace_s: float, lock_s: float = 60.0) -> int:
+        """Janitor: clear the bits of slots dead for longer than ``grace_s`` and free them.
+        One sweeper at a time per namespace (a lock with a TTL). Returns entries cleared."""
+        if not self.redis.set(self.janitor_key(namespace_id), "1", nx=True, px=int(lock_s * 1000)):
+            return 0
+        try:
+            now_s, now_us = self.redis.time()
+            dead = self._claim_dead(keys=[self.nodes_key(namespace_id)],
+                                    args=[now_s * 1000 + now_us // 1000, int(grace_s * 1000)])
+            if not dead:
+                return 0
+            cleared = 0
+            key = self.holders_key(namespace_id)
+            for fields in self._scan_fields(key):
+                by_len: dict[int, list[bytes]] = collections.defaultdict(list)
+                for f in fields:
+                    by_len[len(f)].append(f)
+                for length, group in by_len.items():
+                    cleared += int(self._sweep(keys=[key], args=[length, b"".join(group), *dead]))
+            self.redis.hdel(self.nodes_key(namespace_id), *dead)
+            return cleared
+        finally:
+            self.redis.delete(self.janitor_key(namespace_id))
+
+    def _scan_fields(self, key: str, count: int = 500):
+        cursor = 0
+        while True:
+            cursor, page = self.redis.hscan(key, cursor, count=count)  # NOVALUES needs Redis 7.4
+            if page:
+                yield list(page)
+            if cursor == 0:
+                return
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def _live_slots(self, nodes: dict, now_ms: int) -> dict[int, tuple[str, str]]:
+        live = {}
+        for slot, v in nodes.items():
+            expiry, node_id, address = v.decode().split(" ", 2)
+            if int(expiry) >= now_ms:
+                live[int(slot)] = (node_id, address)
+        return live
 
     def route(self, namespace_id: bytes, hashes: Sequence[bytes],
               block_tokens: int | None = None) -> list[NodeRoute]:
         """Per live node holding at least the first block: how many leading blocks (and tokens)
-        it can serve and from which tiers; longest first. One round trip (a Lua script)."""
+        it can serve, and how many of those sit in memory vs on disk; longest first.
+        Reads the nodes hash and the first 256 blocks in one round trip, more only while some node
+        still holds every block asked so far."""
         if len(hashes) > MAX_ROUTE_HASHES:
             raise InvalidArgument("hashes", f"{len(hashes)} hashes; at most {MAX_ROUTE_HASHES} per route")
         if not hashes:
             return []
-        for h in hashes:
-            check_block_hash(h)
-        flat = self._route_script(keys=[self.nodes_key(namespace_id), self.node_key(namespace_id, "")],
-                                  args=[b"", *hashes])
+        lengths = set(map(len, hashes)) if set(map(type, hashes)) == {bytes} else {0}
+        if min(lengths) < 1 or max(lengths) > MAX_HASH_BYTES:
+            for h in hashes:
+                check_block_hash(h)   # raises, naming the field
+            hashes = [bytes(h) for h in hashes]
+        holders = self.holders_key(namespace_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.hgetall(self.nodes_key(namespace_id))
+        pipe.hmget(holders, list(hashes[:ROUTE_CHUNKS[0]]))
+        (now_s, now_us), nodes, values = pipe.execute()
+        live = self._live_slots(nodes, now_s * 1000 + now_us // 1000)
+        if not live:
+            return []
+        pos, step = len(values), 1
+        while True:
+            run, disk = _runs(values, max(live) + 1)
+            if pos >= len(hashes) or not any(run[s] == pos for s in live):
+                break
+            size = ROUTE_CHUNKS[min(step, len(ROUTE_CHUNKS) - 1)]
+            values = values + self.redis.hmget(holders, list(hashes[pos:pos + size]))
+            pos, step = len(values), step + 1
         routes = []
-        for i in range(0, len(flat), 3):
-            node_id, address, codes = flat[i].decode(), flat[i + 1].decode(), flat[i + 2]
-            tiers: dict[str, int] = {}
-            for code, count in collections.Counter(codes).items():
-                name = TIER_NAMES.get(code, "unknown")
-                tiers[name] = tiers.get(name, 0) + count
-            n = len(codes)
-            routes.append(NodeRoute(node_id, address, n, n * block_tokens if block_tokens else None, tiers))
-        routes.sort(key=lambda r: (-r.blocks, -r.tiers.get("gpu", 0) - r.tiers.get("cpu", 0), r.node_id))
+        for slot, (node_id, address) in live.items():
+            n = int(run[slot])
+            if n:
+                d = int(disk[slot])
+                routes.append(NodeRoute(node_id, address, n, n * block_tokens if block_tokens else None,
+                                        {"memory": n - d, "disk": d}, slot))
+        routes.sort(key=lambda r: (-r.blocks, r.tiers["disk"], r.node_id))
         return routes
 
-    def publish(self, node_id: str, address: str, ttl_s: float,
-                delta: dict[bytes, dict[bytes, bytes | None]], replace: bool = False) -> tuple[int, int]:
-        """Write one node's changes (hash -> packed value, or None to withdraw) in one pipeline,
-        refreshing its TTLs; ``replace`` first deletes what the node had (a full republish).
-        Returns (entries written, entries withdrawn)."""
-        pipe = self.redis.pipeline(transaction=False)
-        field = node_field(address, ttl_s)
-        ttl_ms = int(ttl_s * 1000)
-        n_add = n_del = 0
-        for ns, changes in delta.items():
-            key = self.node_key(ns, node_id)
-            if replace:
-                pipe.delete(key)
-            adds = [(h, v) for h, v in changes.items() if v is not None]
-            dels = [h for h, v in changes.items() if v is None]
-            for i in range(0, len(adds), _PUSH_CHUNK):
-                pipe.hset(key, mapping=dict(adds[i:i + _PUSH_CHUNK]))
-            for i in range(0, len(dels), _PUSH_CHUNK):
-                pipe.hdel(key, *dels[i:i + _PUSH_CHUNK])
-            pipe.pexpire(key, ttl_ms)
-            pipe.hset(self.nodes_key(ns), node_id, field)
-            pipe.pexpire(self.nodes_key(ns), ttl_ms)
-            n_add += len(adds)
-            n_del += len(dels)
-        pipe.execute()
-        return n_add, n_del
-
-    def checksums(self, namespace_id: bytes, node_id: str, hashes: Sequence[bytes]) -> list[int | None]:
-        """What ``node_id`` published for each block (None where it publishes nothing)."""
+    def checksums(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes]) -> list[int | None]:
+        """The published checksum of each block that ``slot`` holds (None where it does not)."""
         if not hashes:
             return []
-        return [_unpack_checksum(v) for v in self.redis.hmget(self.node_key(namespace_id, node_id), list(hashes))]
+        values = self.redis.hmget(self.holders_key(namespace_id), list(hashes))
+        return [int.from_bytes(v[:8], "little") if _holds(v, slot) else None for v in values]
 
     def entries(self, namespace_id: bytes, node_id: str) -> int:
-        return int(self.redis.hlen(self.node_key(namespace_id, node_id)))
+        """How many blocks the live slots of ``node_id`` hold (a full scan: tests and tools)."""
+        now_s, now_us = self.redis.time()
+        live = self._live_slots(self.redis.hgetall(self.nodes_key(namespace_id)), now_s * 1000 + now_us // 1000)
+        slots = [s for s, (n, _) in live.items() if n == node_id]
+        if not slots:
+            return 0
+        count = 0
+        for _, v in self.redis.hscan_iter(self.holders_key(namespace_id), count=1000):
+            count += any(_holds(v, s) for s in slots)
+        return count
 
     def close(self) -> None:
         try:
             self.redis.close()
         except Exception:  # noqa: BLE001 - closing a broken connection is not an error
             pass
+
+
+def _runs(values: list[bytes | None], nslots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot: the length of its leading run of held blocks, and how many of those are on disk."""
+    if None in values:                 # nobody holds that block: no run goes past it
+        values = values[:values.index(None)]
+    if not values:
+        return np.zeros(nslots, dtype=np.int64), np.zeros(nslots, dtype=np.int64)
+    width = (nslots + 3) // 4
+    rows = b"".join((v[8:8 + width] if v else b"").ljust(width, b"\0") for v in values)
+    bits = np.unpackbits(np.frombuffer(rows, dtype=np.uint8).reshape(len(values), width), axis=1,
+                         bitorder="little")
+    hold = bits[:, 0::2].astype(bool)[:, :nslots]
+    disk = bits[:, 1::2].astype(bool)[:, :nslots]
+    full = hold.all(axis=0)
+    run = np.where(full, len(values), hold.argmin(axis=0))
+    in_run = np.arange(len(values))[:, None] < run[None, :]
+    return run, (disk & in_run).sum(axis=0)
 
 
 def _default_client_factory(token: str | None, timeout_s: float) -> Callable[[str], object]:
@@ -247,7 +464,7 @@ class Fleet(StoreListener):
 
     def __init__(self, store: Store, redis_url: str, node_id: str, advertise_addr: str, *,
                  key_prefix: str = "kvs", heartbeat_s: float = 2.0, ttl_s: float = 10.0,
-                 flush_interval_s: float = 0.02, peer_token: str | None = None,
+                 flush_interval_s: float = 0.02, sweep_every: int = 10, peer_token: str | None = None,
                  peer_timeout_s: float = 2.0, peer_fetch: bool = True, fetch_batch: int = 64,
                  socket_timeout_s: float = 0.5, shared_pool=None,
                  client_factory: Callable[[str], object] | None = None) -> None:
@@ -263,9 +480,11 @@ class Fleet(StoreListener):
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.flush_interval_s = flush_interval_s
+        self.sweep_every = sweep_every
         self.peer_fetch_enabled = peer_fetch
         self.fetch_batch = fetch_batch
-        self.directory = Directory(redis_url, key_prefix, socket_timeout_s)
+        # a namespace's keys outlive the last heartbeat of the whole fleet by keep_s
+        self.directory = Directory(redis_url, key_prefix, socket_timeout_s, keep_s=max(60.0, 10 * ttl_s))
         self.shared_pool = shared_pool                     # a RedisTier shared by the fleet, or None
         self._client_factory = client_factory or _default_client_factory(peer_token, peer_timeout_s)
         self._clients: dict[str, object] = {}
@@ -276,8 +495,9 @@ class Fleet(StoreListener):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Event()
-        self._mirror: dict[bytes, dict[bytes, bytes]] = {}   # what we believe Redis holds for us
-        self._resync = True                                  # first flush replaces stale keys
+        self._mirror: dict[bytes, dict[bytes, bytes]] = {}   # ns -> hash -> pack_entry: what we publish
+        self._slots: dict[bytes, int] = {}                   # ns -> our slot in its directory
+        self._resync = True                                  # (re)join and publish the whole mirror
         self._thread: threading.Thread | None = None
         self._scratch = np.empty(0, dtype=np.uint8)
         self.counters: dict[str, int] = collections.defaultdict(int)
@@ -322,12 +542,9 @@ class Fleet(StoreListener):
             self._thread.join(timeout=5)
         if unpublish:
             try:
-                pipe = self.directory.redis.pipeline(transaction=False)
-                for ns in self._mirror:
-                    pipe.delete(self.directory.node_key(ns, self.node_id))
-                    pipe.hdel(self.directory.nodes_key(ns), self.node_id)
-                pipe.execute()
-            except Exception as e:  # noqa: BLE001 - Redis down at shutdown: entries expire anyway
+                for ns, slot in self._slots.items():
+                    self.directory.leave(ns, slot, list(self._mirror.get(ns, ())))
+            except Exception as e:  # noqa: BLE001 - Redis down at shutdown: the slot expires anyway
                 log.info("fleet: could not withdraw entries at close (%s); they expire in %ss", e, self.ttl_s)
         with self._clients_lock:
             for c in self._clients.values():
@@ -430,56 +647,47 @@ class Fleet(StoreListener):
             with store._lock:  # noqa: SLF001
                 store._unpin(entry)  # noqa: SLF001
 
-    def _node_field(self) -> str:
-        return node_field(self.advertise_addr, self.ttl_s)
+    def _join(self, ns: bytes) -> int:
+        slot = self.directory.join(ns, self.node_id, self.advertise_addr, self.ttl_s)
+        self._slots[ns] = slot
+        self.counters["joins"] += 1
+        return slot
 
     def _push(self, delta: dict[bytes, dict[bytes, bytes | None]]) -> None:
-        n_add, n_del = self.directory.publish(self.node_id, self.advertise_addr, self.ttl_s, delta)
-        self.counters["published"] += n_add
-        self.counters["withdrawn"] += n_del
+        for ns, changes in delta.items():
+            slot = self._slots.get(ns)
+            if slot is None:
+                slot = self._join(ns)
+            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, changes)
+            self.counters["published"] += sum(1 for v in changes.values() if v is not None)
+            self.counters["withdrawn"] += sum(1 for v in changes.values() if v is None)
         self.counters["pushes"] += 1
 
-    def _republish(self) -> None:
-        """Replace this node's entries with the mirror (first start, Redis restarted or lost)."""
-        for ns, held in list(self._mirror.items()):
-            self.directory.publish(self.node_id, self.advertise_addr, self.ttl_s, {ns: dict(held)}, replace=True)
+    def _republish(self, namespaces: Sequence[bytes] | None = None) -> None:
+        """Join under a fresh slot and publish the whole mirror (first start, Redis restarted or
+        unreachable for a while: what Redis holds for the old slot may be stale or gone)."""
+        for ns in list(self._mirror) if namespaces is None else namespaces:
+            slot = self._join(ns)
+            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, dict(self._mirror[ns]))
         self._resync = False
         self.counters["republishes"] += 1
 
     def _heartbeat(self) -> None:
-        """Refresh TTLs; an entry set that vanished (Redis restarted, flushed) triggers a republish.
-        Also drops other nodes' expired fields from the nodes hash (they no longer route)."""
-        d = self.directory
-        namespaces = list(self._mirror)
-        if not namespaces:
+        """Refresh our slots; a slot that vanished (Redis restarted, flushed, or we were presumed
+        dead) means joining again and republishing. Every ``sweep_every`` beats, sweep dead slots."""
+        beats = list(self._slots.items())
+        if not beats:
             return
-        pipe = d.redis.pipeline(transaction=False)
-        field = self._node_field()
-        ttl_ms = int(self.ttl_s * 1000)
-        for ns in namespaces:
-            pipe.pexpire(d.node_key(ns, self.node_id), ttl_ms)
-            pipe.hset(d.nodes_key(ns), self.node_id, field)
-            pipe.pexpire(d.nodes_key(ns), ttl_ms)
-        results = pipe.execute()
-        for i, ns in enumerate(namespaces):
-            if not results[3 * i] and self._mirror[ns]:
-                self.counters["entries_lost"] += 1
-                self._resync = True
+        alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s)
+        lost = [ns for (ns, _), ok in zip(beats, alive) if not ok]
+        if lost:
+            self.counters["slots_lost"] += len(lost)
+            log.info("fleet: directory lost our entries for %d namespace(s); republishing", len(lost))
+            self._republish(lost)
         self.counters["heartbeats"] += 1
-        if self.counters["heartbeats"] % 10 == 1:
-            self._prune_dead_nodes(namespaces)
-        if self._resync:
-            self._republish()
-
-    def _prune_dead_nodes(self, namespaces: list[bytes]) -> None:
-        now_ms = time.time() * 1000
-        for ns in namespaces:
-            key = self.directory.nodes_key(ns)
-            dead = [node for node, v in self.directory.redis.hgetall(key).items()
-                    if float(v.split(b" ", 1)[0]) < now_ms - self.ttl_s * 1000]
-            if dead:
-                self.directory.redis.hdel(key, *dead)
-                self.counters["pruned_nodes"] += len(dead)
+        if self.counters["heartbeats"] % self.sweep_every == 0:
+            for ns, _ in beats:
+                self.counters["swept_entries"] += self.directory.sweep(ns, grace_s=self.ttl_s)
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -592,7 +800,7 @@ class Fleet(StoreListener):
         """Fetch ``want`` from one peer in batches, verifying each block; returns blocks stored."""
         stored = 0
         try:
-            expected = self.directory.checksums(ns, route.node_id, want)
+            expected = self.directory.checksums(ns, route.slot, want)
             client = self._peer(route.address, ns)
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]

@@ -24,7 +24,7 @@ import redis
 import xxhash
 
 from kvstore.errors import InvalidArgument
-from kvstore.fleet import Directory, Fleet, route_main
+from kvstore.fleet import Directory, Fleet, pack_entry, route_main
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
@@ -156,16 +156,18 @@ def test_put_publishes_entries_with_checksums_and_delete_withdraws(make_node, re
     assert fleet.wait_published()
     d = Directory(redis_url, prefix)
     assert d.entries(NS.id, "n1") == 5
-    assert d.checksums(NS.id, "n1", hashes) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
-    key = d.node_key(NS.id, "n1")
-    ttl_ms = d.redis.pttl(key)
-    assert 0 < ttl_ms <= 1500, "entries must carry the node's TTL"
-    assert "{" + NS.id.hex() + "}" in key, "namespace keys must share one cluster hash tag"
+    (route,) = d.route(NS.id, hashes)
+    assert d.checksums(NS.id, route.slot, hashes) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    for key in (d.holders_key(NS.id), d.nodes_key(NS.id)):
+        assert d.redis.pttl(key) > 0, "every directory key expires unless heartbeats keep it"
+        assert "{" + NS.id.hex() + "}" in key, "namespace keys must share one cluster hash tag"
+    expiry_ms = int(d.redis.hget(d.nodes_key(NS.id), str(route.slot)).split()[0])
+    assert 0 < expiry_ms - time.time() * 1000 <= 1500, "a node's slot lives for ttl_s past its last heartbeat"
 
     store.delete(NS.id, hashes[3:])
     assert fleet.wait_published()
     assert d.entries(NS.id, "n1") == 3
-    assert d.checksums(NS.id, "n1", hashes[3:]) == [None, None]
+    assert d.checksums(NS.id, route.slot, hashes[3:]) == [None, None]
 
 
 def test_eviction_withdraws_entries(make_node, redis_url, prefix):
@@ -175,7 +177,8 @@ def test_eviction_withdraws_entries(make_node, redis_url, prefix):
         store.put(NS.id, [h], [b], parent=p)
     assert fleet.wait_published()
     d = Directory(redis_url, prefix)
-    published = [c is not None for c in d.checksums(NS.id, "n1", hashes)]
+    slot = fleet._slots[NS.id]
+    published = [c is not None for c in d.checksums(NS.id, slot, hashes)]
     assert published == store.contains(NS.id, hashes)
     assert sum(published) == 4
 
@@ -232,7 +235,7 @@ def test_route_picks_the_node_with_the_longest_cached_prefix(make_node):
     routes = f3.route(NS.id, hashes)
     assert [(r.node_id, r.blocks, r.tokens) for r in routes] == [("n2", 6, 6 * BLOCK_TOKENS),
                                                                 ("n1", 2, 2 * BLOCK_TOKENS)]
-    assert routes[0].tiers == {"cpu": 6}
+    assert routes[0].tiers == {"memory": 6, "disk": 0}
     assert routes[0].address == "inproc-n2:1"
 
     tokens = (np.arange(8 * BLOCK_TOKENS) * 7919) % 50_000
@@ -308,11 +311,8 @@ def test_stale_directory_entry_is_a_miss_not_wrong_bytes(make_node, redis_url, p
     assert f1.wait_published()
     f1.close()   # stop publishing; re-plant the entries as they were, then swap the bytes under them
     d = Directory(redis_url, prefix)
-    pipe = d.redis.pipeline()
-    for h, b in zip(hashes, blocks):
-        pipe.hset(d.node_key(NS.id, "n1"), h, xxhash.xxh3_64_intdigest(b).to_bytes(8, "little") + b"\x01")
-    pipe.hset(d.nodes_key(NS.id), "n1", f"{int((time.time() + 30) * 1000)} inproc-n1:1")
-    pipe.execute()
+    slot = d.join(NS.id, "n1", "inproc-n1:1", ttl_s=30)
+    d.publish(NS.id, slot, {h: pack_entry(xxhash.xxh3_64_intdigest(b), "cpu") for h, b in zip(hashes, blocks)})
     s1.delete(NS.id, hashes[1:])
     s1.put(NS.id, hashes[1:], [np.zeros(BLOCK, dtype=np.uint8)], parent=hashes[0])
     assert f3.lookup(NS.id, hashes).num_hit == 1
