@@ -51,7 +51,8 @@ def mha_host_pool(layout: str, dtype=torch.bfloat16, heads: int = 2, head_dim: i
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    dev = MHATokenToKVPool(DEVICE_TOKENS, PAGE, dtype, heads, head_dim, LAYERS, "cpu", False, 0, LAYERS)
+    dev = MHATokenToKVPool(DEVICE_TOKENS, PAGE, dtype, heads, head_dim, LAYERS, "cpu", False,
+                           start_layer=0, end_layer=LAYERS)
     return MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
                                 pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
                                 start_layer=dev.start_layer, end_layer=dev.end_layer,
@@ -93,9 +94,12 @@ def page_bytes(pool, first_page: int, n: int) -> list[bytes]:
                   .numpy()) for i in range(n)]
 
 
+RUN = os.urandom(8).hex()  # a daemon may outlive one run: keys are fresh every run
+
+
 def keys_for(tag: str, n: int) -> list[str]:
     """SGLang-shaped page keys: chained sha256 hex digests."""
-    keys, prev = [], hashlib.sha256(tag.encode()).digest()
+    keys, prev = [], hashlib.sha256(f"{RUN}-{tag}".encode()).digest()
     for i in range(n):
         prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
         keys.append(prev.hex())
@@ -262,9 +266,15 @@ def check_controller(url: str) -> str:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{closed_port()}", rank=0, world_size=1)
     group = dist.group.WORLD
+    from sglang.srt.runtime_context import get_parallel
+
+    # One rank of everything, as a single-GPU server publishes it.
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                        attn_dcp_rank=0, attn_dcp_size=1)
 
     def controller(seed: int):
-        dev = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False, 0, LAYERS)
+        dev = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False,
+                               start_layer=0, end_layer=LAYERS)
         alloc = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", dev, False)
         host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
                                     pin_memory=False, device="cpu", device_capacity_tokens=dev.size,

@@ -1,0 +1,71 @@
+"""kvstore as LMCache's L2 storage: the L2 adapter plugin, driven by LMCache's own code.
+
+Runs in LMCache's own venv (it pins numpy/protobuf/grpcio differently from ours): the checks in
+tests/engines/lmcache_l2.py, and LMCache's `lmcache bench l2` CLI with the plugin adapter and
+round-trip verification on, both against a real kvstore daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN = {"type": "plugin", "module_path": "kvstore.connectors.lmcache", "class_name": "KVStoreL2Adapter"}
+
+
+def engine_venv(engine: str) -> str:
+    """The engine venv scripts/test.sh built (KVSTORE_VENV_<ENGINE>), else build it now."""
+    venv = os.environ.get(f"KVSTORE_VENV_{engine.upper()}")
+    if not venv:
+        out = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), engine], check=True,
+                             capture_output=True, text=True, timeout=1800)
+        venv = out.stdout.strip().splitlines()[-1]
+    assert os.path.isfile(os.path.join(venv, "bin", "python")), f"no python in engine venv {venv}"
+    return venv
+
+
+def engine_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+@pytest.fixture(scope="module")
+def lmcache_venv() -> str:
+    return engine_venv("lmcache")
+
+
+@pytest.fixture(scope="module")
+def adapter_checks(lmcache_venv, kv_daemon) -> dict:
+    proc = subprocess.run([os.path.join(lmcache_venv, "bin", "python"),
+                           os.path.join(REPO, "tests", "engines", "lmcache_l2.py"), "--url", kv_daemon.url],
+                          capture_output=True, text=True, timeout=600, env=engine_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", ["roundtrip", "isolation", "daemon_down", "bad_config"])
+def test_l2_adapter(adapter_checks, check):
+    result = adapter_checks[check]
+    assert result["ok"], result["detail"]
+
+
+def test_lmcache_bench_l2_with_kvstore_plugin(lmcache_venv, kv_daemon, tmp_path):
+    """LMCache's own benchmark loads the plugin by module path and verifies every byte it reads back."""
+    out = tmp_path / "bench.json"
+    spec = dict(PLUGIN, adapter_params={"url": kv_daemon.url})
+    proc = subprocess.run([os.path.join(lmcache_venv, "bin", "lmcache"), "bench", "l2", "--l2-adapter",
+                           json.dumps(spec), "--num-keys", "8", "--data-size-kb", "64", "--rounds", "2",
+                           "--no-skip-verify", "--lookup-max-hit-rate", "1.0", "--format", "json",
+                           "--output", str(out)],
+                          capture_output=True, text=True, timeout=600, env=engine_env(), cwd=str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "data verified OK" in proc.stdout + proc.stderr
+    metrics = json.loads(out.read_text())["metrics"]
+    ops = {v["operation"]: v for k, v in metrics.items() if k.startswith("op_")}
+    for op in ("Store", "Lookup", "Load"):
+        assert ops[op]["total_success"] == ops[op]["total_keys"] > 0, (op, ops[op])
