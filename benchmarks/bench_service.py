@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The daemon's data paths against ceilings measured in the same run; writes
+benchmarks/results/service.{json,md}.
+
+    .venv/bin/python benchmarks/bench_service.py [--url HOST:PORT] [--sizes 1MiB,4MiB,16MiB] [--total 256MiB]
+
+Measures put/get GB/s for 1/4/16 MiB blocks over gRPC streams, the raw-TCP bulk side channel and
+shared memory; lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
+socket (benchmarks/ceilings.py) as ceilings; Redis at 127.0.0.1:6379 as a peer on the same
+workload. Goals (issue 3): shm get >= 0.7x memcpy; remote get/put >= 0.8x raw TCP; lookups >= 10k/s.
+Without --url a private daemon runs as a child process (kvstore.bench). Re-executes itself with the
+glibc malloc settings `kvstore serve` uses, so client and daemon are tuned alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+GOALS = {"shm_get_vs_memcpy": 0.7, "bulk_get_vs_tcp": 0.8, "bulk_put_vs_tcp": 0.8, "lookups_per_s": 10_000}
+
+
+def _reexec_tuned() -> None:
+    from kvstore.cli import MALLOC_ENV
+
+    if os.environ.get("KVSTORE_NO_REEXEC") or all(k in os.environ for k in MALLOC_ENV):
+        return
+    env = {**os.environ, **MALLOC_ENV, "KVSTORE_NO_REEXEC": "1"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    out = ["# Service benchmark (benchmarks/bench_service.py)", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
+           f"Python {m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']}; 1-min load average at start "
+           f"{m['load_avg_1m']:.1f} (shared machine: read ratios, not absolutes). Daemon: {report['daemon']}. "
+           f"Medians of {report['reps']} repetitions of {report['total_bytes_per_measurement'] >> 20} MiB each. "
+           f"GB = 1e9 bytes. Ceilings from benchmarks/ceilings.py in the same run.", "",
+           "| block | path | put GB/s | get GB/s | ceiling GB/s | get / ceiling | put / ceiling |",
+           "|---|---|---|---|---|---|---|"]
+    for size, row in report["sizes"].items():
+        mib = f"{int(size) >> 20} MiB"
+        for t in ("shm", "bulk", "grpc", "redis"):
+            r = row.get(t)
+            if not r:
+                continue
+            ceiling = row["memcpy_gbps"] if t == "shm" else row["tcp_gbps"]
+            name = {"shm": "memcpy", "redis": "raw TCP"}.get(t, "raw TCP")
+            out.append(f"| {mib} | {t} | {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | {name} {ceiling:.2f} | "
+                       f"{r['get_gbps'] / ceiling:.2f}x | {r['put_gbps'] / ceiling:.2f}x |")
+    lk = report.get("lookups")
+    if lk:
+        out += ["", f"Lookups (4-block chain, metadata only): {lk['sequential_per_s']:,.0f}/s with one chain per RPC, "
+                    f"{lk['batched_per_s']:,.0f}/s batched ({lk['batch']} chains per LookupBatch RPC)."]
+    out += ["", "## Goals", "", "| goal | target | measured (worst block size) | met |", "|---|---|---|---|"]
+    for goal, target in report["goals"].items():
+        out.append(f"| {goal} | >= {target['target']} | {target['measured']:.2f} | {'yes' if target['met'] else 'no'} |")
+    out += ["", "Paths: `shm` = same-host client maps the daemon's CPU arena (PrepareLoad/PrepareStore leases); "
+                "`bulk` = raw TCP side channel negotiated over gRPC (control on gRPC); `grpc` = pure gRPC "
+                "streams of 1 MiB chunks (fallback); `redis` = Redis 127.0.0.1:6379 SET/GET pipelined, "
+                "redis-py + hiredis, the same blocks."]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url")
+    ap.add_argument("--sizes", default="1MiB,4MiB,16MiB")
+    ap.add_argument("--total", default="256MiB")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "service"))
+    args = ap.parse_args()
+    _reexec_tuned()
+    import ceilings
+
+    from kvstore.bench import format_report, run_bench
+    from kvstore.config import parse_size
+
+    t0 = time.time()
+    report = run_bench(url=args.url, sizes=[parse_size(s) for s in args.sizes.split(",")],
+                       total_bytes=parse_size(args.total), reps=args.reps,
+                       memcpy=lambda n: ceilings.memcpy_gbps(n), tcp=lambda n: ceilings.tcp_loopback_gbps(n))
+    report["seconds"] = round(time.time() - t0, 1)
+    rows = report["sizes"].values()
+
+    def worst(key: str) -> float:
+        vals = [r[key] for r in rows if key in r]
+        return min(vals) if vals else 0.0
+
+    measured = {"shm_get_vs_memcpy": worst("shm_get_vs_memcpy"), "bulk_get_vs_tcp": worst("bulk_get_vs_tcp"),
+                "bulk_put_vs_tcp": worst("bulk_put_vs_tcp"),
+                "lookups_per_s": report.get("lookups", {}).get("batched_per_s", 0.0)}
+    report["goals"] = {k: {"target": GOALS[k], "measured": v, "met": v >= GOALS[k]} for k, v in measured.items()}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(report))
+    print(format_report(report))
+    print(f"\nwrote {args.out}.json and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
