@@ -20,14 +20,16 @@ IsPinned = Callable[[bytes], bool]
 class EvictionPolicy(ABC):
     """Recency bookkeeping for the keys of one tier.
 
-    ``children`` counts a block's children stored anywhere in the store (the Store keeps it
-    current through ``child_added`` / ``child_removed``); policies that ignore structure ignore it.
+    The Store also reports each key's place in its chain *as seen from this tier*
+    (``update(key, children, orphan)``): ``children`` = children that have a copy in this tier or
+    a faster one, ``orphan`` = its parent has no copy in this tier or a faster one (the prefix
+    above it is broken here). Policies that ignore structure ignore both.
     """
 
     name: str
 
     @abstractmethod
-    def insert(self, key: bytes, children: int = 0) -> None: ...
+    def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None: ...
 
     @abstractmethod
     def touch(self, key: bytes) -> None: ...
@@ -35,10 +37,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
 
-    def child_added(self, key: bytes) -> None:
-        pass
-
-    def child_removed(self, key: bytes) -> None:
+    def update(self, key: bytes, children: int, orphan: bool) -> None:
         pass
 
     @abstractmethod
@@ -56,7 +55,7 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
-    def insert(self, key: bytes, children: int = 0) -> None:
+    def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
         self._order[key] = None
 
     def touch(self, key: bytes) -> None:
@@ -76,70 +75,90 @@ class LRUPolicy(EvictionPolicy):
 
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """Least recently used *leaf* first: a child is useless without its prefix, so a chain is
-    given up from its tail and the shared head stays in the fast tier. A leaf is a block with no
-    child stored anywhere. Falls back to plain LRU only when every leaf is pinned."""
+    """A chain is given up from its tail, so the shared head stays in the fast tier.
+
+    Victims, each class least recently used first:
+      1. orphans that are leaves here: their prefix already left this tier, so a prefix lookup
+         cannot stream them from here anyway (the tail of a chain that outgrew the tier);
+      2. leaves here: blocks with no child in this tier or a faster one;
+      3. anything unpinned (only when every leaf is pinned).
+    """
 
     name = "prefix"
 
     def __init__(self) -> None:
         self._lru = LRUPolicy()
         self._children: dict[bytes, int] = {}
+        self._orphan: dict[bytes, bool] = {}
         self._tick: dict[bytes, int] = {}
         self._clock = itertools.count()
-        self._leaves: list[tuple[int, bytes]] = []  # heap of (tick, key); stale entries skipped lazily
+        # heaps of (tick, key); stale entries (old tick, or no longer in that class) skipped lazily
+        self._leaves: list[tuple[int, bytes]] = []
+        self._orphans: list[tuple[int, bytes]] = []
 
-    def _push_leaf(self, key: bytes) -> None:
-        heapq.heappush(self._leaves, (self._tick[key], key))
-        if len(self._leaves) > 4 * len(self._tick) + 64:
-            self._leaves = [(t, k) for t, k in self._leaves if self._is_live_leaf(t, k)]
+    def _is_leaf(self, key: bytes) -> bool:
+        return self._children.get(key) == 0
+
+    def _is_orphan_leaf(self, key: bytes) -> bool:
+        return self._children.get(key) == 0 and self._orphan.get(key, False)
+
+    def _push(self, key: bytes) -> None:
+        if not self._is_leaf(key):
+            return
+        heap = self._orphans if self._orphan[key] else self._leaves
+        heapq.heappush(heap, (self._tick[key], key))
+        if len(heap) > 4 * len(self._tick) + 64:
+            self._leaves = [(t, k) for t, k in self._leaves if self._tick.get(k) == t and self._is_leaf(k)]
+            self._orphans = [(t, k) for t, k in self._orphans
+                             if self._tick.get(k) == t and self._is_orphan_leaf(k)]
             heapq.heapify(self._leaves)
+            heapq.heapify(self._orphans)
 
-    def _is_live_leaf(self, tick: int, key: bytes) -> bool:
-        return self._tick.get(key) == tick and self._children.get(key) == 0
-
-    def insert(self, key: bytes, children: int = 0) -> None:
+    def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
         self._lru.insert(key)
         self._tick[key] = next(self._clock)
         self._children[key] = children
-        if children == 0:
-            self._push_leaf(key)
+        self._orphan[key] = orphan
+        self._push(key)
 
     def touch(self, key: bytes) -> None:
         self._lru.touch(key)
         self._tick[key] = next(self._clock)
-        if self._children[key] == 0:
-            self._push_leaf(key)
+        self._push(key)
 
     def remove(self, key: bytes) -> None:
         if self._tick.pop(key, None) is not None:
             self._lru.remove(key)
             del self._children[key]
+            del self._orphan[key]
 
-    def child_added(self, key: bytes) -> None:
-        if key in self._children:
-            self._children[key] += 1
+    def update(self, key: bytes, children: int, orphan: bool) -> None:
+        if key not in self._tick:
+            return
+        changed = (self._children[key], self._orphan[key]) != (children, orphan)
+        self._children[key] = children
+        self._orphan[key] = orphan
+        if changed:
+            self._push(key)
 
-    def child_removed(self, key: bytes) -> None:
-        if key in self._children:
-            self._children[key] -= 1
-            if self._children[key] == 0:
-                self._push_leaf(key)
-
-    def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        skipped = []
-        victim = None
-        while self._leaves:
-            tick, key = heapq.heappop(self._leaves)
-            if not self._is_live_leaf(tick, key):
+    def _pick(self, heap: list[tuple[int, bytes]], valid, is_pinned: IsPinned) -> bytes | None:
+        skipped, victim = [], None
+        while heap:
+            tick, key = heapq.heappop(heap)
+            if self._tick.get(key) != tick or not valid(key):
                 continue
             skipped.append((tick, key))
             if not is_pinned(key):
                 victim = key
                 break
         for entry in skipped:
-            heapq.heappush(self._leaves, entry)
-        return victim if victim is not None else self._lru.pick_victim(is_pinned)
+            heapq.heappush(heap, entry)
+        return victim
+
+    def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
+        return (self._pick(self._orphans, self._is_orphan_leaf, is_pinned)
+                or self._pick(self._leaves, self._is_leaf, is_pinned)
+                or self._lru.pick_victim(is_pinned))
 
     def __len__(self) -> int:
         return len(self._tick)

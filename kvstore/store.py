@@ -58,8 +58,8 @@ class Entry:
     pins: int = 0                # explicit pins (in-flight reads, leases)
     pinned_until: float = 0.0    # lookup lease
     doomed: bool = False         # deleted while pinned: freed on last unpin
-    children: int = 0            # children stored anywhere (prefix-aware eviction reads it)
-    linked: bool = False         # counted in its parent's ``children``
+    children: set[bytes] = dataclasses.field(default_factory=set)  # keys of visible children
+    linked: bool = False         # listed in its parent's ``children``
 
     @property
     def key(self) -> bytes:
@@ -201,7 +201,7 @@ class Store:
             self._link(entry)
         for entry in self._index.values():
             for t in entry.copies:
-                self.policies[t].insert(entry.key, entry.children)
+                self.policies[t].insert(entry.key, *self._chain_state(entry, t))
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -211,21 +211,47 @@ class Store:
         return self._index.get(block_key(entry.namespace_id, entry.parent_hash))
 
     def _link(self, entry: Entry) -> None:
-        """Count a newly visible block in its parent (a parent with children is not a leaf)."""
+        """List a newly visible block in its parent (a parent with children is not a leaf)."""
         parent = self._parent(entry)
         if parent is not None and not entry.linked:
             entry.linked = True
-            parent.children += 1
-            for t in parent.copies:
-                self.policies[t].child_added(parent.key)
+            parent.children.add(entry.key)
+            self._refresh_policies(parent)
 
     def _unlink(self, entry: Entry) -> None:
         parent = self._parent(entry)
-        if entry.linked and parent is not None and parent.children > 0:
-            parent.children -= 1
-            for t in parent.copies:
-                self.policies[t].child_removed(parent.key)
+        if entry.linked and parent is not None:
+            parent.children.discard(entry.key)
+            self._refresh_policies(parent)
         entry.linked = False
+
+    def _chain_state(self, entry: Entry, t: int) -> tuple[int, bool]:
+        """What the prefix-aware policy of tier ``t`` needs: how many children have a copy in tier
+        ``t`` or faster, and whether the parent has none there (the prefix is broken in ``t``)."""
+        kids = 0
+        for child_key in entry.children:
+            child = self._index.get(child_key)
+            if child is not None and child.copies and child.fastest <= t:
+                kids += 1
+        if entry.parent_hash is None:
+            return kids, False
+        parent = self._parent(entry)
+        return kids, parent is None or not parent.copies or parent.fastest > t
+
+    def _refresh_policies(self, entry: Entry) -> None:
+        for t in entry.copies:
+            self.policies[t].update(entry.key, *self._chain_state(entry, t))
+
+    def _copies_changed(self, entry: Entry) -> None:
+        """``entry`` gained or lost a copy: its parent's children and its children's prefix, as
+        each tier sees them, may have changed."""
+        parent = self._parent(entry)
+        if parent is not None and entry.linked:
+            self._refresh_policies(parent)
+        for child_key in entry.children:
+            child = self._index.get(child_key)
+            if child is not None:
+                self._refresh_policies(child)
 
     def _is_pinned(self, key: bytes) -> bool:
         e = self._index.get(key)
@@ -311,13 +337,16 @@ class Store:
             self.tiers[t].drop(record.key)
             raise
         entry.copies[t] = record
-        self.policies[t].insert(entry.key, entry.children)
+        self.policies[t].insert(entry.key, *self._chain_state(entry, t))
+        self._copies_changed(entry)
 
     def _drop_copy(self, entry: Entry, t: int) -> None:
         self.tiers[t].drop(entry.key)
         self.policies[t].remove(entry.key)
         del entry.copies[t]
-        if not entry.copies:
+        if entry.copies:
+            self._copies_changed(entry)
+        else:
             self._forget(entry)
 
     def _forget(self, entry: Entry) -> None:
@@ -329,6 +358,7 @@ class Store:
                     listener.blocks_removed(entry.namespace_id, [entry.block_hash])
             if entry.ready:
                 self._ns_bytes[entry.namespace_id] -= entry.raw_size
+            self._copies_changed(entry)  # its children just lost their prefix
 
     def _drop_entry(self, entry: Entry) -> None:
         for t in list(entry.copies):
@@ -405,7 +435,7 @@ class Store:
         whether it has a durable copy, which the caller reports as "persisted" after ``_sync_durable``."""
         with self._lock:
             t = entry.fastest
-            self.policies[t].insert(entry.key, entry.children)
+            self.policies[t].insert(entry.key, *self._chain_state(entry, t))
             entry.ready = True
             self._link(entry)
             for listener in self.listeners:
@@ -555,7 +585,9 @@ class Store:
                     self.counters["corrupt_dropped"] += 1
                     self.policies[t].remove(entry.key)
                     entry.copies.pop(t, None)  # the tier already deleted its copy
-                    if not entry.copies:
+                    if entry.copies:
+                        self._copies_changed(entry)
+                    else:
                         self._forget(entry)
                     self._unpin(entry)
                 continue  # try the next copy, or report a miss
@@ -623,7 +655,9 @@ class Store:
     def _discard_copy_after_corruption(self, entry: Entry, t: int) -> None:
         self.policies[t].remove(entry.key)
         entry.copies.pop(t, None)
-        if not entry.copies:
+        if entry.copies:
+            self._copies_changed(entry)
+        else:
             self._forget(entry)
 
     def complete_load(self, lease_id: int) -> None:

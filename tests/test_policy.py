@@ -43,28 +43,28 @@ def test_lru_skips_pinned():
 
 
 def chain_policy(n: int) -> PrefixAwarePolicy:
-    """b0 <- b1 <- ... <- b(n-1), inserted head first, the way a prefill stores them."""
+    """b0 <- b1 <- ... <- b(n-1) all in this tier, inserted head first as a prefill stores them."""
     p = PrefixAwarePolicy()
     for i in range(n):
-        p.insert(bytes([i]))
+        p.insert(bytes([i]), children=0, orphan=False)
         if i:
-            p.child_added(bytes([i - 1]))
+            p.update(bytes([i - 1]), children=1, orphan=False)
     return p
 
 
 def test_prefix_policy_gives_up_a_chain_from_its_tail():
-    p = chain_policy(5)
     lru = LRUPolicy()
     for i in range(5):
         lru.insert(bytes([i]))
     assert lru.pick_victim(never_pinned) == bytes([0])  # plain LRU would orphan the whole chain
+    p = chain_policy(5)
     order = []
     for _ in range(5):
         v = p.pick_victim(never_pinned)
         order.append(v[0])
         p.remove(v)
         if v[0]:
-            p.child_removed(bytes([v[0] - 1]))  # the store reports the parent lost a child
+            p.update(bytes([v[0] - 1]), children=0, orphan=False)  # as the store reports it
     assert order == [4, 3, 2, 1, 0]
 
 
@@ -74,13 +74,25 @@ def test_prefix_policy_prefers_older_leaves_and_respects_touch():
     for k, parent in ((b"a0", None), (b"a1", b"a0"), (b"c0", None), (b"c1", b"c0")):
         p.insert(k)
         if parent:
-            p.child_added(parent)
+            p.update(parent, children=1, orphan=False)
     assert p.pick_victim(never_pinned) == b"a1"
     p.touch(b"a1")
     assert p.pick_victim(never_pinned) == b"c1"
     p.touch(b"a0")  # touching an inner block does not make it a leaf
     p.touch(b"c1")
     assert p.pick_victim(never_pinned) == b"a1"
+
+
+def test_prefix_policy_evicts_orphans_first():
+    p = chain_policy(3)
+    p.insert(b"tail", orphan=True)  # its parent left this tier: useless for a prefix read from here
+    p.insert(b"x")
+    assert p.pick_victim(never_pinned) == b"tail"
+    p.update(b"tail", children=0, orphan=False)  # its parent came back (promoted)
+    assert p.pick_victim(never_pinned) == bytes([2])  # now the oldest leaf again
+    p.update(bytes([2]), children=0, orphan=True)
+    assert p.pick_victim(never_pinned) == bytes([2])
+    assert p.pick_victim({bytes([2])}.__contains__) == b"tail"
 
 
 def test_prefix_policy_skips_pinned_leaves_then_falls_back_to_lru():
@@ -95,20 +107,21 @@ def test_prefix_policy_skips_pinned_leaves_then_falls_back_to_lru():
 
 def test_prefix_policy_inserted_with_children_is_not_a_leaf():
     p = PrefixAwarePolicy()
-    p.insert(b"parent", children=2)  # e.g. promoted back while its children are stored elsewhere
+    p.insert(b"parent", children=2)  # e.g. promoted back while its children are in this tier
     p.insert(b"leaf")
     assert p.pick_victim(never_pinned) == b"leaf"
-    p.child_removed(b"parent")
-    p.child_removed(b"parent")
+    p.update(b"parent", children=0, orphan=False)
     p.touch(b"leaf")
     assert p.pick_victim(never_pinned) == b"parent"
+    p.update(b"unknown", children=0, orphan=True)  # ignored
+    assert len(p) == 2
 
 
 def test_prefix_policy_heap_stays_bounded_under_many_touches():
     p = chain_policy(2)
     for _ in range(10_000):
         p.touch(bytes([1]))
-    assert len(p._leaves) < 4 * len(p) + 64 + 2
+    assert len(p._leaves) + len(p._orphans) < 4 * len(p) + 64 + 2
     assert p.pick_victim(never_pinned) == bytes([1])
 
 

@@ -264,15 +264,42 @@ def test_prefix_policy_keeps_the_head_of_a_long_chain_in_the_fastest_tier(harnes
     long = chain(40)
     h.put(long)
     tiers = [h.tier_of(x) for x in long]
-    assert tiers[:7] == ["cpu"] * 7, tiers
-    # unrelated traffic must take the tail's place, never the head's
-    for i in range(6):
-        h.put(chain(2, start=100_000 + 1000 * i))
+    assert tiers[:7] == ["cpu"] * 7 and tiers[7:39] == ["nvme"] * 32, tiers  # + the newest block
+    # unrelated traffic takes the chain's place in the arena from its tail, never from its head
+    for i in range(3):
+        h.put(chain(1, start=100_000 + 1000 * i))
     tiers = [h.tier_of(x) for x in long]
-    assert tiers[0] == "cpu", tiers
-    assert "cpu" not in tiers[tiers.index("nvme"):], f"a CPU block after an NVMe gap: {tiers}"
+    assert tiers == ["cpu"] * 5 + ["nvme"] * 35, tiers
+    # a reader uses the head again: now the unrelated blocks are the least recently used
     h.store.config.promote_on_hit = False
     assert h.check(long) == [True] * 40
+    for i in range(3):
+        h.put(chain(1, start=200_000 + 1000 * i))
+    assert [h.tier_of(x) for x in long] == ["cpu"] * 5 + ["nvme"] * 35
+
+
+def test_prefix_policy_a_new_chain_takes_over_from_an_old_one(harness):
+    """The newest chain's head belongs in the fast tier; an old chain leaves it tail first."""
+    h = harness(cpu_blocks=8, eviction_policy="prefix")
+    old, new = chain(20), chain(20, start=50_000)
+    h.put(old)
+    h.put(new)
+    assert [h.tier_of(x) for x in new][:7] == ["cpu"] * 7
+    assert all(h.tier_of(x) == "nvme" for x in old)
+    h.store.config.promote_on_hit = False
+    assert h.check(old + new) == [True] * 40
+
+
+def test_prefix_policy_promoted_prefix_stays_together(harness):
+    h = harness(cpu_blocks=8, eviction_policy="prefix")
+    a, b = chain(12), chain(12, start=50_000)
+    h.put(a)
+    h.put(b)
+    assert h.check(a[:5]) == [True] * 5  # a reader streams a's head back into the arena
+    tiers = [h.tier_of(x) for x in a]
+    assert tiers[:5] == ["cpu"] * 5, tiers
+    tiers_b = [h.tier_of(x) for x in b]
+    assert tiers_b[0] == "cpu" and "cpu" not in tiers_b[tiers_b.index("nvme"):], tiers_b
 
 
 def test_lru_on_a_long_chain_for_comparison(harness):
