@@ -45,6 +45,7 @@ MAX_LOOKUP_BATCH = 1024
 MAX_STRING = 256
 RAW_CODEC = 0
 SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered
+_PIN_WINDOW_BYTES = 256 << 20   # bulk reads pin at most this much of the arena at a time
 _PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
 
@@ -205,7 +206,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             public = secrets.randbits(63) or 1
             while public in self._lease_owner:
                 public = secrets.randbits(63) or 1
-            self._lease_owner[public] = (tenant, time.monotonic() + self.store.config.lease_seconds + 60,
+            self._lease_owner[public] = (tenant, time.monotonic() + self.store.config.lease_seconds + 1,
                                          store_lease_id)
         return public
 
@@ -501,6 +502,42 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument("session", "unknown side-channel session; reconnect or use the gRPC stream")
         return session
 
+    def _pinned_blocks(self, ns: Namespace, hashes: list[bytes]):
+        """Each block as one zero-copy view of the CPU arena while it is pinned (None = miss), so
+        the side channel sends straight from the arena. Blocks are pinned a window at a time
+        (at most ``_PIN_WINDOW_BYTES`` or an eighth of the arena) under a store lease; if sending
+        a block outlived the lease, its slots may have been reused meanwhile, so that raises
+        LeaseExpired and the caller signals an error instead of vouching for those bytes."""
+        c = self.store.cpu_index
+        cpu = self.store.tiers[c] if c is not None else None
+        window = 1 if cpu is None else max(1, min(_PIN_WINDOW_BYTES, cpu.capacity_bytes // 8) // ns.block_bytes)
+        start = 0
+        while start < len(hashes):
+            if cpu is None:  # no arena: copy through a pooled buffer
+                buf = self._pool.get(ns.block_bytes)
+                n = self.store.get_into(ns.id, [hashes[start]], [buf])[0]
+                yield None if n is None else buf[:n]
+                start += 1
+                continue
+            asked = len(hashes[start:start + window])
+            lease = self.store.prepare_load(ns.id, hashes[start:start + window])
+            try:
+                for extents in lease.extents:
+                    views = [cpu.arena[off:off + length] for off, length in extents]
+                    yield views[0] if len(views) == 1 else np.concatenate(views)
+                    if time.monotonic() >= lease.expires:
+                        raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
+                                           "for this link); retry")
+            finally:
+                try:
+                    self.store.complete_load(lease.id)
+                except LeaseExpired:
+                    pass
+            start += len(lease.extents)
+            if len(lease.extents) < asked:
+                yield None  # the block that stopped the lease: absent (or unreadable)
+                start += 1
+
     @_rpc
     def BulkGet(self, request, context):
         session = self._session(request.session)
@@ -510,14 +547,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             try:
                 ns = self._namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
-                buf = self._pool.get(ns.block_bytes)
                 sizes = []
-                for h in hashes:
-                    n = self.store.get_into(ns.id, [h], [buf])[0]
-                    bulk_transport.send_block(session.sock, None if n is None else buf[:n])
-                    touch()
-                    sizes.append(n or 0)
-                    sent += n or 0
+                with contextlib.closing(self._pinned_blocks(ns, hashes)) as blocks:  # unpin on any exit
+                    for block in blocks:
+                        bulk_transport.send_block(session.sock, block)
+                        touch()
+                        sizes.append(0 if block is None else block.nbytes)
+                        sent += sizes[-1]
             except OSError as e:
                 self.bulk.drop(bytes(request.session))
                 raise InvalidArgument("session", f"side channel failed: {e}") from e

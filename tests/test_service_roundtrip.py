@@ -59,9 +59,10 @@ def test_large_blocks_cross_chunk_boundaries(kv_daemon):
                     assert [g == b.tobytes() for g, b in zip(got, blocks)] == [True] * 3, (transport, t2)
 
 
-def test_gaps_lookup_exists_delete(kv_daemon):
-    with kv_daemon.client() as c:
-        ns = c.register_namespace(Namespace(LAYOUT, cache_salt="gaps"))
+@pytest.mark.parametrize("transport", ["shm", "bulk", "grpc"])
+def test_gaps_lookup_exists_delete(kv_daemon, transport):
+    with kv_daemon.client(transport=transport) as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt=f"gaps-{transport}"))
         hashes = _chain(6, salt=5)
         blocks = _blocks(6, LAYOUT.block_bytes, seed=6)
         c.put(ns, hashes, blocks)
@@ -72,6 +73,24 @@ def test_gaps_lookup_exists_delete(kv_daemon):
         assert got[2] is None and got[3] == blocks[3].tobytes() and got[5] == blocks[5].tobytes()
         lks = c.lookup_many(ns, [hashes, hashes[3:], [b"\x09" * 16]])
         assert [lk.num_hit for lk in lks] == [2, 3, 0]
+
+
+def test_blocks_demoted_to_nvme_come_back_over_every_transport(daemon_factory):
+    """A 1 MiB CPU tier holds 4 of these blocks: the rest live on NVMe and are promoted on read."""
+    d = daemon_factory(cpu_bytes="1MiB", nvme_bytes="64MiB")
+    layout = KVLayout(model="test/demote", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                      block_tokens=1, block_bytes=256 << 10)
+    hashes = _chain(24, salt=11)
+    blocks = _blocks(24, layout.block_bytes, seed=12)
+    with d.client() as c:
+        ns = c.register_namespace(Namespace(layout))
+        c.put(ns, hashes, blocks)
+        assert c.stats()["tiers"]["nvme"]["blocks"] >= 20
+    for transport in ("grpc", "bulk", "shm"):
+        with d.client(transport=transport) as c:
+            c.register_namespace(Namespace(layout))
+            for i in range(0, 24, 3):  # 3 blocks (768 KiB) per call: fits the 1 MiB arena
+                assert c.get(ns, hashes[i:i + 3]) == [b.tobytes() for b in blocks[i:i + 3]], (transport, i)
 
 
 def test_torch_tensor_blocks(kv_daemon):
