@@ -427,13 +427,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = check_hashes(request.hashes)
         chunk = request.chunk_bytes or self.chunk_bytes
         chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
-        buf = self._pool.get(ns.block_bytes)
         sent = 0
-        with self._watched(context) as touch:  # a client that stops reading would hold this thread
-            for i, h in enumerate(hashes):
-                n = self.store.get_into(ns.id, [h], [buf])[0]
-                block = None if n is None else buf[:n]
-                sent += 0 if n is None else n
+        # Chunks are copied out of the pinned arena as gRPC asks for them; a block whose pin ran
+        # out meanwhile ends the stream with an error (the client then trusts none of it).
+        with self._watched(context) as touch, contextlib.closing(self._pinned_blocks(ns, hashes)) as blocks:
+            for i, block in enumerate(blocks):
+                sent += 0 if block is None else block.nbytes
                 for message in chunks.get_messages(i, block, RAW_CODEC, chunk):
                     yield message
                     touch()

@@ -50,8 +50,9 @@ def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
 class BlockSplitter:
     """Server side of Put: cut an incoming byte stream into blocks of ``block_bytes``.
 
-    ``feed`` copies bytes into one pooled block buffer and yields ``(index, block)`` each time a
-    block is complete (the view is reused: consume it before the next ``feed``).
+    ``feed`` yields ``(index, block)`` each time a block is complete: a view of the message itself
+    when a whole block sits in it at a block boundary (no copy), else a view of one pooled buffer
+    the pieces were gathered in. Either view is only valid until the next ``feed``.
     """
 
     def __init__(self, block_bytes: int, buffer: np.ndarray) -> None:
@@ -63,6 +64,10 @@ class BlockSplitter:
     def feed(self, data: bytes) -> Iterator[tuple[int, np.ndarray]]:
         src = np.frombuffer(data, dtype=np.uint8)
         pos = 0
+        while self.fill == 0 and len(src) - pos >= self.block_bytes:  # aligned: no copy needed
+            yield self.index, src[pos:pos + self.block_bytes]
+            self.index += 1
+            pos += self.block_bytes
         while pos < len(src):
             take = min(self.block_bytes - self.fill, len(src) - pos)
             self.buf[self.fill:self.fill + take] = src[pos:pos + take]
