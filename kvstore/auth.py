@@ -10,6 +10,7 @@ probe each other's blocks.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Mapping
 
@@ -21,6 +22,7 @@ class Authenticator:
                  quotas: Mapping[str, int] | None = None) -> None:
         self.tokens = dict(tokens or {})
         self.quotas = dict(quotas or {})
+        self._digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in self.tokens.items()]
 
     @property
     def enabled(self) -> bool:
@@ -38,10 +40,16 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: missing bearer token")
-        for known, tenant in self.tokens.items():
-            if hmac.compare_digest(known.encode(), token.strip().encode()):
-                return tenant
-        raise Unauthenticated("authorization: unknown token")
+        # Constant time: compare fixed-size digests against every known token, no early exit,
+        # so timing reveals neither a token's bytes, its length, nor which one matched.
+        offered = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        for digest, tenant in self._digests:
+            if hmac.compare_digest(digest, offered):
+                found = tenant
+        if found is None:
+            raise Unauthenticated("authorization: unknown token")
+        return found
 
     def check_quota(self, tenant: str, used_bytes: int, incoming_bytes: int) -> None:
         quota = self.quotas.get(tenant)

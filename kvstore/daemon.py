@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.auth import Authenticator
 from kvstore.config import Settings
+from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
 from kvstore.metrics import Metrics
 from kvstore.server import build_server
@@ -193,6 +194,12 @@ def run(settings: Settings, ready_file: str | None = None) -> int:
     while not stop.wait(0.5):
         pass
     t0 = time.monotonic()
-    flushed = daemon.stop()
+    try:
+        flushed = daemon.stop()
+    except (KVStoreError, OSError) as e:  # e.g. the NVMe directory vanished: say so, not "cannot start"
+        log.error("shutdown could not flush or close the tiers cleanly: %s", e)
+        print(f"kvstore: stopped in {time.monotonic() - t0:.2f}s; flushing to the durable tier failed: {e}",
+              flush=True)
+        return 1
     print(f"kvstore: stopped in {time.monotonic() - t0:.2f}s; {flushed} blocks flushed", flush=True)
     return 0

@@ -323,7 +323,9 @@ def _pwritev_all(fd: int, pieces: list[memoryview]) -> None:
 
 
 def _unlink_quietly(path: str) -> None:
+    """Best effort: on a filesystem gone read-only (or a vanished directory) dropping a block
+    must not turn an eviction into a failed request; a file left behind is still a valid block."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass

@@ -110,6 +110,10 @@ class BulkServer:
         with self._lock:
             s = self._sessions.pop(sid, None)
         if s is not None:
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv (close alone does not)
+            except OSError:
+                pass
             s.sock.close()
 
     @property
