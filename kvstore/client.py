@@ -486,7 +486,10 @@ class Client:
                     if size:
                         bulk.recv_into(dst[:size])
                     sizes.append(size or None)
-                fut.result()
+                resp = fut.result()
+                for i, codec in enumerate(resp.codecs):  # encoded blocks: decode in place (hook)
+                    if codec and sizes[i]:
+                        sizes[i] = self._deliver(ns_id, codec, dsts[i][:sizes[i]].copy(), dsts[i])
             except grpc.RpcError as e:
                 err = _error_from_rpc(e)
                 if isinstance(err, DaemonUnavailable) or getattr(err, "field", None) == "session":
