@@ -425,6 +425,53 @@ def _gib(n: int) -> str:
     return f"{n / GiB:g} GiB" if n else "0"
 
 
+def write_markdown(report: dict, path: str) -> None:
+    """A short human summary of a plan run (what benchmarks/results/plan_*.md hold)."""
+    cm = report["cost_model"]
+    lines = [f"# kvstore plan: {report['model']['model']}, `{report['workload']}`", "",
+             f"Command: `{report.get('command', 'kvstore plan')}`", "",
+             f"{report['requests']:,} requests, {report['blocks']:,} blocks of {report['model']['block_tokens']} tokens "
+             f"({report['model']['block_bytes'] / 2**20:.2f} MiB raw); infinite-cache hit rate "
+             f"{report['infinite_cache_hit_rate']:.1%}. Store config: `{json.dumps(report['store_config'])}`.", "",
+             f"TTFT model: {cm['formula']}; bandwidth GB/s {cm['bandwidth_gbps']} ({cm['bandwidth_source']}), "
+             f"prefill {cm['prefill_tok_s']:,.0f} tok/s ({cm['prefill_source']}), rpc {cm['rpc_ms']} ms.", "",
+             "| policy | codec | cpu | nvme | hit cpu | hit nvme | hit total | loaded GB | written GB | demoted GB "
+             "| promoted GB | TTFT p50 ms | p90 | p99 | replay s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        per = r["hit_rate_per_tier"]
+        lines.append(
+            f"| {r['policy']} | {r['codec']} | {_gib(r['cpu_bytes'])} | {_gib(r['nvme_bytes'])} | "
+            f"{per.get('cpu', 0):.1%} | {per.get('nvme', 0):.1%} | {r['hit_rate']:.1%} | "
+            f"{sum(r['bytes_loaded'].values()) / 1e9:.1f} | {r['bytes_written'] / 1e9:.1f} | "
+            f"{r['bytes_demoted'] / 1e9:.1f} | {r['bytes_promoted'] / 1e9:.1f} | {r['ttft_ms']['p50']:.0f} | "
+            f"{r['ttft_ms']['p90']:.0f} | {r['ttft_ms']['p99']:.0f} | {r['replay_seconds']:.0f} |")
+    rec = report.get("recommendation")
+    t = report.get("targets", {})
+    if rec:
+        lines += ["", f"Recommendation for target {t}: cpu {_gib(rec['cpu_bytes'])}, nvme {_gib(rec['nvme_bytes'])}, "
+                      f"codec {rec['codec']}, policy {rec['policy']} (hit {rec['hit_rate']:.1%})."]
+    facts = report.get("machine")
+    if facts:
+        lines += ["", f"Machine: `{json.dumps(facts)}`"]
+    timing = report.get("timing", {})
+    lines += ["", f"Timing: {timing}"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def machine_facts() -> dict | None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    try:
+        from benchmarks import ceilings
+        return ceilings.machine_facts(tempfile.gettempdir())
+    except Exception:  # facts are a courtesy; a plan never fails for them
+        return None
+    finally:
+        sys.path.remove(root)
+
+
 def render_table(results: list[dict], console) -> None:
     from rich.table import Table
     table = Table(title="kvstore plan: replay per candidate", show_lines=False)
@@ -510,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--price-cpu-gib", type=float, default=1.0, help="relative price of 1 GiB RAM")
     p.add_argument("--price-nvme-gib", type=float, default=0.05, help="relative price of 1 GiB NVMe")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel replays")
-    p.add_argument("--out", default="plan", help="output prefix: writes PREFIX.json and PREFIX.png")
+    p.add_argument("--out", default="plan", help="output prefix: writes PREFIX.json, PREFIX.md and PREFIX.png")
     p.add_argument("--quiet", action="store_true", help="no table, no progress")
     return p
 
@@ -577,6 +624,7 @@ def run(args: argparse.Namespace, console=None) -> dict:
         rec = recommend(results, args.target_hit_rate, args.target_ttft_ms, args.ttft_percentile,
                         args.price_cpu_gib, args.price_nvme_gib)
     report = {
+        "command": "kvstore plan " + " ".join(getattr(args, "argv", None) or []),
         "model": layout.to_dict(), "workload": args.workload, "requests": len(requests),
         "blocks": sum(r.num_blocks for r in requests), "infinite_cache_hit_rate": ideal,
         "cost_model": {"bandwidth_gbps": bandwidth, "bandwidth_source": bw_source, "prefill_tok_s": prefill,
@@ -587,7 +635,7 @@ def run(args: argparse.Namespace, console=None) -> dict:
         "timing": {"load_seconds": round(load_s, 2), "sweep_seconds": round(sweep_s, 2), "jobs": args.jobs},
         "targets": {"hit_rate": args.target_hit_rate, "ttft_ms": args.target_ttft_ms,
                     "percentile": args.ttft_percentile},
-        "recommendation": rec, "results": results,
+        "recommendation": rec, "results": results, "machine": machine_facts(),
     }
     report["cost_model"]["bandwidth_gbps"] = {k: (v if math.isfinite(v) else None) for k, v in bandwidth.items()}
     for c in report["codecs"].values():
@@ -596,6 +644,7 @@ def run(args: argparse.Namespace, console=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
+    write_markdown(report, args.out + ".md")
     plot(results, args.out + ".png", f"{layout.model}, {args.workload}, {len(requests):,} requests, "
                                      f"block {args.block_tokens} tokens")
     if not args.quiet:
@@ -606,12 +655,13 @@ def run(args: argparse.Namespace, console=None) -> dict:
                           f"p{args.ttft_percentile} {rec['ttft_ms'][f'p{args.ttft_percentile}']:.0f} ms")
         elif args.target_hit_rate is not None or args.target_ttft_ms is not None:
             console.print("[bold red]no candidate reaches the target[/]: try larger sizes or another codec")
-        console.print(f"wrote {args.out}.json and {args.out}.png")
+        console.print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
     except InvalidArgument as e:
