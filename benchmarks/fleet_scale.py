@@ -55,8 +55,9 @@ def used_memory(r) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def evalsha_stats(r) -> tuple[int, int]:
-    s = r.info("commandstats").get("cmdstat_evalsha", {"calls": 0, "usec": 0})
+def redis_usec(r, command: str) -> tuple[int, int]:
+    """(calls, microseconds) Redis has spent on ``command`` so far (INFO commandstats)."""
+    s = r.info("commandstats").get(f"cmdstat_{command}", {"calls": 0, "usec": 0})
     return int(s["calls"]), int(s["usec"])
 
 
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     r = d.redis
     rng = np.random.default_rng(7)
     results: dict = {"machine": ceilings.machine_facts(), "redis_version": r.info("server")["redis_version"],
+                     "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
                      "config": {**vars(args), "block_tokens": BLOCK_TOKENS, "key_prefix": prefix}}
     try:
         lengths, popularity, held = build_fleet(rng, args.nodes, args.blocks_per_node, args.chains)
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
         # -- publish -------------------------------------------------------------------------
         mem0 = used_memory(r)
         slots = [d.join(NS, f"node{n:03d}", f"10.0.{n // 250}.{n % 250}:7373", 600) for n in range(args.nodes)]
+        pub_calls0, pub_usec0 = redis_usec(r, "evalsha")
         t0 = time.perf_counter()
         for n, mine in enumerate(held):
             batch: dict[bytes, bytes] = {}
@@ -117,6 +120,7 @@ def main(argv=None) -> int:
             if batch:
                 d.publish(NS, slots[n], batch)
         publish_s = time.perf_counter() - t0
+        pub_calls1, pub_usec1 = redis_usec(r, "evalsha")
         mem1 = used_memory(r)
         holders = d.holders_key(NS)
         distinct = int(r.hlen(holders))
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
         results["publish"] = {
             "entries": entries, "distinct_blocks": distinct, "seconds": round(publish_s, 2),
             "entries_per_s": round(entries / publish_s),
+            "redis_us_per_entry": round((pub_usec1 - pub_usec0) / entries, 2),
             "redis_used_memory_delta_bytes": mem1 - mem0,
             "bytes_per_entry_info": round((mem1 - mem0) / entries, 1),
             "bytes_per_distinct_block_info": round((mem1 - mem0) / distinct, 1),
@@ -138,22 +143,25 @@ def main(argv=None) -> int:
         route = {}
         for label, cap in (("64 blocks (1k tokens)", 64), ("256 blocks (4k tokens)", 256),
                            ("1024 blocks (16k tokens)", 1024)):
-            lat, holders, served = [], [], []
-            calls0, usec0 = evalsha_stats(r)
+            lat, cpu, holders, served = [], [], [], []
+            calls0, usec0 = redis_usec(r, "hmget")
             for _ in range(args.routes):
                 c = int(rng.choice(args.chains, p=popularity))
                 q = hashes[c][:cap]
                 if len(q) < cap:  # extend with a fresh tail: the part nobody has computed yet
                     q = q + [block_hash(10**6 + c, i) for i in range(cap - len(q))]
-                t = time.perf_counter()
+                t, c0 = time.perf_counter(), time.thread_time()
                 routes = d.route(NS, q, BLOCK_TOKENS)
                 lat.append((time.perf_counter() - t) * 1e6)
+                cpu.append((time.thread_time() - c0) * 1e6)
                 holders.append(len(routes))
                 served.append(routes[0].blocks if routes else 0)
-            calls1, usec1 = evalsha_stats(r)
+            calls1, usec1 = redis_usec(r, "hmget")
             route[label] = {"p50_us": round(pct(lat, 50)), "p99_us": round(pct(lat, 99)),
                             "max_us": round(max(lat)),
-                            "redis_us_per_call": round((usec1 - usec0) / max(1, calls1 - calls0), 1),
+                            "redis_us_per_route": round((usec1 - usec0) / args.routes, 1),
+                            "client_cpu_us_p50": round(pct(cpu, 50)), "client_cpu_us_p99": round(pct(cpu, 99)),
+                            "hmget_calls_per_route": round((calls1 - calls0) / args.routes, 2),
                             "mean_holders": round(statistics.mean(holders), 1),
                             "max_holders": max(holders),
                             "mean_best_blocks": round(statistics.mean(served), 1)}
@@ -164,17 +172,19 @@ def main(argv=None) -> int:
         hot = [block_hash(999_999, i) for i in range(1024)]
         for n in range(args.nodes):
             d.publish(NS, slots[n], {h: pack_entry(1, "cpu") for h in hot})
-        lat = []
-        calls0, usec0 = evalsha_stats(r)
+        lat, cpu = [], []
+        calls0, usec0 = redis_usec(r, "hmget")
         for _ in range(50):
-            t = time.perf_counter()
+            t, c0 = time.perf_counter(), time.thread_time()
             routes = d.route(NS, hot, BLOCK_TOKENS)
             lat.append((time.perf_counter() - t) * 1e6)
-        calls1, usec1 = evalsha_stats(r)
+            cpu.append((time.thread_time() - c0) * 1e6)
+        calls1, usec1 = redis_usec(r, "hmget")
         assert len(routes) == args.nodes and routes[0].blocks == 1024
         results["route_worst_case"] = {"description": f"1024-block prompt held in full by all {args.nodes} nodes",
                                        "p50_us": round(pct(lat, 50)), "p99_us": round(pct(lat, 99)),
-                                       "redis_us_per_call": round((usec1 - usec0) / max(1, calls1 - calls0), 1)}
+                                       "redis_us_per_route": round((usec1 - usec0) / 50, 1),
+                                       "client_cpu_us_p50": round(pct(cpu, 50)), "client_cpu_us_p99": round(pct(cpu, 99))}
         print("worst", json.dumps(results["route_worst_case"]), flush=True)
 
         # -- heartbeat: every node refreshes its TTLs (what _heartbeat sends) -----------------------
@@ -198,11 +208,14 @@ def main(argv=None) -> int:
 
         # -- janitor: node001 dies; one sweep clears its bits across the whole holders hash ----------
         r.hset(d.nodes_key(NS), str(slots[1]), "1 node001 x:1")
+        sw_calls0, sw_usec0 = redis_usec(r, "evalsha")
         t = time.perf_counter()
         cleared = d.sweep(NS, grace_s=0)
         dt = time.perf_counter() - t
+        sw_calls1, sw_usec1 = redis_usec(r, "evalsha")
         results["sweep"] = {"fields_scanned": distinct, "entries_cleared": cleared, "seconds": round(dt, 2),
-                            "seconds_per_million_fields": round(dt / distinct * 1e6, 2)}
+                            "seconds_per_million_fields": round(dt / distinct * 1e6, 2),
+                            "redis_us_per_field": round((sw_usec1 - sw_usec0) / distinct, 2)}
 
         # -- what breaks first ----------------------------------------------------------------------
         per_block = results["publish"]["bytes_per_distinct_block_info"]
@@ -232,7 +245,9 @@ def write_markdown(res: dict, path: str) -> None:
         "# Fleet directory at scale (simulated, real Redis)",
         "",
         f"Machine: {m['cpu_model']}, {m['cores_usable']} usable cores, {m['ram_gib']} GiB; Python {m['python']}; "
-        f"Redis {res['redis_version']} on the same machine (loopback). {m['time_utc']}.",
+        f"Redis {res['redis_version']} on the same machine (loopback). {m['time_utc']}. "
+        f"Load average at start {res['load_average_at_start']} (the machine is shared: absolute latencies are "
+        f"inflated when it is busy; Redis' own time per call is the steadier figure).",
         f"Fleet: {res['config']['nodes']} nodes x {res['config']['blocks_per_node']} blocks, one namespace, "
         f"{res['config']['chains']} Zipf-popular prefix chains of 32..1024 blocks ({BLOCK_TOKENS} tokens/block).",
         "Produced by `python benchmarks/fleet_scale.py`; one client thread; every key deleted afterwards.",
@@ -247,23 +262,33 @@ def write_markdown(res: dict, path: str) -> None:
         f"{pub['mib_per_million_entries']} | {pub['mib_per_million_distinct_blocks']} | {pub['entries_per_s']:,} | "
         f"{res['withdraw']['entries_per_s']:,} |",
         "",
-        "## Route latency (client-side, includes Python parsing; Redis time from INFO commandstats)",
-        "| prompt | p50 us | p99 us | max us | Redis us/call | mean nodes returned | max nodes | mean best prefix (blocks) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Redis time spent publishing: {pub['redis_us_per_entry']} us per entry (INFO commandstats), i.e. one Redis core "
+        f"could absorb about {int(1e6 / max(pub['redis_us_per_entry'], 0.01)):,} entries/s from the whole fleet.",
+        "",
+        "## Route latency",
+        "Wall time as the caller sees it (p50/p99/max), the caller's own CPU time (redis-py + parsing + bit math, "
+        "p50/p99), and the time Redis spent on it (INFO commandstats). On an idle machine a route costs about "
+        "client CPU + Redis time + one loopback round trip; the wall figures include waiting for a busy CPU.",
+        "",
+        "| prompt | wall p50 us | wall p99 us | wall max us | client CPU p50 / p99 us | Redis us/route | mean nodes returned | max nodes | mean best prefix (blocks) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, v in res["route"].items():
-        lines.append(f"| {label} | {v['p50_us']} | {v['p99_us']} | {v['max_us']} | {v['redis_us_per_call']} | "
+        lines.append(f"| {label} | {v['p50_us']} | {v['p99_us']} | {v['max_us']} | "
+                     f"{v['client_cpu_us_p50']} / {v['client_cpu_us_p99']} | {v['redis_us_per_route']} | "
                      f"{v['mean_holders']} | {v['max_holders']} | {v['mean_best_blocks']} |")
     w = res["route_worst_case"]
     lines += [
-        f"| worst case: {w['description']} | {w['p50_us']} | {w['p99_us']} | - | {w['redis_us_per_call']} | "
+        f"| worst case: {w['description']} | {w['p50_us']} | {w['p99_us']} | - | "
+        f"{w['client_cpu_us_p50']} / {w['client_cpu_us_p99']} | {w['redis_us_per_route']} | "
         f"{res['config']['nodes']} | {res['config']['nodes']} | 1024 |",
         "",
         f"Heartbeats of the whole fleet (one script call per node and namespace, sent one node after another): "
         f"{res['heartbeat']['fleet_round_ms']} ms.",
         f"Janitor sweep after a node died: {res['sweep']['fields_scanned']:,} fields scanned, "
         f"{res['sweep']['entries_cleared']:,} entries cleared in {res['sweep']['seconds']} s "
-        f"({res['sweep']['seconds_per_million_fields']} s per million fields, in bounded script calls).",
+        f"({res['sweep']['seconds_per_million_fields']} s per million fields wall, "
+        f"{res['sweep']['redis_us_per_field']} us of Redis time per field, in bounded script calls).",
         "",
         "## Limits derived from these numbers",
         f"- Distinct blocks in 2 GiB of Redis: {res['limits']['distinct_blocks_in_2GiB']:,} (any number of holders each, up to ~100 nodes).",

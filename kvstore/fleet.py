@@ -55,9 +55,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.errors import BlockCorrupt, InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import MAX_HASH_BYTES, ChainHasher, check_block_hash
 from kvstore.store import Lookup, Store, StoreListener
+from kvstore.tiers.cpu import CpuTier
 
 log = logging.getLogger("kvstore.fleet")
 
@@ -240,6 +241,12 @@ def node_value(node_id: str, address: str, ttl_s: float) -> str:
     return f"{int((time.time() + ttl_s) * 1000)} {node_id} {address}"
 
 
+def _marks(value: bytes | None, slot: int) -> bool:
+    """Whether either of ``slot``'s two bits is set in a holders value."""
+    i = 8 + slot // 4
+    return value is not None and len(value) > i and bool(value[i] >> ((slot % 4) * 2) & 3)
+
+
 def _holds(value: bytes | None, slot: int) -> bool:
     i = 8 + slot // 4
     return value is not None and len(value) > i and bool(value[i] >> ((slot % 4) * 2) & 1)
@@ -332,10 +339,12 @@ class Directory:
                 return 0
             cleared = 0
             key = self.holders_key(namespace_id)
-            for fields in self._scan_fields(key):
+            dead_slots = [int(x) for x in dead]
+            for page in self._scan_pages(key):
                 by_len: dict[int, list[bytes]] = collections.defaultdict(list)
-                for f in fields:
-                    by_len[len(f)].append(f)
+                for f, v in page.items():   # only fields a dead slot still marks go to the script
+                    if any(_marks(v, s) for s in dead_slots):
+                        by_len[len(f)].append(f)
                 for length, group in by_len.items():
                     cleared += int(self._sweep(keys=[key], args=[length, b"".join(group), *dead]))
             self.redis.hdel(self.nodes_key(namespace_id), *dead)
@@ -343,12 +352,12 @@ class Directory:
         finally:
             self.redis.delete(self.janitor_key(namespace_id))
 
-    def _scan_fields(self, key: str, count: int = 500):
+    def _scan_pages(self, key: str, count: int = 2000):
         cursor = 0
         while True:
-            cursor, page = self.redis.hscan(key, cursor, count=count)  # NOVALUES needs Redis 7.4
+            cursor, page = self.redis.hscan(key, cursor, count=count)
             if page:
-                yield list(page)
+                yield page
             if cursor == 0:
                 return
 
@@ -628,9 +637,9 @@ class Fleet(StoreListener):
             tier = store.tiers[t]
         try:
             if record.checksum and record.codec == 0 and record.stored_size == record.raw_size:
-                checksum = record.checksum
-            elif hasattr(tier, "view"):
-                x = xxhash.xxh3_64()
+                checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
+            elif isinstance(tier, CpuTier):
+                x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin
                 for piece in tier.view(entry.key):
                     x.update(piece)
                 checksum = x.intdigest()
@@ -641,7 +650,9 @@ class Fleet(StoreListener):
                 checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
             self.counters["checksummed"] += 1
             return pack_entry(checksum, tier.name)
-        except (BlockCorrupt, KeyError):
+        except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised
+            self.counters["describe_failures"] += 1
+            log.debug("fleet: cannot checksum block %s: %s", h.hex(), e)
             return None
         finally:
             with store._lock:  # noqa: SLF001

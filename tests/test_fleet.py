@@ -220,6 +220,63 @@ def test_bad_config_names_the_field(tmp_path, redis_url):
         store.close()
 
 
+def test_a_node_with_different_bytes_for_a_hash_is_not_advertised(make_node, redis_url, prefix):
+    """Two nodes computed different bytes for the same prefix (non-deterministic kernels): the
+    directory keeps the first checksum and does not list the second node as a holder."""
+    s1, f1 = make_node("n1")
+    s2, f2 = make_node("n2")
+    hashes, blocks = chain(2)
+    s1.put(NS.id, hashes, blocks)
+    assert f1.wait_published()
+    s2.put(NS.id, hashes, [blocks[0], np.zeros(BLOCK, dtype=np.uint8)])
+    assert f2.wait_published()
+    assert f2.counters["checksum_conflicts"] == 1
+    routes = Directory(redis_url, prefix).route(NS.id, hashes)
+    assert [(r.node_id, r.blocks) for r in routes] == [("n1", 2), ("n2", 1)]
+
+
+def test_dead_slots_are_swept_and_a_restarted_node_replaces_its_old_slot(make_node, redis_url, prefix):
+    s1, f1 = make_node("n1")
+    s2, f2 = make_node("n2", sweep_every=1)
+    hashes, blocks = chain(3)
+    s1.put(NS.id, hashes, blocks)
+    s2.put(NS.id, hashes[:1], blocks[:1])
+    assert f1.wait_published() and f2.wait_published()
+    d = Directory(redis_url, prefix)
+    old_slot = f1._slots[NS.id]
+    f1.close(unpublish=False)              # like a crash: nothing withdrawn, the slot just stops beating
+    wait_for(lambda: d.route(NS.id, hashes) and d.route(NS.id, hashes)[0].node_id == "n2",
+             timeout_s=5, what="n1 to drop out of routing once its slot expires")
+    wait_for(lambda: d.redis.hget(d.nodes_key(NS.id), str(old_slot)) is None, timeout_s=10,
+             what="the janitor to free n1's slot")
+    assert d.redis.hlen(d.holders_key(NS.id)) == 1, "only the block n2 holds is left"
+
+    # the same node id comes back (a restarted daemon): it takes a slot, the old one no longer counts
+    s1b, f1b = make_node("n1")
+    s1b.put(NS.id, hashes[:2], blocks[:2])
+    assert f1b.wait_published()
+    assert [(r.node_id, r.blocks) for r in d.route(NS.id, hashes)] == [("n1", 2), ("n2", 1)]
+
+
+def test_route_reports_blocks_on_disk(tmp_path, redis_url, prefix):
+    from kvstore.tiers.nvme import NvmeTier
+    cpu = CpuTier(2 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
+    store = Store([cpu, NvmeTier(str(tmp_path / "nvme"), 64 * BLOCK + 64 * 4096)],
+                  StoreConfig(promote_on_hit=False))
+    store.register_namespace(NS)
+    hashes, blocks = chain(4)
+    store.put(NS.id, hashes, blocks)         # two of them are demoted to NVMe before the fleet starts
+    fleet = Fleet(store, redis_url, "disky", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2).start()
+    try:
+        assert fleet.wait_published()
+        (r,) = fleet.route(NS.id, hashes)
+        on_disk = sum(t == "nvme" for t in store.lookup(NS.id, hashes, lease=False).tiers)
+        assert on_disk == 2 and r.tiers == {"memory": 2, "disk": 2}
+    finally:
+        fleet.close()
+        store.close()
+
+
 # -- routing -----------------------------------------------------------------------------------
 
 def test_route_picks_the_node_with_the_longest_cached_prefix(make_node):
@@ -471,6 +528,7 @@ def test_three_daemons_share_prefixes_and_survive_a_sigkill(fleet_daemons, redis
     # routing picks the node with the longest cached prefix
     assert d2.client.lookup(NS.id, shared[:3]).num_hit == 3
     wait_for(lambda: directory.entries(NS.id, "d2") == 3, what="d2 to publish its copies")
+    wait_for(lambda: directory.entries(NS.id, "d3") == 6, what="d3 to publish its copies")
     routes = directory.route(NS.id, shared)
     assert [r.blocks for r in routes] == [6, 6, 3]
     assert {r.node_id for r in routes[:2]} == {"d1", "d3"} and routes[2].node_id == "d2"
