@@ -1,0 +1,76 @@
+"""Transport pieces on their own: same-host proof, arena identity, chunking of Put streams."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.transport import chunks, shm
+
+
+def test_nonce_proves_same_host_only_with_the_exact_nonce(tmp_path):
+    nonce = os.urandom(16)
+    path = shm.write_probe(str(tmp_path), nonce)
+    assert not shm.nonce_is_local(path, os.urandom(16))       # someone else's probe
+    assert not shm.nonce_is_local(str(tmp_path / "absent"), nonce)  # a path that is not here
+    assert not shm.nonce_is_local("", nonce)
+    assert shm.nonce_is_local(path, nonce)
+    assert not os.path.exists(path)                             # consumed once read
+    assert not shm.nonce_is_local(path, nonce)
+
+
+def test_arena_map_refuses_a_file_with_another_identity(tmp_path):
+    real, other = tmp_path / "arena", tmp_path / "impostor"
+    for p in (real, other):
+        p.write_bytes(b"\0" * 8192)
+    st_real = os.stat(real)
+    with pytest.raises(OSError, match="not the daemon's arena"):
+        shm.ArenaMap(str(other), 8192, st_real.st_dev, st_real.st_ino)
+    with pytest.raises(OSError, match="not the daemon's arena"):
+        shm.ArenaMap(str(real), 16384, st_real.st_dev, st_real.st_ino)   # smaller than announced
+    arena = shm.ArenaMap(str(real), 8192, st_real.st_dev, st_real.st_ino)
+    src = np.arange(100, dtype=np.uint8)
+    arena.copy_in([(4096, 60), (0, 40)], src)
+    out = np.zeros(100, dtype=np.uint8)
+    assert arena.copy_out([(4096, 60), (0, 40)], out) == 100 and np.array_equal(out, src)
+    arena.close()
+
+
+def test_reap_probes_removes_only_old_ones(tmp_path):
+    old = shm.write_probe(str(tmp_path), b"x" * 16)
+    os.utime(old, (0, 0))
+    fresh = shm.write_probe(str(tmp_path), b"y" * 16)
+    assert shm.reap_probes(str(tmp_path), older_than_s=30) == 1
+    assert not os.path.exists(old) and os.path.exists(fresh)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_bytes=st.integers(1, 300), count=st.integers(1, 6), chunk=st.integers(1, 700))
+def test_put_stream_chunking_round_trips(block_bytes, count, chunk):
+    rng = np.random.default_rng(block_bytes * 1000 + count)
+    blocks = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(count)]
+    header = pb.PutHeader(namespace_id=b"n" * 16, hashes=[b"h"] * count)
+    messages = list(chunks.put_messages(header, blocks, chunk))
+    assert messages[0].HasField("header") and not any(m.HasField("header") for m in messages[1:])
+    assert all(len(m.data) <= chunk for m in messages)
+    splitter = chunks.BlockSplitter(block_bytes, np.zeros(block_bytes, dtype=np.uint8))
+    got = []
+    for m in messages:
+        got += [(i, b.copy()) for i, b in splitter.feed(m.data)]
+    assert [i for i, _ in got] == list(range(count))
+    assert all(np.array_equal(b, want) for (_, b), want in zip(got, blocks))
+
+
+def test_get_messages_cover_a_block_exactly():
+    block = np.arange(2500, dtype=np.uint32).view(np.uint8)
+    msgs = list(chunks.get_messages(3, block, 0, 4096))
+    assert [m.offset for m in msgs] == [0, 4096, 8192]
+    assert b"".join(m.data for m in msgs) == block.tobytes()
+    assert all(m.index == 3 and m.hit and m.size == block.nbytes for m in msgs)
+    (miss,) = chunks.get_messages(4, None)
+    assert miss.index == 4 and not miss.hit
