@@ -51,9 +51,12 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1) -> dict[str, float]:
+def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1, put_ceiling=None,
+               get_ceiling=None) -> dict[str, float]:
     """Put ``n`` blocks through a Store over one tier (``batch`` blocks per put call), read them
-    back with get_into, delete them; repeated ``reps`` times (after one warm-up round)."""
+    back with get_into, delete them; ``reps`` rounds after a warm-up round. The ceilings (callables
+    timing one pass over the same bytes) run in the same round, right before the tier, so each
+    round gives a ratio measured under the same load; the result is the median of those ratios."""
     tier = make_tier()
     store = Store([tier], StoreConfig(promote_on_hit=False, eviction_policy="lru"))
     ns = store.register_namespace(Namespace(layout(size)))
@@ -61,29 +64,41 @@ def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1) -> dict[
     # pooled, page-aligned, touched output buffers (like the CPU arena's slots): O_DIRECT lands there
     outs = [np.frombuffer(ceilings.touched_buffer(size, fill=0), dtype=np.uint8)[:size] for _ in range(min(n, 8))]
     hasher = ChainHasher()
-    put_s, get_s = [], []
+    t = {"put": [], "get": [], "put_ceiling": [], "get_ceiling": []}
     try:
         for r in range(reps + 1):
             hashes = hasher.chain(np.arange(16 * n) + r * 16 * n, 16)
-            t = time.perf_counter()
+            t_put_ceiling = put_ceiling() if put_ceiling else 0.0
+            t0 = time.perf_counter()
             for i in range(0, n, batch):
                 store.put(ns, hashes[i:i + batch], [sources[j % len(sources)] for j in range(i, min(n, i + batch))],
                           parent=hashes[i - 1] if i else None)
-            t_put = time.perf_counter() - t
-            t = time.perf_counter()
+            t_put = time.perf_counter() - t0
+            t_get_ceiling = get_ceiling() if get_ceiling else 0.0
+            t0 = time.perf_counter()
             for i, h in enumerate(hashes):
                 if store.get_into(ns, [h], [outs[i % len(outs)]])[0] is None:
                     raise RuntimeError("benchmark block missing")
-            t_get = time.perf_counter() - t
+            t_get = time.perf_counter() - t0
             if not np.array_equal(outs[(n - 1) % len(outs)], sources[(n - 1) % len(sources)]):
                 raise RuntimeError("benchmark read back wrong bytes")
             store.delete(ns, hashes)
             if r:
-                put_s.append(t_put)
-                get_s.append(t_get)
+                for k, v in (("put", t_put), ("get", t_get), ("put_ceiling", t_put_ceiling),
+                             ("get_ceiling", t_get_ceiling)):
+                    t[k].append(v)
     finally:
         store.close()
-    return {"put_gbps": median_gbps(size * n, put_s), "get_gbps": median_gbps(size * n, get_s)}
+    out = {"put_gbps": median_gbps(size * n, t["put"]), "get_gbps": median_gbps(size * n, t["get"])}
+    if put_ceiling:
+        out["put_ceiling_gbps"] = put_ceiling.bytes / statistics.median(t["put_ceiling"]) / 1e9
+        out["put_ratio"] = statistics.median(
+            (size * n / tp) / (put_ceiling.bytes / tc) for tp, tc in zip(t["put"], t["put_ceiling"]))
+    if get_ceiling:
+        out["get_ceiling_gbps"] = get_ceiling.bytes / statistics.median(t["get_ceiling"]) / 1e9
+        out["get_ratio"] = statistics.median(
+            (size * n / tg) / (get_ceiling.bytes / tc) for tg, tc in zip(t["get"], t["get_ceiling"]))
+    return out
 
 
 def bench_lookup(reps: int, blocks: int = 20_000, chain_len: int = 32) -> float:
@@ -149,30 +164,39 @@ def main() -> None:
             row: dict[str, float] = {}
             print(f"{mib} MiB blocks ...", flush=True)
             row["memcpy_hot_gbps"] = ceilings.memcpy_gbps(size, reps=reps)
-            row["memcpy_gbps"] = ceilings.memcpy_gbps(size, reps=reps, working_set=n * size)
-            row["odirect_write_gbps"] = ceilings.odirect_write_gbps(work, size, reps=reps, files=n_disk)
-            row["odirect_read_gbps"] = ceilings.odirect_read_gbps(work, size, reps=reps, files=n_disk)
-            cpu = bench_tier(lambda: CpuTier(n * size, slot_bytes=min(size, 4 * MIB)), size, n, reps)
-            nvme_dir = os.path.join(work, "nvme")
-            nvme = bench_tier(lambda: NvmeTier(nvme_dir, n_disk * (size + HEADER_BYTES) + MIB), size, n_disk,
-                              reps)
-            shutil.rmtree(nvme_dir, ignore_errors=True)
-            nvme_batch = bench_tier(lambda: NvmeTier(nvme_dir, n_disk * (size + HEADER_BYTES) + MIB), size,
-                                    n_disk, reps, batch=n_disk)
-            shutil.rmtree(nvme_dir, ignore_errors=True)
-            row["nvme_put_batch_gbps"] = nvme_batch["put_gbps"]
+            memcpy = ceilings.MemcpyPass(size, count=n, working_set=n * size)
+
+            def cpu_tier() -> CpuTier:
+                return CpuTier(n * size, slot_bytes=min(size, 4 * MIB))
+
+            cpu = bench_tier(cpu_tier, size, n, reps, put_ceiling=memcpy, get_ceiling=memcpy)
+            cpu_batch = bench_tier(cpu_tier, size, n, reps, batch=16, put_ceiling=memcpy)
             gpu = bench_tier(lambda: GpuTier(n * size, slot_bytes=min(size, 4 * MIB), device="cpu"), size, n,
-                             reps)
-            for name, r in (("cpu", cpu), ("nvme", nvme), ("gpu_on_cpu", gpu)):
-                for k, v in r.items():
-                    row[f"{name}_{k}"] = v
-            row["cpu_put_vs_memcpy"] = row["cpu_put_gbps"] / row["memcpy_gbps"]
-            row["cpu_get_vs_memcpy"] = row["cpu_get_gbps"] / row["memcpy_gbps"]
-            row["gpu_on_cpu_put_vs_memcpy"] = row["gpu_on_cpu_put_gbps"] / row["memcpy_gbps"]
-            row["gpu_on_cpu_get_vs_memcpy"] = row["gpu_on_cpu_get_gbps"] / row["memcpy_gbps"]
-            row["nvme_put_vs_odirect_write"] = row["nvme_put_gbps"] / row["odirect_write_gbps"]
-            row["nvme_put_batch_vs_odirect_write"] = row["nvme_put_batch_gbps"] / row["odirect_write_gbps"]
-            row["nvme_get_vs_odirect_read"] = row["nvme_get_gbps"] / row["odirect_read_gbps"]
+                             reps, put_ceiling=memcpy, get_ceiling=memcpy)
+            del memcpy
+            nvme_dir = os.path.join(work, "nvme")
+
+            def nvme_tier() -> NvmeTier:
+                shutil.rmtree(nvme_dir, ignore_errors=True)
+                return NvmeTier(nvme_dir, n_disk * (size + HEADER_BYTES) + MIB)
+
+            with ceilings.ODirectWritePass(work, size, n_disk) as w, ceilings.ODirectReadPass(work, size, n_disk) as rd:
+                nvme = bench_tier(nvme_tier, size, n_disk, reps, put_ceiling=w, get_ceiling=rd)
+                nvme_batch = bench_tier(nvme_tier, size, n_disk, reps, batch=n_disk, put_ceiling=w)
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+            row.update({
+                "memcpy_gbps": cpu["put_ceiling_gbps"],
+                "cpu_put_gbps": cpu["put_gbps"], "cpu_get_gbps": cpu["get_gbps"],
+                "cpu_put_vs_memcpy": cpu["put_ratio"], "cpu_get_vs_memcpy": cpu["get_ratio"],
+                "cpu_put_batch_gbps": cpu_batch["put_gbps"], "cpu_put_batch_vs_memcpy": cpu_batch["put_ratio"],
+                "gpu_on_cpu_put_gbps": gpu["put_gbps"], "gpu_on_cpu_get_gbps": gpu["get_gbps"],
+                "gpu_on_cpu_put_vs_memcpy": gpu["put_ratio"], "gpu_on_cpu_get_vs_memcpy": gpu["get_ratio"],
+                "odirect_write_gbps": nvme["put_ceiling_gbps"], "odirect_read_gbps": nvme["get_ceiling_gbps"],
+                "nvme_put_gbps": nvme["put_gbps"], "nvme_get_gbps": nvme["get_gbps"],
+                "nvme_put_vs_odirect_write": nvme["put_ratio"], "nvme_get_vs_odirect_read": nvme["get_ratio"],
+                "nvme_put_batch_gbps": nvme_batch["put_gbps"],
+                "nvme_put_batch_vs_odirect_write": nvme_batch["put_ratio"],
+            })
             results["sizes"][f"{mib}MiB"] = row
             print(json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
         print("lookup, hashing ...", flush=True)
@@ -207,13 +231,16 @@ def markdown(r: dict) -> str:
         "# Store core benchmark",
         "",
         f"`python benchmarks/bench_store.py` — medians of {r['reps']} repetitions, "
-        f"{r['bytes_per_rep'] // MIB} MiB per repetition (NVMe: at most 128 MiB), one Python thread.",
+        f"{r['bytes_per_rep'] // MIB} MiB per repetition (NVMe: at most 128 MiB), one Python thread, one "
+        "block per put/get call unless stated. Outputs are pooled page-aligned buffers.",
         "",
         f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
         f"NVMe dir on {m.get('dir_fs_type')} (O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'}), "
         f"Python {m['python']}, numpy {m['numpy']}, torch {m.get('torch', '-')}, at {m['time_utc']}.",
         "",
-        "GB/s = 1e9 bytes/s. Ratios are against ceilings measured in the same run. memcpy: numpy copyto "
+        "GB/s = 1e9 bytes/s. Each round times a ceiling pass over the same bytes right before the tier "
+        "pass; ratios are medians of the per-round ratios (so load changes between rounds cancel), GB/s "
+        "are medians of the rounds. memcpy: numpy copyto "
         "of each block into the next slot of a destination as large as the tier's arena (the memory "
         "traffic the tier itself has); memcpy hot: the same two buffers over and over (cache-resident "
         "for small blocks, shown for reference only). NVMe: raw O_DIRECT write + fsync per file, and "
@@ -221,13 +248,15 @@ def markdown(r: dict) -> str:
         "put call (file fsync + rename + directory fsync each); batch = the whole chain in one call "
         "(one directory fsync).",
         "",
-        "| block | memcpy hot | memcpy | CPU put | CPU get | put/memcpy | get/memcpy | GPU(cpu) put | GPU(cpu) get |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| block | memcpy hot | memcpy | CPU put | put/memcpy | CPU put (16/call) | batch/memcpy | CPU get "
+        "| get/memcpy | GPU(cpu) put | GPU(cpu) get |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, x in r["sizes"].items():
         lines.append(
             f"| {name} | {x['memcpy_hot_gbps']:.2f} | {x['memcpy_gbps']:.2f} | {x['cpu_put_gbps']:.2f} "
-            f"| {x['cpu_get_gbps']:.2f} | {x['cpu_put_vs_memcpy']:.2f}x | {x['cpu_get_vs_memcpy']:.2f}x "
+            f"| {x['cpu_put_vs_memcpy']:.2f}x | {x['cpu_put_batch_gbps']:.2f} | {x['cpu_put_batch_vs_memcpy']:.2f}x "
+            f"| {x['cpu_get_gbps']:.2f} | {x['cpu_get_vs_memcpy']:.2f}x "
             f"| {x['gpu_on_cpu_put_gbps']:.2f} | {x['gpu_on_cpu_get_gbps']:.2f} |")
     lines += [
         "",

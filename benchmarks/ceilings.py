@@ -10,6 +10,8 @@ already-touched buffers, exactly what a well-written data path could hope to rea
 
 Functions: memcpy_gbps(nbytes), odirect_write_gbps(dir, nbytes), odirect_read_gbps(dir, nbytes),
 tcp_loopback_gbps(nbytes), unix_socket_gbps(nbytes), machine_facts(dir), median_of(fn, reps).
+On a noisy machine, interleave instead: MemcpyPass / ODirectWritePass / ODirectReadPass are
+callables timing one pass each, to alternate with the code under test and take per-round ratios.
 """
 
 from __future__ import annotations
@@ -57,32 +59,40 @@ def _iters_for(nbytes: int, target_bytes: int = 256 << 20) -> int:
     return max(1, target_bytes // max(nbytes, 1))
 
 
-def memcpy_gbps(nbytes: int, reps: int = 5, working_set: int | None = None) -> float:
-    """numpy copyto of ``nbytes`` blocks (one core): the CPU-tier ceiling.
+class MemcpyPass:
+    """One timed pass of ``count`` copies of ``nbytes`` (numpy copyto, one core).
 
-    Without ``working_set`` the same two buffers are copied over and over, so blocks that fit
-    the CPU caches are measured at cache speed ("hot"). With ``working_set`` each copy goes to the
-    next ``nbytes`` of a ``working_set``-byte destination (from a pool of 8 sources), the memory
-    traffic of a store filling its arena: the fair ceiling for a tier of that size."""
-    if working_set is None:
-        srcs = [np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]]
-        dst_all = np.frombuffer(touched_buffer(nbytes, fill=0), dtype=np.uint8)
-        slots = 1
-    else:
-        srcs = [np.frombuffer(touched_buffer(nbytes, fill=i), dtype=np.uint8)[:nbytes] for i in range(8)]
-        slots = max(1, working_set // nbytes)
-        dst_all = np.frombuffer(touched_buffer(slots * nbytes, fill=0), dtype=np.uint8)
-    dsts = [dst_all[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
-    iters = max(_iters_for(nbytes), slots)
+    Without ``working_set`` the same two buffers are copied over and over, so blocks that fit the
+    CPU caches are measured at cache speed ("hot"). With ``working_set`` each copy goes to the next
+    ``nbytes`` of a ``working_set``-byte destination (from a pool of 8 sources): the memory traffic
+    of a store filling its arena, the fair ceiling for a tier of that size. Calling the object runs
+    one pass and returns its seconds, so a benchmark can interleave it with the code it judges."""
 
-    def once() -> float:
+    def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None) -> None:
+        if working_set is None:
+            self.srcs = [np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]]
+            slots = 1
+        else:
+            self.srcs = [np.frombuffer(touched_buffer(nbytes, fill=i), dtype=np.uint8)[:nbytes] for i in range(8)]
+            slots = max(1, working_set // nbytes)
+        dst = np.frombuffer(touched_buffer(slots * nbytes, fill=0), dtype=np.uint8)
+        self.dsts = [dst[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
+        self.count = count or max(_iters_for(nbytes), slots)
+        self.bytes = nbytes * self.count
+
+    def __call__(self) -> float:
+        srcs, dsts = self.srcs, self.dsts
         t = time.perf_counter()
-        for i in range(iters):
-            np.copyto(dsts[i % slots], srcs[i % len(srcs)])
+        for i in range(self.count):
+            np.copyto(dsts[i % len(dsts)], srcs[i % len(srcs)])
         return time.perf_counter() - t
 
+
+def memcpy_gbps(nbytes: int, reps: int = 5, working_set: int | None = None) -> float:
+    """Median GB/s of ``MemcpyPass`` (see there for ``working_set``)."""
+    once = MemcpyPass(nbytes, working_set=working_set)
     once()
-    return nbytes * iters / median_of(once, reps) / GB
+    return once.bytes / median_of(once, reps) / GB
 
 
 def _odirect_flags() -> int:
@@ -90,7 +100,7 @@ def _odirect_flags() -> int:
 
 
 def odirect_supported(directory: str) -> bool:
-    """Whether ``directory``'s filesystem accepts O_DIRECT (tmpfs does not)."""
+    """Whether ``directory``'s filesystem accepts O_DIRECT (tmpfs before Linux 6.6 did not)."""
     flag = _odirect_flags()
     if not flag:
         return False
@@ -109,69 +119,85 @@ def odirect_supported(directory: str) -> bool:
         os.unlink(probe)
 
 
-def odirect_write_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
-    """Write ``files`` new files of ``nbytes`` each with O_DIRECT + fsync per file (buffered where
-    O_DIRECT is refused), the way a durable block store must. Files are removed afterwards."""
-    flag = _odirect_flags() if odirect_supported(directory) else 0
-    size = _round_up(nbytes)
-    buf = touched_buffer(size)
-    n = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
-    work = tempfile.mkdtemp(prefix="ceiling-w-", dir=directory)
+class _FilesPass:
+    def __init__(self, directory: str, nbytes: int, files: int | None, prefix: str) -> None:
+        self.flag = _odirect_flags() if odirect_supported(directory) else 0
+        self.size = _round_up(nbytes)
+        self.buf = touched_buffer(self.size)
+        self.count = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
+        self.bytes = self.size * self.count
+        self.work = tempfile.mkdtemp(prefix=prefix, dir=directory)
+        self.paths = [os.path.join(self.work, f"{i}.bin") for i in range(self.count)]
 
-    def once() -> float:
+    def close(self) -> None:
+        for p in self.paths:
+            if os.path.exists(p):
+                os.unlink(p)
+        os.rmdir(self.work)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ODirectWritePass(_FilesPass):
+    """One timed pass writing ``files`` new files of ``nbytes`` each with O_DIRECT + fsync per
+    file (buffered where O_DIRECT is refused), the way a durable block store must."""
+
+    def __init__(self, directory: str, nbytes: int, files: int | None = None) -> None:
+        super().__init__(directory, nbytes, files, "ceiling-w-")
+
+    def __call__(self) -> float:
         t = time.perf_counter()
-        for i in range(n):
-            fd = os.open(os.path.join(work, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        for p in self.paths:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flag, 0o600)
             try:
-                os.write(fd, buf)
+                os.write(fd, self.buf)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         return time.perf_counter() - t
 
-    try:
-        once()
-        return size * n / median_of(once, reps) / GB
-    finally:
-        for f in os.listdir(work):
-            os.unlink(os.path.join(work, f))
-        os.rmdir(work)
 
+class ODirectReadPass(_FilesPass):
+    """One timed pass reading ``files`` files of ``nbytes`` each with O_DIRECT, preadv into one
+    pooled aligned buffer (buffered where O_DIRECT is refused)."""
 
-def odirect_read_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
-    """Read ``files`` files of ``nbytes`` each with O_DIRECT (preadv into one pooled aligned buffer;
-    buffered readinto where O_DIRECT is refused)."""
-    flag = _odirect_flags() if odirect_supported(directory) else 0
-    size = _round_up(nbytes)
-    buf = touched_buffer(size)
-    n = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
-    work = tempfile.mkdtemp(prefix="ceiling-r-", dir=directory)
-    paths = [os.path.join(work, f"{i}.bin") for i in range(n)]
-    try:
-        for p in paths:
+    def __init__(self, directory: str, nbytes: int, files: int | None = None) -> None:
+        super().__init__(directory, nbytes, files, "ceiling-r-")
+        for p in self.paths:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.write(fd, buf)
+            os.write(fd, self.buf)
             os.fsync(fd)
             os.close(fd)
 
-        def once() -> float:
-            t = time.perf_counter()
-            for p in paths:
-                fd = os.open(p, os.O_RDONLY | flag)
-                try:
-                    got = os.preadv(fd, [buf], 0)
-                finally:
-                    os.close(fd)
-                assert got == size
-            return time.perf_counter() - t
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        for p in self.paths:
+            fd = os.open(p, os.O_RDONLY | self.flag)
+            try:
+                got = os.preadv(fd, [self.buf], 0)
+            finally:
+                os.close(fd)
+            if got != self.size:
+                raise OSError(f"short read of {p}: {got}")
+        return time.perf_counter() - t
 
+
+def odirect_write_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
+    """Median GB/s of ``ODirectWritePass``; its files are removed afterwards."""
+    with ODirectWritePass(directory, nbytes, files) as once:
         once()
-        return size * n / median_of(once, reps) / GB
-    finally:
-        for p in paths:
-            if os.path.exists(p):
-                os.unlink(p)
-        os.rmdir(work)
+        return once.bytes / median_of(once, reps) / GB
+
+
+def odirect_read_gbps(directory: str, nbytes: int, reps: int = 5, files: int | None = None) -> float:
+    """Median GB/s of ``ODirectReadPass``; its files are removed afterwards."""
+    with ODirectReadPass(directory, nbytes, files) as once:
+        once()
+        return once.bytes / median_of(once, reps) / GB
 
 
 def _socket_pair_gbps(server: socket.socket, connect: Callable[[], socket.socket], nbytes: int,

@@ -153,6 +153,11 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, path)
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)  # the rename itself must survive a crash
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def register_namespace(self, ns: Namespace) -> bytes:
         """Idempotent: the id is a digest of the namespace, so equal layouts get equal ids."""

@@ -104,6 +104,27 @@ def test_cpu_tier_multi_extent_blocks_after_churn(cpu):
         cpu.allocate(rec(200, 5 * 64 * KIB))  # 4 free slots left
 
 
+def test_cpu_tier_sweeps_arenas_of_dead_daemons():
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        stale = os.path.join(d, f"kvstore-{dead_pid}-0badf00d")
+        alive = os.path.join(d, f"kvstore-{os.getpid()}-00c0ffee")
+        other = os.path.join(d, f"someone-{dead_pid}-0badf00d")
+        for path in (stale, alive, other):
+            open(path, "wb").close()
+        tier = CpuTier(64 * KIB, slot_bytes=64 * KIB, shm_dir=d)
+        try:
+            assert tier.stale_segments_removed == 1
+            assert not os.path.exists(stale)
+            assert os.path.exists(alive) and os.path.exists(other)  # live owner / not ours: kept
+        finally:
+            tier.close()
+
+
 def test_cpu_tier_too_large_and_too_big_for_shm():
     tier = CpuTier(4 * 64 * KIB, slot_bytes=64 * KIB)
     try:

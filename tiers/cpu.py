@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import sys
 
@@ -36,6 +37,7 @@ class CpuTier(Tier):
                  pretouch: bool = True, segment_name: str | None = None) -> None:
         self.slots = SlotTable(capacity_bytes, slot_bytes, self.name)
         super().__init__(self.slots.capacity_bytes)
+        self.stale_segments_removed = sweep_stale_segments(shm_dir)
         self.segment_name = segment_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.segment_path = os.path.join(shm_dir, self.segment_name)
         size = max(self.capacity_bytes, mmap.PAGESIZE)
@@ -99,6 +101,39 @@ class CpuTier(Tier):
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes}
+
+
+_SEGMENT_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}$")
+
+
+def sweep_stale_segments(shm_dir: str) -> int:
+    """Unlink arenas left by daemons that died without closing (kill -9, OOM): shared memory is
+    RAM, and nothing else would ever free it. Only our own naming pattern, only dead owners."""
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        m = _SEGMENT_NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _register_with_cuda(arena: np.ndarray) -> bool:
