@@ -236,9 +236,15 @@ def pack_entry(checksum: int, tier: str) -> bytes:
     return checksum.to_bytes(8, "little") + bytes([TIER_CODES.get(tier, 2)])
 
 
+def _now_ms() -> int:
+    """Wall-clock ms. Expiries are written and read with each node's own clock: NTP-level skew
+    (milliseconds) is negligible next to ttl_s (seconds)."""
+    return int(time.time() * 1000)
+
+
 def node_value(node_id: str, address: str, ttl_s: float) -> str:
     """The nodes-hash value: when this slot stops counting as alive (ms since epoch), who, where."""
-    return f"{int((time.time() + ttl_s) * 1000)} {node_id} {address}"
+    return f"{_now_ms() + int(ttl_s * 1000)} {node_id} {address}"
 
 
 def _marks(value: bytes | None, slot: int) -> bool:
@@ -252,6 +258,31 @@ def _holds(value: bytes | None, slot: int) -> bool:
     return value is not None and len(value) > i and bool(value[i] >> ((slot % 4) * 2) & 1)
 
 
+class _Batch:
+    """Commands sent together: one pipeline on a standalone Redis; one by one on a cluster, whose
+    redis-py pipeline refuses scripts (a namespace's keys share a slot, so order is preserved)."""
+
+    def __init__(self, redis, cluster: bool) -> None:
+        self.redis = redis
+        self.pipe = None if cluster else redis.pipeline(transaction=False)
+        self.results: list = []
+
+    def script(self, script, keys: list, args: list) -> None:
+        if self.pipe is None:
+            self.results.append(script(keys=keys, args=args))
+        else:
+            script(keys=keys, args=args, client=self.pipe)
+
+    def call(self, command: str, *args) -> None:
+        if self.pipe is None:
+            self.results.append(getattr(self.redis, command)(*args))
+        else:
+            getattr(self.pipe, command)(*args)
+
+    def execute(self) -> list:
+        return self.results if self.pipe is None else self.pipe.execute()
+
+
 class Directory:
     """The Redis side of the fleet: key names and every script. Holds no Store, so a router or
     ``kvstore route`` can use it on its own."""
@@ -263,11 +294,15 @@ class Directory:
         self.prefix = key_prefix
         self.keep_ms = int(keep_s * 1000)   # TTL of a namespace's keys, pushed forward by every write
         self.redis = client if client is not None else connect(redis_url, socket_timeout_s)
+        self._cluster = type(self.redis).__name__ == "RedisCluster"
         self._publish = self.redis.register_script(_PUBLISH_LUA)
         self._sweep = self.redis.register_script(_SWEEP_LUA)
         self._join = self.redis.register_script(_JOIN_LUA)
         self._heartbeat = self.redis.register_script(_HEARTBEAT_LUA)
         self._claim_dead = self.redis.register_script(_CLAIM_DEAD_LUA)
+
+    def _batch(self) -> "_Batch":
+        return _Batch(self.redis, self._cluster)
 
     def _tag(self, namespace_id: bytes) -> str:
         return f"{self.prefix}:{{{namespace_id.hex()}}}"
@@ -285,21 +320,19 @@ class Directory:
 
     def join(self, namespace_id: bytes, node_id: str, address: str, ttl_s: float) -> int:
         """Take a slot in this namespace (earlier incarnations of ``node_id`` become dead)."""
-        pipe = self.redis.pipeline(transaction=False)
-        self._join(keys=[self.nodes_key(namespace_id)], args=[node_id, node_value(node_id, address, ttl_s)],
-                   client=pipe)
-        pipe.pexpire(self.nodes_key(namespace_id), self.keep_ms)
-        return int(pipe.execute()[0])
+        batch = self._batch()
+        batch.script(self._join, [self.nodes_key(namespace_id)], [node_id, node_value(node_id, address, ttl_s)])
+        batch.call("pexpire", self.nodes_key(namespace_id), self.keep_ms)
+        return int(batch.execute()[0])
 
     def heartbeat(self, beats: Sequence[tuple[bytes, int]], node_id: str, address: str,
                   ttl_s: float) -> list[bool]:
         """Refresh this node's slots, one per namespace; False where the slot is gone."""
-        pipe = self.redis.pipeline(transaction=False)
+        batch = self._batch()
         value = node_value(node_id, address, ttl_s)
         for ns, slot in beats:
-            self._heartbeat(keys=[self.nodes_key(ns), self.holders_key(ns)],
-                            args=[slot, value, self.keep_ms], client=pipe)
-        return [bool(x) for x in pipe.execute()]
+            batch.script(self._heartbeat, [self.nodes_key(ns), self.holders_key(ns)], [slot, value, self.keep_ms])
+        return [bool(x) for x in batch.execute()]
 
     def leave(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes]) -> None:
         """Withdraw ``hashes`` from ``slot`` and free it (a clean shutdown)."""
@@ -312,18 +345,18 @@ class Directory:
         """Set (value = ``pack_entry``) or clear (None) ``slot``'s bit for each block hash, in
         bounded Lua calls pipelined together. Returns how many adds hit a checksum conflict."""
         key = self.holders_key(namespace_id)
-        pipe = self.redis.pipeline(transaction=False)
+        batch = self._batch()
         groups: dict[tuple[bool, int], list[tuple[bytes, bytes | None]]] = collections.defaultdict(list)
         for h, v in changes.items():
             groups[(v is not None, len(h))].append((h, v))
         for (is_add, length), items in groups.items():
             for i in range(0, len(items), PUBLISH_CHUNK):
                 chunk = items[i:i + PUBLISH_CHUNK]
-                self._publish(keys=[key], client=pipe, args=[
+                batch.script(self._publish, [key], [
                     slot, "a" if is_add else "r", length, b"".join(h for h, _ in chunk),
                     b"".join(v for _, v in chunk) if is_add else b""])
-        pipe.pexpire(key, self.keep_ms)
-        results = pipe.execute()
+        batch.call("pexpire", key, self.keep_ms)
+        results = batch.execute()
         return int(sum(results[:-1]))
 
     def sweep(self, namespace_id: bytes, grace_s: float, lock_s: float = 60.0) -> int:
@@ -332,9 +365,7 @@ class Directory:
         if not self.redis.set(self.janitor_key(namespace_id), "1", nx=True, px=int(lock_s * 1000)):
             return 0
         try:
-            now_s, now_us = self.redis.time()
-            dead = self._claim_dead(keys=[self.nodes_key(namespace_id)],
-                                    args=[now_s * 1000 + now_us // 1000, int(grace_s * 1000)])
+            dead = self._claim_dead(keys=[self.nodes_key(namespace_id)], args=[_now_ms(), int(grace_s * 1000)])
             if not dead:
                 return 0
             cleared = 0
@@ -388,11 +419,10 @@ class Directory:
             hashes = [bytes(h) for h in hashes]
         holders = self.holders_key(namespace_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.time()
         pipe.hgetall(self.nodes_key(namespace_id))
         pipe.hmget(holders, list(hashes[:ROUTE_CHUNKS[0]]))
-        (now_s, now_us), nodes, values = pipe.execute()
-        live = self._live_slots(nodes, now_s * 1000 + now_us // 1000)
+        nodes, values = pipe.execute()
+        live = self._live_slots(nodes, _now_ms())
         if not live:
             return []
         pos, step = len(values), 1
@@ -422,8 +452,7 @@ class Directory:
 
     def entries(self, namespace_id: bytes, node_id: str) -> int:
         """How many blocks the live slots of ``node_id`` hold (a full scan: tests and tools)."""
-        now_s, now_us = self.redis.time()
-        live = self._live_slots(self.redis.hgetall(self.nodes_key(namespace_id)), now_s * 1000 + now_us // 1000)
+        live = self._live_slots(self.redis.hgetall(self.nodes_key(namespace_id)), _now_ms())
         slots = [s for s, (n, _) in live.items() if n == node_id]
         if not slots:
             return 0

@@ -429,6 +429,81 @@ def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
         server.wait()
 
 
+# -- Redis Cluster ----------------------------------------------------------------------------
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real three-shard Redis Cluster on loopback ports (redis-server + redis-cli --cluster)."""
+    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if exe is None or cli is None:
+        pytest.skip("redis-server / redis-cli are not installed")
+    ports = [_free_port() for _ in range(3)]
+    procs = []
+    for port in ports:
+        (tmp_path / str(port)).mkdir()
+        procs.append(subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                                       "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
+                                      cwd=tmp_path / str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        for port in ports:
+            wait_for(lambda: _pings(port), what=f"cluster node {port}")
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        wait_for(lambda: b"cluster_state:ok" in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
+                                                               capture_output=True).stdout, what="cluster ok")
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _pings(port: int) -> bool:
+    try:
+        return redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_directory_routing_peer_fetch_and_pool_on_a_redis_cluster(tmp_path, redis_cluster):
+    from kvstore.tiers.redis import RedisTier
+    peers: dict[str, StorePeer] = {}
+    made = []
+
+    def node(node_id):
+        store = Store([CpuTier(32 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))], StoreConfig(lease_seconds=0))
+        store.register_namespace(NS)
+        peers[node_id] = StorePeer(store)
+        fleet = Fleet(store, redis_cluster, node_id, node_id, key_prefix="kvscl", heartbeat_s=0.2, ttl_s=1.5,
+                      sweep_every=1, client_factory=lambda a: peers[a]).start()
+        made.append((store, fleet))
+        return store, fleet
+
+    try:
+        s1, f1 = node("a")
+        s2, f2 = node("b")
+        hashes, blocks = chain(5)
+        s1.put(NS.id, hashes, blocks)
+        assert f1.wait_published(), dict(f1.counters)
+        assert [(r.node_id, r.blocks) for r in f2.route(NS.id, hashes)] == [("a", 5)]
+        assert f2.lookup(NS.id, hashes).num_hit == 5
+        assert s2.get(NS.id, hashes) == [b.tobytes() for b in blocks]
+        f1.close(unpublish=False)
+        wait_for(lambda: [r.node_id for r in f2.route(NS.id, hashes)] == ["b"], what="a to expire")
+
+        pool = RedisTier(1 << 20, redis_cluster, key_prefix="kvscl")
+        store3 = Store([CpuTier(BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path)), pool])
+        store3.register_namespace(NS)
+        store3.put(NS.id, hashes, blocks)
+        assert store3.get(NS.id, hashes) == [b.tobytes() for b in blocks]
+        assert [x is not None for x in pool.load(NS.id, hashes)][:4] == [True] * 4
+        store3.close()
+    finally:
+        for store, fleet in made:
+            fleet.close()
+            store.close()
+
+
 # -- real daemons: gRPC peer fetch, SIGKILL, Redis restart ----------------------------------
 
 # ``kvstore serve`` has no fleet flags yet: this starts the very same Daemon and wires a Fleet into
