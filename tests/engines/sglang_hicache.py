@@ -174,6 +174,17 @@ def check_layout_mismatch(url: str) -> str:
     return f"refused: {', '.join(readers)}"
 
 
+def check_unsupported_layout(url: str) -> str:
+    """A layout whose pages the backend cannot describe is refused at attach, by name."""
+    pool = mha_host_pool("page_unified")
+    try:
+        backend_for(storage_config(url), pool)
+    except ValueError as e:
+        expect("page_unified" in str(e), f"error does not name the layout: {e}")
+        return str(e)
+    raise AssertionError("page_unified pool accepted")
+
+
 def check_mla_one_writer(url: str) -> str:
     """MLA: only the designated rank writes; every rank reads the same pages."""
     pools = [mla_host_pool("page_first") for _ in range(2)]
@@ -329,6 +340,7 @@ def all_checks(url: str) -> dict:
     for layout in MLA_LAYOUTS:
         checks[f"roundtrip_mla_{layout}"] = lambda layout=layout: check_roundtrip(url, "mla", layout)
     checks["layout_mismatch"] = lambda: check_layout_mismatch(url)
+    checks["unsupported_layout"] = lambda: check_unsupported_layout(url)
     checks["mla_one_writer"] = lambda: check_mla_one_writer(url)
     checks["daemon_down"] = lambda: check_daemon_down(url)
     checks["failure_injector"] = lambda: check_failure_injector(url)
