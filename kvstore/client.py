@@ -53,6 +53,7 @@ MAX_BATCH = 4096          # hashes per RPC (the daemon's limit)
 MAX_LOOKUP_BATCH = 1024   # chains per LookupBatch
 TRANSPORTS = ("auto", "shm", "bulk", "grpc")
 SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs (see server._identify)
+UNSTAGED_KEY = "kvstore-unstaged"
 _PUT_RESULT = {pb.PUT_STORED: "stored", pb.PUT_EXISTS: "exists", pb.PUT_PERSISTED: "persisted"}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _SLOW_LINK_BYTES_PER_S = 100e6   # deadline allowance per byte for bulk calls
@@ -167,7 +168,8 @@ class Client:
         reconnects silently) has a new arena; using its offsets in the old mapping would hand out
         wrong bytes, so that raises ``_DaemonRestarted`` and the caller renegotiates."""
         resp, call = self._call(method, request, with_call=True)
-        answered_by = dict(call.trailing_metadata() or ()).get(SERVER_ID_KEY)
+        meta = dict(call.trailing_metadata() or ())
+        answered_by = meta.get(SERVER_ID_KEY)
         if answered_by != self._server_id:
             if method == "PrepareLoad":
                 release = ("CompleteLoad", pb.LeaseRequest(lease_id=resp.lease_id))
@@ -180,7 +182,7 @@ class Client:
             self._reset_transport()
             raise _DaemonRestarted(f"the daemon at {self.address} restarted (run {answered_by}, "
                                    f"mapped {self._server_id})")
-        return resp
+        return resp, meta
 
     def _call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
               with_call: bool = False):
@@ -355,7 +357,7 @@ class Client:
 
     def _put_shm(self, ns_id, hashes, arrays, parent, block_bytes) -> list[str]:
         t0 = time.monotonic()
-        lease = self._call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
+        lease, _ = self._call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes))
         safe_until = t0 + 0.8 * lease.expires_in
         try:
@@ -445,7 +447,7 @@ class Client:
         start = 0
         while start < len(hashes):
             t0 = time.monotonic()
-            lease = self._call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
+            lease, meta = self._call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
                 namespace_id=ns_id, hashes=hashes[start:], block_bytes=self._expected(ns_id)))
             got = []
             try:
@@ -474,7 +476,11 @@ class Client:
             if confirmed:
                 for i, n in got:
                     sizes[i] = n
-            start += len(lease.blocks) + 1  # skip past the first miss
+            stop = start + len(lease.blocks)
+            if meta.get(UNSTAGED_KEY) and stop < len(hashes):
+                # present, but the arena had no free unpinned slot: stream it rather than miss
+                sizes[stop] = self._get_grpc(ns_id, [hashes[stop]], [dsts[stop]])[0]
+            start = stop + 1  # skip past the first miss
         return sizes
 
     def _release_load_async(self, lease_id: int) -> None:

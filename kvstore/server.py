@@ -45,6 +45,7 @@ MAX_LOOKUP_BATCH = 1024
 MAX_STRING = 256
 RAW_CODEC = 0
 SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered
+UNSTAGED_KEY = "kvstore-unstaged"     # PrepareLoad stopped at a present block it could not stage
 _PIN_WINDOW_BYTES = 256 << 20   # bulk reads pin at most this much of the arena at a time
 _PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
@@ -226,10 +227,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             for lid in [k for k, (_, until, _) in self._lease_owner.items() if until < now]:
                 del self._lease_owner[lid]
 
-    def _identify(self, context) -> None:
+    def _identify(self, context, unstaged: bool = False) -> None:
         """Tell a same-host client which daemon run answered: its arena mapping is only valid
-        for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes)."""
-        context.set_trailing_metadata(((SERVER_ID_KEY, self.server_id),))
+        for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes).
+        ``unstaged``: a load stopped at a block that *is* present but could not be staged in the
+        arena right now (every slot pinned), so the client fetches it another way, not a miss."""
+        meta = [(SERVER_ID_KEY, self.server_id)]
+        if unstaged:
+            meta.append((UNSTAGED_KEY, "1"))
+        context.set_trailing_metadata(tuple(meta))
 
     # -- stalled streams ---------------------------------------------------------------------------
 
@@ -485,7 +491,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         ns = self._namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         lease = self.store.prepare_load(ns.id, hashes)
-        self._identify(context)
+        stop = len(lease.extents)
+        self._identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
         return self._lease_response(lease, self._own_lease(lease.id, ns.tenant), False, ns.block_bytes)
 
     @_rpc
@@ -534,7 +541,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     pass
             start += len(lease.extents)
             if len(lease.extents) < asked:
-                yield None  # the block that stopped the lease: absent (or unreadable)
+                # The block that stopped the lease: absent, or present but not stageable in the arena
+                # right now (every slot pinned). Read the latter through a buffer: a false miss would
+                # make an engine recompute a block that is sitting on NVMe.
+                h, block = hashes[start], None
+                if self.store.contains(ns.id, [h])[0]:
+                    buf = self._pool.get(ns.block_bytes)
+                    n = self.store.get_into(ns.id, [h], [buf])[0]
+                    block = None if n is None else buf[:n]
+                yield block
                 start += 1
 
     @_rpc
