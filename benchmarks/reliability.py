@@ -499,6 +499,30 @@ def dir_lost_while_running(workdir: str, mode: str, block_bytes: int = 64 * KiB,
             "puts_after_recovery": recovered, "sigterm_exit_code": code, "daemon_log_errors": errors}
 
 
+def pinned_arena(workdir: str, block_bytes: int = 256 * KiB) -> dict:
+    """Every CPU slot pinned by lookup leases: blocks that sit on NVMe must still be served over
+    every transport (streamed around the arena), not reported as misses."""
+    d = start_daemon(os.path.join(workdir, "pinned"), "--write-through", "--lease-seconds", "30",
+                     "--cpu-slot-bytes", str(block_bytes), cpu_bytes=str(4 * block_bytes), nvme_bytes="64MiB")
+    out = {}
+    try:
+        for t in ("grpc", "bulk", "shm"):
+            with d.client(transport=t) as c:
+                ns = c.register_namespace(Namespace(layout(block_bytes, "reliability/pinned"), cache_salt=t))
+                hs = hashes(12, seed=len(t))
+                c.put(ns, hs, [payload(h, block_bytes) for h in hs])
+                in_cpu = [h for h in hs if c.lookup(ns, [h], lease=False).tiers == ["cpu"]]
+                c.lookup(ns, in_cpu, lease=True)          # pin every block the arena holds
+                on_nvme = [h for h in hs if h not in in_cpu][:3]
+                got = c.get(ns, on_nvme)
+                out[t] = {"pinned_cpu_blocks": len(in_cpu), "nvme_blocks_asked": len(on_nvme),
+                          "served_exact": sum(is_exact(h, g, block_bytes) for h, g in zip(on_nvme, got))}
+                c.delete(ns, hs)                          # frees the arena for the next transport
+    finally:
+        d.stop()
+    return out
+
+
 # -- 3. memory pressure ----------------------------------------------------------------------------
 
 def memory_refusals(workdir: str) -> dict:
@@ -1305,6 +1329,7 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
             for sub, fn in (("disk_full", lambda: disk_full(workdir)),
                             ("unwritable_at_start", lambda: unwritable_dir_at_start(os.path.join(workdir, "unw"))),
                             ("corrupt_files", lambda: corrupt_files_while_running(workdir)),
+                            ("pinned_arena", lambda: pinned_arena(workdir)),
                             ("dir_deleted", lambda: dir_lost_while_running(workdir, "deleted")),
                             ("read_only_remount", lambda: dir_lost_while_running(workdir, "read_only"))):
                 try:
@@ -1439,6 +1464,11 @@ def render_markdown(report: dict) -> str:
                             f"{g['intact_missing']} intact blocks missing; stored again: {g['served_again_exact']}/6 exact",
                             0, g["wrong"], f"corrupt_dropped={g['corrupt_dropped_counter']}, "
                             f"kvstore_corrupt_blocks_dropped={g['corrupt_metric']:g}"))
+        g = r.get("pinned_arena", {})
+        if g:
+            out.append(_row("every CPU slot pinned (lookup leases), blocks on NVMe requested",
+                            "; ".join(f"{t}: {v['served_exact']}/{v['nvme_blocks_asked']} served" for t, v in g.items()),
+                            0, 0, "streamed around the arena instead of a false miss"))
         for key, label in (("dir_deleted", "NVMe directory deleted while running"),
                            ("read_only_remount", "NVMe filesystem remounted read-only while running")):
             g = r.get(key, {})

@@ -69,3 +69,10 @@ def test_tiers_larger_than_the_machine_are_refused_not_oom_killed(tmp_path):
             continue
         assert got["refused"] and got["exit_code"] == 1 and not got["killed_by_signal"], (case, got)
         assert "cpu" in got["message"].lower() and "cannot start" in got["message"], got
+
+
+def test_fully_pinned_arena_still_serves_blocks_from_nvme(tmp_path):
+    r = R.pinned_arena(str(tmp_path))
+    for transport, got in r.items():
+        assert got["pinned_cpu_blocks"] == 4, (transport, got)
+        assert got["served_exact"] == got["nvme_blocks_asked"] == 3, (transport, got)
