@@ -380,3 +380,79 @@ def test_property_any_permutation_layout(order, L, T, H, D, dtype, codec, seed):
         assert torch.equal(k2, k3) and torch.equal(v2, v3)
         scale = max(k.float().abs().max().item(), v.float().abs().max().item())
         assert (k2.float() - k.float()).abs().max().item() <= scale * 0.5
+
+
+# --- the compiled CPU kernels against the torch reference, bit for bit ------------------------
+
+fast_cpu = pytest.importorskip("kvstore.codecs.fast_cpu", reason="numba not installed")
+
+
+def encode_both(codec, raw, layout, monkeypatch):
+    import kvstore.codecs.base as base
+    monkeypatch.setattr(base, "USE_FAST", False)
+    ref = encode_block(codec, raw, layout)[1]
+    ref_out = decode_block(CODEC_IDS[codec], ref, layout)
+    monkeypatch.setattr(base, "USE_FAST", True)
+    fast = encode_block(codec, raw, layout)[1]
+    fast_out = decode_block(CODEC_IDS[codec], fast, layout)
+    return ref, fast, ref_out, fast_out
+
+
+def special_values_block(layout: KVLayout, seed: int) -> bytes:
+    """bf16 words that stress rounding: subnormals, huge values, both zeros, e4m3 ties."""
+    g = torch.Generator().manual_seed(seed)
+    n = layout.block_bytes // 2
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)
+    picks = torch.randint(0, 6, (n,), generator=g)
+    x = torch.where(picks == 0, torch.tensor(0.0), x)
+    x = torch.where(picks == 1, torch.tensor(-0.0), x)
+    x = torch.where(picks == 2, torch.randn(n, generator=g) * 1e-39, x)   # bf16 subnormals
+    x = torch.where(picks == 3, torch.randn(n, generator=g) * 1e37, x)    # near bf16 max
+    return as_bytes(x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_fast_kernels_match_reference_bit_for_bit(codec, layout_name, monkeypatch):
+    layout = make_layout(layout_name, L=3, T=32, H=2, D=64)
+    for raw in (as_bytes(pack_block(*realistic_kv(3, 32, 2, 64, seed=7), layout_name)),
+                special_values_block(layout, seed=8),
+                as_bytes(torch.zeros(layout.block_bytes // 2, dtype=torch.bfloat16))):
+        ref, fast, ref_out, fast_out = encode_both(codec, raw, layout, monkeypatch)
+        assert np.array_equal(ref, fast)
+        assert torch.equal(ref_out, fast_out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(order=st.permutations(AXES), L=st.integers(1, 5), T=st.sampled_from([2, 16, 32, 64]),
+       H=st.integers(1, 3), D=st.sampled_from([2, 32, 64, 128]), codec=st.sampled_from(LOSSY),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
+def test_property_fast_kernels_match_reference(order, L, T, H, D, codec, threads, seed):
+    import kvstore.codecs.base as base
+    layout = make_layout(",".join(order), L, T, H, D)
+    raw = special_values_block(layout, seed) if seed % 2 else as_bytes(
+        pack_block(*realistic_kv(L, T, H, D, seed=seed), layout.layout))
+    saved = (base.USE_FAST, torch.get_num_threads())
+    try:
+        torch.set_num_threads(threads)
+        base.USE_FAST = False
+        ref = encode_block(codec, raw, layout)[1]
+        ref_out = decode_block(CODEC_IDS[codec], ref, layout)
+        base.USE_FAST = True
+        fast = encode_block(codec, raw, layout)[1]
+        assert np.array_equal(ref, fast)
+        assert torch.equal(decode_block(CODEC_IDS[codec], fast, layout), ref_out)
+    finally:
+        base.USE_FAST = saved[0]
+        torch.set_num_threads(saved[1])
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_reference_path_refuses_nan_too(codec, monkeypatch):
+    import kvstore.codecs.base as base
+    monkeypatch.setattr(base, "USE_FAST", False)
+    layout = make_layout()
+    k, v = realistic_kv(2, 32, 2, 64)
+    v[0, 0, 0, 0] = float("nan")
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        encode_block(codec, as_bytes(pack_block(k, v, layout.layout)), layout)

@@ -11,7 +11,9 @@ encode) or the ``out`` buffer (for decode) lives on is where the arithmetic happ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 import warnings
 
 import numpy as np
@@ -23,6 +25,25 @@ from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
 ALIGN = 16
+
+#: set False (or KVSTORE_CODECS_REFERENCE=1) to run only the torch reference implementation
+USE_FAST = os.environ.get("KVSTORE_CODECS_REFERENCE", "") in ("", "0")
+
+
+@functools.cache
+def _fast_module():
+    try:
+        from kvstore.codecs import fast_cpu
+    except ImportError:  # numba not installed: the reference is complete on its own
+        return None
+    return fast_cpu
+
+
+def fast_kernels(shape: "kvlayout.BlockShape", device: torch.device):
+    """The compiled CPU kernels if they apply to this block (bf16, on the CPU), else None."""
+    if not USE_FAST or device.type != "cpu" or shape.dtype != torch.bfloat16:
+        return None
+    return _fast_module()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +100,15 @@ class SectionCodec(Codec):
                    k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
+        """Compiled twin of ``quantize``. ``k_src``/``v_src``: (block words, geometry) from
+        ``fast_cpu.source``; writes straight into the payload's ``parts``."""
+        raise NotImplementedError
+
+    def fast_decode(self, fast, parts: dict[str, torch.Tensor], kv: int, words, geom) -> None:
+        """Compiled twin of ``dequantize`` for K (kv=0) or V (kv=1), into (words, geometry)."""
+        raise NotImplementedError
+
     def shape_of(self, layout: KVLayout) -> kvlayout.BlockShape:
         shape = kvlayout.parse(layout)
         self.check_shape(shape)
@@ -95,23 +125,40 @@ class SectionCodec(Codec):
 
     def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
         shape = self.shape_of(layout)
-        k, v = kvlayout.split_kv(raw.view(shape.dtype), shape)
-        parts = self.quantize(k, v, shape)
         payload = np.empty(HEADER_BYTES + self.body_bytes(shape), dtype=np.uint8)
         body = torch.from_numpy(payload[HEADER_BYTES:])
-        if raw.device.type == "cpu":
-            self._pack(parts, shape, body)
+        fast = fast_kernels(shape, raw.device)
+        if fast is not None:
+            parts = self._unpack(body, shape, zero_padding=True)
+            block = raw.view(torch.int16)
+            k16, v16 = kvlayout.split_kv(block, shape)
+            self.fast_encode(fast, fast.source(k16, block), fast.source(v16, block), parts)
+        elif raw.device.type == "cpu":
+            self._pack(self._reference_parts(raw, shape), shape, body)
         else:  # assemble on the device, cross to the host once
             staged = torch.empty(body.numel(), dtype=torch.uint8, device=raw.device)
-            self._pack(parts, shape, staged)
+            self._pack(self._reference_parts(raw, shape), shape, staged)
             body.copy_(staged)
         payload[:HEADER_BYTES] = np.frombuffer(
             make_header(self.codec_id, self.param, layout, memoryview(payload[HEADER_BYTES:])), np.uint8)
         return payload
 
+    def _reference_parts(self, raw: torch.Tensor, shape: kvlayout.BlockShape) -> dict[str, torch.Tensor]:
+        k, v = kvlayout.split_kv(raw.view(shape.dtype), shape)
+        return self.quantize(k, v, shape)
+
     def decode(self, header: Header, body: torch.Tensor, layout: KVLayout, out: torch.Tensor) -> None:
         shape = self.shape_of(layout)
         parts = self._unpack(body, shape)
+        fast = fast_kernels(shape, out.device)
+        if fast is not None:
+            block = out.view(torch.int16)
+            k16, v16 = kvlayout.split_kv(block, shape)
+            for view, i in ((k16, 0), (v16, 1)):
+                words, geom, finish = fast.target(view, block)
+                self.fast_decode(fast, parts, i, words, geom)
+                finish()
+            return
         k_out, v_out = kvlayout.split_kv(out.view(shape.dtype), shape)
         self.dequantize(parts, shape, k_out, v_out)
 
@@ -124,10 +171,13 @@ class SectionCodec(Codec):
             body[offset + s.nbytes:offset + _aligned(s.nbytes)] = 0  # padding: deterministic bytes
             offset += _aligned(s.nbytes)
 
-    def _unpack(self, body: torch.Tensor, shape: kvlayout.BlockShape) -> dict[str, torch.Tensor]:
+    def _unpack(self, body: torch.Tensor, shape: kvlayout.BlockShape,
+                zero_padding: bool = False) -> dict[str, torch.Tensor]:
         parts, offset = {}, 0
         for s in self.sections(shape):
             parts[s.name] = body[offset:offset + s.nbytes].view(s.dtype).view(s.shape)
+            if zero_padding:
+                body[offset + s.nbytes:offset + _aligned(s.nbytes)] = 0
             offset += _aligned(s.nbytes)
         if offset != body.numel():
             raise CodecError(f"payload body is {body.numel()} bytes; this layout needs {offset}")

@@ -16,6 +16,7 @@ import torch
 
 from kvstore.codecs.base import Section, SectionCodec, check_finite, round_up
 from kvstore.codecs.layout import BlockShape
+from kvstore.errors import CodecError
 
 E4M3_MAX = 448.0
 SCALE_DTYPE = torch.bfloat16
@@ -43,7 +44,7 @@ class Fp8Codec(SectionCodec):
         x[1].copy_(v)
         lo, hi = torch.aminmax(x, dim=-1)                 # [2, L, T, H]
         check_finite(lo, hi, "K/V")
-        amax = torch.maximum(-lo, hi)
+        amax = torch.maximum(lo.abs(), hi.abs())  # abs: a row of zeros gets +0, not -0
         if self.per_head:
             amax = amax.amax(dim=2)                       # [2, L, H]
         scale = round_up(amax / E4M3_MAX, SCALE_DTYPE)
@@ -58,3 +59,20 @@ class Fp8Codec(SectionCodec):
         x.mul_(self._broadcast(parts["scales"].float()))
         k_out.copy_(x[0])
         v_out.copy_(x[1])
+
+    def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
+        codes = parts["codes"].numpy()
+        scales = fast.words(parts["scales"])
+        for i, ((words, geom), what) in enumerate(((k_src, "K"), (v_src, "V"))):
+            sc = scales[i].reshape(geom[1], 1, geom[3]) if self.per_head else scales[i]
+            bad = fast.by_layers(geom, lambda a, b, g, c=codes[i], sc=sc, w=words: fast.fp8_encode(
+                w, *g, c[a:b], sc[a:b], self.per_head))
+            if bad:
+                raise CodecError(f"block contains NaN or Inf in {what}; refusing to encode it")
+
+    def fast_decode(self, fast, parts: dict[str, torch.Tensor], kv: int, words, geom) -> None:
+        codes = parts["codes"].numpy()[kv]
+        scales = fast.words(parts["scales"])[kv]
+        sc = scales.reshape(geom[1], 1, geom[3]) if self.per_head else scales
+        fast.by_layers(geom, lambda a, b, g: fast.fp8_decode(
+            codes[a:b], sc[a:b], fast.E4M3_TO_F32, words, *g, self.per_head))

@@ -98,3 +98,24 @@ class Int4Codec(SectionCodec):
             x = unpack_nibbles(codes).float().view(shape)
             x.mul_(scale.float().unsqueeze(dim)).add_(mn.float().unsqueeze(dim))
             out.copy_(x.view(full))
+
+    def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
+        for name, (words, geom), kernel in (("k", k_src, fast.int4_encode_keys),
+                                            ("v", v_src, fast.int4_encode_values)):
+            group = min(self.group, geom[2] if name == "k" else geom[4])
+            codes = parts[f"{name}_codes"].numpy()
+            scale, mn = fast.words(parts[f"{name}_scale"]), fast.words(parts[f"{name}_min"])
+            per_layer = codes.size // geom[1]
+            bad = fast.by_layers(geom, lambda a, b, g, k=kernel, w=words, c=codes, s=scale, m=mn, n=per_layer,
+                                 gr=group: k(w, *g, gr, c[a * n:b * n], s[a:b], m[a:b]))
+            if bad:
+                raise CodecError(f"block contains NaN or Inf in {name.upper()}; refusing to encode it")
+
+    def fast_decode(self, fast, parts: dict[str, torch.Tensor], kv: int, words, geom) -> None:
+        name = "k" if kv == 0 else "v"
+        group = min(self.group, geom[2] if kv == 0 else geom[4])
+        codes = parts[f"{name}_codes"].numpy()
+        scale, mn = fast.words(parts[f"{name}_scale"]), fast.words(parts[f"{name}_min"])
+        n = codes.size // geom[1]
+        fast.by_layers(geom, lambda a, b, g: fast.int4_decode(
+            codes[a * n:b * n], scale[a:b], mn[a:b], words, *g, kv == 0, group))

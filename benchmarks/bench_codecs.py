@@ -1,0 +1,198 @@
+"""Codec speed on this CPU, against memcpy measured in the same run, and what it buys.
+
+    python benchmarks/bench_codecs.py [--threads 1 2] [--out benchmarks/results] [--disk-dir DIR]
+
+For a Llama-3-8B-sized block (32 layers, 8 KV heads, head_dim 128, 16 tokens, bf16 = 2 MiB) and
+each codec: encode and decode throughput in GB/s of *raw* block bytes (best of several rounds,
+so a busy shared machine shows its ceiling, plus the median), with 1 and 2 torch threads; the
+memcpy of one block with the same threads as the ceiling. Then the effect on a tier: blocks
+that fit in a fixed CPU budget, and the time to read one block from disk (O_DIRECT, measured
+here) plus decode, against reading it raw — which is what decides whether a codec pays for
+itself on the NVMe tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvstore.codecs import CODEC_IDS, decode_block, encode_block  # noqa: E402
+from kvstore.keys import KVLayout  # noqa: E402
+
+CPU_BUDGET = 64 << 30
+
+
+def block_layout(tokens: int) -> KVLayout:
+    return KVLayout("bench/llama-3-8b-like", num_layers=32, num_kv_heads=8, head_dim=128,
+                    dtype="bfloat16", block_tokens=tokens, layout="kv,layer,token,head,dim")
+
+
+def realistic_block(layout: KVLayout, seed: int = 0) -> torch.Tensor:
+    """K with outlier channels, V with per-token scale (as in fidelity.py), as block bytes."""
+    g = torch.Generator().manual_seed(seed)
+    L, T, H, D = layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim
+    k = torch.randn(L, T, H, D, generator=g)
+    k[..., :4] = k[..., :4] * 5 + 30
+    v = torch.randn(L, T, H, D, generator=g) * torch.exp(torch.randn(L, T, H, 1, generator=g) * 0.5)
+    return torch.stack((k, v)).to(torch.bfloat16).contiguous().view(-1).view(torch.uint8)
+
+
+def timed(fn, rounds: int, min_seconds: float = 0.3) -> tuple[float, float]:
+    """(best, median) seconds per call."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < rounds or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if len(times) > 200:
+            break
+    return min(times), statistics.median(times)
+
+
+def disk_read_gbps(directory: Path, nbytes: int, chunk: int) -> tuple[float, str]:
+    """Read throughput of ``directory``'s device for ``chunk``-sized reads, page cache bypassed."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="kvstore-bench-")
+    try:
+        data = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(nbytes // chunk):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+        try:
+            rfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            how = "O_DIRECT"
+        except OSError:
+            rfd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
+            how = "buffered after FADV_DONTNEED"
+        try:
+            t = time.perf_counter()
+            for i in range(nbytes // chunk):
+                os.preadv(rfd, [buf], i * chunk)
+            return nbytes / (time.perf_counter() - t) / 1e9, how
+        finally:
+            os.close(rfd)
+            buf.close()
+    finally:
+        os.unlink(path)
+
+
+def run(threads: list[int], tokens: int, disk_dir: Path) -> dict:
+    layout = block_layout(tokens)
+    raw = realistic_block(layout)
+    nbytes = layout.block_bytes
+    rows = []
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        dst = torch.empty_like(raw)
+        best, med = timed(lambda: dst.copy_(raw), 20)
+        memcpy = nbytes / best / 1e9
+        rows.append({"threads": n_threads, "codec": "memcpy (torch copy_)", "encode_gbps": memcpy,
+                     "decode_gbps": memcpy, "encode_gbps_median": nbytes / med / 1e9,
+                     "decode_gbps_median": nbytes / med / 1e9, "payload_bytes": nbytes})
+        for codec in CODEC_IDS:
+            if codec == "raw":
+                continue
+            cid, payload = encode_block(codec, raw, layout)
+            e_best, e_med = timed(lambda: encode_block(codec, raw, layout), 5)
+            d_best, d_med = timed(lambda: decode_block(cid, payload, layout, out=dst), 5)
+            assert codec not in ("zstd",) or torch.equal(dst, raw)
+            row = {"threads": n_threads, "codec": codec, "payload_bytes": int(payload.nbytes),
+                   "encode_gbps": nbytes / e_best / 1e9, "decode_gbps": nbytes / d_best / 1e9,
+                   "encode_gbps_median": nbytes / e_med / 1e9, "decode_gbps_median": nbytes / d_med / 1e9,
+                   "decode_s": d_best}
+            row["encode_vs_memcpy"] = row["encode_gbps"] / memcpy
+            row["decode_vs_memcpy"] = row["decode_gbps"] / memcpy
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
+    # plain zstd on unshuffled bytes, to show what the byte-plane split buys
+    import zstandard
+    plain = len(zstandard.ZstdCompressor(level=1).compress(raw.numpy()))
+    disk_gbps, how = disk_read_gbps(disk_dir, 256 << 20, nbytes)
+    tier = []
+    best_threads = max(threads)
+    for r in rows:
+        if r["threads"] != best_threads or r["codec"].startswith("memcpy"):
+            continue
+        read_s = r["payload_bytes"] / (disk_gbps * 1e9)
+        tier.append({"codec": r["codec"], "ratio": nbytes / r["payload_bytes"],
+                     "blocks_in_64GiB_cpu": CPU_BUDGET // r["payload_bytes"],
+                     "disk_read_ms": read_s * 1e3, "decode_ms": r["decode_s"] * 1e3,
+                     "read_plus_decode_ms": (read_s + r["decode_s"]) * 1e3})
+    raw_read_ms = nbytes / (disk_gbps * 1e9) * 1e3
+    tier.insert(0, {"codec": "raw", "ratio": 1.0, "blocks_in_64GiB_cpu": CPU_BUDGET // nbytes,
+                    "disk_read_ms": raw_read_ms, "decode_ms": 0.0, "read_plus_decode_ms": raw_read_ms})
+    return {"block": {"layout": layout.to_dict(), "bytes": nbytes}, "rows": rows, "tier": tier,
+            "disk": {"read_gbps": disk_gbps, "how": how, "dir": str(disk_dir)},
+            "zstd_plain_ratio": nbytes / plain}
+
+
+def machine() -> dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "loadavg_at_start": load, "python": platform.python_version(), "torch": torch.__version__,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    m = res["machine"]
+    lines = ["# Codec speed (CPU)", "", "Produced by `python benchmarks/bench_codecs.py`. Machine: "
+             + ", ".join(f"{k}={v}" for k, v in m.items()), "",
+             f"Block: {res['block']['bytes'] / 2**20:.1f} MiB bf16 (32 layers, 8 KV heads, head_dim 128, "
+             f"{res['block']['layout']['block_tokens']} tokens). GB/s of raw block bytes, best of "
+             "several rounds (median in brackets); memcpy = torch copy_ of one block with the same "
+             "threads. The machine is shared: read the ratios to memcpy, not the absolutes.", "",
+             "| threads | codec | payload | encode GB/s | decode GB/s | encode / memcpy | decode / memcpy |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        enc = f"{r['encode_gbps']:.2f} ({r['encode_gbps_median']:.2f})"
+        dec = f"{r['decode_gbps']:.2f} ({r['decode_gbps_median']:.2f})"
+        lines.append(f"| {r['threads']} | {r['codec']} | {r['payload_bytes']} | {enc} | {dec} | "
+                     f"{r.get('encode_vs_memcpy', 1):.3f} | {r.get('decode_vs_memcpy', 1):.3f} |")
+    d = res["disk"]
+    lines += ["", f"zstd on plain (not byte-plane split) bytes: ratio {res['zstd_plain_ratio']:.3f}.", "",
+              f"## Effect on tiers (disk read {d['read_gbps']:.2f} GB/s, {d['how']}, measured in {d['dir']})",
+              "", "| codec | ratio | blocks in 64 GiB CPU | disk read ms | decode ms | read + decode ms |",
+              "|---|---|---|---|---|---|"]
+    for t in res["tier"]:
+        lines.append(f"| {t['codec']} | {t['ratio']:.2f}x | {t['blocks_in_64GiB_cpu']} | {t['disk_read_ms']:.3f} "
+                     f"| {t['decode_ms']:.3f} | {t['read_plus_decode_ms']:.3f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--disk-dir", type=Path, default=Path(__file__).resolve().parent)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "codecs.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_markdown(res, args.out / "codecs.md")
+    print((args.out / "codecs.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
