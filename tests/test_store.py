@@ -397,6 +397,18 @@ def test_block_larger_than_every_tier(harness):
     assert h.check(chain(1)) == [True]
 
 
+def test_block_larger_than_the_cpu_tier_goes_to_nvme(harness):
+    h = harness(cpu_blocks=1)  # a 2-slot arena
+    big = h.store.register_namespace(Namespace(layout(block_bytes=3 * SLOT)))
+    c = chain(2)
+    payloads = [data(x, 3 * SLOT) for x in c]
+    assert h.store.put(big, c, payloads) == ["persisted", "persisted"]  # straight to the durable tier
+    got = h.store.get(big, c)
+    assert got == [p.tobytes() for p in payloads]
+    assert h.store.stats()["counters"]["promotion_failures"] == 2  # cannot promote: served from NVMe
+    assert h.store.lookup(big, c).tiers == ["nvme", "nvme"]
+
+
 def test_nvme_directory_unwritable(tmp_path):
     blocker = tmp_path / "plain-file"
     blocker.write_text("x")
