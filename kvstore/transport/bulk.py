@@ -178,8 +178,14 @@ def send_block(sock: socket.socket, block: np.ndarray | None) -> None:
     if block is None:
         sock.sendall(_U64.pack(0))
         return
-    sock.sendall(_U64.pack(block.nbytes))
-    sock.sendall(memoryview(block).cast("B"))
+    header = _U64.pack(block.nbytes)
+    payload = memoryview(block).cast("B")
+    sent = sock.sendmsg([header, payload])  # one syscall (and no lone 8-byte packet) per block
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(payload[sent - len(header):])
 
 
 def send_error(sock: socket.socket) -> None:
