@@ -446,6 +446,7 @@ class Client:
         sizes: list[int | None] = [None] * len(hashes)
         start = 0
         while start < len(hashes):
+            self._settle_pending()  # our previous pins are released before we pin more (small arenas)
             t0 = time.monotonic()
             lease, meta = self._call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
                 namespace_id=ns_id, hashes=hashes[start:], block_bytes=self._expected(ns_id)))
