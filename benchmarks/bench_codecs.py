@@ -93,15 +93,16 @@ def disk_read_gbps(directory: Path, nbytes: int, chunk: int) -> tuple[float, str
         os.unlink(path)
 
 
-def run(threads: list[int], tokens: int, disk_dir: Path) -> dict:
+def run(threads: list[int], tokens: int, disk_dir: Path, device: str) -> dict:
     layout = block_layout(tokens)
-    raw = realistic_block(layout)
+    raw = realistic_block(layout).to(device)
     nbytes = layout.block_bytes
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows = []
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         dst = torch.empty_like(raw)
-        best, med = timed(lambda: dst.copy_(raw), 20)
+        best, med = timed(lambda: (dst.copy_(raw), sync()), 20)
         memcpy = nbytes / best / 1e9
         rows.append({"threads": n_threads, "codec": "memcpy (torch copy_)", "encode_gbps": memcpy,
                      "decode_gbps": memcpy, "encode_gbps_median": nbytes / med / 1e9,
@@ -111,7 +112,7 @@ def run(threads: list[int], tokens: int, disk_dir: Path) -> dict:
                 continue
             cid, payload = encode_block(codec, raw, layout)
             e_best, e_med = timed(lambda: encode_block(codec, raw, layout), 5)
-            d_best, d_med = timed(lambda: decode_block(cid, payload, layout, out=dst), 5)
+            d_best, d_med = timed(lambda: (decode_block(cid, payload, layout, out=dst), sync()), 5)
             assert codec not in ("zstd",) or torch.equal(dst, raw)
             row = {"threads": n_threads, "codec": codec, "payload_bytes": int(payload.nbytes),
                    "encode_gbps": nbytes / e_best / 1e9, "decode_gbps": nbytes / d_best / 1e9,
@@ -124,7 +125,7 @@ def run(threads: list[int], tokens: int, disk_dir: Path) -> dict:
                   flush=True)
     # plain zstd on unshuffled bytes, to show what the byte-plane split buys
     import zstandard
-    plain = len(zstandard.ZstdCompressor(level=1).compress(raw.numpy()))
+    plain = len(zstandard.ZstdCompressor(level=1).compress(raw.cpu().numpy()))
     disk_gbps, how = disk_read_gbps(disk_dir, 256 << 20, nbytes)
     tier = []
     best_threads = max(threads)
@@ -139,7 +140,7 @@ def run(threads: list[int], tokens: int, disk_dir: Path) -> dict:
     raw_read_ms = nbytes / (disk_gbps * 1e9) * 1e3
     tier.insert(0, {"codec": "raw", "ratio": 1.0, "blocks_in_64GiB_cpu": CPU_BUDGET // nbytes,
                     "disk_read_ms": raw_read_ms, "decode_ms": 0.0, "read_plus_decode_ms": raw_read_ms})
-    return {"block": {"layout": layout.to_dict(), "bytes": nbytes}, "rows": rows, "tier": tier,
+    return {"device": device, "block": {"layout": layout.to_dict(), "bytes": nbytes}, "rows": rows, "tier": tier,
             "disk": {"read_gbps": disk_gbps, "how": how, "dir": str(disk_dir)},
             "zstd_plain_ratio": nbytes / plain}
 
@@ -156,7 +157,7 @@ def machine() -> dict:
 
 def write_markdown(res: dict, path: Path) -> None:
     m = res["machine"]
-    lines = ["# Codec speed (CPU)", "", "Produced by `python benchmarks/bench_codecs.py`. Machine: "
+    lines = [f"# Codec speed ({res['device']})", "", "Produced by `python benchmarks/bench_codecs.py`. Machine: "
              + ", ".join(f"{k}={v}" for k, v in m.items()), "",
              f"Block: {res['block']['bytes'] / 2**20:.1f} MiB bf16 (32 layers, 8 KV heads, head_dim 128, "
              f"{res['block']['layout']['block_tokens']} tokens). GB/s of raw block bytes, best of "
@@ -185,13 +186,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--disk-dir", type=Path, default=Path(__file__).resolve().parent)
+    ap.add_argument("--device", default="cpu",
+                    help="cuda: raw block and decode buffer on the GPU (encode = torch on the GPU + "
+                         "payload to host; decode = payload to GPU + torch on the GPU)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
-    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir)}
+    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir, args.device)}
+    stem = "codecs" if args.device == "cpu" else f"codecs_{args.device.split(':')[0]}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "codecs.json").write_text(json.dumps(res, indent=1) + "\n")
-    write_markdown(res, args.out / "codecs.md")
-    print((args.out / "codecs.md").read_text())
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_markdown(res, args.out / f"{stem}.md")
+    print((args.out / f"{stem}.md").read_text())
 
 
 if __name__ == "__main__":
