@@ -539,7 +539,7 @@ class Fleet(StoreListener):
         self._thread: threading.Thread | None = None
         self._scratch = np.empty(0, dtype=np.uint8)
         self.counters: dict[str, int] = collections.defaultdict(int)
-        self.connected = False
+        self.connected = True   # until the publisher thread fails to reach Redis
 
     # -- StoreListener (called with the store lock held: enqueue only) ---------------------------
 
@@ -717,6 +717,7 @@ class Fleet(StoreListener):
         dead) means joining again and republishing. Every ``sweep_every`` beats, sweep dead slots."""
         beats = list(self._slots.items())
         if not beats:
+            self.directory.redis.ping()   # nothing published yet: still notice a dead Redis
             return
         alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s)
         lost = [ns for (ns, _), ok in zip(beats, alive) if not ok]
@@ -776,6 +777,9 @@ class Fleet(StoreListener):
         published is never stored (counted as ``peer_checksum_mismatch``); the run stops there."""
         hashes = list(hashes)
         if not hashes:
+            return 0
+        if not self.connected:   # the publisher saw Redis fail: do not make every miss wait for it
+            self.counters["fetch_skipped_disconnected"] += 1
             return 0
         got = self._fetch_from_pool(namespace_id, hashes, parent) if self.shared_pool is not None else 0
         if got == len(hashes):

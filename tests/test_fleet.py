@@ -421,8 +421,7 @@ def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
         d = Directory(url, f1.directory.prefix)
         wait_for(lambda: d.entries(NS.id, "n1") == 8, what="n1 to republish everything it holds")
         assert f1.counters["republishes"] >= 2
-        result = f2.lookup(NS.id, hashes)
-        assert result.num_hit == 5
+        wait_for(lambda: f2.lookup(NS.id, hashes).num_hit == 5, what="n2 to reconnect and fetch from n1")
         assert s2.get(NS.id, hashes) == [b.tobytes() for b in blocks]
     finally:
         server.kill()
@@ -653,7 +652,7 @@ def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
         time.sleep(0.5)
         server = _start_redis(port)
         wait_for(lambda: directory.entries(NS.id, "d1") == 7, timeout_s=15, what="d1 to republish")
-        assert d2.client.lookup(NS.id, hashes).num_hit == 5
+        wait_for(lambda: d2.client.lookup(NS.id, hashes).num_hit == 5, what="d2 to reconnect and fetch from d1")
         assert d2.client.get(NS.id, hashes) == [b.tobytes() for b in blocks]
     finally:
         server.kill()
