@@ -272,7 +272,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     hashes = [block_hash(keys[i]) for i in idx]
                     present = self._with_namespace(model, salt, size, self.client.exists, hashes)
                     hit = [i for i, p in zip(idx, present) if p]
-                    if hit:  # the lock: a lookup lease pins these blocks until the load
+                    if hit:  # the lock: one lookup over the hits leases them until the load
                         self._with_namespace(model, salt, size, self.client.lookup,
                                              [block_hash(keys[i]) for i in hit])
                     found.update(hit)
