@@ -65,7 +65,7 @@ log = logging.getLogger("kvstore.fleet")
 TIER_CODES = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}   # >= 2: "disk" in the holders bitmap
 MAX_ROUTE_HASHES = 8192
 PUBLISH_CHUNK = 256          # entries per Lua call: bounds how long one call holds Redis (~0.5 ms)
-ROUTE_CHUNKS = (256, 1024, 4096)  # HMGET sizes while some node still holds every block asked so far
+ROUTE_CHUNKS = (1024, 4096)  # HMGET sizes while some node still holds every block asked so far
 
 # KEYS[1] holders. ARGV: slot, 'a' (add) | 'r' (remove), hash length, packed hashes,
 # packed 9-byte values (checksum LE + tier code) for adds. Returns the number of checksum conflicts.
@@ -406,7 +406,7 @@ class Directory:
               block_tokens: int | None = None) -> list[NodeRoute]:
         """Per live node holding at least the first block: how many leading blocks (and tokens)
         it can serve, and how many of those sit in memory vs on disk; longest first.
-        Reads the nodes hash and the first 256 blocks in one round trip, more only while some node
+        Reads the nodes hash and the first 1024 blocks in one round trip, more only while some node
         still holds every block asked so far."""
         if len(hashes) > MAX_ROUTE_HASHES:
             raise InvalidArgument("hashes", f"{len(hashes)} hashes; at most {MAX_ROUTE_HASHES} per route")

@@ -324,7 +324,14 @@ def test_route_cli(make_node, redis_url, prefix, capsys):
     import json
     out = json.loads(capsys.readouterr().out)
     assert out["nodes"][0]["node_id"] == "n1" and out["nodes"][0]["tokens"] == 3 * BLOCK_TOKENS
+    tokens = ((np.arange(3 * BLOCK_TOKENS) * 7919) % 50_000).tolist()
+    assert route_main(["--redis", redis_url, "--key-prefix", prefix, "--namespace", NS.id.hex(),
+                       "--tokens", ",".join(map(str, tokens)), "--block-tokens", str(BLOCK_TOKENS)]) == 0
+    text = capsys.readouterr().out
+    assert "n1" in text and f" {3 * BLOCK_TOKENS} " in text
     assert route_main(["--redis", "redis://127.0.0.1:1/0", "--namespace", NS.id.hex(), "--hashes", "00"]) == 1
+    with pytest.raises(SystemExit):
+        route_main(["--namespace", "zz", "--hashes", "00"])
 
 
 # -- peer fetch --------------------------------------------------------------------------------
