@@ -1,8 +1,10 @@
 """Service throughput, quoted against ceilings measured in the same run (``kvstore bench``).
 
 For each block size: put and get GB/s over every transport (gRPC streams, the raw-TCP side
-channel, shared memory), beside memcpy (the shm ceiling) and a raw TCP loopback socket with
-``recv_into`` (the remote ceiling); lookups per second, one chain per RPC and batched. Without a
+channel, shared memory), beside memcpy into distinct buffers (the shm ceiling) and a raw TCP
+loopback socket with ``recv_into`` (the remote ceiling), each ceiling pass run right before the
+pass it judges; ratios are medians of those per-pass ratios. Lookups per second, one chain per RPC
+and batched. Without a
 URL a private daemon is started as a separate process (client and daemon in one Python process
 would share one GIL and measure that instead).
 
@@ -28,52 +30,76 @@ import numpy as np
 GB = 1e9
 
 
-# -- ceilings (fallbacks; benchmarks/bench_service.py passes benchmarks/ceilings.py's) ----------
+# -- ceilings, as passes that can be interleaved with the code they judge ------------------------
+# A pass object runs one timed pass per call and returns its seconds; ``bytes`` is what one pass
+# moves. Interleaving ceiling and service passes, and taking the median of per-pass ratios, keeps
+# the ratio honest on a shared machine whose speed changes from one second to the next.
 
-def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    iters = max(1, (256 << 20) // nbytes)
-    times = []
-    for _ in range(reps):
+class MemcpyPass:
+    """``count`` numpy copies of ``nbytes`` into distinct destinations (a ``working_set``-byte
+    region, as a get fills distinct output buffers), from a small pool of sources. Used when
+    benchmarks/ceilings.py is not importable (an installed kvstore)."""
+
+    def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None) -> None:
+        slots = max(1, (working_set or nbytes) // nbytes)
+        self.srcs = [np.full(nbytes, i, dtype=np.uint8) for i in range(8)]
+        dst = np.ones(slots * nbytes, dtype=np.uint8)
+        self.dsts = [dst[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
+        self.count = count or max(slots, (256 << 20) // nbytes)
+        self.bytes = nbytes * self.count
+
+    def __call__(self) -> float:
         t = time.perf_counter()
-        for _ in range(iters):
-            np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes * iters / statistics.median(times) / GB
+        for i in range(self.count):
+            np.copyto(self.dsts[i % len(self.dsts)], self.srcs[i % len(self.srcs)])
+        return time.perf_counter() - t
 
 
-def tcp_loopback_gbps(nbytes: int, reps: int = 5) -> float:
-    """One TCP stream over 127.0.0.1, ``recv_into`` a pre-allocated, touched buffer."""
-    iters = max(2, (128 << 20) // nbytes)
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-    payload = memoryview(np.ones(nbytes, dtype=np.uint8)).cast("B")
+class TcpPass:
+    """``count`` messages of ``nbytes`` over one TCP loopback connection, ``recv_into`` a pooled
+    buffer: what a perfect remote data path could do on this machine at this moment."""
 
-    def sender() -> None:
-        with socket.create_connection(("127.0.0.1", port)) as c:
-            for _ in range((reps + 1) * iters):
-                c.sendall(payload)
-            c.recv(1)
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count, self.bytes = nbytes, count, nbytes * count
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self._go = threading.Semaphore(0)
+        self._stop = False
+        payload = memoryview(np.ones(nbytes, dtype=np.uint8)).cast("B")
+        port = self._srv.getsockname()[1]
 
-    th = threading.Thread(target=sender, daemon=True)
-    th.start()
-    conn, _ = srv.accept()
-    sink = memoryview(np.zeros(nbytes, dtype=np.uint8)).cast("B")
-    times = []
-    for r in range(reps + 1):
+        def sender() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while True:
+                    self._go.acquire()
+                    if self._stop:
+                        return
+                    for _ in range(self.count):
+                        c.sendall(payload)
+
+        self._thread = threading.Thread(target=sender, daemon=True)
+        self._thread.start()
+        self._conn, _ = self._srv.accept()
+        self._sink = memoryview(np.zeros(nbytes, dtype=np.uint8)).cast("B")
+
+    def __call__(self) -> float:
+        self._go.release()
         t = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(self.count):
             got = 0
-            while got < nbytes:
-                got += conn.recv_into(sink[got:], nbytes - got)
-        if r:
-            times.append(time.perf_counter() - t)
-    conn.sendall(b"x")
-    conn.close()
-    srv.close()
-    th.join(10)
-    return nbytes * iters / statistics.median(times) / GB
+            while got < self.nbytes:
+                k = self._conn.recv_into(self._sink[got:], self.nbytes - got)
+                if k == 0:
+                    raise ConnectionError("ceiling sender closed")
+                got += k
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.release()
+        self._thread.join(10)
+        self._conn.close()
+        self._srv.close()
 
 
 # -- the daemon under test -------------------------------------------------------------------------
@@ -123,36 +149,41 @@ def _median_time(fn: Callable[[], None], reps: int, setup: Callable[[], None] | 
     return statistics.median(times)
 
 
-def _service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, tag: str) -> dict:
+def _service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, tag: str,
+                  ceiling) -> dict:
+    """Put and get ``count`` blocks ``reps`` times, each pass right after one ``ceiling`` pass."""
     from kvstore.keys import ChainHasher
 
     rng = np.random.default_rng(0)
     blocks = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(count)]
     outs = [np.zeros(block_bytes, dtype=np.uint8) for _ in range(count)]
-    rounds = iter(range(1 << 30))
-    state: dict = {}
-
-    def fresh() -> None:  # new hashes per repetition: a put of present blocks would move nothing
-        if state.get("hashes"):
-            client.delete(ns_id, state["hashes"])
-        state["hashes"] = ChainHasher(seed=hash((tag, next(rounds))) & 0xFFFF).chain(
-            np.arange(count * 16) + next(rounds) * 1_000_003, 16)
-
-    def put() -> None:
-        assert client.put(ns_id, state["hashes"], blocks) == ["stored"] * count
-
-    put_s = _median_time(put, reps, setup=fresh)
-
-    def get() -> None:
-        sizes = client.get_into(ns_id, state["hashes"], outs)
-        assert sizes == [block_bytes] * count
-
-    client.get_into(ns_id, state["hashes"], outs)  # warm
-    get_s = _median_time(get, reps)
-    ok = all(np.array_equal(o, b) for o, b in zip(outs, blocks))
-    client.delete(ns_id, state["hashes"])
     total = block_bytes * count
-    return {"put_gbps": total / put_s / GB, "get_gbps": total / get_s / GB, "verified": ok}
+    puts, gets, put_ratio, get_ratio = [], [], [], []
+    hashes: list[bytes] = []
+    for r in range(reps + 1):  # pass 0 warms buffers and connections; not counted
+        if hashes:
+            client.delete(ns_id, hashes)
+        # fresh hashes every pass: a put of blocks already present moves nothing
+        hashes = ChainHasher(seed=r).chain(np.arange(count * 16) + (r + 1) * 7_000_003 + len(tag), 16)
+        c_put = ceiling.bytes / ceiling()
+        t = time.perf_counter()
+        assert client.put(ns_id, hashes, blocks) == ["stored"] * count
+        put_gbps = total / (time.perf_counter() - t) / GB
+        c_get = ceiling.bytes / ceiling()
+        t = time.perf_counter()
+        assert client.get_into(ns_id, hashes, outs) == [block_bytes] * count
+        get_gbps = total / (time.perf_counter() - t) / GB
+        if r:
+            puts.append(put_gbps)
+            gets.append(get_gbps)
+            put_ratio.append(put_gbps / (c_put / GB))
+            get_ratio.append(get_gbps / (c_get / GB))
+    ok = all(np.array_equal(o, b) for o, b in zip(outs, blocks))
+    client.delete(ns_id, hashes)
+    return {"put_gbps": statistics.median(puts), "get_gbps": statistics.median(gets),
+            "put_vs_ceiling": statistics.median(put_ratio), "get_vs_ceiling": statistics.median(get_ratio),
+            "ceiling_gbps": ceiling.bytes / statistics.median(ceiling() for _ in range(3)) / GB,
+            "verified": ok}
 
 
 def _redis_gbps(block_bytes: int, count: int, reps: int, url: str = "redis://127.0.0.1:6379/0") -> dict | None:
@@ -224,14 +255,15 @@ def machine_facts() -> dict:
 
 def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 4 << 20, 16 << 20),
               total_bytes: int = 256 << 20, transports=("grpc", "bulk", "shm"), reps: int = 3,
-              memcpy: Callable[[int], float] | None = None, tcp: Callable[[int], float] | None = None,
-              redis_url: str | None = "redis://127.0.0.1:6379/0") -> dict:
-    """Measure everything; returns a JSON-able report (see ``format_report``)."""
+              memcpy_pass=None, redis_url: str | None = "redis://127.0.0.1:6379/0") -> dict:
+    """Measure everything; returns a JSON-able report (see ``format_report``).
+
+    ``memcpy_pass(nbytes, working_set=...)`` builds the memcpy ceiling pass (default
+    ``MemcpyPass``; benchmarks/bench_service.py passes benchmarks/ceilings.py's)."""
     from kvstore.client import Client
     from kvstore.keys import KVLayout, Namespace
 
-    memcpy = memcpy or memcpy_gbps
-    tcp = tcp or tcp_loopback_gbps
+    memcpy_pass = memcpy_pass or MemcpyPass
     daemon = None if url else _PrivateDaemon(cpu_bytes=max(sizes) * 8 + 2 * total_bytes + (64 << 20))
     address = url or daemon.address
     report: dict = {"machine": machine_facts(), "daemon": "external " + url if url else "private child process",
@@ -249,18 +281,26 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             count = max(2, total_bytes // size)
             layout = KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                               block_tokens=16, block_bytes=size)
-            row: dict = {"count": count, "memcpy_gbps": memcpy(size), "tcp_gbps": tcp(size)}
-            for t, c in clients.items():
-                ns_id = c.register_namespace(Namespace(layout, cache_salt="bench"))
-                row[t] = _service_gbps(c, ns_id, size, count, reps, tag=t)
+            memcpy = memcpy_pass(size, working_set=size * count)
+            tcp = TcpPass(size, count)
+            row: dict = {"count": count}
+            try:
+                for t, c in clients.items():
+                    ns_id = c.register_namespace(Namespace(layout, cache_salt="bench"))
+                    row[t] = _service_gbps(c, ns_id, size, count, reps, tag=t, ceiling=memcpy if t == "shm" else tcp)
+                row["memcpy_gbps"] = memcpy.bytes / statistics.median(memcpy() for _ in range(3)) / GB
+                row["tcp_gbps"] = tcp.bytes / statistics.median(tcp() for _ in range(3)) / GB
+            finally:
+                tcp.close()
             if redis_url:
                 row["redis"] = _redis_gbps(size, count, reps, redis_url)
             if "shm" in row:
-                row["shm_get_vs_memcpy"] = row["shm"]["get_gbps"] / row["memcpy_gbps"]
+                row["shm_get_vs_memcpy"] = row["shm"]["get_vs_ceiling"]
+                row["shm_put_vs_memcpy"] = row["shm"]["put_vs_ceiling"]
             for t in ("grpc", "bulk"):
                 if t in row:
-                    row[f"{t}_get_vs_tcp"] = row[t]["get_gbps"] / row["tcp_gbps"]
-                    row[f"{t}_put_vs_tcp"] = row[t]["put_gbps"] / row["tcp_gbps"]
+                    row[f"{t}_get_vs_tcp"] = row[t]["get_vs_ceiling"]
+                    row[f"{t}_put_vs_tcp"] = row[t]["put_vs_ceiling"]
             report["sizes"][str(size)] = row
         if clients:
             c = next(iter(clients.values()))
@@ -287,7 +327,8 @@ def format_report(report: dict) -> str:
             if not r:
                 continue
             if t == "shm":
-                ceil = f"memcpy {row['memcpy_gbps']:.2f} GB/s -> get {row['shm_get_vs_memcpy']:.2f}x"
+                ceil = (f"memcpy {row['memcpy_gbps']:.2f} GB/s -> get {row['shm_get_vs_memcpy']:.2f}x, "
+                        f"put {row['shm_put_vs_memcpy']:.2f}x")
             elif t == "redis":
                 ceil = "peer"
             else:
