@@ -117,6 +117,8 @@ class ReplayResult:
     counters: dict[str, int]
     bytes_loaded: dict[str, int]      # per tier, stored bytes read on hits
     bytes_written: int                # stored bytes put
+    bytes_placed: dict[str, int]      # per tier, stored bytes of every copy placed (puts, demotions,
+                                      # promotions, write-through): the write traffic each medium sees
     bytes_demoted: int
     bytes_promoted: int
     ttft_ms: np.ndarray | None = None
@@ -141,6 +143,7 @@ class ReplayResult:
             "hit_rate_per_tier": {t: self.tier_hit_rate(t) for t in self.hit_blocks},
             "hit_blocks": self.hit_blocks, "miss_blocks": self.miss_blocks, "put_rejected": self.put_rejected,
             "bytes_loaded": self.bytes_loaded, "bytes_written": self.bytes_written,
+            "bytes_placed": self.bytes_placed,
             "bytes_demoted": self.bytes_demoted, "bytes_promoted": self.bytes_promoted,
             "ttft_ms": {f"p{p}": self.ttft_percentile(p) for p in (50, 90, 99)}
             | {"mean": float(self.ttft_ms.mean()) if self.ttft_ms is not None and len(self.ttft_ms) else 0.0},
@@ -228,6 +231,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
                 if cost is not None:
                     ttfts.append(_ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
             counters = dict(store.counters)
+            placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
         finally:
             store.close()
             if own_tiers:
@@ -236,7 +240,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     return ReplayResult(
         candidate, n_requests, blocks, hit_blocks, misses, rejected, counters,
         bytes_loaded={n: hit_blocks[n] * block_bytes for n in names},
-        bytes_written=counters.get("bytes_in", 0),
+        bytes_written=counters.get("bytes_in", 0), bytes_placed=placed,
         bytes_demoted=counters.get("demotions", 0) * block_bytes,
         bytes_promoted=counters.get("promotions", 0) * block_bytes,
         ttft_ms=np.asarray(ttfts, dtype=np.float64) if cost is not None else None,
@@ -332,13 +336,12 @@ def recommend(results: list[dict], target_hit_rate: float | None = None, target_
 
     def price(r: dict) -> tuple:
         cost = r["cpu_bytes"] / GiB * price_cpu_gib + r["nvme_bytes"] / GiB * price_nvme_gib
-        return (cost, r["cpu_bytes"], r["nvme_bytes"], list(CODECS).index(r["codec"]) if r["codec"] in CODECS else 99,
-                r["policy"])
+        return (cost, r["cpu_bytes"], r["nvme_bytes"])
 
     passing = [r for r in results if ok(r)]
     if not passing:
         return None
-    best = min(passing, key=price)
+    best = min(passing, key=price)  # first in input order among equals: policies/codecs as listed
     return {**{k: best[k] for k in ("policy", "codec", "cpu_bytes", "nvme_bytes", "hit_rate", "ttft_ms")},
             "cost": price(best)[0]}
 
@@ -435,16 +438,17 @@ def write_markdown(report: dict, path: str) -> None:
              f"{report['infinite_cache_hit_rate']:.1%}. Store config: `{json.dumps(report['store_config'])}`.", "",
              f"TTFT model: {cm['formula']}; bandwidth GB/s {cm['bandwidth_gbps']} ({cm['bandwidth_source']}), "
              f"prefill {cm['prefill_tok_s']:,.0f} tok/s ({cm['prefill_source']}), rpc {cm['rpc_ms']} ms.", "",
-             "| policy | codec | cpu | nvme | hit cpu | hit nvme | hit total | loaded GB | written GB | demoted GB "
-             "| promoted GB | TTFT p50 ms | p90 | p99 | replay s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| policy | codec | cpu | nvme | hit cpu | hit nvme | hit total | loaded GB | put GB | demoted GB "
+             "| promoted GB | NVMe written GB | TTFT p50 ms | p90 | p99 | replay s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         per = r["hit_rate_per_tier"]
         lines.append(
             f"| {r['policy']} | {r['codec']} | {_gib(r['cpu_bytes'])} | {_gib(r['nvme_bytes'])} | "
             f"{per.get('cpu', 0):.1%} | {per.get('nvme', 0):.1%} | {r['hit_rate']:.1%} | "
             f"{sum(r['bytes_loaded'].values()) / 1e9:.1f} | {r['bytes_written'] / 1e9:.1f} | "
-            f"{r['bytes_demoted'] / 1e9:.1f} | {r['bytes_promoted'] / 1e9:.1f} | {r['ttft_ms']['p50']:.0f} | "
+            f"{r['bytes_demoted'] / 1e9:.1f} | {r['bytes_promoted'] / 1e9:.1f} | "
+            f"{(r['bytes_placed'].get('nvme') or 0) / 1e9:.1f} | {r['ttft_ms']['p50']:.0f} | "
             f"{r['ttft_ms']['p90']:.0f} | {r['ttft_ms']['p99']:.0f} | {r['replay_seconds']:.0f} |")
     rec = report.get("recommendation")
     t = report.get("targets", {})

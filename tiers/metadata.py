@@ -51,6 +51,7 @@ class MetadataTier(Tier):
             path = self._tmpdir.name
         self.path = path
         self._sizes: dict[bytes, tuple[int, int]] = {}  # key -> (stored size, footprint)
+        self.bytes_placed = 0  # stored bytes of every copy ever placed here: what the medium would write
 
     @classmethod
     def like_cpu(cls, capacity_bytes: int, slot_bytes: int = 256 * 1024, name: str = "cpu") -> "MetadataTier":
@@ -82,6 +83,7 @@ class MetadataTier(Tier):
             raise TierFull(f"{self.name} tier has {self.free_bytes} free bytes, needs {fp}")
         self._sizes[key] = (record.stored_size, fp)
         self.used_bytes += fp
+        self.bytes_placed += record.stored_size
 
     def write(self, record: BlockRecord, data) -> None:
         """Nothing to write: the planner only needs the accounting done by ``allocate``."""
