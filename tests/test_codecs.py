@@ -456,3 +456,22 @@ def test_reference_path_refuses_nan_too(codec, monkeypatch):
     v[0, 0, 0, 0] = float("nan")
     with pytest.raises(CodecError, match="NaN or Inf"):
         encode_block(codec, as_bytes(pack_block(k, v, layout.layout)), layout)
+
+
+def test_concurrent_encodes_and_decodes_match_sequential():
+    """The daemon encodes from several threads at once: results must not depend on that."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.codecs import warm_up
+    warm_up()
+    layout = make_layout("kv,token,layer,head,dim", L=4, T=32, H=2, D=64)
+    blocks = [as_bytes(pack_block(*realistic_kv(4, 32, 2, 64, seed=s), layout.layout)) for s in range(8)]
+    jobs = [(c, b) for c in LOSSY for b in blocks]
+
+    def work(job):
+        cid, payload = encode_block(job[0], job[1], layout)
+        return bytes(payload), bytes(decode_block(cid, payload, layout).numpy())
+
+    sequential = [work(j) for j in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(work, jobs)) == sequential

@@ -31,7 +31,7 @@ from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
 __all__ = ["CODEC_IDS", "Codec", "CodecError", "check_layout", "codec_for_id", "decode_block",
-           "encode_block", "get_codec"]
+           "encode_block", "get_codec", "warm_up"]
 
 _CODECS: tuple[Codec, ...] = (
     RawCodec(),
@@ -136,3 +136,14 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
         body = body.to(dst.device)
     codec.decode(header, body, layout, dst)
     return dst
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) the CPU kernels now, so the first demotion does
+    not pay seconds of JIT. Safe to call from a background thread at daemon start."""
+    layout = KVLayout("kvstore/warm-up", num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
+                      block_tokens=32, layout="kv,layer,token,head,dim")
+    raw = torch.linspace(-1, 1, layout.block_bytes // 2).to(torch.bfloat16)
+    for codec in _CODECS:
+        if codec.lossy:
+            decode_block(*encode_block(codec.codec_id, raw, layout), layout)

@@ -2,8 +2,8 @@
 ``fp8.py`` / ``int4.py``, bit for bit, in one pass instead of a dozen.
 
 Eager torch spends most of its time on fp8<->float conversion and on materialising float32
-copies; these kernels read the block's bf16 words in place (any layout: they take the strided
-K/V views), keep everything in registers, and write codes and statistics straight into the
+copies; these kernels read the block's bf16 words in place (any layout whose head_dim rows are
+contiguous; vllm_cpu's transposed keys are copied first), keep everything in registers, and write codes and statistics straight into the
 payload. Every rounding step mirrors the reference (float32 division, round-half-even, bf16
 round-to-nearest-even, e4m3 rounding as in c10), and tests/test_codecs.py checks payloads and
 decoded blocks are byte-identical to the reference.
@@ -18,6 +18,7 @@ runs the torch reference. ``KVSTORE_CODECS_REFERENCE=1`` forces the reference ev
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -330,6 +331,7 @@ def target(view: torch.Tensor, block: torch.Tensor):
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def _layer_chunks(L: int) -> list[tuple[int, int]]:
@@ -349,7 +351,9 @@ def by_layers(geom: tuple[int, ...], call) -> int:
     chunks = _layer_chunks(geom[1])
     if len(chunks) == 1:
         return call(0, geom[1], geom) or 0
-    if _POOL is None or _POOL._max_workers < len(chunks):
-        _POOL = ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="kvstore-codec")
-    futures = [_POOL.submit(call, a, b, _sub(geom, a, b)) for a, b in chunks]
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < len(chunks):
+            _POOL = ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="kvstore-codec")
+        pool = _POOL
+    futures = [pool.submit(call, a, b, _sub(geom, a, b)) for a, b in chunks]
     return sum(f.result() or 0 for f in futures)
