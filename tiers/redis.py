@@ -17,7 +17,8 @@ Contract notes (see ``tiers/base.py``):
   daemon's delete) also raises ``BlockCorrupt``: the Store turns both into a counted miss, never
   a wrong byte.
 * ``drop`` releases the budget at once and queues the delete; the queue is sent ahead of the next
-  write or read (outside the Store lock), so eviction never waits on the network.
+  write or read, so dropping a copy never waits on the network. (Demotion *into* this tier
+  writes under the Store lock, as NVMe demotion does: one SET round trip per demoted block.)
 * Not durable: a restarted daemon starts with an empty budget; what it left in Redis is still
   reachable through ``load`` until its TTL runs out.
 """
