@@ -69,13 +69,50 @@ def _abort(context, method: str, err: Exception, metrics) -> None:
     context.abort(code, message[:2000])
 
 
+class _Malformed:
+    """What arrives in place of a request whose bytes are not a valid protobuf message."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+def _lenient(message_cls):
+    """Request deserializer that never raises (gRPC would answer its own INTERNAL): the handler
+    answers INVALID_ARGUMENT naming the message type instead."""
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError and friends
+            return _Malformed(message_cls.DESCRIPTOR.full_name)
+    return parse
+
+
+def _malformed(m: _Malformed) -> InvalidArgument:
+    return InvalidArgument("request", f"not a valid {m.type_name} message (malformed protobuf)")
+
+
+def _checked_stream(requests):
+    for m in requests:
+        if isinstance(m, _Malformed):
+            raise _malformed(m)
+        yield m
+
+
+def _checked(request):
+    if isinstance(request, _Malformed):
+        raise _malformed(request)
+    if hasattr(request, "__next__"):  # a client stream: check each message as it is read
+        return _checked_stream(request)
+    return request
+
+
 def _rpc(method):
     """Unary handler wrapper: status mapping + latency."""
     @functools.wraps(method)
     def wrapper(self, request, context):
         t0 = time.perf_counter()
         try:
-            return method(self, request, context)
+            return method(self, _checked(request), context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
             if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortionError":
                 raise
@@ -92,7 +129,7 @@ def _rpc_stream(method):
     def wrapper(self, request, context):
         t0 = time.perf_counter()
         try:
-            yield from method(self, request, context)
+            yield from method(self, _checked(request), context)
         except Exception as e:  # noqa: BLE001
             if isinstance(e, grpc.RpcError) or type(e).__name__ == "_AbortionError":
                 raise
@@ -620,6 +657,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.PutResponse(results=results)
 
 
+def add_kvstore_servicer(servicer: KVStoreServicer, server) -> None:
+    """Like the generated ``add_KVStoreServicer_to_server``, but with lenient request parsing so
+    a malformed message is answered INVALID_ARGUMENT by our handler (see ``_lenient``)."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
+        make = kinds[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+                                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
                  chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
@@ -637,7 +687,7 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
                                stream_idle_s=stream_idle_s)
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    add_kvstore_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
