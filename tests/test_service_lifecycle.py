@@ -171,3 +171,19 @@ def test_cli_health_and_stats(kv_daemon):
     down = subprocess.run(run + ["health", "--url", "127.0.0.1:1", "--timeout", "1"], capture_output=True,
                           text=True, env=env)
     assert down.returncode == 1
+
+
+def test_cli_bench_json_smoke(tmp_path):
+    """`kvstore bench` against its own private daemon: every path verified byte-identical, ratios present."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "256KiB", "--total", "1MiB", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    row = report["sizes"][str(256 << 10)]
+    for path in ("grpc", "bulk", "shm"):
+        assert row[path]["verified"] is True
+        assert row[path]["get_gbps"] > 0 and row[path]["put_gbps"] > 0
+    assert row["shm_get_vs_memcpy"] > 0 and row["bulk_get_vs_tcp"] > 0
+    assert report["lookups"]["batched_per_s"] > 0
