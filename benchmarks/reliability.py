@@ -1084,7 +1084,8 @@ def _load_worker_main(args) -> None:
         for t in ts:
             t.join()
         results = out
-    json.dump(results, sys.stdout)
+    with open(args.result_file, "w") as f:   # not stdout: the parent only reads it at the end
+        json.dump(results, f)
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -1097,12 +1098,15 @@ def _percentiles(xs: list[float]) -> dict:
 
 def _run_load(d: DaemonProcess, plan: list[tuple[str, str, int]], seconds: float, block_bytes: int) -> dict:
     """``plan``: (mode sync|async, transport, clients) per process. Samples the daemon's RSS."""
-    procs = []
+    procs, files = [], []
     for i, (mode, transport, n) in enumerate(plan):
+        fd, result_file = tempfile.mkstemp(prefix="kvstore-load-", suffix=".json")
+        os.close(fd)
+        files.append(result_file)
         cmd = [sys.executable, os.path.abspath(__file__), "_load-worker", "--url", d.address, "--mode", mode,
                "--transport", transport, "--clients", str(n), "--seconds", str(seconds), "--seed", str(1000 * (i + 1)),
-               "--block-bytes", str(block_bytes)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+               "--block-bytes", str(block_bytes), "--result-file", result_file]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     samples = []
     t0 = time.monotonic()
     while any(p.poll() is None for p in procs):
@@ -1110,11 +1114,13 @@ def _run_load(d: DaemonProcess, plan: list[tuple[str, str, int]], seconds: float
             samples.append((round(time.monotonic() - t0, 1), rss(d.pid)))
         time.sleep(0.5)
     results = []
-    for p in procs:
-        out, err = p.communicate()
+    for p, result_file in zip(procs, files):
+        _, err = p.communicate()
         if p.returncode != 0:
             raise RuntimeError(f"load worker failed: {err[-2000:]}")
-        results += json.loads(out)
+        with open(result_file) as f:
+            results += json.load(f)
+        os.unlink(result_file)
     lat = {op: [x for r in results for x in r["lat"][op]] for op in LOAD_OPS}
     errors: dict[str, int] = {}
     for r in results:
@@ -1384,6 +1390,7 @@ def main(argv=None) -> int:
     p.add_argument("--transport", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-bytes", type=int, default=64 * KiB)
+    p.add_argument("--result-file")
     args = p.parse_args(argv)
     if args.scenario == "_load-worker":
         _load_worker_main(args)
