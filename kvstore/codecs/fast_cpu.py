@@ -50,8 +50,10 @@ _SIGNATURES = {
                                     types.Array(types.uint16, 4, "C"), types.Array(types.uint16, 4, "C")),
     "int4_encode_values": types.int64(_BLOCK, *_GEOM, _I, types.Array(types.uint8, 1, "C"),
                                       types.Array(types.uint16, 4, "C"), types.Array(types.uint16, 4, "C")),
-    "int4_decode": types.none(types.Array(types.uint8, 1, "C"), types.Array(types.uint16, 4, "C"),
-                              types.Array(types.uint16, 4, "C"), _BLOCK, *_GEOM, types.boolean, _I),
+    "int4_decode_keys": types.none(types.Array(types.uint8, 1, "C"), types.Array(types.uint16, 4, "C"),
+                                   types.Array(types.uint16, 4, "C"), _BLOCK, *_GEOM, _I),
+    "int4_decode_values": types.none(types.Array(types.uint8, 1, "C"), types.Array(types.uint16, 4, "C"),
+                                     types.Array(types.uint16, 4, "C"), _BLOCK, *_GEOM, _I),
 }
 
 
@@ -275,26 +277,40 @@ def _dequant4(q, sf, mf):
 
 
 @kernel
-def int4_decode(codes, scale, mn, out, off, L, T, H, D, sl, st, sh, per_channel, group):
-    """per_channel (keys): stats [L, T/group, H, D]; else (values): stats [L, T, H, D/group]."""
+def int4_decode_keys(codes, scale, mn, out, off, L, T, H, D, sl, st, sh, group):
+    """Keys: stats [L, T/group, H, D] (per channel over ``group`` tokens)."""
+    sf = np.empty(D, np.float32)
+    mf = np.empty(D, np.float32)
+    for l in range(L):
+        for g in range(T // group):
+            for h in range(H):
+                for d in range(D):
+                    sf[d] = bf16_to_f32(scale[l, g, h, d])
+                    mf[d] = bf16_to_f32(mn[l, g, h, d])
+                for t in range(g * group, (g + 1) * group):
+                    row = off + l * sl + t * st + h * sh
+                    base = ((l * T + t) * H + h) * D // 2
+                    for i in range(D // 2):
+                        byte = codes[base + i]
+                        out[row + 2 * i] = _dequant4(byte & 0x0F, sf[2 * i], mf[2 * i])
+                        out[row + 2 * i + 1] = _dequant4(byte >> 4, sf[2 * i + 1], mf[2 * i + 1])
+
+
+@kernel
+def int4_decode_values(codes, scale, mn, out, off, L, T, H, D, sl, st, sh, group):
+    """Values: stats [L, T, H, D/group] (per token over ``group`` dims)."""
     for l in range(L):
         for t in range(T):
             for h in range(H):
                 row = off + l * sl + t * st + h * sh
                 base = ((l * T + t) * H + h) * D // 2
-                for i in range(D // 2):
-                    byte = codes[base + i]
-                    d = 2 * i
-                    if per_channel:
-                        g = t // group
-                        s0, m0 = scale[l, g, h, d], mn[l, g, h, d]
-                        s1, m1 = scale[l, g, h, d + 1], mn[l, g, h, d + 1]
-                    else:
-                        g = d // group
-                        s0, m0 = scale[l, t, h, g], mn[l, t, h, g]
-                        s1, m1 = s0, m0
-                    out[row + d] = _dequant4(byte & 0x0F, bf16_to_f32(s0), bf16_to_f32(m0))
-                    out[row + d + 1] = _dequant4(byte >> 4, bf16_to_f32(s1), bf16_to_f32(m1))
+                for g in range(D // group):
+                    s = bf16_to_f32(scale[l, t, h, g])
+                    m = bf16_to_f32(mn[l, t, h, g])
+                    for i in range(g * group // 2, (g + 1) * group // 2):
+                        byte = codes[base + i]
+                        out[row + 2 * i] = _dequant4(byte & 0x0F, s, m)
+                        out[row + 2 * i + 1] = _dequant4(byte >> 4, s, m)
 
 
 def words(t: torch.Tensor) -> np.ndarray:

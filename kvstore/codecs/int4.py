@@ -117,5 +117,5 @@ class Int4Codec(SectionCodec):
         codes = parts[f"{name}_codes"].numpy()
         scale, mn = fast.words(parts[f"{name}_scale"]), fast.words(parts[f"{name}_min"])
         n = codes.size // geom[1]
-        fast.by_layers(geom, lambda a, b, g: fast.int4_decode(
-            codes[a * n:b * n], scale[a:b], mn[a:b], words, *g, kv == 0, group))
+        kernel = fast.int4_decode_keys if kv == 0 else fast.int4_decode_values
+        fast.by_layers(geom, lambda a, b, g: kernel(codes[a * n:b * n], scale[a:b], mn[a:b], words, *g, group))
