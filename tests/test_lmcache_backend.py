@@ -69,3 +69,51 @@ def test_lmcache_bench_l2_with_kvstore_plugin(lmcache_venv, kv_daemon, tmp_path)
     ops = {v["operation"]: v for k, v in metrics.items() if k.startswith("op_")}
     for op in ("Store", "Lookup", "Load"):
         assert ops[op]["total_success"] == ops[op]["total_keys"] > 0, (op, ops[op])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lmcache_mp_server_runs_with_kvstore_l2(lmcache_venv, kv_daemon, tmp_path):
+    """LMCache's multiprocess server (what vLLM's LMCacheMPConnector talks to) loads the plugin
+    as its L2 and reports it healthy, talking to the daemon."""
+    import time
+    import urllib.request
+
+    zmq_port, http_port = _free_port(), _free_port()
+    spec = dict(PLUGIN, adapter_params={"url": kv_daemon.url})
+    log = open(tmp_path / "mp-server.log", "w")
+    proc = subprocess.Popen([os.path.join(lmcache_venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.http_server",
+                             "--host", "127.0.0.1", "--port", str(zmq_port), "--http-host", "127.0.0.1",
+                             "--http-port", str(http_port), "--chunk-size", "32", "--l1-size-gb", "0.0625",
+                             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+                             "--l2-adapter", json.dumps(spec)],
+                            stdout=log, stderr=subprocess.STDOUT, env=engine_env(), cwd=str(tmp_path))
+    try:
+        deadline, status = time.monotonic() + 180, {}
+        while "l2_adapters" not in status.get("storage_manager", {}):  # answers before it is up
+            assert proc.poll() is None, (tmp_path / "mp-server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "MP server never answered /status"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+                    status = json.loads(r.read())
+            except OSError:
+                pass
+            time.sleep(0.5)
+        adapters = status["storage_manager"]["l2_adapters"]
+        assert [a["type"] for a in adapters] == ["KVStoreL2Adapter"], adapters
+        assert adapters[0]["is_healthy"] is True and adapters[0]["url"] == kv_daemon.url, adapters
+        assert status["storage_manager"]["store_controllers"]["_default"]["num_active_adapters"] == 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
