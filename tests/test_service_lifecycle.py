@@ -118,14 +118,18 @@ def test_daemon_down_raises_daemon_unavailable_quickly(daemon_factory):
     c.close()
     # A daemon that dies under a connected client: the next call raises DaemonUnavailable too.
     d = daemon_factory()
-    c = d.client(timeout_s=1.0)
-    ns = c.register_namespace(Namespace(LAYOUT))
+    clients = {t: d.client(timeout_s=1.0, transport=t) for t in ("shm", "bulk", "grpc")}
+    namespaces = {t: c.register_namespace(Namespace(LAYOUT)) for t, c in clients.items()}
+    assert {t: c.active_transport for t, c in clients.items()} == {"shm": "shm", "bulk": "bulk", "grpc": "grpc"}
     d.kill()
-    with pytest.raises(DaemonUnavailable):
-        c.put(ns, _chain(1), _blocks(1, seed=3))
-    with pytest.raises(DaemonUnavailable):
-        c.get(ns, _chain(1))
-    c.close()
+    for t, c in clients.items():
+        with pytest.raises(DaemonUnavailable):
+            c.put(namespaces[t], _chain(1), _blocks(1, seed=3))
+        with pytest.raises(DaemonUnavailable):
+            c.get(namespaces[t], _chain(1))
+        with pytest.raises(DaemonUnavailable):
+            c.lookup(namespaces[t], _chain(1))
+        c.close()
 
 
 def test_health_reflection_and_metrics(kv_daemon):
