@@ -443,7 +443,7 @@ def redis_cluster(tmp_path):
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         pytest.skip("redis-server / redis-cli are not installed")
-    ports = [_free_port() for _ in range(3)]
+    ports = _cluster_ports(3)
     procs = []
     for port in ports:
         (tmp_path / str(port)).mkdir()
@@ -462,6 +462,25 @@ def redis_cluster(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus port (port + 10000) is free too; Redis needs port <= 55535."""
+    import random
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 55535)
+        if port in ports:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        ports.append(port)
+    return ports
 
 
 def _pings(port: int) -> bool:
