@@ -14,8 +14,8 @@ describes the prompt as *prefix groups*: ``[group, n]`` means "the first ``n`` t
 stream named ``group``". Two prompts share a block exactly when they agree on every group piece up
 to its end, so a trace never has to carry the tokens themselves (a chat turn is
 ``[["sys-a", 1200], ["conv-17", 1840]]``, its next turn ``[["sys-a", 1200], ["conv-17", 2400]]``).
-``t`` is seconds (any origin, non-decreasing is not required: the planner sorts nothing and
-uses it only for leases).
+``t`` is seconds from any origin, in arrival order; the planner uses it only as the store's
+clock for leases.
 
 Synthetic generators (``generate(spec, block_tokens)``, spec ``"name:key=value,..."``) model the
 reuse patterns the store is for; each states its reuse, and the planner reports the hit rate an
@@ -205,7 +205,7 @@ def _rag(rng, n, block_tokens, documents=5000, docs_per_request=4, doc_tokens=10
 
 
 def _agent(rng, n, block_tokens, steps=20, system_tokens=3000, task_tokens=300, tool_tokens=400,
-           rate=2.0, step_s=3.0, concurrency_hint=0):
+           rate=2.0, step_s=3.0):
     """Agent loops: a session re-sends its whole context each step, plus the last tool output
     (reuse approaches (steps-1)/steps of the context)."""
     sessions = max(1, n // steps)
