@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import (BlockCorrupt, BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull,
+from kvstore.errors import (BlockCorrupt, CodecError, BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull,
                             TierFull, TierIOError, UnknownNamespace, WrongBlockSize)
 from kvstore.keys import Namespace, block_key, check_block_hash
 from kvstore.policy import EvictionPolicy, make_policy
@@ -105,6 +105,9 @@ class StoreConfig:
     write_through: bool = False
     promote_on_hit: bool = True
     lease_seconds: float = 5.0
+    #: tier name -> codec name (kvstore.codecs); absent = raw. Blocks are transcoded when they
+    #: move into a tier (demotion, write-through, flush, promotion) and decoded on every read.
+    tier_codecs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Store:
@@ -125,6 +128,7 @@ class Store:
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self._scratch = threading.local()
+        self._codec_choice: dict[tuple[int, bytes], str] = {}
         self._load_namespaces()
         self._recover()
 
@@ -330,7 +334,7 @@ class Store:
     def _store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True) -> None:
         """Place a copy of ``data`` in tier ``t``, evicting there first. Caller holds the lock.
         ``sync=False`` leaves a durable tier's directory entry to the caller's ``sync()``."""
-        record = dataclasses.replace(like)
+        record, data = self._transcode(entry, t, like, data)
         self._make_room(t, record.stored_size)
         self.tiers[t].allocate(record)
         try:
@@ -344,6 +348,60 @@ class Store:
         entry.copies[t] = record
         self.policies[t].insert(entry.key, *self._chain_state(entry, t))
         self._copies_changed(entry)
+
+    # -- codecs ----------------------------------------------------------------------------------
+
+    def _codec_for(self, t: int, namespace_id: bytes) -> str:
+        """The codec tier ``t`` stores this namespace's blocks with: its configured codec if the
+        codec can interpret the namespace's layout, else raw (decided once per namespace)."""
+        name = self.config.tier_codecs.get(self.tiers[t].name, "raw")
+        if name == "raw":
+            return name
+        key = (t, namespace_id)
+        if key not in self._codec_choice:
+            from kvstore import codecs
+            ns = self._namespaces.get(namespace_id)
+            try:
+                if ns is None:
+                    raise KeyError(namespace_id)
+                codecs.check_layout(name, ns.layout)
+                self._codec_choice[key] = name
+            except (KeyError, CodecError):
+                self._codec_choice[key] = "raw"
+                self.counters["codec_layout_refusals"] += 1
+        return self._codec_choice[key]
+
+    def _decode(self, entry: Entry, record: BlockRecord, payload, out=None) -> np.ndarray:
+        """Raw block bytes of an encoded copy (into ``out`` when given)."""
+        from kvstore import codecs
+        layout = self.namespace(entry.namespace_id).layout
+        dst = np.empty(entry.raw_size, dtype=np.uint8) if out is None else out[:entry.raw_size]
+        codecs.decode_block(record.codec, payload, layout, out=dst)
+        return dst
+
+    def _transcode(self, entry: Entry, t: int, like: BlockRecord, data) -> tuple[BlockRecord, object]:
+        """The record and payload a copy of ``data`` (encoded as ``like`` says) gets in tier ``t``."""
+        want = self._codec_for(t, entry.namespace_id)
+        from_codec = like.codec
+        if want == "raw" and from_codec == 0:
+            return dataclasses.replace(like), data
+        from kvstore import codecs
+        if from_codec != 0:
+            if codecs.CODEC_IDS.get(want) == from_codec:
+                return dataclasses.replace(like), data
+            data = self._decode(entry, like, as_bytes_array(data)[:like.stored_size])
+        raw = dataclasses.replace(like, codec=0, stored_size=entry.raw_size, checksum=0)
+        if want == "raw":
+            return raw, data
+        try:
+            codec_id, payload = codecs.encode_block(want, data, self.namespace(entry.namespace_id).layout)
+        except CodecError:
+            self.counters["codec_fallbacks_raw"] += 1  # NaN/Inf or similar: keep the exact bytes
+            return raw, data
+        if payload.nbytes >= entry.raw_size:
+            return raw, data
+        self.counters[f"encoded_{want}"] += 1
+        return dataclasses.replace(raw, codec=codec_id, stored_size=payload.nbytes), payload
 
     def _drop_copy(self, entry: Entry, t: int) -> None:
         self.tiers[t].drop(entry.key)
@@ -583,10 +641,14 @@ class Store:
                     self.counters["misses"] += 1
                     return None
                 t = entry.fastest
+            record = entry.copies[t]
             try:
                 n = self.tiers[t].read_into(entry.key, dst)
-            except BlockCorrupt:
+                if record.codec != 0:
+                    n = self._decode(entry, record, dst[:n].copy(), out=dst).nbytes
+            except (BlockCorrupt, CodecError):
                 with self._lock:
+                    self.tiers[t].drop(entry.key)  # a tier drops corrupt copies itself; codecs do not
                     self.counters["corrupt_dropped"] += 1
                     self.policies[t].remove(entry.key)
                     entry.copies.pop(t, None)  # the tier already deleted its copy
@@ -606,11 +668,13 @@ class Store:
             return n
 
     def _promote(self, entry: Entry, t: int, data: np.ndarray) -> None:
+        """Copy a block just read from tier ``t`` (``data``: its raw bytes) into a faster tier."""
         target = self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
         if target in entry.copies:
             return
+        raw = dataclasses.replace(entry.copies[t], codec=0, stored_size=entry.raw_size, checksum=0)
         try:
-            self._store_copy(entry, target, data, entry.copies[t])
+            self._store_copy(entry, target, data, raw)
             self.counters["promotions"] += 1
         except (TierFull, TierIOError, BlockTooLarge):
             self.counters["promotion_failures"] += 1
