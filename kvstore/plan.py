@@ -179,7 +179,8 @@ def stored_layout(layout: KVLayout, codec: str) -> KVLayout:
 
 def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: Candidate,
            cost: CostModel | None = None, config: StoreConfig | None = None,
-           tiers: Sequence | None = None, slot_bytes: int = 256 * 1024, keep_hit_tiers: bool = False) -> ReplayResult:
+           tiers: Sequence | None = None, slot_bytes: int = 256 * 1024, keep_hit_tiers: bool = False,
+           on_progress: Callable[[int], None] | None = None) -> ReplayResult:
     """Replay ``requests`` through a real Store: lookup, get the hits, put the misses.
 
     ``tiers`` defaults to metadata tiers for ``candidate``; tests pass real tiers to check that
@@ -226,6 +227,8 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
                 blocks += len(hashes)
                 misses += len(hashes) - n_hit
                 n_requests += 1
+                if on_progress is not None and n_requests % 100_000 == 0:
+                    on_progress(n_requests)
                 if keep_hit_tiers:
                     hit_tiers.append(tuple(got[n] for n in names))
                 if cost is not None:
@@ -282,19 +285,24 @@ _SHARED: dict = {}
 
 def _replay_shared(candidate: Candidate) -> dict:
     s = _SHARED
-    result = replay(s["requests"], s["layout"], candidate, s["cost"], s["config"], slot_bytes=s["slot_bytes"])
+    result = replay(s["requests"], s["layout"], candidate, s["cost"], s["config"], slot_bytes=s["slot_bytes"],
+                    on_progress=s.get("on_progress"))
     out = result.summary()
     out["ttft_ms_samples"] = None
     return out
 
 
 def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[Candidate], cost: CostModel,
-          config: StoreConfig, slot_bytes: int, jobs: int, progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Replay every candidate (in ``jobs`` forked processes sharing the request list)."""
-    _SHARED.update(requests=requests, layout=layout, cost=cost, config=config, slot_bytes=slot_bytes)
+          config: StoreConfig, slot_bytes: int, jobs: int, progress: Callable[[dict], None] | None = None,
+          on_requests: Callable[[int], None] | None = None) -> list[dict]:
+    """Replay every candidate (in ``jobs`` forked processes sharing the request list).
+    ``on_requests`` hears every 100,000 requests replayed, in the serial case only."""
+    serial = jobs <= 1 or len(candidates) == 1
+    _SHARED.update(requests=requests, layout=layout, cost=cost, config=config, slot_bytes=slot_bytes,
+                   on_progress=on_requests if serial else None)
     results = []
     try:
-        if jobs <= 1 or len(candidates) == 1:
+        if serial:
             for c in candidates:
                 results.append(_replay_shared(c))
                 if progress:
@@ -610,7 +618,8 @@ def run(args: argparse.Namespace, console=None) -> dict:
     if not args.quiet:
         console.print(f"[bold]{len(requests):,}[/] requests ({sum(r.num_blocks for r in requests):,} blocks of "
                       f"{layout.block_bytes / 2**20:.2f} MiB raw) loaded in {load_s:.1f}s; infinite-cache hit "
-                      f"rate {ideal:.1%}; {len(candidates)} candidates on {args.jobs} processes")
+                      f"rate {ideal:.1%}; {len(candidates)} candidate(s) on "
+                      f"{max(1, min(args.jobs, len(candidates)))} process(es)")
 
     def progress(r: dict) -> None:
         if not args.quiet:
@@ -619,7 +628,11 @@ def run(args: argparse.Namespace, console=None) -> dict:
                           f"{r['ttft_ms']['p90']:.0f} ms ({r['replay_seconds']:.0f}s)")
 
     t1 = time.perf_counter()
-    results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress)
+    def replayed(n: int) -> None:
+        if not args.quiet:
+            console.print(f"  ... {n:,} of {len(requests):,} requests replayed ({time.perf_counter() - t1:.0f}s)")
+
+    results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress, replayed)
     sweep_s = time.perf_counter() - t1
     for r in results:
         r.pop("ttft_ms_samples", None)
