@@ -48,9 +48,12 @@ def inner(url: str, file_dir: str) -> dict:
 
     dev = MHATokenToKVPool(PAGES_PER_CALL * PAGE, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu",
                            False, start_layer=0, end_layer=LAYERS)
-    pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
-                                pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                start_layer=0, end_layer=LAYERS)
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(2 << 30):  # SGLang's 10 GB free-RAM reserve is for GPU servers
+        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=0, end_layer=LAYERS)
     raw = pool.kv_buffer.view(-1).view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     page_bytes = pool.get_data_page(0, flat=True).numel() * pool.dtype.itemsize

@@ -48,12 +48,14 @@ def adapter_checks(lmcache_venv, kv_daemon) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(600)  # the first test also runs the driver in LMCache's venv
 @pytest.mark.parametrize("check", ["roundtrip", "isolation", "daemon_down", "bad_config"])
 def test_l2_adapter(adapter_checks, check):
     result = adapter_checks[check]
     assert result["ok"], result["detail"]
 
 
+@pytest.mark.timeout(600)
 def test_lmcache_bench_l2_with_kvstore_plugin(lmcache_venv, kv_daemon, tmp_path):
     """LMCache's own benchmark loads the plugin by module path and verifies every byte it reads back."""
     out = tmp_path / "bench.json"
@@ -79,6 +81,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(600)
 def test_lmcache_mp_server_runs_with_kvstore_l2(lmcache_venv, kv_daemon, tmp_path):
     """LMCache's multiprocess server (what vLLM's LMCacheMPConnector talks to) loads the plugin
     as its L2 and reports it healthy, talking to the daemon."""

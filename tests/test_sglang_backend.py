@@ -47,6 +47,7 @@ def sglang_checks(kv_daemon) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(900)  # the first test also runs the driver (SGLang imports slowly on 2 cores)
 @pytest.mark.parametrize("check", CHECKS)
 def test_sglang_hicache(sglang_checks, check):
     assert check in sglang_checks, f"driver did not run {check}"

@@ -47,7 +47,21 @@ def storage_config(url: str, *, mla: bool = False, tp_rank: int = 0, tp_size: in
                                 extra_config=extra_config(url, **more))
 
 
+def host_budget():
+    """SGLang refuses a host pool unless ~10 GB of RAM stays free beyond it (sized for GPU
+    servers); these pools are a few KiB, so book them against an explicit 1 GiB budget instead
+    of the shared machine's momentary free memory."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    return host_memory_budget_scope(1 << 30)
+
+
 def mha_host_pool(layout: str, dtype=torch.bfloat16, heads: int = 2, head_dim: int = 8):
+    with host_budget():
+        return _mha_host_pool(layout, dtype, heads, head_dim)
+
+
+def _mha_host_pool(layout: str, dtype, heads: int, head_dim: int):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -60,6 +74,11 @@ def mha_host_pool(layout: str, dtype=torch.bfloat16, heads: int = 2, head_dim: i
 
 
 def mla_host_pool(layout: str, dtype=torch.bfloat16):
+    with host_budget():
+        return _mla_host_pool(layout, dtype)
+
+
+def _mla_host_pool(layout: str, dtype):
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
@@ -287,10 +306,11 @@ def check_controller(url: str) -> str:
         dev = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False,
                                start_layer=0, end_layer=LAYERS)
         alloc = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", dev, False)
-        host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
-                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                    start_layer=dev.start_layer, end_layer=dev.end_layer,
-                                    write_back_staging=dev.hicache_write_back_staging)
+        with host_budget():
+            host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                        pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                        start_layer=dev.start_layer, end_layer=dev.end_layer,
+                                        write_back_staging=dev.hicache_write_back_staging)
         fill_random(host, seed)
         ctl = HiCacheController(alloc, host, PAGE, group, threading.Event(), write_policy="write_through",
                                 io_backend="direct", storage_backend="dynamic", prefetch_threshold=PAGE,
