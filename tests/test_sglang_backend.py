@@ -21,7 +21,7 @@ CHECKS = [
     "roundtrip_mha_layer_first", "roundtrip_mha_page_first", "roundtrip_mha_page_first_direct",
     "roundtrip_mha_page_head", "roundtrip_mla_layer_first", "roundtrip_mla_page_first",
     "roundtrip_mla_page_first_direct", "layout_mismatch", "unsupported_layout", "mla_one_writer", "daemon_down",
-    "failure_injector", "controller",
+    "failure_injector", "concurrent_threads", "controller",
 ]
 
 

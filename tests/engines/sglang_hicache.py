@@ -284,6 +284,42 @@ def check_failure_injector(url: str) -> str:
     return f"{hits} exact hits, {fails} injected failures"
 
 
+def check_concurrent_threads(url: str) -> str:
+    """One backend used by a writer and a reader thread at once (SGLang's backup and prefetch
+    threads share it): every read that reports success is byte-exact."""
+    src, dst = mha_host_pool("page_first"), mha_host_pool("page_first")
+    fill_random(src, 7)
+    b = backend_for(storage_config(url), src)
+    r = backend_for(storage_config(url), dst)
+    errors: list[str] = []
+    rounds = 20
+
+    def writer():
+        for i in range(rounds):
+            if b.batch_set_v1(keys_for(f"conc-{i}", 2), page_indices(2 * (i % 8), 2)) != [True, True]:
+                errors.append(f"set {i} failed")
+
+    def reader(slot: int):
+        for i in range(rounds):
+            k = keys_for(f"conc-{i}", 2)
+            while r.batch_exists(k) < 2:
+                time.sleep(0.001)
+            got = r.batch_get_v1(k, page_indices(16 + 2 * slot, 2))
+            if got != [True, True]:
+                errors.append(f"get {i} -> {got}")
+            elif page_bytes(dst, 16 + 2 * slot, 2) != page_bytes(src, 2 * (i % 8), 2):
+                errors.append(f"get {i}: wrong bytes")
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    expect(not any(t.is_alive() for t in threads), "threads hung")
+    expect(not errors, "; ".join(errors[:5]))
+    return f"{rounds} writes, {2 * rounds} concurrent reads, all exact (transport {b.client.active_transport})"
+
+
 def check_controller(url: str) -> str:
     """SGLang's HiCacheController: backup thread -> batch_set_v1, prefetch thread -> exists + get_v1."""
     from sglang.srt.managers.cache_controller import HiCacheController
@@ -364,6 +400,7 @@ def all_checks(url: str) -> dict:
     checks["mla_one_writer"] = lambda: check_mla_one_writer(url)
     checks["daemon_down"] = lambda: check_daemon_down(url)
     checks["failure_injector"] = lambda: check_failure_injector(url)
+    checks["concurrent_threads"] = lambda: check_concurrent_threads(url)
     checks["controller"] = lambda: check_controller(url)
     return checks
 
