@@ -348,21 +348,27 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         else:
             targets = list(target_locations)
+        g = self.geometry
+        reorder = g.layout == "layer_first" and not g.is_mla
         try:
-            # Read into a contiguous staging page when the target is not (layer_first
-            # reorders segments), then copy into the caller's tensor.
-            staging = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8) for t in targets]
+            # Read straight into the caller's flat pages when their byte order is the segment
+            # order (every layout but MHA layer_first); otherwise through a staging page.
+            direct = [not reorder and t.is_contiguous() for t in targets]
+            staging = [t.view(-1).view(torch.uint8) if d else
+                       torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+                       for t, d in zip(targets, direct)]
             outs = [seg for s in staging for seg in self._staging_segments(s)]
         except Exception as e:
             logger.error("kvstore batch_get: %s", e)
             return [None] * len(keys)
         ok = self._get_segments(keys, outs)
         result: List[torch.Tensor | None] = []
-        for hit, stage, target in zip(ok, staging, targets):
-            if not hit:
+        for hit, stage, target, d in zip(ok, staging, targets, direct):
+            if not hit:  # (a direct read may have filled part of the page: the caller drops it)
                 result.append(None)
                 continue
-            target.view(-1).view(torch.uint8).copy_(self._staging_to_flat(stage))
+            if not d:
+                target.view(-1).view(torch.uint8).copy_(self._staging_to_flat(stage))
             result.append(target)
         return result
 
