@@ -8,7 +8,7 @@ Measures put/get GB/s for 1/4/16 MiB blocks over gRPC streams, the raw-TCP bulk 
 shared memory; lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
 socket as ceilings, each ceiling pass interleaved with the pass it judges (memcpy: benchmarks/ceilings.py's
 MemcpyPass into a working set as large as the data moved; TCP: kvstore.bench.TcpPass, a persistent
-connection so it can interleave); Redis at 127.0.0.1:6379 as a peer on the same
+connection between distinct source and destination buffers as large as the data moved); Redis at 127.0.0.1:6379 as a peer on the same
 workload. Goals (issue 3): shm get >= 0.7x memcpy; remote get/put >= 0.8x raw TCP; lookups >= 10k/s.
 Without --url a private daemon runs as a child process (kvstore.bench). Re-executes itself with the
 glibc malloc settings `kvstore serve` uses, so client and daemon are tuned alike.
@@ -46,7 +46,8 @@ def markdown(report: dict) -> str:
            f"{m['load_avg_1m']:.1f} (shared machine: read ratios, not absolutes). Daemon: {report['daemon']}. "
            f"Medians of {report['reps']} repetitions of {report['total_bytes_per_measurement'] >> 20} MiB each. "
            f"GB = 1e9 bytes. Ratios are medians of per-pass ratios, each service pass timed right after a "
-           f"ceiling pass (memcpy into a working set as large as the data moved; one TCP loopback stream); "
+           f"ceiling pass (memcpy, and one TCP loopback stream, each between distinct buffers as large as the data "
+           f"moved, as the service's reads and writes are); "
            f"the ceiling column is a median measured at the end, for scale.", "",
            "| block | path | put GB/s | get GB/s | ceiling GB/s | get / ceiling | put / ceiling |",
            "|---|---|---|---|---|---|---|"]

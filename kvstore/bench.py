@@ -56,15 +56,18 @@ class MemcpyPass:
 
 
 class TcpPass:
-    """``count`` messages of ``nbytes`` over one TCP loopback connection, ``recv_into`` a pooled
-    buffer: what a perfect remote data path could do on this machine at this moment."""
+    """``count`` messages of ``nbytes`` over one TCP loopback connection, sent from and received
+    into distinct, already-touched buffers (``count * nbytes`` each side, like a get that reads
+    distinct blocks into distinct outputs): what a perfect remote data path could do on this
+    machine at this moment. One pass = one call."""
 
     def __init__(self, nbytes: int, count: int) -> None:
         self.nbytes, self.count, self.bytes = nbytes, count, nbytes * count
         self._srv = socket.create_server(("127.0.0.1", 0))
         self._go = threading.Semaphore(0)
         self._stop = False
-        payload = memoryview(np.ones(nbytes, dtype=np.uint8)).cast("B")
+        src = memoryview(np.ones(nbytes * count, dtype=np.uint8)).cast("B")
+        payloads = [src[i * nbytes:(i + 1) * nbytes] for i in range(count)]
         port = self._srv.getsockname()[1]
 
         def sender() -> None:
@@ -74,21 +77,22 @@ class TcpPass:
                     self._go.acquire()
                     if self._stop:
                         return
-                    for _ in range(self.count):
+                    for payload in payloads:
                         c.sendall(payload)
 
         self._thread = threading.Thread(target=sender, daemon=True)
         self._thread.start()
         self._conn, _ = self._srv.accept()
-        self._sink = memoryview(np.zeros(nbytes, dtype=np.uint8)).cast("B")
+        sink = memoryview(np.zeros(nbytes * count, dtype=np.uint8)).cast("B")
+        self._sinks = [sink[i * nbytes:(i + 1) * nbytes] for i in range(count)]
 
     def __call__(self) -> float:
         self._go.release()
         t = time.perf_counter()
-        for _ in range(self.count):
+        for dst in self._sinks:
             got = 0
             while got < self.nbytes:
-                k = self._conn.recv_into(self._sink[got:], self.nbytes - got)
+                k = self._conn.recv_into(dst[got:], self.nbytes - got)
                 if k == 0:
                     raise ConnectionError("ceiling sender closed")
                 got += k
