@@ -109,11 +109,17 @@ def as_bytes(block) -> np.ndarray:
 
 
 def _decode(codec: int, payload: np.ndarray, layout: KVLayout | None) -> np.ndarray:
-    """Turn a stored payload into the raw block bytes. The hook for kvstore.codecs: only the raw
-    codec (0) exists today; any other id is refused rather than handed over as wrong bytes."""
+    """Turn a payload that arrived encoded (its block says which codec) into the raw block bytes
+    with kvstore.codecs, here on the client. Today's daemons decode before sending (the wire
+    carries raw blocks); an encoded block for a namespace this client never registered is refused
+    rather than handed over as wrong bytes."""
     if codec == 0:
         return payload
-    raise CodecError(f"codec: block stored with codec {codec}, which this client cannot decode")
+    if layout is None:
+        raise CodecError(f"codec: block stored with codec {codec} for a namespace this client did not "
+                         "register; cannot decode it")
+    from kvstore import codecs
+    return codecs.decode_block(codec, payload, layout).numpy()
 
 
 def _parse_url(url: str | None) -> tuple[str, bool]:
@@ -317,6 +323,12 @@ class Client:
     def stats(self) -> dict:
         self._settle_pending()
         return json.loads(self._call("Stats", pb.StatsRequest()).json)
+
+    def route(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[dict]:
+        """Fleet mode: per node, how many leading blocks of this chain it holds, longest first."""
+        resp = self._call("Route", pb.RouteRequest(namespace_id=ns_id, hashes=list(hashes)))
+        return [{"node_id": n.node_id, "address": n.address, "blocks": n.blocks, "tokens": n.tokens,
+                 "memory_blocks": n.memory_blocks, "disk_blocks": n.disk_blocks} for n in resp.nodes]
 
     # -- put -------------------------------------------------------------------------------------
 
@@ -623,6 +635,9 @@ class AsyncClient:
 
     async def stats(self) -> dict:
         return await self._run(self._client.stats)
+
+    async def route(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[dict]:
+        return await self._run(self._client.route, ns_id, hashes)
 
     async def health(self) -> bool:
         return await self._run(self._client.health)

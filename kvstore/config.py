@@ -90,15 +90,28 @@ class FleetSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
     redis_url: str = "redis://127.0.0.1:6379/0"
+    node_id: str = ""                 # default: the host name
+    advertise_addr: str = ""          # default: the listen address; must be reachable by peers
+    key_prefix: str = "kvs"
+    heartbeat_s: float = Field(2.0, gt=0, le=300)
+    ttl_s: float = Field(10.0, gt=0, le=3600)
+    peer_fetch: bool = True
+    peer_token: str | None = None     # a token of the same tenant on the peers, when they use auth
+    peer_timeout_s: float = Field(2.0, gt=0, le=60)
+
+
+CodecName = Literal["raw", "fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "zstd"]
 
 
 class CodecSettings(BaseModel):
-    """Codec per tier ("raw" stores bytes as given; others come with kvstore.codecs)."""
+    """Codec per tier: blocks are encoded when they move into the tier and decoded on every read
+    (kvstore.codecs). Layouts a codec cannot interpret, and blocks it cannot represent (NaN/Inf),
+    are stored raw. Lossy codecs (fp8*, int4*) trade fidelity for capacity: see docs/codecs.md."""
 
     model_config = ConfigDict(extra="forbid")
-    gpu: str = "raw"
-    cpu: str = "raw"
-    nvme: str = "raw"
+    gpu: CodecName = "raw"
+    cpu: CodecName = "raw"
+    nvme: CodecName = "raw"
 
 
 class Settings(BaseSettings):

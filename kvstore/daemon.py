@@ -98,15 +98,17 @@ class Daemon:
 
     def __init__(self, settings: Settings) -> None:
         determinism_self_check()
-        for tier, codec in settings.codecs.model_dump().items():
-            if codec != "raw":
-                raise ValueError(f"codecs.{tier}: codec {codec!r} is not available in this build; use 'raw'")
+        tier_codecs = {tier: codec for tier, codec in settings.codecs.model_dump().items() if codec != "raw"}
+        if tier_codecs:
+            from kvstore import codecs  # needs torch; fail at start, not at the first demotion
+            threading.Thread(target=codecs.warm_up, name="kvstore-codec-warm-up", daemon=True).start()
         self.settings = settings
         check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
         self.store = Store(build_tiers(settings), StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
-            promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds))
+            promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
+            tier_codecs=tier_codecs))
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.quotas)
         try:
@@ -120,9 +122,22 @@ class Daemon:
         except Exception:
             self.store.close()
             raise
+        self.fleet = None
+        if settings.fleet.enabled:
+            self.fleet = self._build_fleet(settings)
+            self.servicer.fleet = self.fleet
         self.metrics_port: int | None = None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
+
+    def _build_fleet(self, settings: Settings):
+        import socket
+
+        from kvstore.fleet import Fleet
+        f = settings.fleet
+        return Fleet(self.store, f.redis_url, f.node_id or socket.gethostname(), f.advertise_addr or self.address,
+                     key_prefix=f.key_prefix, heartbeat_s=f.heartbeat_s, ttl_s=f.ttl_s, peer_fetch=f.peer_fetch,
+                     peer_token=f.peer_token, peer_timeout_s=f.peer_timeout_s)
 
     @property
     def address(self) -> str:
@@ -130,6 +145,8 @@ class Daemon:
 
     def start(self) -> None:
         self.server.start()
+        if self.fleet is not None:
+            self.fleet.start()
         if self.settings.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         self._reaper.start()
@@ -153,6 +170,8 @@ class Daemon:
             return 0
         for name in ("", "kvstore.v1.KVStore"):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.fleet is not None:
+            self.fleet.close()  # withdraw first: peers stop routing here before we go
         self.server.stop(grace_s).wait()
         self._stop.set()
         if self.servicer.bulk is not None:

@@ -101,3 +101,9 @@ class CodecError(KVStoreError):
     """A codec cannot encode or decode this block (NaN/Inf, unsupported dtype, unknown codec id)."""
 
     grpc_status = "INVALID_ARGUMENT"
+
+
+class FleetModeOff(KVStoreError):
+    """A fleet RPC (Route) on a daemon that runs without a fleet directory."""
+
+    grpc_status = "FAILED_PRECONDITION"

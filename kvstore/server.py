@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.auth import Authenticator
-from kvstore.errors import (CodecError, InvalidArgument, KVStoreError, LayoutMismatch, LeaseExpired,
+from kvstore.errors import (CodecError, FleetModeOff, InvalidArgument, KVStoreError, LayoutMismatch, LeaseExpired,
                             PermissionDenied, UnknownNamespace)
 from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
@@ -202,6 +202,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_message_bytes = max_message_bytes
         self.bulk = bulk
         self.server_id = secrets.token_hex(8)
+        self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
         self.started = time.time()
         self._pool = _Pool()
         self._lease_owner: dict[int, tuple[str, float, int]] = {}  # public id -> tenant, until, store id
@@ -378,8 +379,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = check_hashes(request.hashes, allow_empty=True)
         if not hashes:
             return pb.LookupResponse(num_hit=0)
-        found = self.store.lookup(ns.id, hashes, lease=not request.no_lease)
+        # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
+        found = (self.fleet or self.store).lookup(ns.id, hashes, lease=not request.no_lease)
         return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
+
+    @_rpc
+    def Route(self, request, context):
+        ns = self._namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        if self.fleet is None:
+            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
+        out = pb.RouteResponse()
+        for r in self.fleet.route(ns.id, hashes):
+            out.nodes.add(node_id=r.node_id, address=r.address, blocks=r.blocks, tokens=r.tokens or 0,
+                          memory_blocks=r.tiers.get("memory", 0), disk_blocks=r.tiers.get("disk", 0))
+        return out
 
     @_rpc
     def Lookup(self, request, context):
@@ -418,6 +432,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                            "tenant": tenant, "tenant_bytes": self._tenant_bytes(tenant),
                            "client_leases": len(self._lease_owner), "open_streams": len(self._watched_streams),
                            "stalled_streams_cancelled": self.stalled_streams_cancelled}
+        if self.fleet is not None:
+            stats["fleet"] = self.fleet.stats()
         return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
 
     # -- gRPC streams ----------------------------------------------------------------------------

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\nkvstore.v1\"\x07\n\x05\x45mpty\"9\n\x10HandshakeRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63lient_version\x18\x02 \x01(\r\"\xa0\x02\n\x11HandshakeResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\r\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x12\n\narena_path\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x11\n\tarena_dev\x18\x05 \x01(\x04\x12\x11\n\tarena_ino\x18\x06 \x01(\x04\x12\x12\n\nprobe_path\x18\x07 \x01(\t\x12\x15\n\rlease_seconds\x18\x08 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x11\n\tbulk_port\x18\x0b \x01(\r\x12\x13\n\x0b\x62ulk_ticket\x18\x0c \x01(\x0c\x12\x0e\n\x06tenant\x18\r \x01(\t\"\x99\x02\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x14\n\x0ckv_per_token\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07pp_rank\x18\x0b \x01(\r\x12\x0f\n\x07pp_size\x18\x0c \x01(\r\x12\x0f\n\x07\x63p_rank\x18\r \x01(\r\x12\x0f\n\x07\x63p_size\x18\x0e \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0f \x01(\x04\"b\n\x18RegisterNamespaceRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"V\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"G\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08no_lease\x18\x03 \x01(\x08\"0\n\x0eLookupResponse\x12\x0f\n\x07num_hit\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"A\n\x12LookupBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.LookupRequest\"D\n\x13LookupBatchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.LookupResponse\"5\n\rExistsRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"5\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"e\n\tPutHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63odec\x18\x05 \x01(\r\"?\n\x08PutChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"5\n\x0bPutResponse\x12&\n\x07results\x18\x01 \x03(\x0e\x32\x15.kvstore.v1.PutResult\"\\\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"a\n\x08GetChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03hit\x18\x02 \x01(\x08\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"`\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"O\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"_\n\nBlockSlots\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12#\n\x07\x65xtents\x18\x02 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\"]\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.BlockSlots\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"i\n\x0b\x42ulkRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x0c\"0\n\x0f\x42ulkGetResponse\x12\r\n\x05sizes\x18\x01 \x03(\x04\x12\x0e\n\x06\x63odecs\x18\x02 \x03(\r*>\n\tPutResult\x12\x0e\n\nPUT_STORED\x10\x00\x12\x0e\n\nPUT_EXISTS\x10\x01\x12\x11\n\rPUT_PERSISTED\x10\x02\x32\xc5\x08\n\x07KVStore\x12H\n\tHandshake\x12\x1c.kvstore.v1.HandshakeRequest\x1a\x1d.kvstore.v1.HandshakeResponse\x12`\n\x11RegisterNamespace\x12$.kvstore.v1.RegisterNamespaceRequest\x1a%.kvstore.v1.RegisterNamespaceResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bLookupBatch\x12\x1e.kvstore.v1.LookupBatchRequest\x1a\x1f.kvstore.v1.LookupBatchResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutChunk\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetChunk0\x01\x12J\n\x0cPrepareStore\x12\x1f.kvstore.v1.PrepareStoreRequest\x1a\x19.kvstore.v1.LeaseResponse\x12\x42\n\rCompleteStore\x12\x18.kvstore.v1.LeaseRequest\x1a\x17.kvstore.v1.PutResponse\x12\x39\n\nAbortStore\x12\x18.kvstore.v1.LeaseRequest\x1a\x11.kvstore.v1.Empty\x12H\n\x0bPrepareLoad\x12\x1e.kvstore.v1.PrepareLoadRequest\x1a\x19.kvstore.v1.LeaseResponse\x12;\n\x0c\x43ompleteLoad\x12\x18.kvstore.v1.LeaseRequest\x1a\x11.kvstore.v1.Empty\x12?\n\x07\x42ulkGet\x12\x17.kvstore.v1.BulkRequest\x1a\x1b.kvstore.v1.BulkGetResponse\x12;\n\x07\x42ulkPut\x12\x17.kvstore.v1.BulkRequest\x1a\x17.kvstore.v1.PutResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\nkvstore.v1\"\x07\n\x05\x45mpty\"9\n\x10HandshakeRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63lient_version\x18\x02 \x01(\r\"\xa0\x02\n\x11HandshakeResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\r\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x12\n\narena_path\x18\x03 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x11\n\tarena_dev\x18\x05 \x01(\x04\x12\x11\n\tarena_ino\x18\x06 \x01(\x04\x12\x12\n\nprobe_path\x18\x07 \x01(\t\x12\x15\n\rlease_seconds\x18\x08 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x11\n\tbulk_port\x18\x0b \x01(\r\x12\x13\n\x0b\x62ulk_ticket\x18\x0c \x01(\x0c\x12\x0e\n\x06tenant\x18\r \x01(\t\"\x99\x02\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x14\n\x0ckv_per_token\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07pp_rank\x18\x0b \x01(\r\x12\x0f\n\x07pp_size\x18\x0c \x01(\r\x12\x0f\n\x07\x63p_rank\x18\r \x01(\r\x12\x0f\n\x07\x63p_size\x18\x0e \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0f \x01(\x04\"b\n\x18RegisterNamespaceRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"V\n\x19RegisterNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"G\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x10\n\x08no_lease\x18\x03 \x01(\x08\"0\n\x0eLookupResponse\x12\x0f\n\x07num_hit\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"A\n\x12LookupBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.LookupRequest\"D\n\x13LookupBatchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.LookupResponse\"5\n\rExistsRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"5\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"4\n\x0cRouteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"y\n\tNodeRoute\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x15\n\rmemory_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x06 \x01(\r\"5\n\rRouteResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.NodeRoute\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"e\n\tPutHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x63odec\x18\x05 \x01(\r\"?\n\x08PutChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"5\n\x0bPutResponse\x12&\n\x07results\x18\x01 \x03(\x0e\x32\x15.kvstore.v1.PutResult\"\\\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"a\n\x08GetChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03hit\x18\x02 \x01(\x08\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"`\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"O\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"_\n\nBlockSlots\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12#\n\x07\x65xtents\x18\x02 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\r\n\x05\x63odec\x18\x03 \x01(\r\x12\x0c\n\x04size\x18\x04 \x01(\x04\"]\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.BlockSlots\x12\x12\n\nexpires_in\x18\x03 \x01(\x01\" \n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"i\n\x0b\x42ulkRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x0c\"0\n\x0f\x42ulkGetResponse\x12\r\n\x05sizes\x18\x01 \x03(\x04\x12\x0e\n\x06\x63odecs\x18\x02 \x03(\r*>\n\tPutResult\x12\x0e\n\nPUT_STORED\x10\x00\x12\x0e\n\nPUT_EXISTS\x10\x01\x12\x11\n\rPUT_PERSISTED\x10\x02\x32\x83\t\n\x07KVStore\x12H\n\tHandshake\x12\x1c.kvstore.v1.HandshakeRequest\x1a\x1d.kvstore.v1.HandshakeResponse\x12`\n\x11RegisterNamespace\x12$.kvstore.v1.RegisterNamespaceRequest\x1a%.kvstore.v1.RegisterNamespaceResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bLookupBatch\x12\x1e.kvstore.v1.LookupBatchRequest\x1a\x1f.kvstore.v1.LookupBatchResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutChunk\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x35\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x14.kvstore.v1.GetChunk0\x01\x12J\n\x0cPrepareStore\x12\x1f.kvstore.v1.PrepareStoreRequest\x1a\x19.kvstore.v1.LeaseResponse\x12\x42\n\rCompleteStore\x12\x18.kvstore.v1.LeaseRequest\x1a\x17.kvstore.v1.PutResponse\x12\x39\n\nAbortStore\x12\x18.kvstore.v1.LeaseRequest\x1a\x11.kvstore.v1.Empty\x12H\n\x0bPrepareLoad\x12\x1e.kvstore.v1.PrepareLoadRequest\x1a\x19.kvstore.v1.LeaseResponse\x12;\n\x0c\x43ompleteLoad\x12\x18.kvstore.v1.LeaseRequest\x1a\x11.kvstore.v1.Empty\x12?\n\x07\x42ulkGet\x12\x17.kvstore.v1.BulkRequest\x1a\x1b.kvstore.v1.BulkGetResponse\x12;\n\x07\x42ulkPut\x12\x17.kvstore.v1.BulkRequest\x1a\x17.kvstore.v1.PutResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.proto.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTRESULT']._serialized_start=2381
-  _globals['_PUTRESULT']._serialized_end=2443
+  _globals['_PUTRESULT']._serialized_start=2613
+  _globals['_PUTRESULT']._serialized_end=2675
   _globals['_EMPTY']._serialized_start=43
   _globals['_EMPTY']._serialized_end=50
   _globals['_HANDSHAKEREQUEST']._serialized_start=52
@@ -63,34 +63,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETERESPONSE']._serialized_end=1312
   _globals['_STATSREQUEST']._serialized_start=1314
   _globals['_STATSREQUEST']._serialized_end=1328
-  _globals['_STATSRESPONSE']._serialized_start=1330
-  _globals['_STATSRESPONSE']._serialized_end=1359
-  _globals['_PUTHEADER']._serialized_start=1361
-  _globals['_PUTHEADER']._serialized_end=1462
-  _globals['_PUTCHUNK']._serialized_start=1464
-  _globals['_PUTCHUNK']._serialized_end=1527
-  _globals['_PUTRESPONSE']._serialized_start=1529
-  _globals['_PUTRESPONSE']._serialized_end=1582
-  _globals['_GETREQUEST']._serialized_start=1584
-  _globals['_GETREQUEST']._serialized_end=1676
-  _globals['_GETCHUNK']._serialized_start=1678
-  _globals['_GETCHUNK']._serialized_end=1775
-  _globals['_PREPARESTOREREQUEST']._serialized_start=1777
-  _globals['_PREPARESTOREREQUEST']._serialized_end=1873
-  _globals['_PREPARELOADREQUEST']._serialized_start=1875
-  _globals['_PREPARELOADREQUEST']._serialized_end=1954
-  _globals['_EXTENT']._serialized_start=1956
-  _globals['_EXTENT']._serialized_end=1996
-  _globals['_BLOCKSLOTS']._serialized_start=1998
-  _globals['_BLOCKSLOTS']._serialized_end=2093
-  _globals['_LEASERESPONSE']._serialized_start=2095
-  _globals['_LEASERESPONSE']._serialized_end=2188
-  _globals['_LEASEREQUEST']._serialized_start=2190
-  _globals['_LEASEREQUEST']._serialized_end=2222
-  _globals['_BULKREQUEST']._serialized_start=2224
-  _globals['_BULKREQUEST']._serialized_end=2329
-  _globals['_BULKGETRESPONSE']._serialized_start=2331
-  _globals['_BULKGETRESPONSE']._serialized_end=2379
-  _globals['_KVSTORE']._serialized_start=2446
-  _globals['_KVSTORE']._serialized_end=3539
+  _globals['_ROUTEREQUEST']._serialized_start=1330
+  _globals['_ROUTEREQUEST']._serialized_end=1382
+  _globals['_NODEROUTE']._serialized_start=1384
+  _globals['_NODEROUTE']._serialized_end=1505
+  _globals['_ROUTERESPONSE']._serialized_start=1507
+  _globals['_ROUTERESPONSE']._serialized_end=1560
+  _globals['_STATSRESPONSE']._serialized_start=1562
+  _globals['_STATSRESPONSE']._serialized_end=1591
+  _globals['_PUTHEADER']._serialized_start=1593
+  _globals['_PUTHEADER']._serialized_end=1694
+  _globals['_PUTCHUNK']._serialized_start=1696
+  _globals['_PUTCHUNK']._serialized_end=1759
+  _globals['_PUTRESPONSE']._serialized_start=1761
+  _globals['_PUTRESPONSE']._serialized_end=1814
+  _globals['_GETREQUEST']._serialized_start=1816
+  _globals['_GETREQUEST']._serialized_end=1908
+  _globals['_GETCHUNK']._serialized_start=1910
+  _globals['_GETCHUNK']._serialized_end=2007
+  _globals['_PREPARESTOREREQUEST']._serialized_start=2009
+  _globals['_PREPARESTOREREQUEST']._serialized_end=2105
+  _globals['_PREPARELOADREQUEST']._serialized_start=2107
+  _globals['_PREPARELOADREQUEST']._serialized_end=2186
+  _globals['_EXTENT']._serialized_start=2188
+  _globals['_EXTENT']._serialized_end=2228
+  _globals['_BLOCKSLOTS']._serialized_start=2230
+  _globals['_BLOCKSLOTS']._serialized_end=2325
+  _globals['_LEASERESPONSE']._serialized_start=2327
+  _globals['_LEASERESPONSE']._serialized_end=2420
+  _globals['_LEASEREQUEST']._serialized_start=2422
+  _globals['_LEASEREQUEST']._serialized_end=2454
+  _globals['_BULKREQUEST']._serialized_start=2456
+  _globals['_BULKREQUEST']._serialized_end=2561
+  _globals['_BULKGETRESPONSE']._serialized_start=2563
+  _globals['_BULKGETRESPONSE']._serialized_end=2611
+  _globals['_KVSTORE']._serialized_start=2678
+  _globals['_KVSTORE']._serialized_end=3833
 # @@protoc_insertion_point(module_scope)

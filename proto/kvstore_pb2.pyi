@@ -174,6 +174,36 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RouteRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class NodeRoute(_message.Message):
+    __slots__ = ("node_id", "address", "blocks", "tokens", "memory_blocks", "disk_blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    blocks: int
+    tokens: int
+    memory_blocks: int
+    disk_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeRoute]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeRoute, _Mapping]]] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvstore.v1.KVStore/Route',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PutChunk.SerializeToString,
@@ -157,6 +162,13 @@ class KVStoreServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Fleet mode: which nodes hold the longest cached prefix of a chain (KV-aware routing).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -257,6 +269,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -493,6 +510,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Route',
+            kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -533,40 +533,26 @@ def test_directory_routing_peer_fetch_and_pool_on_a_redis_cluster(tmp_path, redi
 
 # ``kvstore serve`` has no fleet flags yet: this starts the very same Daemon and wires a Fleet into
 # it the way docs/fleet.md asks the daemon to (store listener + Lookup through fleet.lookup).
-_FLEET_DAEMON = textwrap.dedent("""
-    import json, logging, os, signal, sys, threading
-    logging.basicConfig(level=logging.INFO)
-    from kvstore.config import Settings
-    from kvstore.daemon import Daemon
-    from kvstore.fleet import Fleet
-    redis_url, prefix, node_id, workdir = sys.argv[1:5]
-
-    class FleetView:
-        # The servicer's store, with Lookup answered by the fleet (local first, then peers).
-        def __init__(self, store, fleet):
-            self._store, self._fleet = store, fleet
-        def lookup(self, namespace_id, hashes, lease=True):
-            return self._fleet.lookup(namespace_id, hashes, lease=lease)
-        def __getattr__(self, name):
-            return getattr(self._store, name)
-
-    settings = Settings(listen="127.0.0.1:0", cpu_bytes="16MiB", cpu_slot_bytes="4KiB", nvme_bytes=0,
-                        shm_dir=workdir, lease_seconds=1.0, bulk_channel=False)
-    daemon = Daemon(settings)
-    fleet = Fleet(daemon.store, redis_url, node_id, daemon.address, key_prefix=prefix,
-                  heartbeat_s=0.2, ttl_s=1.5, peer_timeout_s=2.0)
-    daemon.servicer.store = FleetView(daemon.store, fleet)
-    daemon.start()
-    fleet.start()
-    with open(os.path.join(workdir, "ready.tmp"), "w") as f:
-        json.dump({"address": daemon.address}, f)
-    os.replace(os.path.join(workdir, "ready.tmp"), os.path.join(workdir, "ready.json"))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    stop.wait()
-    fleet.close()
-    daemon.stop(grace_s=1.0)
-""")
+def _fleet_config(workdir, redis_url: str, prefix: str, node_id: str) -> str:
+    """A `kvstore serve --config` file for one fleet node: small tiers, fast heartbeats."""
+    path = workdir / "kvstore.yaml"
+    path.write_text(textwrap.dedent(f"""
+        cpu_bytes: 16MiB
+        cpu_slot_bytes: 4KiB
+        nvme_bytes: 0
+        shm_dir: {workdir}
+        lease_seconds: 1.0
+        bulk_channel: false
+        fleet:
+          enabled: true
+          redis_url: {redis_url}
+          node_id: {node_id}
+          key_prefix: {prefix}
+          heartbeat_s: 0.2
+          ttl_s: 1.5
+          peer_timeout_s: 2.0
+    """))
+    return str(path)
 
 
 class FleetDaemon:
@@ -574,7 +560,9 @@ class FleetDaemon:
         workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         self.node_id = node_id
-        self.proc = subprocess.Popen([sys.executable, "-c", _FLEET_DAEMON, redis_url, prefix, node_id, str(workdir)],
+        config = _fleet_config(workdir, redis_url, prefix, node_id)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", config,
+                                      "--listen", "127.0.0.1:0", "--ready-file", str(workdir / "ready.json")],
                                      env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "log", "wb"))
         ready = workdir / "ready.json"
         deadline = time.monotonic() + 90
@@ -631,6 +619,9 @@ def test_three_daemons_share_prefixes_and_survive_a_sigkill(fleet_daemons, redis
     wait_for(lambda: directory.entries(NS.id, "d3") == 6, what="d3 to publish its copies")
     routes = directory.route(NS.id, shared)
     assert [r.blocks for r in routes] == [6, 6, 3]
+    # the same answer over the daemon's Route RPC (what a router calls)
+    assert [(r["node_id"], r["blocks"]) for r in d2.client.route(NS.id, shared)] == \
+        [(r.node_id, r.blocks) for r in routes]
     assert {r.node_id for r in routes[:2]} == {"d1", "d3"} and routes[2].node_id == "d2"
     assert routes[0].address in (d1.address, d3.address)
 
@@ -683,3 +674,19 @@ def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_route_rpc_on_a_daemon_without_fleet_mode_is_a_failed_precondition(tmp_path):
+    from daemon_util import start_daemon
+
+    from kvstore.errors import KVStoreError
+
+    d = start_daemon(tmp_path, "--nvme-bytes", "0")
+    try:
+        with d.client() as c:
+            c.register_namespace(NS)
+            with pytest.raises(KVStoreError, match="fleet mode is off") as err:
+                c.route(NS.id, chain(2, seed=3)[0])
+            assert err.value.grpc_status == "FAILED_PRECONDITION"
+    finally:
+        d.stop()

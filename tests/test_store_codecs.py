@@ -103,3 +103,30 @@ def test_layouts_a_codec_cannot_read_stay_raw(tmp_path):
     assert store.get(ns, hashes) == [b.tobytes() for b in blocks]
     assert store.stats()["counters"]["codec_layout_refusals"] == 1
     store.close()
+
+
+def test_daemon_with_an_nvme_codec_serves_decoded_blocks_over_every_transport(tmp_path):
+    """`codecs: {nvme: fp8}` in a real daemon: demoted blocks sit on disk as FP8, every transport
+    hands the client decoded bf16 blocks of the namespace's size."""
+    from daemon_util import start_daemon
+
+    config = tmp_path / "kvstore.yaml"
+    config.write_text("codecs:\n  nvme: fp8\npromote_on_hit: false\n")
+    d = start_daemon(tmp_path, "--config", str(config), cpu_bytes="1MiB", nvme_bytes="64MiB")  # 4 slots
+    try:
+        hashes = ChainHasher().chain(np.arange(10 * 32), 32)
+        blocks = [kv_block(200 + i) for i in range(len(hashes))]
+        with d.client() as writer:
+            ns = writer.register_namespace(Namespace(LAYOUT))
+            writer.put(ns, hashes, blocks)
+            assert writer.stats()["counters"].get("encoded_fp8", 0) >= 4
+        for transport in ("grpc", "shm"):
+            with d.client(transport=transport) as c:
+                c.register_namespace(Namespace(LAYOUT))
+                got = c.get(ns, hashes)
+                for g, want in zip(got, blocks):
+                    assert g is not None and len(g) == LAYOUT.block_bytes
+                    a, b = as_floats(np.frombuffer(g, np.uint8)), as_floats(want)
+                    assert float((a - b).norm() / b.norm()) < 0.05
+    finally:
+        assert d.stop() == 0
