@@ -467,10 +467,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 hashes = []
             num_hit = 0
             if hashes and self.settings.load:
+                t0 = time.perf_counter()
                 found = self._lookup_link.call(lambda c, ns: c.lookup(ns, hashes))
                 num_hit = found.num_hit if found is not None else 0
                 self._add_stat("lookups")
                 self._add_stat("lookup_hit_blocks", num_hit)
+                self._add_stat("lookup_seconds", time.perf_counter() - t0)
             state = self._requests[request.request_id] = _RequestState(hashes, num_hit, num_stored=num_hit)
         state.match_start = num_computed_tokens
         # At least one token must be computed by vLLM to produce logits.
@@ -612,6 +614,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVStoreConnectorMetadata):
             return
+        t0 = time.perf_counter()
         for t in meta.saves:
             try:
                 if not self._saver.link.available():
@@ -622,6 +625,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._saver.submit(t.hashes, blocks, t.parent)
             except Exception as e:  # noqa: BLE001
                 logger.warning("kvstore connector: save of %s failed: %s", t.req_id, e)
+        if meta.saves:
+            self._add_stat("save_gather_seconds", time.perf_counter() - t0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

@@ -10,23 +10,23 @@ most two engines each, run in parallel within a phase, shared by the tests below
 2. ``second`` (fresh process, empty local cache, prefix caching OFF: everything must come from the
    daemon) || ``other_model`` (a different model and layout against the same daemon)
 3. the stored KV of prompt A is overwritten with other bytes of the same size through the client,
-   then ``third`` loads it (outputs must change), the daemon is SIGKILLed, and more requests run.
+   then ``third`` loads it (outputs must change); the daemon loses D's blocks between lookup and
+   load (fault injection in the driver: the load fails, vLLM recomputes); the daemon is SIGKILLed
+   and more requests run.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 
 from kvstore.keys import ChainHasher, Namespace
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines"))
+import vllm_runner  # noqa: E402
 BLOCK = 32
 MAX_TOKENS = 8
 
@@ -46,68 +46,30 @@ def _prompts() -> dict[str, list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    venv = os.environ.get("KVSTORE_VENV_VLLM")
-    if not venv:
-        venv = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), "vllm"], check=True,
-                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    py = os.path.join(venv, "bin", "python")
-    assert os.path.exists(py), f"no python in the vLLM venv {venv}"
-    return py
-
-
 class Engines:
-    """Runs driver jobs as subprocesses, several at once."""
+    """Builds driver jobs for the tiny models and runs them (tests/engines/vllm_runner.py)."""
 
     def __init__(self, python: str, workdir) -> None:
         self.python = python
         self.workdir = str(workdir)
 
     def job(self, name: str, model: dict, steps: list, url: str | None = None, prefix_caching: bool = False,
-            extra: dict | None = None) -> dict:
+            extra: dict | None = None) -> tuple[str, dict]:
         job = {"build": model, "engine": {"model": model["out_dir"], "enable_prefix_caching": prefix_caching,
                                           "max_model_len": 1024, "kv_cache_memory_bytes": 32 * 2**20},
                "steps": steps}
         if url is not None:
-            job["kv_transfer_config"] = {
-                "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"url": f"grpc://{url}", "retry_after_s": 30, **(extra or {})}}
-        return {"name": name, "job": job}
+            job["kv_transfer_config"] = vllm_runner.kvstore_transfer_config(f"grpc://{url}", retry_after_s=30,
+                                                                             **(extra or {}))
+        return name, job
 
-    def run(self, *jobs: dict) -> list[dict]:
-        procs = []
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-                   PYTHONPATH=REPO)
-        for j in jobs:
-            base = os.path.join(self.workdir, j["name"])
-            with open(base + ".job.json", "w") as f:
-                json.dump(j["job"], f)
-            log = open(base + ".log", "wb")
-            procs.append((j["name"], base, log, subprocess.Popen(
-                [self.python, DRIVER, base + ".job.json", base + ".result.json"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)))
-        results = []
-        for name, base, log, p in procs:
-            try:
-                rc = p.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-            log.close()
-            if rc != 0 or not os.path.exists(base + ".result.json"):
-                tail = open(base + ".log", errors="replace").read()[-6000:]
-                raise AssertionError(f"engine {name} exited with {rc}:\n{tail}")
-            with open(base + ".result.json") as f:
-                results.append(json.load(f))
-        return results
+    def run(self, *jobs: tuple[str, dict]) -> list[dict]:
+        return vllm_runner.run_jobs(self.python, self.workdir, list(jobs), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def engines(vllm_python, tmp_path_factory) -> Engines:
-    return Engines(vllm_python, tmp_path_factory.mktemp("vllm"))
+def engines(tmp_path_factory) -> Engines:
+    return Engines(vllm_runner.vllm_python(), tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +82,6 @@ def models(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from daemon_util import start_daemon
 
     d = start_daemon(tmp_path_factory.mktemp("kvd"))
@@ -168,8 +129,11 @@ def phase3(engines, models, daemon, phase2):
         assert c.delete(ns, a_hashes) == 4
         c.put(ns, a_hashes, c_blocks)
         assert c.get(ns, a_hashes) == c_blocks
-    (third,) = engines.run(engines.job("third", models["tiny"],
-                                       [_gen("A"), {"kill": daemon.pid}, _gen("B", "C", "D")], url=daemon.url))
+    (third,) = engines.run(engines.job("third", models["tiny"], [
+        _gen("A"),                                  # loads the overwritten blocks
+        {**_gen("D"), "lose_after_lookup": True},   # the daemon loses D's blocks between lookup and load
+        {"kill": daemon.pid},
+        _gen("B", "C")], url=daemon.url))
     return {"third": third}
 
 
@@ -235,9 +199,18 @@ def test_loaded_kv_is_used_corrupt_blocks_change_output(phase1, phase3):
     assert step["outputs"][0] != phase1["baseline"]["A"]
 
 
+def test_failed_load_is_reported_and_recomputed(phase1, phase3):
+    third = phase3["third"]
+    step = third["steps"][1]
+    # the lookup promised D's 5 blocks; the load found none, said so, and vLLM recomputed
+    assert third["connector"]["scheduler"]["load_planned_blocks"] == 6 + 5
+    assert third["connector"]["worker"]["load_failed_blocks"] == 5
+    assert third["connector"]["worker"]["loaded_blocks"] == 6
+    assert step["outputs"] == [phase1["baseline"]["D"]]
+
+
 def test_daemon_killed_mid_run_requests_still_complete(phase1, phase3):
     third = phase3["third"]
-    after = third["steps"][2]
-    assert after["outputs"] == [phase1["baseline"][k] for k in "BCD"]
-    assert after["num_cached_tokens"] == [0, 0, 0]
-    assert third["connector"]["worker"].get("load_failed_blocks", 0) == 0
+    after = third["steps"][3]
+    assert after["outputs"] == [phase1["baseline"][k] for k in "BC"]
+    assert after["num_cached_tokens"] == [0, 0]

