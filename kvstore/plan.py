@@ -18,7 +18,6 @@ the serving GPU (presets carry a stated guess).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -72,28 +71,13 @@ DEFAULT_BANDWIDTH_GBPS = {"cpu": 19.0, "nvme": 3.05}
 # -- the trace clock -------------------------------------------------------------------------------
 
 class TraceClock:
-    """Stands in for the ``time`` module inside ``kvstore.store`` during a replay, so leases
-    expire in trace time. Everything but ``monotonic`` is the real module."""
+    """The replay's clock: leases expire in trace time, not wall time (given to the Store)."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
-    def monotonic(self) -> float:
+    def __call__(self) -> float:
         return self.now
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
-@contextlib.contextmanager
-def trace_clock():
-    clock = TraceClock()
-    saved = store_module.time
-    store_module.time = clock  # type: ignore[assignment]
-    try:
-        yield clock
-    finally:
-        store_module.time = saved
 
 
 # -- one replay ------------------------------------------------------------------------------------
@@ -198,48 +182,48 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     hit_tiers: list[tuple[int, ...]] = []
     blocks = misses = rejected = n_requests = 0
     started = time.perf_counter()
-    with trace_clock() as clock:
-        store = Store(tiers, config)
-        try:
-            ns_id = store.register_namespace(ns)
-            payload = np.zeros(block_bytes, dtype=np.uint8)   # one buffer, reused for every put
-            outs = [payload] * store_module.MAX_BATCH          # and as every get's destination
-            for req in requests:
-                clock.now = req.t
-                hashes = req.hash_list()
-                got = dict.fromkeys(names, 0)
-                n_hit = 0
-                for lo in range(0, len(hashes), store_module.MAX_BATCH):
-                    chunk = hashes[lo:lo + store_module.MAX_BATCH]
-                    n = store.lookup(ns_id, chunk).num_hit
-                    n_hit += _get_hits(store, ns_id, chunk[:n], outs, got)
-                    if n < len(chunk) or n_hit < lo + n:
-                        break
-                for lo in range(n_hit, len(hashes), store_module.MAX_BATCH):
-                    chunk = hashes[lo:lo + store_module.MAX_BATCH]
-                    try:
-                        store.put(ns_id, chunk, [payload] * len(chunk), parent=hashes[lo - 1] if lo else None)
-                    except StoreFull:
-                        rejected += 1
-                        break
-                for name in names:
-                    hit_blocks[name] += got[name]
-                blocks += len(hashes)
-                misses += len(hashes) - n_hit
-                n_requests += 1
-                if on_progress is not None and n_requests % 100_000 == 0:
-                    on_progress(n_requests)
-                if keep_hit_tiers:
-                    hit_tiers.append(tuple(got[n] for n in names))
-                if cost is not None:
-                    ttfts.append(_ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
-            counters = dict(store.counters)
-            placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
-        finally:
-            store.close()
-            if own_tiers:
-                for t in tiers:
-                    t.close()
+    clock = TraceClock()
+    store = Store(tiers, config, clock=clock)
+    try:
+        ns_id = store.register_namespace(ns)
+        payload = np.zeros(block_bytes, dtype=np.uint8)   # one buffer, reused for every put
+        outs = [payload] * store_module.MAX_BATCH          # and as every get's destination
+        for req in requests:
+            clock.now = req.t
+            hashes = req.hash_list()
+            got = dict.fromkeys(names, 0)
+            n_hit = 0
+            for lo in range(0, len(hashes), store_module.MAX_BATCH):
+                chunk = hashes[lo:lo + store_module.MAX_BATCH]
+                n = store.lookup(ns_id, chunk).num_hit
+                n_hit += _get_hits(store, ns_id, chunk[:n], outs, got)
+                if n < len(chunk) or n_hit < lo + n:
+                    break
+            for lo in range(n_hit, len(hashes), store_module.MAX_BATCH):
+                chunk = hashes[lo:lo + store_module.MAX_BATCH]
+                try:
+                    store.put(ns_id, chunk, [payload] * len(chunk), parent=hashes[lo - 1] if lo else None)
+                except StoreFull:
+                    rejected += 1
+                    break
+            for name in names:
+                hit_blocks[name] += got[name]
+            blocks += len(hashes)
+            misses += len(hashes) - n_hit
+            n_requests += 1
+            if on_progress is not None and n_requests % 100_000 == 0:
+                on_progress(n_requests)
+            if keep_hit_tiers:
+                hit_tiers.append(tuple(got[n] for n in names))
+            if cost is not None:
+                ttfts.append(_ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
+        counters = dict(store.counters)
+        placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
+    finally:
+        store.close()
+        if own_tiers:
+            for t in tiers:
+                t.close()
     return ReplayResult(
         candidate, n_requests, blocks, hit_blocks, misses, rejected, counters,
         bytes_loaded={n: hit_blocks[n] * block_bytes for n in names},

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -111,7 +111,9 @@ class StoreConfig:
 
 
 class Store:
-    def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None) -> None:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` measures leases; the sizing planner passes trace time."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
@@ -128,6 +130,7 @@ class Store:
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self._scratch = threading.local()
+        self._clock = clock
         self._codec_choice: dict[tuple[int, bytes], str] = {}
         self._load_namespaces()
         self._recover()
@@ -264,7 +267,7 @@ class Store:
 
     def _is_pinned(self, key: bytes) -> bool:
         e = self._index.get(key)
-        return e is not None and (e.pins > 0 or not e.ready or e.pinned_until > time.monotonic())
+        return e is not None and (e.pins > 0 or not e.ready or e.pinned_until > self._clock())
 
     def _check_batch(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Namespace:
         ns = self.namespace(namespace_id)
@@ -589,7 +592,7 @@ class Store:
         """How many leading blocks of the chain are present, and in which tier; pins them."""
         self._check_batch(namespace_id, hashes)
         tiers = []
-        until = time.monotonic() + self.config.lease_seconds
+        until = self._clock() + self.config.lease_seconds
         with self._lock:
             for h in hashes:
                 entry = self._index.get(block_key(namespace_id, h))
@@ -744,7 +747,7 @@ class Store:
 
     def _new_lease(self, kind: str, keys: list[bytes], extents) -> Lease:
         with self._lock:
-            lease = Lease(next(self._lease_ids), kind, keys, time.monotonic() + self.config.lease_seconds,
+            lease = Lease(next(self._lease_ids), kind, keys, self._clock() + self.config.lease_seconds,
                           extents)
             self._leases[lease.id] = lease
         return lease
@@ -758,7 +761,7 @@ class Store:
 
     def expire_leases(self, now: float | None = None) -> int:
         """Release leases whose holder never came back (a crashed client). Returns how many."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         with self._lock:
             dead = [lease for lease in self._leases.values() if lease.expires <= now]
             for lease in dead:
