@@ -32,7 +32,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstore.codecs import CODEC_IDS, decode_block, encode_block, get_codec  # noqa: E402
-from kvstore.codecs.int4 import Int4Codec  # noqa: E402
 from kvstore.keys import KVLayout  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -231,8 +229,8 @@ def test_inputs_and_out_buffers_of_every_kind(codec):
     block = pack_block(*realistic_kv(2, 32, 2, 64, seed=4), layout.layout)
     want = roundtrip(codec, block, layout)
     raw = as_bytes(block)
-    for given in (raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8), block):
-        cid, payload = encode_block(codec, given, layout)
+    for source in (raw, bytearray(raw), memoryview(raw), np.frombuffer(raw, np.uint8), block):
+        cid, payload = encode_block(codec, source, layout)
         for p in (payload, bytes(payload), torch.from_numpy(np.array(payload))):
             np_out = np.zeros(layout.block_bytes, np.uint8)
             got = decode_block(cid, p, layout, out=np_out)
