@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
     ap.add_argument("--suffix", type=int, default=64, help="distinct suffix tokens per prompt")
-    ap.add_argument("--reps", type=int, default=3, help="measured prompts per engine")
+    ap.add_argument("--reps", type=int, default=5, help="measured prompts per engine")
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_ttft"))
     a = ap.parse_args()
@@ -127,7 +127,7 @@ def main() -> None:
     first = [prefix + tokens(a.suffix)]
     # every engine gets its own suffixes, so each measured prompt is a prefix hit plus real work
     measured = {name: [prefix + tokens(a.suffix) for _ in range(a.reps)]
-                for name in ("cold", "kvstore_cpu", "kvstore_nvme", "lmcache_cpu")}
+                for name in ("cold", "kvstore_cpu", "kvstore_nvme", "lmcache_cpu", "cold_end")}
     model = {"out_dir": os.path.join(work, "model"), "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
              "kv_heads": a.kv_heads, "intermediate": a.intermediate, "vocab": vocab, "seed": 0,
              "max_positions": 8192}
@@ -156,12 +156,12 @@ def main() -> None:
     daemon_flags = ["--cpu-slot-bytes", str(block_bytes), "--write-through"]
 
     # 1. cold: recompute everything; also the reference first tokens of every other run's prompts
-    others = [p for name, ps in measured.items() if name != "cold" for p in ps]
+    others = [p for name, ps in measured.items() if not name.startswith("cold") for p in ps]
     (cold,) = run(python, work, [("cold", job([timed(warmup), timed(measured["cold"]),
                                                                 {"generate": others, "max_tokens": 1}]))])
     runs["cold"] = summarize(cold, 1)
     ref_out = dict(zip(map(tuple, others), cold["steps"][2]["outputs"]))
-    reference = {name: [ref_out[tuple(p)] for p in ps] for name, ps in measured.items() if name != "cold"}
+    reference = {name: [ref_out[tuple(p)] for p in ps] for name, ps in measured.items() if not name.startswith("cold")}
 
     # 2. kvstore, CPU tier
     d = start_daemon(os.path.join(work, "kvd"), *daemon_flags, cpu_bytes="2GiB", nvme_bytes="4GiB",
@@ -223,8 +223,13 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     server.kill()
 
-    cold_s = runs["cold"]["median_ttft_s"]
-    ratios = {name: round(r["median_ttft_s"] / cold_s, 4) for name, r in runs.items() if name != "cold"}
+    # 5. cold again at the end: the machine is shared, so bracket the hits with two cold runs and
+    # compare against the faster one (the conservative choice)
+    (r,) = run(python, work, [("cold_end", job([timed(warmup), timed(measured["cold_end"])]))])
+    runs["cold_end"] = summarize(r, 1)
+
+    cold_s = min(runs["cold"]["median_ttft_s"], runs["cold_end"]["median_ttft_s"])
+    ratios = {name: round(r["median_ttft_s"] / cold_s, 4) for name, r in runs.items() if not name.startswith("cold")}
     result = {
         "benchmark": "vllm_ttft",
         "model": {k: model[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
@@ -233,7 +238,7 @@ def main() -> None:
                     "measured_prompts": a.reps, "block_tokens": block},
         "kv": {"bytes_per_token": kv_bytes_per_token, "block_bytes": block_bytes,
                "prefix_bytes": kv_bytes_per_token * a.prefix},
-        "runs": runs, "ttft_ratio_vs_cold": ratios,
+        "runs": runs, "cold_ttft_s": cold_s, "ttft_ratio_vs_cold": ratios,
         "goal": {"hit_le_0.25x_cold": ratios.get("kvstore_cpu", 9) <= 0.25,
                  "below_lmcache": ("lmcache_cpu" in runs
                                    and runs["kvstore_cpu"]["median_ttft_s"] < runs["lmcache_cpu"]["median_ttft_s"])},
@@ -260,20 +265,29 @@ def render_markdown(r: dict) -> str:
         f"{kv['block_bytes'] >> 10} KiB per {p['block_tokens']}-token block, {kv['prefix_bytes'] / 2**20:.0f} MiB per prefix.",
         "vLLM prefix caching off (every hit comes from the external cache); each engine a fresh process.",
         "",
+        "Runs in order; cold runs bracket the others and ratios use the faster cold median "
+        "(the machine is shared with other jobs). 'outputs = cold': first tokens equal a no-connector engine's.",
+        "",
         "| run | median TTFT (s) | vs cold | cached tokens | outputs = cold | samples (s) |",
         "|---|---:|---:|---:|---|---|",
     ]
-    for name, run in r["runs"].items():
-        ratio = "1" if name == "cold" else f"{r['ttft_ratio_vs_cold'][name]:.3f}x"
-        match = "" if name == "cold" else ("yes" if run.get("outputs_match_cold") else "NO")
-        samples = ", ".join(f"{s:.3f}" for s in run["ttft_s"])
-        lines.append(f"| {name} | {run['median_ttft_s']:.3f} | {ratio} | {run['num_cached_tokens'][0]} | {match} | {samples} |")
+    for name, run_ in r["runs"].items():
+        cold = name.startswith("cold")
+        ratio = f"{run_['median_ttft_s'] / r['cold_ttft_s']:.3f}x" if cold else f"{r['ttft_ratio_vs_cold'][name]:.3f}x"
+        match = "" if cold else ("yes" if run_.get("outputs_match_cold") else "NO")
+        samples = ", ".join(f"{s:.3f}" for s in run_["ttft_s"])
+        lines.append(f"| {name} | {run_['median_ttft_s']:.3f} | {ratio} | {run_['num_cached_tokens'][0]} | {match} | {samples} |")
     g = r["goal"]
     lines += ["", f"Goal: kvstore CPU-tier hit <= 0.25x cold: **{'met' if g['hit_le_0.25x_cold'] else 'NOT met'}**; "
               f"below LMCache: **{'met' if g['below_lmcache'] else 'NOT met'}**.", ""]
     if "kvstore_cpu" in r["runs"]:
-        lines.append(f"kvstore transport: {r['runs']['kvstore_cpu'].get('transport')}; first (computing + saving) prompt "
-                     f"TTFT {r['runs']['kvstore_cpu']['first_prompt_ttft_s']:.3f} s.")
+        lines.append(f"kvstore transport: {r['runs']['kvstore_cpu'].get('transport')}; first prompt in that engine "
+                     f"(a miss: computes and saves the prefix) TTFT {r['runs']['kvstore_cpu']['first_prompt_ttft_s']:.3f} s.")
+        kc = r["runs"]["kvstore_cpu"]
+        lines.append(f"Against that in-engine miss (rather than the no-connector engine) the kvstore CPU-tier hit is "
+                     f"{kc['median_ttft_s'] / kc['first_prompt_ttft_s']:.3f}x. The no-connector engines compute the same "
+                     "prompt measurably slower than engines with a connector (both cold runs agree); not investigated, "
+                     "so both references are shown.")
     if "lmcache_cpu" in r["runs"]:
         lines.append(f"LMCache: MP server, L1 CPU 2 GiB, chunk {r['runs']['lmcache_cpu']['chunk_tokens']} tokens; first prompt "
                      f"TTFT {r['runs']['lmcache_cpu']['first_prompt_ttft_s']:.3f} s.")
@@ -288,4 +302,8 @@ def render_markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
+        with open(sys.argv[2]) as f:
+            print(render_markdown(json.load(f)), end="")
+    else:
+        main()
