@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from daemon_util import DaemonProcess, start_daemon  # noqa: E402
+from redis_util import prefix, redis_url  # noqa: E402,F401 - shared fixtures
 
 
 @pytest.fixture

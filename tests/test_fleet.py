@@ -16,12 +16,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import numpy as np
 import pytest
 import redis
 import xxhash
+
+from redis_util import free_port, start_redis
 
 from kvstore.errors import InvalidArgument
 from kvstore.fleet import Directory, Fleet, pack_entry, route_main
@@ -36,57 +37,7 @@ NS = Namespace(LAYOUT, tenant="t", cache_salt="fleet")
 BLOCK = LAYOUT.block_bytes
 
 
-# -- fixtures ----------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(port: int) -> subprocess.Popen:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed")
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server on port {port} did not start")
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    """The machine's Redis at 6379, or one started for this module if there is none."""
-    try:
-        redis.Redis(port=6379, socket_connect_timeout=0.5).ping()
-        yield "redis://127.0.0.1:6379/0"
-        return
-    except redis.ConnectionError:
-        pass
-    port = _free_port()
-    proc = _start_redis(port)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture
-def prefix(redis_url):
-    """A key prefix of this test's own; every key under it is deleted afterwards."""
-    p = f"kvstest-{uuid.uuid4().hex[:12]}"
-    yield p
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-
+# -- fixtures: redis_url and prefix come from tests/redis_util.py (via conftest.py) ----------
 
 class StorePeer:
     """The slice of ``kvstore.client.Client`` that peer fetch uses, answered by a peer's Store."""
@@ -385,7 +336,7 @@ def test_stale_directory_entry_is_a_miss_not_wrong_bytes(make_node, redis_url, p
 
 
 def test_redis_down_means_local_service_and_no_peers(tmp_path):
-    port = _free_port()   # nothing listens here
+    port = free_port()   # nothing listens here
     store = Store([CpuTier(8 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))])
     store.register_namespace(NS)
     fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "lonely", "127.0.0.1:1", heartbeat_s=0.1, ttl_s=1).start()
@@ -406,9 +357,9 @@ def test_redis_down_means_local_service_and_no_peers(tmp_path):
 # -- Redis restarts -----------------------------------------------------------------------
 
 def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    server = _start_redis(port)
+    server = start_redis(port)
     try:
         s1, f1 = make_node("n1", redis_url=url)
         s2, f2 = make_node("n2", redis_url=url)
@@ -424,7 +375,7 @@ def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
         assert f2.lookup(NS.id, hashes).num_hit == 0                   # no directory: a miss
         wait_for(lambda: not f1.connected, what="n1 to notice Redis is gone")
 
-        server = _start_redis(port)
+        server = start_redis(port)
         d = Directory(url, f1.directory.prefix)
         wait_for(lambda: d.entries(NS.id, "n1") == 8, what="n1 to republish everything it holds")
         assert f1.counters["republishes"] >= 2
@@ -650,9 +601,9 @@ def test_daemon_lookup_before_the_dead_peer_expires_is_a_miss_not_an_error(fleet
 
 
 def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    server = _start_redis(port)
+    server = start_redis(port)
     try:
         d1, d2 = fleet_daemons(url, "kvsrestart", "d1", "d2")
         for d in (d1, d2):
@@ -667,7 +618,7 @@ def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
         more, more_blocks = chain(2, seed=7)
         assert d1.client.put(NS.id, more, more_blocks) == ["stored"] * 2
         time.sleep(0.5)
-        server = _start_redis(port)
+        server = start_redis(port)
         wait_for(lambda: directory.entries(NS.id, "d1") == 7, timeout_s=15, what="d1 to republish")
         wait_for(lambda: d2.client.lookup(NS.id, hashes).num_hit == 5, what="d2 to reconnect and fetch from d1")
         assert d2.client.get(NS.id, hashes) == [b.tobytes() for b in blocks]

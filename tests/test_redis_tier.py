@@ -4,11 +4,6 @@ and the shared pool read by a second daemon through its fleet."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-import uuid
 
 import numpy as np
 import pytest
@@ -26,48 +21,6 @@ LAYOUT = KVLayout(model="test/redis-tier", num_layers=2, num_kv_heads=2, head_di
                   block_tokens=16)
 NS = Namespace(LAYOUT)
 BLOCK = LAYOUT.block_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    """The machine's Redis at 6379, or one started for this module if there is none."""
-    try:
-        redis.Redis(port=6379, socket_connect_timeout=0.5).ping()
-        yield "redis://127.0.0.1:6379/0"
-        return
-    except redis.ConnectionError:
-        pass
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("no Redis at 6379 and redis-server is not installed")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", ""],
-                            stdout=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            redis.Redis(port=port).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture
-def prefix(redis_url):
-    p = f"kvstest-{uuid.uuid4().hex[:12]}"
-    yield p
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
 
 
 @pytest.fixture
