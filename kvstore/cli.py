@@ -33,7 +33,9 @@ def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
     env = {**os.environ, **{k: v for k, v in MALLOC_ENV.items() if k not in os.environ}, "KVSTORE_NO_REEXEC": "1"}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "kvstore.cli", *argv], env)
+    # -P: never put the working directory first on sys.path, or a source checkout's kvstore/ (which
+    # lacks the kvstore.tiers / .proto / .connectors mapping) would shadow the installed package
+    os.execve(sys.executable, [sys.executable, "-P", "-m", "kvstore.cli", *argv], env)
 
 
 def _serve_parser(sub) -> None:
