@@ -651,14 +651,7 @@ class Store:
                     n = self._decode(entry, record, dst[:n].copy(), out=dst).nbytes
             except (BlockCorrupt, CodecError):
                 with self._lock:
-                    self.tiers[t].drop(entry.key)  # a tier drops corrupt copies itself; codecs do not
-                    self.counters["corrupt_dropped"] += 1
-                    self.policies[t].remove(entry.key)
-                    entry.copies.pop(t, None)  # the tier already deleted its copy
-                    if entry.copies:
-                        self._copies_changed(entry)
-                    else:
-                        self._forget(entry)
+                    self._discard_corrupt_copy(entry, t)
                     self._unpin(entry)
                 continue  # try the next copy, or report a miss
             with self._lock:
@@ -711,9 +704,8 @@ class Store:
                         data = self._read_copy(entry, src)
                         self._store_copy(entry, c, data, entry.copies[src])
                     except BlockCorrupt:
-                        self.counters["corrupt_dropped"] += 1
+                        self._discard_corrupt_copy(entry, src)
                         self._unpin(entry)
-                        self._discard_copy_after_corruption(entry, src)
                         break
                     except (TierFull, TierIOError, BlockTooLarge):
                         self._unpin(entry)
@@ -724,7 +716,10 @@ class Store:
                 extents.append(self.tiers[c].extents(entry.key))
         return self._new_lease("load", keys, extents)
 
-    def _discard_copy_after_corruption(self, entry: Entry, t: int) -> None:
+    def _discard_corrupt_copy(self, entry: Entry, t: int) -> None:
+        """Forget a copy that failed its checksum or decode (a miss, counted). Caller holds the lock."""
+        self.tiers[t].drop(entry.key)  # a durable tier drops corrupt copies itself; codecs do not
+        self.counters["corrupt_dropped"] += 1
         self.policies[t].remove(entry.key)
         entry.copies.pop(t, None)
         if entry.copies:
