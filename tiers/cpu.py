@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore.errors import TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.slots import Extent, SlotTable
+from kvstore.tiers.slots import Extent, SlotTable, gather, scatter
 
 
 def as_bytes_array(buf) -> np.ndarray:
@@ -67,19 +67,11 @@ class CpuTier(Tier):
         self.used_bytes += self.slots.footprint(record.stored_size)
 
     def write(self, record: BlockRecord, data) -> None:
-        src = as_bytes_array(data)
-        pos = 0
-        for off, length in self.slots.lookup(record.key)[0]:
-            np.copyto(self.arena[off:off + length], src[pos:pos + length])
-            pos += length
+        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes_array(data))
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
-        dst = as_bytes_array(out)
-        pos = 0
-        for off, length in extents:
-            np.copyto(dst[pos:pos + length], self.arena[off:off + length])
-            pos += length
+        gather(self.arena, extents, as_bytes_array(out))
         return nbytes
 
     def view(self, key: bytes) -> list[np.ndarray]:

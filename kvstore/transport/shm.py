@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.tiers.slots import gather, scatter
+
 PROBE_PREFIX = ".kvstore-probe-"
 
 
@@ -84,20 +86,10 @@ class ArenaMap:
 
     def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
         """Copy a block's pieces into ``dst`` (flat uint8); returns bytes copied."""
-        pos = 0
-        arena = self.arena
-        for off, length in extents:
-            np.copyto(dst[pos:pos + length], arena[off:off + length])
-            pos += length
-        return pos
+        return gather(self.arena, extents, dst)
 
     def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
-        pos = 0
-        arena = self.arena
-        for off, length in extents:
-            np.copyto(arena[off:off + length], src[pos:pos + length])
-            pos += length
-        return pos
+        return scatter(self.arena, extents, src)
 
     def close(self) -> None:
         self.arena = None
