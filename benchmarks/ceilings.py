@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore.tiers.nvme import o_direct_supported as odirect_supported  # the tier's own probe
+
 ALIGN = 4096
 GB = 1e9
 
@@ -97,26 +99,6 @@ def memcpy_gbps(nbytes: int, reps: int = 5, working_set: int | None = None) -> f
 
 def _odirect_flags() -> int:
     return getattr(os, "O_DIRECT", 0)
-
-
-def odirect_supported(directory: str) -> bool:
-    """Whether ``directory``'s filesystem accepts O_DIRECT (tmpfs before Linux 6.6 did not)."""
-    flag = _odirect_flags()
-    if not flag:
-        return False
-    probe = os.path.join(directory, f".odirect-probe-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
-    except OSError:
-        return False
-    try:
-        os.write(fd, touched_buffer(ALIGN, fill=0))
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(probe)
 
 
 class _FilesPass:

@@ -60,6 +60,26 @@ def decode_header(buf: bytes) -> BlockRecord:
     return BlockRecord(ns, h[:hlen], p[:plen] if plen else None, stored, raw, codec, checksum)
 
 
+def o_direct_supported(directory: str) -> bool:
+    """Whether ``directory``'s filesystem accepts O_DIRECT writes (tmpfs before Linux 6.6 and
+    some network filesystems do not): probed with one aligned page."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, f".odirect-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, mmap.mmap(-1, ALIGN))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 class _Staging(threading.local):
     """One page-aligned, already-touched buffer per thread (O_DIRECT needs alignment)."""
 
@@ -91,28 +111,12 @@ class NvmeTier(Tier):
             os.unlink(probe)
         except OSError as e:
             raise TierIOError(f"nvme tier: directory {self.path} is not writable: {e.strerror}") from e
-        self.o_direct = use_o_direct and hasattr(os, "O_DIRECT") and self._o_direct_works()
+        self.o_direct = use_o_direct and o_direct_supported(self.path)
         self._files: dict[bytes, tuple[BlockRecord, int]] = {}  # key -> (record, footprint)
         self._lock = threading.Lock()
         self._staging = _Staging()
 
     # -- helpers ---------------------------------------------------------------------------------
-
-    def _o_direct_works(self) -> bool:
-        probe = os.path.join(self.path, ".odirect-probe")
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-        except OSError:
-            return False
-        try:
-            buf = mmap.mmap(-1, ALIGN)
-            os.write(fd, buf)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-            os.unlink(probe)
 
     def file_path(self, key: bytes) -> str:
         return os.path.join(self.path, key.hex() + SUFFIX)
