@@ -29,15 +29,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 GOALS = {"shm_get_vs_memcpy": 0.7, "bulk_get_vs_tcp": 0.8, "bulk_put_vs_tcp": 0.8, "lookups_per_s": 10_000}
 
 
-def _reexec_tuned() -> None:
-    from kvstore.cli import MALLOC_ENV
-
-    if os.environ.get("KVSTORE_NO_REEXEC") or all(k in os.environ for k in MALLOC_ENV):
-        return
-    env = {**os.environ, **MALLOC_ENV, "KVSTORE_NO_REEXEC": "1"}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = ["# Service benchmark (benchmarks/bench_service.py)", "",
@@ -85,7 +76,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "service"))
     args = ap.parse_args()
-    _reexec_tuned()
+    from kvstore.cli import reexec_with_malloc_tuning
+
+    reexec_with_malloc_tuning(sys.argv)
     import ceilings
 
     from kvstore.bench import format_report, run_bench

@@ -24,8 +24,9 @@ LAZY_COMMANDS = {"plan": ("kvstore.plan", "main"), "top": ("kvstore.top", "main"
                  "route": ("kvstore.fleet", "route_main")}
 
 
-def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
-    """Re-run this command with MALLOC_* set if they are missing (glibc reads them only at start)."""
+def reexec_with_malloc_tuning(command: list[str]) -> None:
+    """Re-run ``python *command`` with MALLOC_* set if they are missing (glibc reads them only at
+    start); returns only when no re-exec is needed."""
     if os.environ.get("KVSTORE_NO_REEXEC") or all(k in os.environ for k in MALLOC_ENV):
         return
     if sys.platform != "linux":
@@ -33,9 +34,7 @@ def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
     env = {**os.environ, **{k: v for k, v in MALLOC_ENV.items() if k not in os.environ}, "KVSTORE_NO_REEXEC": "1"}
     sys.stdout.flush()
     sys.stderr.flush()
-    # -P: never put the working directory first on sys.path, or a source checkout's kvstore/ (which
-    # lacks the kvstore.tiers / .proto / .connectors mapping) would shadow the installed package
-    os.execve(sys.executable, [sys.executable, "-P", "-m", "kvstore.cli", *argv], env)
+    os.execve(sys.executable, [sys.executable, *command], env)
 
 
 def _serve_parser(sub) -> None:
@@ -199,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=f"see `kvstore {name} --help`")
     args = ap.parse_args(argv)
     if args.command in ("serve", "bench"):
-        _maybe_reexec_with_malloc_tuning(argv)
+        # -P: never put the working directory first on sys.path, or a source checkout's kvstore/
+        # (which lacks the kvstore.tiers / .proto / .connectors mapping) would shadow the installed package
+        reexec_with_malloc_tuning(["-P", "-m", "kvstore.cli", *argv])
     return {"serve": cmd_serve, "health": cmd_health, "stats": cmd_stats, "bench": cmd_bench}[args.command](args)
 
 
