@@ -24,20 +24,14 @@ BYTES_PER_ROUND = 64 << 20
 ROUNDS = 3
 REDIS = ("127.0.0.1", 6379)
 
-
-def engine_venv() -> str:
-    venv = os.environ.get("KVSTORE_VENV_LMCACHE")
-    if not venv:
-        venv = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), "lmcache"], check=True,
-                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return venv
+sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
+from venvs import engine_env, engine_venv  # noqa: E402
 
 
 def bench(venv: str, adapter: dict, size_kb: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{adapter['type']}-{size_kb}.json")
     num_keys = max(1, BYTES_PER_ROUND // (size_kb << 10))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
-    env["PYTHONWARNINGS"] = "ignore"
+    env = engine_env()
     proc = subprocess.run([os.path.join(venv, "bin", "lmcache"), "bench", "l2", "--l2-adapter", json.dumps(adapter),
                            "--num-keys", str(num_keys), "--data-size-kb", str(size_kb), "--rounds", str(ROUNDS),
                            "--no-skip-verify", "--lookup-max-hit-rate", "1.0", "--format", "json",
@@ -63,7 +57,7 @@ def main() -> None:
     import ceilings
     from daemon_util import start_daemon
 
-    venv = engine_venv()
+    venv = engine_venv("lmcache")
     results: dict = {}
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         d = start_daemon(os.path.join(tmp, "kvd"), cpu_bytes="2GiB", nvme_bytes="0")

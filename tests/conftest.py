@@ -9,6 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines"))
 
 from daemon_util import DaemonProcess, start_daemon  # noqa: E402
 from redis_util import prefix, redis_url  # noqa: E402,F401 - shared fixtures

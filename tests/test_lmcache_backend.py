@@ -12,26 +12,10 @@ import os
 import subprocess
 
 import pytest
+from venvs import engine_env, engine_venv  # tests/engines (on sys.path via conftest)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN = {"type": "plugin", "module_path": "kvstore.connectors.lmcache", "class_name": "KVStoreL2Adapter"}
-
-
-def engine_venv(engine: str) -> str:
-    """The engine venv scripts/test.sh built (KVSTORE_VENV_<ENGINE>), else build it now."""
-    venv = os.environ.get(f"KVSTORE_VENV_{engine.upper()}")
-    if not venv:
-        out = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), engine], check=True,
-                             capture_output=True, text=True, timeout=1800)
-        venv = out.stdout.strip().splitlines()[-1]
-    assert os.path.isfile(os.path.join(venv, "bin", "python")), f"no python in engine venv {venv}"
-    return venv
-
-
-def engine_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+from venvs import engine_venv  # tests/engines (on sys.path via conftest)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,17 +24,6 @@ CHECKS = [
     "roundtrip_mla_page_first_direct", "layout_mismatch", "unsupported_layout", "mla_one_writer", "daemon_down",
     "failure_injector", "concurrent_threads", "controller",
 ]
-
-
-def engine_venv(engine: str) -> str:
-    """The engine venv scripts/test.sh built (KVSTORE_VENV_<ENGINE>), else build it now."""
-    venv = os.environ.get(f"KVSTORE_VENV_{engine.upper()}")
-    if not venv:
-        out = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), engine], check=True,
-                             capture_output=True, text=True, timeout=1800)
-        venv = out.stdout.strip().splitlines()[-1]
-    assert os.path.isfile(os.path.join(venv, "bin", "python")), f"no python in engine venv {venv}"
-    return venv
 
 
 @pytest.fixture(scope="module")

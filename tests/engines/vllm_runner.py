@@ -15,22 +15,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DRIVER = os.path.join(HERE, "vllm_driver.py")
 
-
-def engine_venv(engine: str) -> str:
-    """The engine's venv: $KVSTORE_VENV_<ENGINE> (scripts/test.sh sets it), else build/reuse it."""
-    venv = os.environ.get(f"KVSTORE_VENV_{engine.upper()}")
-    if not venv:
-        out = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), engine], check=True,
-                             capture_output=True, text=True).stdout
-        venv = out.strip().splitlines()[-1]
-    return venv
+from venvs import engine_venv  # noqa: E402,F401 - also used by benchmarks through this module
 
 
 def vllm_python() -> str:
-    py = os.path.join(engine_venv("vllm"), "bin", "python")
-    if not os.path.exists(py):
-        raise FileNotFoundError(f"no python in the vLLM venv ({py})")
-    return py
+    return os.path.join(engine_venv("vllm"), "bin", "python")
 
 
 def kvstore_transfer_config(url: str, **extra) -> dict:
