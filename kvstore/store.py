@@ -684,8 +684,9 @@ class Store:
     # -- two-phase load (zero-copy readers) ------------------------------------------------------
 
     def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Lease:
-        """Pin the leading present blocks with a CPU copy each (promoting from NVMe if needed) and
-        return their arena extents; stops at the first miss."""
+        """Pin the leading present blocks with a raw CPU copy each (promoting from NVMe if needed)
+        and return their arena extents; stops at the first block it cannot stage that way (absent,
+        no room, or encoded by a CPU-tier codec)."""
         self._check_batch(namespace_id, hashes)
         if self.cpu_index is None:
             raise InvalidArgument("transport", "this daemon has no CPU tier to share")
@@ -710,6 +711,11 @@ class Store:
                     except (TierFull, TierIOError, BlockTooLarge):
                         self._unpin(entry)
                         break
+                if entry.copies[c].codec != 0:
+                    # an encoded arena copy (a CPU codec) is not the block's bytes: readers of the
+                    # arena must not see it; the server reads such blocks through get_into instead
+                    self._unpin(entry)
+                    break
                 self.policies[c].touch(entry.key)
                 self.counters["hits_cpu"] += 1
                 keys.append(entry.key)

@@ -105,13 +105,16 @@ def test_layouts_a_codec_cannot_read_stay_raw(tmp_path):
     store.close()
 
 
-def test_daemon_with_an_nvme_codec_serves_decoded_blocks_over_every_transport(tmp_path):
-    """`codecs: {nvme: fp8}` in a real daemon: demoted blocks sit on disk as FP8, every transport
-    hands the client decoded bf16 blocks of the namespace's size."""
+@pytest.mark.parametrize("settings", ["codecs:\n  nvme: fp8\npromote_on_hit: false\n",
+                                      "codecs:\n  cpu: fp8\n  nvme: fp8\n"], ids=["nvme-fp8", "cpu-and-nvme-fp8"])
+def test_daemon_with_tier_codecs_serves_decoded_blocks_over_every_transport(tmp_path, settings):
+    """Codecs in a real daemon: demoted blocks sit on disk as FP8 (and, with a CPU codec, hits are
+    promoted into the arena as FP8); every transport — including the zero-copy ones that read the
+    arena directly — hands the client decoded bf16 blocks of the namespace's size."""
     from daemon_util import start_daemon
 
     config = tmp_path / "kvstore.yaml"
-    config.write_text("codecs:\n  nvme: fp8\npromote_on_hit: false\n")
+    config.write_text(settings)
     d = start_daemon(tmp_path, "--config", str(config), cpu_bytes="1MiB", nvme_bytes="64MiB")  # 4 slots
     try:
         hashes = ChainHasher().chain(np.arange(10 * 32), 32)
@@ -120,7 +123,7 @@ def test_daemon_with_an_nvme_codec_serves_decoded_blocks_over_every_transport(tm
             ns = writer.register_namespace(Namespace(LAYOUT))
             writer.put(ns, hashes, blocks)
             assert writer.stats()["counters"].get("encoded_fp8", 0) >= 4
-        for transport in ("grpc", "shm"):
+        for transport in ("grpc", "shm", "bulk", "shm"):  # the second shm round reads promoted copies
             with d.client(transport=transport) as c:
                 c.register_namespace(Namespace(LAYOUT))
                 got = c.get(ns, hashes)
