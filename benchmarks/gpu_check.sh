@@ -30,8 +30,9 @@ fi
 "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . >/dev/null
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
+# -P: the checkout's kvstore/ must not shadow the installed package (it lacks kvstore.tiers etc.)
 # 1. CUDA tests: GPU tier (device pool, IPC handle), codecs on CUDA (byte-identical to CPU)
-step cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider --rootdir=. \
+step cuda_tests 240 "$PY" -P -m pytest -q -p no:cacheprovider --rootdir=. \
   tests/test_codecs_cuda.py tests/test_tiers.py -k "cuda or gpu"
 # 2. GPU benchmarks: codec encode/decode GB/s on the GPU vs device memcpy
 step bench_codecs 150 "$PY" benchmarks/bench_codecs.py --device cuda --threads 1 --out "$OUT"
