@@ -7,10 +7,10 @@ benchmarks/results/service.{json,md}.
 Measures put/get GB/s for 1/4/16 MiB blocks over gRPC streams, the raw-TCP bulk side channel and
 shared memory; lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
 socket as ceilings, each ceiling pass interleaved with the pass it judges (memcpy: benchmarks/ceilings.py's
-MemcpyPass into a working set as large as the data moved; TCP: kvstore.bench.TcpPass, a persistent
+MemcpyPass into a working set as large as the data moved; TCP: kvstore.ops.bench.TcpPass, a persistent
 connection between distinct source and destination buffers as large as the data moved); Redis at 127.0.0.1:6379 as a peer on the same
 workload. Goals (issue 3): shm get >= 0.7x memcpy; remote get/put >= 0.8x raw TCP; lookups >= 10k/s.
-Without --url a private daemon runs as a child process (kvstore.bench). Re-executes itself with the
+Without --url a private daemon runs as a child process (kvstore.ops.bench). Re-executes itself with the
 glibc malloc settings `kvstore serve` uses, so client and daemon are tuned alike.
 """
 
@@ -76,13 +76,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "service"))
     args = ap.parse_args()
-    from kvstore.cli import reexec_with_malloc_tuning
+    from kvstore.ops.cli import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning(sys.argv)
     import ceilings
 
-    from kvstore.bench import format_report, run_bench
-    from kvstore.config import parse_size
+    from kvstore.ops.bench import format_report, run_bench
+    from kvstore.service.config import parse_size
 
     t0 = time.time()
     report = run_bench(url=args.url, sizes=[parse_size(s) for s in args.sizes.split(",")],

@@ -84,7 +84,7 @@ def start_daemon(tmp_path, *flags: str, cpu_bytes: str = "64MiB", nvme_bytes: st
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
     child_env.update(env or {})
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file", ready,
+    cmd = [sys.executable, "-m", "kvstore.ops.cli", "serve", "--listen", "127.0.0.1:0", "--ready-file", ready,
            "--cpu-bytes", cpu_bytes, "--nvme-bytes", nvme_bytes, "--nvme-path", nvme_path, *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=tmp)

@@ -512,7 +512,7 @@ class FleetDaemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         self.node_id = node_id
         config = _fleet_config(workdir, redis_url, prefix, node_id)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", config,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", config,
                                       "--listen", "127.0.0.1:0", "--ready-file", str(workdir / "ready.json")],
                                      env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "log", "wb"))
         ready = workdir / "ready.json"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvstore import plan, workload
+from kvstore.ops import plan, workload
 from kvstore.keys import ChainHasher, KVLayout
 from kvstore.store import StoreConfig
 from kvstore.tiers.cpu import CpuTier

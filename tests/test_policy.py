@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.policy import LRUPolicy, PrefixAwarePolicy, make_policy
+from kvstore.store.policy import LRUPolicy, PrefixAwarePolicy, make_policy
 
 
 def never_pinned(_key: bytes) -> bool:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstore.config import ConfigError, load_settings, parse_size
+from kvstore.service.config import ConfigError, load_settings, parse_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +91,7 @@ def test_unknown_key_and_bad_file(tmp_path):
 def test_serve_refuses_bad_config_naming_the_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = REPO
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--cpu-bytes", "lots", "--listen",
+    r = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "serve", "--cpu-bytes", "lots", "--listen",
                         "127.0.0.1:0"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
     assert "cpu_bytes" in r.stderr and "unit" in r.stderr

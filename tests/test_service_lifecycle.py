@@ -163,7 +163,7 @@ def test_health_reflection_and_metrics(kv_daemon):
 def test_cli_health_and_stats(kv_daemon):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = REPO
-    run = [sys.executable, "-m", "kvstore.cli"]
+    run = [sys.executable, "-m", "kvstore.ops.cli"]
     ok = subprocess.run(run + ["health", "--url", kv_daemon.address], capture_output=True, text=True, env=env)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     stats = subprocess.run(run + ["stats", "--url", kv_daemon.address, "--json"], capture_output=True, text=True,
@@ -181,7 +181,7 @@ def test_cli_bench_json_smoke(tmp_path):
     """`kvstore bench` against its own private daemon: every path verified byte-identical, ratios present."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = REPO
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "--sizes", "256KiB", "--total", "1MiB", "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "bench", "--sizes", "256KiB", "--total", "1MiB", "--json"],
                        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 from rich.console import Console
 
-from kvstore import top
+from kvstore.ops import top
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
@@ -75,13 +75,13 @@ def test_once_against_a_real_daemon(daemon_factory):
     finally:
         c.close()
     env = {**os.environ, "PYTHONPATH": REPO, "COLUMNS": "140"}
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "top", "--once", "--url", d.url, "--interval", "0.2"],
+    out = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "top", "--once", "--url", d.url, "--interval", "0.2"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert "kvstore top" in out.stdout and d.url in out.stdout
     assert "since start 80.0%" in out.stdout           # 4 hits, 1 miss
     assert "nvme" in out.stdout and "cpu" in out.stdout
     d.stop()
-    down = subprocess.run([sys.executable, "-m", "kvstore.cli", "top", "--once", "--url", d.url],
+    down = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "top", "--once", "--url", d.url],
                           capture_output=True, text=True, timeout=60, env=env)
     assert down.returncode == 1 and "unavailable" in down.stderr

@@ -19,14 +19,8 @@ import numpy as np
 
 from kvstore.errors import TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.slots import Extent, SlotTable, gather, scatter
-
-
-def as_bytes_array(buf) -> np.ndarray:
-    """A flat uint8 numpy view of any buffer (bytes, bytearray, memoryview, ndarray, mmap)."""
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
+from kvstore.buffers import Extent, as_bytes, gather, scatter
+from kvstore.tiers.slots import SlotTable
 
 
 class CpuTier(Tier):
@@ -67,11 +61,11 @@ class CpuTier(Tier):
         self.used_bytes += self.slots.footprint(record.stored_size)
 
     def write(self, record: BlockRecord, data) -> None:
-        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes_array(data))
+        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes(data))
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
-        gather(self.arena, extents, as_bytes_array(out))
+        gather(self.arena, extents, as_bytes(out))
         return nbytes
 
     def view(self, key: bytes) -> list[np.ndarray]:

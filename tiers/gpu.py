@@ -9,7 +9,7 @@ unless an operator gives some to the cache. Same-host workers get CUDA IPC handl
 from __future__ import annotations
 
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.cpu import as_bytes_array
+from kvstore.buffers import as_bytes
 from kvstore.tiers.slots import SlotTable
 
 
@@ -40,7 +40,7 @@ class GpuTier(Tier):
         torch = _torch()
         if isinstance(buf, torch.Tensor):
             return buf.reshape(-1).view(torch.uint8)
-        return torch.from_numpy(as_bytes_array(buf))
+        return torch.from_numpy(as_bytes(buf))
 
     def _host_array(self, buf):
         """A numpy view when both sides live in host memory (device "cpu"): numpy copies there are
@@ -50,7 +50,7 @@ class GpuTier(Tier):
         torch = _torch()
         if isinstance(buf, torch.Tensor):
             return buf.reshape(-1).view(torch.uint8).numpy() if buf.device.type == "cpu" else None
-        return as_bytes_array(buf)
+        return as_bytes(buf)
 
     def write(self, record: BlockRecord, data) -> None:
         host = self._host_array(data)

@@ -25,7 +25,7 @@ import xxhash
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.cpu import as_bytes_array
+from kvstore.buffers import as_bytes
 
 ALIGN = 4096
 HEADER_BYTES = 4096
@@ -176,7 +176,7 @@ class NvmeTier(Tier):
         """Header + payload in one pwritev. A page-aligned payload (CPU-arena slots, pooled server
         buffers) goes to disk straight from where it is; anything else is copied once into the
         thread's aligned staging buffer, which O_DIRECT needs."""
-        src = as_bytes_array(data)[:record.stored_size]
+        src = as_bytes(data)[:record.stored_size]
         n = record.stored_size
         padded = _round_up(n)
         if not record.checksum:
@@ -213,7 +213,7 @@ class NvmeTier(Tier):
         record, _ = self._files[key]
         n = record.stored_size
         padded = _round_up(n)
-        dst = as_bytes_array(out)
+        dst = as_bytes(out)
         direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
         stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
         path = self.file_path(key)

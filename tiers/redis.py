@@ -35,7 +35,7 @@ import xxhash
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, InvalidArgument, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.cpu import as_bytes_array
+from kvstore.buffers import as_bytes
 
 MAGIC = b"KVSR"
 VERSION = 1
@@ -99,7 +99,7 @@ class RedisTier(Tier):
             self.used_bytes += fp
 
     def write(self, record: BlockRecord, data) -> None:
-        src = as_bytes_array(data)[:record.stored_size]
+        src = as_bytes(data)[:record.stored_size]
         if src.nbytes != record.stored_size:
             self.drop(record.key)
             raise InvalidArgument("data", f"{src.nbytes} bytes for a {record.stored_size}-byte record")
@@ -130,7 +130,7 @@ class RedisTier(Tier):
             self.corrupt_dropped += 1
             self.drop(key)
             raise BlockCorrupt(f"redis tier: block {key.hex()} failed its checksum; deleted")
-        dst = as_bytes_array(out)
+        dst = as_bytes(out)
         n = payload.nbytes
         np.copyto(dst[:n], payload)
         return n

@@ -9,13 +9,9 @@ so a block is typically one extent and is copied with one memcpy; after churn it
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
-import numpy as np
-
+from kvstore.buffers import Extent
 from kvstore.errors import BlockTooLarge, TierFull
-
-Extent = tuple[int, int]  # (byte offset in arena, length)
 
 
 class SlotTable:
@@ -92,21 +88,3 @@ def _coalesce(sorted_slots: list[int], slot_bytes: int, nbytes: int) -> list[Ext
         if s is not None:
             start = prev = s
     return extents
-
-
-def scatter(arena: np.ndarray, extents: Sequence[Extent], src: np.ndarray) -> int:
-    """Copy flat ``src`` into a block's pieces of ``arena``; returns the bytes copied."""
-    pos = 0
-    for off, length in extents:
-        np.copyto(arena[off:off + length], src[pos:pos + length])
-        pos += length
-    return pos
-
-
-def gather(arena: np.ndarray, extents: Sequence[Extent], dst: np.ndarray) -> int:
-    """Copy a block's pieces of ``arena`` into flat ``dst``; returns the bytes copied."""
-    pos = 0
-    for off, length in extents:
-        np.copyto(dst[pos:pos + length], arena[off:off + length])
-        pos += length
-    return pos

@@ -42,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import errors
 from kvstore.errors import CodecError, DaemonUnavailable, InvalidArgument, KVStoreError, WrongBlockSize
+from kvstore.buffers import as_bytes
 from kvstore.keys import KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -94,18 +95,6 @@ def _error_from_rpc(e: grpc.RpcError) -> KVStoreError:
     if code in _UNREACHABLE:
         return DaemonUnavailable(f"kvstore daemon unreachable ({code.name}): {details}")
     return RemoteError(code, details)
-
-
-def as_bytes(block) -> np.ndarray:
-    """A flat uint8 view of bytes / bytearray / memoryview / numpy / CPU torch tensor (no copy)."""
-    if isinstance(block, np.ndarray):
-        return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-    if type(block).__module__.startswith("torch"):
-        t = block.detach()
-        if t.device.type != "cpu":
-            raise InvalidArgument("blocks", "tensors must be on the CPU (GPU tensors go through a connector)")
-        return t.contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
-    return np.frombuffer(block, dtype=np.uint8)
 
 
 def _decode(codec: int, payload: np.ndarray, layout: KVLayout | None) -> np.ndarray:

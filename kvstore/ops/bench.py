@@ -116,7 +116,7 @@ class _PrivateDaemon:
         ready = os.path.join(self.dir, "ready.json")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--listen", "127.0.0.1:0", "--cpu-bytes", str(cpu_bytes),
+            [sys.executable, "-m", "kvstore.ops.cli", "serve", "--listen", "127.0.0.1:0", "--cpu-bytes", str(cpu_bytes),
              "--cpu-slot-bytes", "1MiB", "--nvme-bytes", "0", "--nvme-path", os.path.join(self.dir, "nvme"),
              "--ready-file", ready, "--log-level", "WARNING"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

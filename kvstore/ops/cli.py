@@ -20,7 +20,7 @@ import sys
 # and page faults (measured ~5x faster streams here). Freed memory stays in the process.
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(64 << 20)}
 
-LAZY_COMMANDS = {"plan": ("kvstore.plan", "main"), "top": ("kvstore.top", "main"),
+LAZY_COMMANDS = {"plan": ("kvstore.ops.plan", "main"), "top": ("kvstore.ops.top", "main"),
                  "route": ("kvstore.fleet", "route_main")}
 
 
@@ -76,7 +76,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str] | None:
 
 
 def cmd_serve(args) -> int:
-    from kvstore.config import ConfigError, load_settings
+    from kvstore.service.config import ConfigError, load_settings
     from kvstore.errors import KVStoreError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,7 +92,7 @@ def cmd_serve(args) -> int:
     except ConfigError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
-    from kvstore.daemon import run
+    from kvstore.service.daemon import run
 
     try:
         return run(settings, ready_file=args.ready_file)
@@ -129,7 +129,7 @@ def cmd_stats(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvstore.config import format_size
+    from kvstore.service.config import format_size
 
     console = Console()
     tiers = Table(title=f"kvstore at {c.address}: {stats['blocks']} blocks, {stats['namespaces']} namespaces, "
@@ -152,9 +152,9 @@ def cmd_stats(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from kvstore.bench import format_report, run_bench
+    from kvstore.ops.bench import format_report, run_bench
 
-    from kvstore.config import parse_size
+    from kvstore.service.config import parse_size
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=parse_size(args.total),
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "bench"):
         # -P: never put the working directory first on sys.path, or a source checkout's kvstore/
         # (which lacks the kvstore.tiers / .proto / .connectors mapping) would shadow the installed package
-        reexec_with_malloc_tuning(["-P", "-m", "kvstore.cli", *argv])
+        reexec_with_malloc_tuning(["-P", "-m", "kvstore.ops.cli", *argv])
     return {"serve": cmd_serve, "health": cmd_health, "stats": cmd_stats, "bench": cmd_bench}[args.command](args)
 
 

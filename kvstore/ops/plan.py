@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore import store as store_module
-from kvstore import workload as workloads
+from kvstore.ops import workload as workloads
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.keys import DTYPE_SIZES, KVLayout, Namespace
-from kvstore.policy import POLICIES
+from kvstore.store.policy import POLICIES
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.metadata import MetadataTier
 

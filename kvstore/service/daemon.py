@@ -19,17 +19,17 @@ import time
 
 from grpc_health.v1 import health_pb2
 
-from kvstore.auth import Authenticator
-from kvstore.config import Settings
+from kvstore.service.auth import Authenticator
+from kvstore.service.config import Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
-from kvstore.metrics import Metrics
-from kvstore.server import build_server
+from kvstore.service.metrics import Metrics
+from kvstore.service.server import build_server
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
 
-log = logging.getLogger("kvstore.daemon")
+log = logging.getLogger("kvstore.service.daemon")
 
 
 def clean_stale_segments(shm_dir: str) -> int:

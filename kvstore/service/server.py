@@ -6,7 +6,7 @@ unexpected into INTERNAL, and records latency — so no request can crash the da
 sees the same exception class the store raised. Messages larger than ``max_message_bytes`` are
 refused by gRPC itself with RESOURCE_EXHAUSTED.
 
-Tenancy (see ``kvstore.auth``): the caller's tenant is folded into every namespace it registers;
+Tenancy (see ``kvstore.service.auth``): the caller's tenant is folded into every namespace it registers;
 a namespace id of another tenant is answered like an unknown one.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.auth import Authenticator
+from kvstore.service.auth import Authenticator
 from kvstore.errors import (CodecError, FleetModeOff, InvalidArgument, KVStoreError, LayoutMismatch, LeaseExpired,
                             PermissionDenied, UnknownNamespace)
 from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
@@ -37,7 +37,7 @@ from kvstore.store import MAX_BATCH, Store
 from kvstore.transport import bulk as bulk_transport
 from kvstore.transport import chunks, shm
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.service.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 PROTOCOL_VERSION = 1

@@ -38,9 +38,10 @@ import numpy as np
 from kvstore.errors import (BlockCorrupt, CodecError, BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull,
                             TierFull, TierIOError, UnknownNamespace, WrongBlockSize)
 from kvstore.keys import Namespace, block_key, check_block_hash
-from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.store.policy import EvictionPolicy, make_policy
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.tiers.cpu import CpuTier, as_bytes_array
+from kvstore.buffers import as_bytes
+from kvstore.tiers.cpu import CpuTier
 
 MAX_BATCH = 4096
 
@@ -392,7 +393,7 @@ class Store:
         if from_codec != 0:
             if codecs.CODEC_IDS.get(want) == from_codec:
                 return dataclasses.replace(like), data
-            data = self._decode(entry, like, as_bytes_array(data)[:like.stored_size])
+            data = self._decode(entry, like, as_bytes(data)[:like.stored_size])
         raw = dataclasses.replace(like, codec=0, stored_size=entry.raw_size, checksum=0)
         if want == "raw":
             return raw, data
@@ -441,7 +442,7 @@ class Store:
         ns = self._check_batch(namespace_id, hashes)
         if len(payloads) != len(hashes):
             raise InvalidArgument("blocks", f"{len(payloads)} payloads for {len(hashes)} hashes")
-        arrays = [as_bytes_array(p) for p in payloads]
+        arrays = [as_bytes(p) for p in payloads]
         for i, a in enumerate(arrays):
             if a.nbytes != ns.block_bytes:
                 raise WrongBlockSize(ns.block_bytes, a.nbytes, i)
@@ -630,7 +631,7 @@ class Store:
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
         sizes: list[int | None] = []
         for h, out in zip(hashes, outs):
-            dst = as_bytes_array(out)
+            dst = as_bytes(out)
             if dst.nbytes < ns.block_bytes:
                 raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
             sizes.append(self._get_one(namespace_id, h, dst))

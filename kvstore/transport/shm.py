@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.tiers.slots import gather, scatter
+from kvstore.buffers import gather, scatter
 
 PROBE_PREFIX = ".kvstore-probe-"
 

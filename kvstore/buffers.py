@@ -1,0 +1,70 @@
+"""Byte views, gather/scatter over a block's extents, and grow-only scratch buffers.
+
+A leaf: every layer that moves payload bytes (tiers, the store, the client's shared-memory
+transport, the server) needs the same three small things, and none of them should import another
+layer to get them. Imports nothing from kvstore but the errors module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+Extent = tuple[int, int]  # (byte offset in an arena, length)
+
+
+def as_bytes(buf, field: str = "blocks") -> np.ndarray:
+    """A flat uint8 numpy view (no copy) of bytes, bytearray, memoryview, mmap, a numpy array or
+    a CPU torch tensor. A device tensor is refused (naming ``field``): it must be staged by a
+    connector, never silently copied here."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    if type(buf).__module__.startswith("torch"):
+        t = buf.detach()
+        if t.device.type != "cpu":
+            raise InvalidArgument(field, "tensors must be on the CPU (GPU tensors go through a connector)")
+        import torch
+
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def scatter(arena: np.ndarray, extents: Sequence[Extent], src: np.ndarray) -> int:
+    """Copy flat ``src`` into a block's pieces of ``arena``; returns the bytes copied."""
+    pos = 0
+    for off, length in extents:
+        np.copyto(arena[off:off + length], src[pos:pos + length])
+        pos += length
+    return pos
+
+
+def gather(arena: np.ndarray, extents: Sequence[Extent], dst: np.ndarray) -> int:
+    """Copy a block's pieces of ``arena`` into flat ``dst``; returns the bytes copied."""
+    pos = 0
+    for off, length in extents:
+        np.copyto(dst[pos:pos + length], arena[off:off + length])
+        pos += length
+    return pos
+
+
+class Scratch:
+    """A grow-only uint8 buffer, one per thread, so hot paths allocate once rather than per
+    request. ``trim_above`` bytes: a request larger than that gets a buffer that is dropped after
+    use, so one oversized request does not pin its size in memory for good."""
+
+    def __init__(self, trim_above: int | None = None) -> None:
+        self._local = threading.local()
+        self.trim_above = trim_above
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.trim_above is not None and nbytes > self.trim_above:
+            return np.empty(nbytes, dtype=np.uint8)
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self._local.buf = buf
+        return buf[:nbytes]

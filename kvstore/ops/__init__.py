@@ -1,0 +1,1 @@
+"""Operator tools (placeholder docstring; rewritten by the ops split)."""

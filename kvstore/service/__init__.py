@@ -1,0 +1,1 @@
+"""The daemon (placeholder docstring; rewritten by the service split)."""
