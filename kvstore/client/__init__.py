@@ -27,7 +27,6 @@ close to expiry.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import os
@@ -44,26 +43,17 @@ from kvstore import errors
 from kvstore.errors import CodecError, DaemonUnavailable, InvalidArgument, KVStoreError, WrongBlockSize
 from kvstore.buffers import as_bytes
 from kvstore.keys import KVLayout, Namespace
+from kvstore.wire import (DEFAULT_URL, MAX_BATCH, MAX_LOOKUP_BATCH, SERVER_ID_KEY, UNSTAGED_KEY,  # noqa: F401
+                          Lookup)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transport import chunks, shm
 from kvstore.transport.bulk import BulkChannel
 
-DEFAULT_URL = "127.0.0.1:7373"
-MAX_BATCH = 4096          # hashes per RPC (the daemon's limit)
-MAX_LOOKUP_BATCH = 1024   # chains per LookupBatch
 TRANSPORTS = ("auto", "shm", "bulk", "grpc")
-SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs (see server._identify)
-UNSTAGED_KEY = "kvstore-unstaged"
 _PUT_RESULT = {pb.PUT_STORED: "stored", pb.PUT_EXISTS: "exists", pb.PUT_PERSISTED: "persisted"}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 _SLOW_LINK_BYTES_PER_S = 100e6   # deadline allowance per byte for bulk calls
-
-
-@dataclasses.dataclass
-class Lookup:
-    num_hit: int          # leading blocks present
-    tiers: list[str]      # tier of each of those blocks
 
 
 class RemoteError(KVStoreError):

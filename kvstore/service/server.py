@@ -33,19 +33,15 @@ from kvstore.errors import (CodecError, FleetModeOff, InvalidArgument, KVStoreEr
 from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.store import MAX_BATCH, Store
+from kvstore.store import Store
+from kvstore.wire import (MAX_BATCH, MAX_LOOKUP_BATCH, MAX_STRING, PROTOCOL_VERSION, RAW_CODEC, SERVER_ID_KEY,
+                          UNSTAGED_KEY)
 from kvstore.transport import bulk as bulk_transport
 from kvstore.transport import chunks, shm
 
 log = logging.getLogger("kvstore.service.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-PROTOCOL_VERSION = 1
-MAX_LOOKUP_BATCH = 1024
-MAX_STRING = 256
-RAW_CODEC = 0
-SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered
-UNSTAGED_KEY = "kvstore-unstaged"     # PrepareLoad stopped at a present block it could not stage
 _PIN_WINDOW_BYTES = 256 << 20   # bulk reads pin at most this much of the arena at a time
 _PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 

@@ -38,12 +38,12 @@ import numpy as np
 from kvstore.errors import (BlockCorrupt, CodecError, BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull,
                             TierFull, TierIOError, UnknownNamespace, WrongBlockSize)
 from kvstore.keys import Namespace, block_key, check_block_hash
+from kvstore.wire import MAX_BATCH, Lookup
 from kvstore.store.policy import EvictionPolicy, make_policy
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import as_bytes
 from kvstore.tiers.cpu import CpuTier
 
-MAX_BATCH = 4096
 
 
 @dataclasses.dataclass
@@ -69,13 +69,6 @@ class Entry:
     @property
     def fastest(self) -> int:
         return min(self.copies)
-
-
-@dataclasses.dataclass
-class Lookup:
-    num_hit: int                  # leading blocks present
-    tiers: list[str]              # tier of each of those blocks
-    present: list[bool] | None = None
 
 
 @dataclasses.dataclass
