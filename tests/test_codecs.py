@@ -480,3 +480,101 @@ def test_concurrent_encodes_and_decodes_match_sequential():
     sequential = [work(j) for j in jobs]
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(work, jobs)) == sequential
+
+
+# --- device independence: the CPU twin of tests/test_codecs_cuda.py ---------------------------
+
+class CudaScalarDivision:
+    """A dispatch mode that computes ``tensor / scalar`` the way CUDA torch does
+    (``div_true_kernel_cuda``: a CPU-scalar divisor becomes ``x * (1 / divisor)``, the reciprocal
+    rounded in float32), and records every such division. Under it, the reference encoder runs
+    CUDA's arithmetic on the CPU."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        divs = {aten.div.Tensor: aten.mul.Tensor, aten.div.Scalar: aten.mul.Tensor,
+                aten.div_.Tensor: aten.mul_.Tensor, aten.div_.Scalar: aten.mul_.Tensor}
+
+        class Mode(TorchDispatchMode):
+            scalar_divisions: list = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in divs and not kwargs.get("rounding_mode"):
+                    x, b = args[0], args[1]
+                    if not isinstance(b, torch.Tensor) or (b.dim() == 0 and b.device.type == "cpu"):
+                        self.scalar_divisions.append((func, float(b)))
+                        opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+                        inv = torch.tensor(1.0, dtype=opmath) / torch.tensor(float(b), dtype=opmath)
+                        return divs[func](x, inv)
+                return func(*args, **kwargs)
+
+        mode = Mode()
+        mode.scalar_divisions = []
+        return mode
+
+
+def reference_payload(codec, raw, layout, monkeypatch, mode=None):
+    import contextlib
+
+    import kvstore.codecs.base as base
+    monkeypatch.setattr(base, "USE_FAST", False)
+    with mode if mode is not None else contextlib.nullcontext():
+        payload = encode_block(codec, raw, layout)[1]
+    monkeypatch.undo()
+    return payload
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("codec", LOSSY)
+def test_payload_does_not_depend_on_device_arithmetic(codec, dtype, monkeypatch):
+    """The inputs of tests/test_codecs_cuda.py::test_encode_on_gpu_gives_the_cpu_payload. The
+    torch reference run with CUDA's division semantics, the plain CPU reference and (bf16) the
+    compiled kernels must give the same bytes: no step may divide by a Python number, which CUDA
+    turns into a multiplication by an inexact reciprocal (1/448, 1/15)."""
+    layout = make_layout(L=3, T=32, H=2, D=64, dtype=dtype)
+    raws = [as_bytes(pack_block(*realistic_kv(3, 32, 2, 64, TORCH_DTYPES[dtype], seed=12), layout.layout))]
+    if dtype == "bfloat16":
+        raws += [special_values_block(layout, seed=13), special_values_block(layout, seed=8)]
+    for raw in raws:
+        plain = reference_payload(codec, raw, layout, monkeypatch)
+        mode = CudaScalarDivision()
+        as_on_cuda = reference_payload(codec, raw, layout, monkeypatch, mode)
+        assert np.array_equal(plain, as_on_cuda), f"{int((plain != as_on_cuda).sum())} bytes differ"
+        assert mode.scalar_divisions == [], f"a codec divides by a Python scalar: inexact on CUDA: {mode.scalar_divisions}"
+        if HAVE_NUMBA:  # (the compiled kernels cover bf16; other dtypes run the reference anyway)
+            fast = encode_block(codec, raw, layout)[1]
+            assert np.array_equal(plain, fast), f"{int((plain != fast).sum())} bytes differ"
+
+
+def signed_zero_blocks(layout: KVLayout, seed: int) -> tuple[bytes, bytes]:
+    """Two blocks equal as numbers, differing only in which of their zeros are -0.0: every
+    group holds both zeros and otherwise positive values, so its minimum is a zero."""
+    dtype = TORCH_DTYPES[layout.dtype]
+    n = layout.block_bytes // torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, generator=g) * 4 + 0.01
+    i = torch.arange(n)
+    zero_sign = torch.where((i // 3) % 2 == 0, torch.tensor(0.0), torch.tensor(-0.0))
+    a = torch.where(i % 3 == 0, zero_sign, x)
+    b = torch.where(i % 3 == 0, -zero_sign, x)
+    return as_bytes(a.to(dtype)), as_bytes(b.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("codec", [c for c in LOSSY if c.startswith("int4")])
+def test_int4_statistics_do_not_depend_on_the_sign_of_zero(codec, dtype, monkeypatch):
+    """A min/max reduction over +0 and -0 returns whichever it meets first, and CUDA visits
+    elements in another order than the CPU: stored minima and scales must be +0 either way.
+    (fp8 codes keep each element's sign, so only int4 statistics are concerned.)"""
+    layout = make_layout(L=2, T=32, H=2, D=64, dtype=dtype)
+    a, b = signed_zero_blocks(layout, seed=14)
+    ref_a = reference_payload(codec, a, layout, monkeypatch)
+    ref_b = reference_payload(codec, b, layout, monkeypatch)
+    assert np.array_equal(ref_a, ref_b)
+    if HAVE_NUMBA:
+        assert np.array_equal(ref_a, encode_block(codec, a, layout)[1])
+        assert np.array_equal(ref_b, encode_block(codec, b, layout)[1])
+    out = decode_block(CODEC_IDS[codec], ref_a, layout).view(TORCH_DTYPES[dtype])
+    assert not bool(torch.signbit(out[out == 0]).any())

@@ -13,7 +13,8 @@ import torch
 from kvstore.codecs import CODEC_IDS, decode_block, encode_block
 from kvstore.errors import CodecError
 
-from test_codecs import LAYOUTS, LOSSY, as_bytes, make_layout, pack_block, realistic_kv, special_values_block
+from test_codecs import (LAYOUTS, LOSSY, as_bytes, make_layout, pack_block, realistic_kv, signed_zero_blocks,
+                         special_values_block)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,11 +40,16 @@ def test_decode_into_a_gpu_buffer_matches_cpu_decode(codec, layout_name):
 def test_encode_on_gpu_gives_the_cpu_payload(codec, dtype):
     """Encoding a CUDA tensor runs the torch reference on the GPU; every step (float32
     division, round-half-even, RNE casts) is exactly rounded, so the payload is byte-identical
-    to the CPU's."""
+    to the CPU's. Two things would break that and the codecs avoid them: dividing by a Python
+    number (CUDA multiplies by its inexact reciprocal: ``base.div_exact``) and storing a zero
+    statistic's sign (reductions meet +0/-0 in another order: ``base.canonical_zero``).
+    CPU twins: test_payload_does_not_depend_on_device_arithmetic and
+    test_int4_statistics_do_not_depend_on_the_sign_of_zero in test_codecs.py."""
     layout = make_layout(L=3, T=32, H=2, D=64, dtype=dtype)
     torch_dtype = getattr(torch, dtype)
     for raw in (as_bytes(pack_block(*realistic_kv(3, 32, 2, 64, torch_dtype, seed=12), layout.layout)),
-                special_values_block(make_layout(L=3, T=32, H=2, D=64), seed=13) if dtype == "bfloat16" else None):
+                special_values_block(make_layout(L=3, T=32, H=2, D=64), seed=13) if dtype == "bfloat16" else None,
+                *signed_zero_blocks(layout, seed=14)):
         if raw is None:
             continue
         cid, on_cpu = encode_block(codec, raw, layout)

@@ -194,6 +194,25 @@ def check_finite(lo: torch.Tensor, hi: torch.Tensor, what: str) -> None:
                          "refusing to encode it")
 
 
+def div_exact(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor``, correctly rounded on every device.
+
+    Never write ``tensor / python_number`` in a codec: CUDA torch computes a division by a CPU
+    scalar as ``x * (1 / divisor)`` (``div_true_kernel_cuda``), one rounding more, so whenever
+    ``1 / divisor`` is inexact (1/448, 1/15) some quotients come out one ulp high, e.g.
+    ``1.3125 / 448 = 0.0029296875`` (a bf16 value) but ``1.3125 * fl(1/448) = 0.0029296877``,
+    which ``round_up`` then bumps to the next bf16. The CPU and ``fast_cpu`` divide exactly.
+    A tensor / tensor division is a true IEEE division on both devices."""
+    return x / torch.full_like(x, divisor)
+
+
+def canonical_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -0.0 replaced by +0.0. Which zero a min/max reduction returns for a group
+    holding both depends on the order it visits them (CPU vector lanes, CUDA thread blocks,
+    the compiled kernels' loop); statistics computed from it must not."""
+    return torch.where(x == 0, torch.zeros_like(x), x)
+
+
 def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` (float32, >= 0) in ``dtype``, never smaller than ``x``: a stored scale must still
     cover the range it was computed for."""

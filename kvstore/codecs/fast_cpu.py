@@ -6,7 +6,8 @@ copies; these kernels read the block's bf16 words in place (any layout whose hea
 contiguous; vllm_cpu's transposed keys are copied first), keep everything in registers, and write codes and statistics straight into the
 payload. Every rounding step mirrors the reference (float32 division, round-half-even, bf16
 round-to-nearest-even, e4m3 rounding as in c10), and tests/test_codecs.py checks payloads and
-decoded blocks are byte-identical to the reference.
+decoded blocks are byte-identical to the reference. No fastmath: a / b stays a true division
+and a * b + c is never contracted to an FMA, exactly as torch computes them on CPU and CUDA.
 
 Kernels are single-threaded and release the GIL; a block is split by layers across a small
 thread pool (``torch.get_num_threads()`` wide), so there is no second OpenMP runtime spinning
@@ -192,6 +193,12 @@ def fp8_decode(codes, scales, lut, out, off, L, T, H, D, sl, st, sh, per_head):
 # --- INT4 ---------------------------------------------------------------------------------------
 
 @njit(inline="always")
+def _plus_zero(x):
+    """-0.0 -> +0.0, as ``base.canonical_zero`` (a min/max over +0 and -0 may return either)."""
+    return ZERO if x == ZERO else x
+
+
+@njit(inline="always")
 def _quant4(v, mnf, safe):
     q = np.rint((v - mnf) / safe)
     return np.uint8(min(max(q, ZERO), LEVELS))
@@ -221,9 +228,9 @@ def int4_encode_keys(src, off, L, T, H, D, sl, st, sh, kg, codes, scale, mn):
                         lo[d] = min(lo[d], v)
                         hi[d] = max(hi[d], v)
                 for d in range(D):
-                    m = bf16_round_down(lo[d])
+                    m = bf16_round_down(_plus_zero(lo[d]))
                     mnf[d] = bf16_to_f32(m)
-                    s = bf16_round_up((hi[d] - mnf[d]) / LEVELS)
+                    s = bf16_round_up((_plus_zero(hi[d]) - mnf[d]) / LEVELS)
                     mn[l, g, h, d] = m
                     scale[l, g, h, d] = s
                     sf = bf16_to_f32(s)
@@ -256,9 +263,9 @@ def int4_encode_values(src, off, L, T, H, D, sl, st, sh, vg, codes, scale, mn):
                             bad[l] = 1
                         lo = min(lo, v)
                         hi = max(hi, v)
-                    m = bf16_round_down(lo)
+                    m = bf16_round_down(_plus_zero(lo))
                     mf = bf16_to_f32(m)
-                    s = bf16_round_up((hi - mf) / LEVELS)
+                    s = bf16_round_up((_plus_zero(hi) - mf) / LEVELS)
                     mn[l, t, h, g] = m
                     scale[l, t, h, g] = s
                     sf = bf16_to_f32(s)

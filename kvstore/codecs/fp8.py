@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.codecs.base import Section, SectionCodec, check_finite, round_up
+from kvstore.codecs.base import Section, SectionCodec, check_finite, div_exact, round_up
 from kvstore.codecs.layout import BlockShape
 from kvstore.errors import CodecError
 
@@ -47,7 +47,7 @@ class Fp8Codec(SectionCodec):
         amax = torch.maximum(lo.abs(), hi.abs())  # abs: a row of zeros gets +0, not -0
         if self.per_head:
             amax = amax.amax(dim=2)                       # [2, L, H]
-        scale = round_up(amax / E4M3_MAX, SCALE_DTYPE)
+        scale = round_up(div_exact(amax, E4M3_MAX), SCALE_DTYPE)  # not amax / 448: see div_exact
         safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
         x.div_(self._broadcast(safe)).clamp_(-E4M3_MAX, E4M3_MAX)
         codes = x.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.codecs.base import Section, SectionCodec, check_finite, round_down, round_up
+from kvstore.codecs.base import (Section, SectionCodec, canonical_zero, check_finite, div_exact,
+                                 round_down, round_up)
 from kvstore.codecs.layout import BlockShape
 from kvstore.errors import CodecError
 
@@ -72,8 +73,9 @@ class Int4Codec(SectionCodec):
     def _quantize_groups(x: torch.Tensor, dim: int, dtype: torch.dtype, what: str):
         lo, hi = torch.aminmax(x, dim=dim)
         check_finite(lo, hi, what)
+        lo, hi = canonical_zero(lo), canonical_zero(hi)  # stored stats never depend on -0 vs +0
         mn = round_down(lo, dtype)
-        scale = round_up((hi - mn.float()) / LEVELS, dtype)
+        scale = round_up(div_exact(hi - mn.float(), LEVELS), dtype)  # not ... / 15: see div_exact
         safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
         x.sub_(mn.float().unsqueeze(dim)).div_(safe.unsqueeze(dim)).round_().clamp_(0, LEVELS)
         return pack_nibbles(x.to(torch.uint8)), scale, mn
