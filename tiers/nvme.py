@@ -9,16 +9,24 @@ fsynced once per batch (``write_unsynced`` + ``sync``; ``write`` does both). A c
 complete file. Every read verifies the payload checksum; a bad or torn file is deleted, counted
 and reported as ``BlockCorrupt`` (the store turns that into a miss). Warm restart: ``recover()``
 rebuilds the index from the headers, so a restarted daemon serves what it had.
+
+Planted files (see ``private_files``): the directory is created 0700 and an existing one must be
+ours and private (an empty loose one is tightened to 0700, a loose one with entries is refused);
+block, temp and probe files are created 0600 with ``O_EXCL|O_NOFOLLOW``, so a symlink planted
+under one of their names is replaced, never written through; recovery never follows a symlink or
+waits on a FIFO named ``*.kvb``: it skips it, leaves it there and counts it
+(``recovery_skipped_not_regular``).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import xxhash
@@ -26,6 +34,9 @@ import xxhash
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import as_bytes
+from kvstore.tiers.private_files import NotRegularFile, claim_private_dir, create_exclusive, open_regular
+
+log = logging.getLogger("kvstore.tiers.nvme")
 
 ALIGN = 4096
 HEADER_BYTES = 4096
@@ -67,8 +78,9 @@ def o_direct_supported(directory: str) -> bool:
         return False
     probe = os.path.join(directory, f".odirect-probe-{os.getpid()}")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        fd = create_exclusive(probe, os.O_DIRECT)
     except OSError:
+        _unlink_quietly(probe)  # some filesystems create the file, then refuse O_DIRECT
         return False
     try:
         os.write(fd, mmap.mmap(-1, ALIGN))
@@ -102,12 +114,16 @@ class NvmeTier(Tier):
         super().__init__(capacity_bytes)
         self.path = os.path.abspath(path)
         self.verify_on_recover = verify_on_recover
+        self.recovery_skipped_not_regular = 0
         try:
-            os.makedirs(self.path, exist_ok=True)
+            claim_private_dir(self.path, "nvme tier")
             probe = os.path.join(self.path, ".write-probe")
-            with open(probe, "wb") as f:
-                f.write(b"ok")
-                os.fsync(f.fileno())
+            fd = create_exclusive(probe)
+            try:
+                os.write(fd, b"ok")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.unlink(probe)
         except OSError as e:
             raise TierIOError(f"nvme tier: directory {self.path} is not writable: {e.strerror}") from e
@@ -166,12 +182,6 @@ class NvmeTier(Tier):
         except OSError as e:
             raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
 
-    def write_many(self, records: Sequence[BlockRecord], datas: Sequence) -> None:
-        """Write several reserved blocks with one directory fsync for the batch."""
-        for record, data in zip(records, datas):
-            self.write_unsynced(record, data)
-        self.sync()
-
     def _write_file(self, record: BlockRecord, data) -> None:
         """Header + payload in one pwritev. A page-aligned payload (CPU-arena slots, pooled server
         buffers) goes to disk straight from where it is; anything else is copied once into the
@@ -195,7 +205,7 @@ class NvmeTier(Tier):
             pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
         final = self.file_path(record.key)
         tmp = final + ".tmp"
-        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fd = create_exclusive(tmp, os.O_DIRECT if self.o_direct else 0)
         try:
             _pwritev_all(fd, pieces)
             os.fsync(fd)
@@ -218,9 +228,13 @@ class NvmeTier(Tier):
         stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
         path = self.file_path(key)
         try:
-            fd = self._open(path, os.O_RDONLY)
+            fd = self._open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             self._corrupt(key, "file vanished")
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            self._corrupt(key, "replaced by a symlink")
         try:
             if direct:
                 got = os.preadv(fd, [memoryview(stage)[:HEADER_BYTES], memoryview(dst[:n])], 0)
@@ -273,6 +287,10 @@ class NvmeTier(Tier):
                 continue
             try:
                 record = self._check_file(path)
+            except NotRegularFile as e:
+                self.recovery_skipped_not_regular += 1
+                log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, e.kind)
+                continue
             except (OSError, ValueError):
                 self.corrupt_dropped += 1
                 _unlink_quietly(path)
@@ -288,20 +306,25 @@ class NvmeTier(Tier):
             yield record
 
     def _check_file(self, path: str) -> BlockRecord:
-        with open(path, "rb", buffering=0) as f:
-            header = f.read(HEADER_BYTES)
-            record = decode_header(header)
-            size = os.fstat(f.fileno()).st_size
+        """The header of one candidate; ``NotRegularFile`` (never opened, or never waited on) for a
+        FIFO, symlink, socket, device or directory named like a block."""
+        fd = open_regular(path)
+        try:
+            record = decode_header(os.pread(fd, HEADER_BYTES, 0))
+            size = os.fstat(fd).st_size
             if size != HEADER_BYTES + _round_up(record.stored_size):
                 raise ValueError("size does not match header (torn write)")
             if self.verify_on_recover:
-                payload = f.read(record.stored_size)
+                payload = os.pread(fd, record.stored_size, HEADER_BYTES)
                 if xxhash.xxh3_64_intdigest(payload) != record.checksum:
                     raise ValueError("payload checksum mismatch")
+        finally:
+            os.close(fd)
         return record
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "blocks": len(self._files), "o_direct": int(self.o_direct)}
+        return {**super().stats(), "blocks": len(self._files), "o_direct": int(self.o_direct),
+                "recovery_skipped_not_regular": self.recovery_skipped_not_regular}
 
 
 def _page_aligned(a: np.ndarray) -> bool:

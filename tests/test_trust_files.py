@@ -1,0 +1,278 @@
+"""Planted files and loose permissions in the NVMe directory (issue 17, item 4).
+
+Threat: another local user or a stale process plants a symlink where the tier writes (a temp or
+probe file), a FIFO or a symlink where recovery reads (``*.kvb``), or reads cached KV bytes because
+the directory is loose. Each case runs against the real tier and, where it matters at start-up or
+on the write path, against a real ``kvstore serve`` daemon. Planted files are real symlinks and FIFOs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from daemon_util import start_daemon
+from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.errors import TierIOError
+from kvstore.tiers.base import BlockRecord
+from kvstore.tiers.nvme import SUFFIX, NvmeTier
+
+NS = b"T" * 16
+LAYOUT = KVLayout(model="test/trust-files", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                  block_tokens=16)
+VICTIM_BYTES = b"the victim's own bytes, which nothing may overwrite\n"
+NOBODY = 65534
+
+
+def _rec(i: int, size: int = 20_000) -> BlockRecord:
+    return BlockRecord(NS, i.to_bytes(16, "little"), None, size, size)
+
+
+def _payload(i: int, size: int = 20_000) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size=size, dtype=np.uint8)
+
+
+def _private_dir(path) -> str:
+    """A directory the daemon would accept (0700, ours): what a stale process could plant into."""
+    os.makedirs(path, mode=0o700)
+    os.chmod(path, 0o700)
+    return str(path)
+
+
+def _victim(tmp_path, name: str = "victim") -> str:
+    path = str(tmp_path / name)
+    with open(path, "wb") as f:
+        f.write(VICTIM_BYTES)
+    return path
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@contextlib.contextmanager
+def _umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _recover_within(tier: NvmeTier, fifo: str, seconds: float = 5.0) -> list[BlockRecord]:
+    """Run ``recover()`` with a deadline: a recovery that blocks on the FIFO fails the test (the
+    FIFO is then opened for writing so the stuck thread can finish)."""
+    found: list = []
+    t = threading.Thread(target=lambda: found.extend(tier.recover()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"recover() blocked for {seconds}s on the FIFO {fifo}")
+    return found
+
+
+def _block_file(directory: str, ns: bytes, h: bytes) -> str:
+    return os.path.join(directory, (ns + h).hex() + SUFFIX)
+
+
+def _blocks(n: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
+    hashes = ChainHasher(seed=seed).chain(np.arange(16 * n), 16)
+    rng = np.random.default_rng(seed)
+    return hashes, [rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+# -- permissions ----------------------------------------------------------------------------------
+
+def test_tier_creates_its_directory_0700_and_block_files_0600(tmp_path):
+    with _umask(0):  # even a process with no umask must not hand cached KV to other users
+        tier = NvmeTier(str(tmp_path / "parent" / "nvme"), 8 << 20)
+        r = _rec(1)
+        tier.allocate(r)
+        tier.write(r, _payload(1))
+    assert _mode(tier.path) == 0o700
+    assert _mode(tier.file_path(r.key)) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o755, 0o750, 0o1777])
+def test_tier_refuses_a_loose_directory_that_is_not_empty(tmp_path, mode):
+    d = tmp_path / "loose"
+    d.mkdir()
+    (d / "left-by-someone").write_bytes(b"x")
+    os.chmod(d, mode)
+    with pytest.raises(TierIOError) as e:
+        NvmeTier(str(d), 8 << 20)
+    msg = str(e.value)
+    assert str(d) in msg and f"mode {mode:04o}" in msg and "chmod 700" in msg, msg
+    assert ("may write" in msg) == bool(mode & 0o022), msg
+    assert _mode(str(d)) == mode  # refused without touching it
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o755, 0o1777])
+def test_tier_tightens_an_empty_loose_directory_it_owns(tmp_path, mode):
+    """A fresh mount point (tmpfs is 1777) or an empty directory made by hand: nothing can have
+    been planted or read yet, so the tier makes it 0700 and uses it."""
+    d = tmp_path / "empty"
+    d.mkdir()
+    os.chmod(d, mode)
+    tier = NvmeTier(str(d), 8 << 20)
+    assert _mode(tier.path) == 0o700
+
+
+def test_tier_refuses_a_directory_owned_by_another_user(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, NOBODY, NOBODY)
+    with pytest.raises(TierIOError) as e:
+        NvmeTier(str(d), 8 << 20)
+    msg = str(e.value)
+    assert str(d) in msg and f"uid {NOBODY}" in msg and "mode 0700" in msg, msg
+
+
+# -- planted symlinks on the write path ------------------------------------------------------------
+
+def test_tier_writes_never_follow_planted_symlinks(tmp_path):
+    d = _private_dir(tmp_path / "nvme")
+    victims = {name: _victim(tmp_path, f"victim-{i}") for i, name in
+               enumerate([".write-probe", f".odirect-probe-{os.getpid()}"])}
+    for name, victim in victims.items():
+        os.symlink(victim, os.path.join(d, name))
+    tier = NvmeTier(d, 8 << 20)
+    r = _rec(7)
+    tmp_victim = _victim(tmp_path, "victim-tmp")
+    os.symlink(tmp_victim, tier.file_path(r.key) + ".tmp")  # planted after start: recovery cannot clean it
+    tier.allocate(r)
+    tier.write(r, _payload(7))
+    for victim in [*victims.values(), tmp_victim]:
+        assert _read(victim) == VICTIM_BYTES, victim
+    out = np.empty(20_000, np.uint8)
+    assert tier.read_into(r.key, out) == 20_000 and np.array_equal(out, _payload(7))
+    assert not os.path.islink(tier.file_path(r.key)) and _mode(tier.file_path(r.key)) == 0o600
+
+
+def test_daemon_planted_temp_and_probe_symlinks_do_not_redirect_writes(tmp_path):
+    d_path = _private_dir(tmp_path / "nvme")
+    probe_victim = _victim(tmp_path, "probe-victim")
+    os.symlink(probe_victim, os.path.join(d_path, ".write-probe"))
+    d = start_daemon(tmp_path / "daemon", "--write-through", nvme_path=d_path, timeout=60)
+    try:
+        hashes, blocks = _blocks(3, seed=3)
+        with d.client(transport="grpc") as c:
+            ns = c.register_namespace(Namespace(LAYOUT, cache_salt="planted-tmp"))
+            tmp_victims = []
+            for i, h in enumerate(hashes):  # a stale process plants the temp names the daemon will use
+                tmp_victims.append(_victim(tmp_path, f"tmp-victim-{i}"))
+                os.symlink(tmp_victims[-1], _block_file(d_path, ns, h) + ".tmp")
+            assert c.put(ns, hashes, blocks) == ["persisted"] * 3
+            assert c.get(ns, hashes) == [b.tobytes() for b in blocks]
+        for victim in [probe_victim, *tmp_victims]:
+            assert _read(victim) == VICTIM_BYTES, victim
+        for h in hashes:
+            assert stat.S_ISREG(os.lstat(_block_file(d_path, ns, h)).st_mode)
+    finally:
+        d.stop()
+
+
+# -- planted FIFOs and symlinks on the recovery path -----------------------------------------------
+
+def test_tier_recovery_skips_and_counts_what_is_not_a_regular_file(tmp_path):
+    elsewhere = NvmeTier(str(tmp_path / "elsewhere"), 8 << 20)
+    r = _rec(5)
+    elsewhere.allocate(r)
+    elsewhere.write(r, _payload(5))
+    target = elsewhere.file_path(r.key)
+    d = _private_dir(tmp_path / "nvme")
+    fifo = os.path.join(d, "x" + SUFFIX)
+    os.mkfifo(fifo)
+    os.symlink(target, os.path.join(d, os.path.basename(target)))  # a valid block's own name
+    os.mkdir(os.path.join(d, "sub" + SUFFIX))
+    tier = NvmeTier(d, 8 << 20)
+    assert _recover_within(tier, fifo) == []
+    assert tier.stats()["recovery_skipped_not_regular"] == 3
+    assert tier.corrupt_dropped == 0 and tier.used_bytes == 0
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # skipped, not deleted: never ours
+    assert _read(target)[:8] == b"KVSBLK01"        # the link's target is untouched
+
+
+def test_daemon_starts_past_a_planted_fifo_and_counts_it(tmp_path):
+    d_path = _private_dir(tmp_path / "nvme")
+    fifo = os.path.join(d_path, "x" + SUFFIX)
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    try:
+        d = start_daemon(tmp_path / "daemon", nvme_path=d_path, timeout=20)
+    finally:  # today's recovery blocks in open(); let a stuck daemon go
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    try:
+        assert time.monotonic() - t0 < 20
+        with d.client(transport="grpc") as c:
+            assert c.stats()["tiers"]["nvme"]["recovery_skipped_not_regular"] == 1
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    finally:
+        d.stop()
+
+
+def test_daemon_does_not_follow_a_symlink_named_like_a_block(tmp_path):
+    """A symlink named exactly as a valid block file, pointing at a real block file of another
+    daemon's directory: not followed, not indexed, not served, counted."""
+    hashes, blocks = _blocks(1, seed=4)
+    a = start_daemon(tmp_path / "a", "--write-through", timeout=60)
+    try:
+        with a.client(transport="grpc") as c:
+            ns = c.register_namespace(Namespace(LAYOUT, cache_salt="planted-link"))
+            assert c.put(ns, hashes, blocks) == ["persisted"]
+    finally:
+        a.stop()
+    target = _block_file(a.nvme_path, ns, hashes[0])
+    before = _read(target)
+    d_path = _private_dir(tmp_path / "nvme")
+    os.symlink(target, _block_file(d_path, ns, hashes[0]))
+    b = start_daemon(tmp_path / "b", nvme_path=d_path, timeout=60)
+    try:
+        with b.client(transport="grpc") as c:
+            assert c.register_namespace(Namespace(LAYOUT, cache_salt="planted-link")) == ns
+            assert c.lookup(ns, hashes, lease=False).num_hit == 0
+            assert c.get(ns, hashes) == [None]
+            stats = c.stats()
+        assert stats["tiers"]["nvme"]["recovery_skipped_not_regular"] == 1
+        assert stats["tiers"]["nvme"]["blocks"] == 0
+        assert _read(target) == before
+    finally:
+        b.stop()
+
+
+# -- a real daemon refuses a loose or foreign directory --------------------------------------------
+
+@pytest.mark.parametrize("case", ["mode-0777", "owned-by-nobody"])
+def test_daemon_refuses_a_loose_or_foreign_directory_naming_path_and_mode(tmp_path, case):
+    d_path = tmp_path / "nvme"
+    d_path.mkdir()
+    (d_path / "namespaces.json").write_text("[]")  # a directory in use, not a fresh one
+    if case == "mode-0777":
+        os.chmod(d_path, 0o777)
+        want = "mode 0777"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        os.chmod(d_path, 0o700)
+        os.chown(d_path, NOBODY, NOBODY)
+        want = f"uid {NOBODY}"
+    with pytest.raises(RuntimeError) as e:
+        start_daemon(tmp_path / "daemon", nvme_path=str(d_path), timeout=60).stop()
+    msg = str(e.value)
+    assert "cannot start" in msg and "nvme tier" in msg and str(d_path) in msg and want in msg, msg
