@@ -13,7 +13,7 @@ import pytest
 from kvstore.errors import (BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull, TierIOError,
                             UnknownNamespace, WrongBlockSize)
 from kvstore.keys import ChainHasher, KVLayout, Namespace
-from kvstore.store import Store, StoreConfig
+from kvstore.store import Store, StoreConfig, StoreListener
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
@@ -501,3 +501,75 @@ def test_concurrent_puts_and_gets(harness):
         t.join()
     assert not errors, errors
     assert h.store.stats()["blocks"] == 4 * 6 * 5
+
+
+# -- the seams other layers use ----------------------------------------------------------------------
+
+class Recorder(StoreListener):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, bytes, list[bytes]]] = []
+
+    def blocks_added(self, namespace_id, block_hashes):
+        self.events.append(("added", namespace_id, block_hashes))
+
+    def blocks_removed(self, namespace_id, block_hashes):
+        self.events.append(("removed", namespace_id, block_hashes))
+
+
+def test_subscribe_returns_a_snapshot_then_events_until_unsubscribed(harness):
+    h = harness(path=None, cpu_blocks=8)
+    held = chain(3)
+    h.put(held)
+    listener = Recorder()
+    assert h.store.subscribe(listener) == {h.ns: held}
+    new = chain(1, start=500)
+    h.put(new)
+    h.store.delete(h.ns, held[:1])
+    assert listener.events == [("added", h.ns, new), ("removed", h.ns, held[:1])]
+    h.store.unsubscribe(listener)
+    h.put(chain(1, start=900))
+    assert len(listener.events) == 2
+
+
+def test_pinned_keeps_a_block_from_eviction_and_gives_none_for_a_missing_one(harness):
+    h = harness(path=None, cpu_blocks=2, eviction_policy="lru")
+    c = chain(2)
+    h.put(c)
+    with h.store.pinned(h.ns, b"missing-block-hash") as block:
+        assert block is None
+    with h.store.pinned(h.ns, c[0]) as block:
+        assert block.tier == "cpu" and block.record.raw_size == BLOCK and block.record.codec == 0
+        assert np.array_equal(np.concatenate(block.pieces()), data(c[0]))
+        h.put(chain(1, start=700))  # LRU would take c[0]; it is pinned, so c[1] goes
+        assert h.store.contains(h.ns, c) == [True, False]
+        out = np.empty(BLOCK, np.uint8)
+        assert block.read_into(out) == BLOCK and np.array_equal(out, data(c[0]))
+    h.put(chain(1, start=800))  # unpinned again (and the pin was no read): now it goes first
+    assert h.store.contains(h.ns, c[:1]) == [False]
+
+
+def test_pinned_block_on_nvme_is_read_into_a_buffer(harness):
+    h = harness(cpu_blocks=1, promote_on_hit=False)
+    c = chain(2)
+    h.put(c)
+    assert h.tier_of(c[0]) == "nvme"
+    with h.store.pinned(h.ns, c[0]) as block:
+        assert block.tier == "nvme" and block.pieces() is None
+        out = np.empty(BLOCK, np.uint8)
+        assert block.read_into(out) == BLOCK and np.array_equal(out, data(c[0]))
+
+
+def test_shared_arena_describes_the_cpu_segment(harness):
+    h = harness(cpu_blocks=4)
+    cpu = h.store.tiers[h.store.cpu_index]
+    arena = h.store.shared_arena()
+    st = os.stat(cpu.segment_path)
+    assert (arena.path, arena.nbytes, arena.capacity_bytes) == (cpu.segment_path, cpu.arena.nbytes, 4 * BLOCK)
+    assert (arena.st_dev, arena.st_ino) == (st.st_dev, st.st_ino)
+    c = chain(1)
+    h.put(c)
+    lease = h.store.prepare_load(h.ns, c)
+    assert np.array_equal(np.concatenate(arena.views(lease.extents[0])), data(c[0]))
+    h.store.complete_load(lease.id)
+    assert h.store.largest_block_bytes == 64 * NVME_FP
+    assert harness(cpu_blocks=0).store.shared_arena() is None

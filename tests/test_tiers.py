@@ -348,7 +348,6 @@ def test_gpu_tier_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _gpu_roundtrip("cuda")
-    assert GpuTier(64 * KIB, slot_bytes=64 * KIB, device="cuda").ipc_handle() is not None
 
 
 def test_cpu_arena_is_page_locked_with_cuda():

@@ -1,10 +1,13 @@
 """CPU tier: one pre-allocated shared-memory arena carved into fixed slots.
 
-The arena is a file in ``/dev/shm`` mapped once, so a same-host client can map the very same
-pages and copy blocks in and out without the bytes crossing a socket (see
-``kvstore.transport.shm``). Pages are touched once at start-up: first touch of fresh memory runs
-at about 1.5 GB/s here, a touched page at memcpy speed. When CUDA is present the segment is also
-page-locked (``cudaHostRegister``) so host<->device copies are DMA.
+The arena is a file in ``shm_dir`` (``/dev/shm`` by default) mapped once, so a same-host client
+can map the same file and copy blocks in and out without the bytes crossing a socket (see
+``kvstore.transport.shm``; the Store describes the segment through ``Store.shared_arena``). Pages
+are touched once at start-up: first touch of fresh memory runs at about 1.5 GB/s here, a touched
+page at memcpy speed. When a CUDA device is present the daemon also page-locks *its own* mapping
+(``cudaHostRegister``), so the daemon's copies between this arena and a GPU tier can run as DMA;
+the registration is per process, so a client that maps the segment gets ordinary pageable memory.
+Segments left by dead daemons are swept at start-up (``sweep_stale_segments``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import sys
 
 import numpy as np
 
+from kvstore.buffers import Extent, as_bytes, gather, scatter
 from kvstore.errors import TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.buffers import Extent, as_bytes, gather, scatter
 from kvstore.tiers.slots import SlotTable
 
 
@@ -123,7 +126,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _register_with_cuda(arena: np.ndarray) -> bool:
-    """Page-lock the arena when a CUDA device is present; a no-op on CPU-only hosts."""
+    """Page-lock this process's mapping of the arena when a CUDA device is present (host<->device
+    copies made here become DMA); a no-op on CPU-only hosts."""
     if "torch" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
         return False  # no NVIDIA driver: do not pay seconds of `import torch` at daemon start
     try:

@@ -1,15 +1,16 @@
 """GPU tier: a device pool carved into fixed slots, in device-agnostic torch.
 
-The same code runs with ``device="cpu"`` in CI and on ``cuda`` on a GPU host (the CUDA tests in
-``tests/test_gpu_tier.py`` skip without one). Sized 0 by default: HBM belongs to the engine
-unless an operator gives some to the cache. Same-host workers get CUDA IPC handles for the pool
-(``ipc_handle``) and copy device-to-device.
+The same code runs with ``device="cpu"`` in CI and on ``cuda`` on a GPU host (the tests are in
+``tests/test_tiers.py``; the CUDA one skips without a device). Sized 0 by default: HBM belongs to
+the engine unless an operator gives some to the cache. The pool lives in the daemon's process and
+is reached only through the Store like any other tier: blocks are copied in and out of it, never
+shared with workers.
 """
 
 from __future__ import annotations
 
-from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import as_bytes
+from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.slots import SlotTable
 
 
@@ -87,15 +88,8 @@ class GpuTier(Tier):
     def extents(self, key: bytes):
         return self.slots.lookup(key)[0]
 
-    def ipc_handle(self):
-        """CUDA IPC handle of the pool for same-host workers (None off CUDA)."""
-        if self.device.type != "cuda":
-            return None
-        return self.pool.untyped_storage()._share_cuda_()
-
     def drop(self, key: bytes) -> None:
         self.used_bytes -= self.slots.release(key)
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "blocks": len(self.slots)}
-

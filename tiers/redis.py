@@ -33,9 +33,10 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from kvstore.errors import BlockCorrupt, BlockTooLarge, InvalidArgument, TierFull, TierIOError
-from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import as_bytes
+from kvstore.errors import BlockCorrupt, BlockTooLarge, InvalidArgument, TierFull, TierIOError
+from kvstore.redis_connection import connect
+from kvstore.tiers.base import BlockRecord, Tier
 
 MAGIC = b"KVSR"
 VERSION = 1
@@ -63,7 +64,6 @@ class RedisTier(Tier):
         if not key_prefix or "{" in key_prefix or "}" in key_prefix:
             raise InvalidArgument("redis.key_prefix", "must be non-empty and contain no braces")
         if client is None:
-            from kvstore.fleet import connect
             client = connect(redis_url, socket_timeout_s)
         self.redis = client
         self.prefix = key_prefix

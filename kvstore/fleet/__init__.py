@@ -57,8 +57,8 @@ import xxhash
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import MAX_HASH_BYTES, ChainHasher, check_block_hash
+from kvstore.redis_connection import connect  # noqa: F401 - re-exported: kvstore.fleet.connect
 from kvstore.store import Lookup, Store, StoreListener
-from kvstore.tiers.cpu import CpuTier
 
 log = logging.getLogger("kvstore.fleet")
 
@@ -214,21 +214,6 @@ class NodeRoute:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def connect(redis_url: str, socket_timeout_s: float = 0.5):
-    """A redis-py client for ``redis://``/``rediss://``/``unix://`` or a cluster client for
-    ``redis+cluster://host:port``. Short timeouts: the directory is advice, never worth a stall."""
-    import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    kw = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-              retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1), health_check_interval=5)
-    if redis_url.startswith("redis+cluster://"):
-        from redis.cluster import RedisCluster
-        return RedisCluster.from_url("redis://" + redis_url[len("redis+cluster://"):], **kw)
-    return redis.Redis.from_url(redis_url, **kw)
 
 
 def pack_entry(checksum: int, tier: str) -> bytes:
@@ -556,14 +541,8 @@ class Fleet(StoreListener):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> "Fleet":
-        with self.store._lock:  # noqa: SLF001 - a consistent snapshot needs the store's own lock
-            self.store.listeners.append(self)
-            held: dict[bytes, list[bytes]] = collections.defaultdict(list)
-            for entry in self.store._index.values():  # noqa: SLF001
-                if entry.ready and not entry.doomed:
-                    held[entry.namespace_id].append(entry.block_hash)
-            for ns, hashes in held.items():
-                self._events.append((True, ns, hashes))
+        for ns, hashes in self.store.subscribe(self).items():
+            self._events.append((True, ns, hashes))  # events that race this are re-checked on drain
         self._thread = threading.Thread(target=self._run, name="kvstore-fleet", daemon=True)
         self._thread.start()
         self._wake.set()
@@ -571,9 +550,7 @@ class Fleet(StoreListener):
 
     def close(self, unpublish: bool = True) -> None:
         """Stop publishing; by default also withdraw this node's entries so peers stop routing here."""
-        with self.store._lock:  # noqa: SLF001
-            if self in self.store.listeners:
-                self.store.listeners.remove(self)
+        self.store.unsubscribe(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -656,36 +633,29 @@ class Fleet(StoreListener):
 
     def _describe(self, ns: bytes, h: bytes) -> bytes | None:
         """Checksum and tier of a block, read under a short pin; None if it is already gone."""
-        store = self.store
-        with store._lock:  # noqa: SLF001 - pin/unpin are the store's own primitives
-            entry = store._pin(ns, h)  # noqa: SLF001
-            if entry is None:
+        with self.store.pinned(ns, h) as block:
+            if block is None:
                 return None
-            t = entry.fastest
-            record = entry.copies[t]
-            tier = store.tiers[t]
-        try:
-            if record.checksum and record.codec == 0 and record.stored_size == record.raw_size:
-                checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
-            elif isinstance(tier, CpuTier):
-                x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin
-                for piece in tier.view(entry.key):
-                    x.update(piece)
-                checksum = x.intdigest()
-            else:
-                if self._scratch.nbytes < record.stored_size:
-                    self._scratch = np.empty(record.stored_size, dtype=np.uint8)
-                n = tier.read_into(entry.key, self._scratch)
-                checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
-            self.counters["checksummed"] += 1
-            return pack_entry(checksum, tier.name)
-        except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised
-            self.counters["describe_failures"] += 1
-            log.debug("fleet: cannot checksum block %s: %s", h.hex(), e)
-            return None
-        finally:
-            with store._lock:  # noqa: SLF001
-                store._unpin(entry)  # noqa: SLF001
+            record = block.record
+            try:
+                if record.checksum and record.codec == 0 and record.stored_size == record.raw_size:
+                    checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
+                elif (pieces := block.pieces()) is not None:
+                    x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin
+                    for piece in pieces:
+                        x.update(piece)
+                    checksum = x.intdigest()
+                else:
+                    if self._scratch.nbytes < record.stored_size:
+                        self._scratch = np.empty(record.stored_size, dtype=np.uint8)
+                    n = block.read_into(self._scratch)
+                    checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
+                self.counters["checksummed"] += 1
+                return pack_entry(checksum, block.tier)
+            except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised
+                self.counters["describe_failures"] += 1
+                log.debug("fleet: cannot checksum block %s: %s", h.hex(), e)
+                return None
 
     def _join(self, ns: bytes) -> int:
         slot = self.directory.join(ns, self.node_id, self.advertise_addr, self.ttl_s)

@@ -184,9 +184,9 @@ class Daemon:
         return flushed
 
     def ready_info(self) -> dict:
-        cpu = self.store.tiers[self.store.cpu_index] if self.store.cpu_index is not None else None
+        arena = self.store.shared_arena()
         return {"address": self.address, "port": self.port, "metrics_port": self.metrics_port,
-                "pid": os.getpid(), "arena_path": cpu.segment_path if cpu else None,
+                "pid": os.getpid(), "arena_path": arena.path if arena else None,
                 "tiers": [t.name for t in self.store.tiers]}
 
 

@@ -16,7 +16,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import secrets
 import threading
 import time
@@ -345,12 +344,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                     lease_seconds=self.store.config.lease_seconds,
                                     max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
                                     tenant=tenant)
-        cpu = self.store.tiers[self.store.cpu_index] if self.store.cpu_index is not None else None
-        if cpu is not None and self.offer_shm and request.nonce:
-            st = os.stat(cpu.segment_path)
-            resp.arena_path = cpu.segment_path
-            resp.arena_bytes = cpu.arena.nbytes
-            resp.arena_dev, resp.arena_ino = st.st_dev, st.st_ino
+        arena = self.store.shared_arena()
+        if arena is not None and self.offer_shm and request.nonce:
+            resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
+            resp.arena_path = arena.path
+            resp.arena_bytes = arena.nbytes
             resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
@@ -563,12 +561,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         (at most ``_PIN_WINDOW_BYTES`` or an eighth of the arena) under a store lease; if sending
         a block outlived the lease, its slots may have been reused meanwhile, so that raises
         LeaseExpired and the caller signals an error instead of vouching for those bytes."""
-        c = self.store.cpu_index
-        cpu = self.store.tiers[c] if c is not None else None
-        window = 1 if cpu is None else max(1, min(_PIN_WINDOW_BYTES, cpu.capacity_bytes // 8) // ns.block_bytes)
+        arena = self.store.shared_arena()
+        window = 1 if arena is None else max(1, min(_PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
         start = 0
         while start < len(hashes):
-            if cpu is None:  # no arena: copy through a pooled buffer
+            if arena is None:  # no arena: copy through a pooled buffer
                 buf = self._pool.get(ns.block_bytes)
                 n = self.store.get_into(ns.id, [hashes[start]], [buf])[0]
                 yield None if n is None else buf[:n]
@@ -578,7 +575,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             lease = self.store.prepare_load(ns.id, hashes[start:start + window])
             try:
                 for extents in lease.extents:
-                    views = [cpu.arena[off:off + length] for off, length in extents]
+                    views = arena.views(extents)
                     yield views[0] if len(views) == 1 else np.concatenate(views)
                     if time.monotonic() >= lease.expires:
                         raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
@@ -633,7 +630,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def BulkPut(self, request, context):
         session = self._session(request.session)
         # What the client committed to send: its own idea of the block size times the count.
-        if len(request.hashes) > MAX_BATCH or request.block_bytes > self.store.tiers[-1].capacity_bytes + (1 << 30):
+        if len(request.hashes) > MAX_BATCH or request.block_bytes > self.store.largest_block_bytes + (1 << 30):
             self.bulk.drop(bytes(request.session))  # cannot drain an absurd amount: cut the channel
             raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
                                   "request too large for the side channel")

@@ -1,0 +1,265 @@
+"""The tier cascade: placing, moving and dropping copies of blocks across the ordered tiers.
+
+Tiers are ordered fastest first (GPU, CPU, NVMe, Redis). A block may have a copy in several tiers
+(the NVMe copy stays when a block is promoted, so demoting it again is free); reads come from the
+fastest copy. When a tier is full its policy names a victim, which is *demoted* to the next tier
+(write-back) or dropped if it has no lower tier. With ``write_through`` a put also lands on the
+durable tier before it is acknowledged as persisted.
+
+One lock (``Cascade.lock``) guards the index, the policies and the accounting; every method here
+that changes them expects it held unless its docstring says otherwise. Payload copies to and from
+RAM run outside it, under a pin. Demotion to NVMe runs under the lock (simple and safe; it stalls
+other requests for the duration of one disk write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvstore.errors import BlockTooLarge, StoreFull, TierFull, TierIOError
+from kvstore.keys import block_key
+from kvstore.store.config import StoreConfig
+from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.listeners import Listeners
+from kvstore.store.namespaces import NamespaceRegistry
+from kvstore.store.policy import make_policy
+from kvstore.store.transcoding import Transcoder
+from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.cpu import CpuTier
+
+#: what a failed copy into a tier raises when the failure is only "it did not fit / did not write"
+PLACEMENT_ERRORS = (TierFull, TierIOError, BlockTooLarge)
+
+
+class Cascade:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig, namespaces: NamespaceRegistry,
+                 clock: Callable[[], float]) -> None:
+        self.tiers = list(tiers)
+        self.config = config
+        self.namespaces = namespaces
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.index = BlockIndex([make_policy(config.eviction_policy) for _ in self.tiers])
+        self.counters: dict[str, int] = defaultdict(int)
+        self.listeners = Listeners()
+        self.transcoder = Transcoder(self.tiers, config, namespaces, self.counters)
+        self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
+        self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
+        self._scratch = threading.local()
+
+    # -- pins ------------------------------------------------------------------------------------
+
+    def pin(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
+        """Hold a visible block in place (no eviction, freed only on the last unpin); None if absent."""
+        entry = self.index.visible(namespace_id, block_hash)
+        if entry is not None:
+            entry.pins += 1
+        return entry
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.doomed:
+            self.drop_entry(entry)
+
+    def unpin_keys(self, keys: Sequence[bytes]) -> None:
+        """Unpin blocks by key (takes the lock itself)."""
+        with self.lock:
+            for key in keys:
+                entry = self.index.entries.get(key)
+                if entry is not None and entry.pins > 0:
+                    self.unpin(entry)
+
+    def _is_pinned(self, key: bytes) -> bool:
+        e = self.index.entries.get(key)
+        return e is not None and (e.pins > 0 or not e.ready or e.pinned_until > self.clock())
+
+    # -- writing a new block ---------------------------------------------------------------------
+
+    def reserve(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int,
+                t: int, only_this_tier: bool = False) -> Entry | None:
+        """Allocate an invisible entry with room in tier ``t`` or, when it cannot make room, the
+        next tier down (None if the block exists or is being written). Takes the lock itself."""
+        key = block_key(namespace_id, h)
+        with self.lock:
+            if key in self.index.entries:  # present, or being written by someone else
+                return None
+            record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
+            entry = Entry(namespace_id, h, parent, nbytes)
+            while True:
+                try:
+                    self.make_room(t, nbytes)
+                    self.tiers[t].allocate(record)
+                    break
+                except (TierFull, BlockTooLarge) as e:
+                    if t + 1 < len(self.tiers) and not only_this_tier:
+                        t += 1
+                        continue
+                    self.counters["put_rejected_full"] += 1
+                    raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
+            entry.copies[t] = record
+            self.index.entries[key] = entry
+            return entry
+
+    def publish(self, entry: Entry, data) -> bool:
+        """Make a written entry visible; write through to the durable tier if configured. Returns
+        whether it has a durable copy, which the caller reports as "persisted" after
+        ``sync_durable``. Takes the lock itself."""
+        with self.lock:
+            t = entry.fastest
+            self.index.track_copy(entry, t)
+            entry.ready = True
+            self.index.link(entry)
+            self.listeners.added(entry.namespace_id, entry.block_hash)
+            self.index.namespace_bytes[entry.namespace_id] += entry.raw_size
+            self.counters["puts"] += 1
+            self.counters["bytes_in"] += entry.raw_size
+            d = self.durable_index
+            if d is not None and d in entry.copies:
+                return True
+            if d is not None and self.config.write_through:
+                try:
+                    self.store_copy(entry, d, data, entry.copies[t], sync=False)
+                    return True
+                except PLACEMENT_ERRORS:
+                    self.counters["write_through_failures"] += 1
+        return False
+
+    def sync_durable(self) -> bool:
+        """One directory sync for a batch of durable writes; False (counted) if it failed."""
+        try:
+            self.tiers[self.durable_index].sync()  # type: ignore[index]
+            return True
+        except TierIOError:
+            self.counters["sync_failures"] += 1
+            return False
+
+    # -- making room -----------------------------------------------------------------------------
+
+    def make_room(self, t: int, nbytes: int) -> None:
+        """Evict from tier ``t`` until ``nbytes`` more fit."""
+        tier = self.tiers[t]
+        need = tier.footprint(nbytes)
+        while tier.free_bytes < need:
+            victim = self.index.policies[t].pick_victim(self._is_pinned)
+            if victim is None:
+                raise TierFull(f"{tier.name} tier is full and every block in it is pinned")
+            self._evict_copy(t, victim)
+
+    def _evict_copy(self, t: int, key: bytes) -> None:
+        entry = self.index.entries[key]
+        lower = [i for i in entry.copies if i > t]
+        if not lower and t + 1 < len(self.tiers):
+            try:
+                self._demote(entry, t, t + 1)
+                self.counters["demotions"] += 1
+            except PLACEMENT_ERRORS:
+                self.counters["demotion_failures"] += 1
+        self.drop_copy(entry, t)
+        if not entry.copies:
+            self.counters["evictions"] += 1
+
+    def _demote(self, entry: Entry, src: int, dst: int) -> None:
+        record = entry.copies[src]
+        self.make_room(dst, record.stored_size)  # first: making room may reuse the scratch buffer
+        data = self.read_copy(entry, src)
+        # a demoted block was never acknowledged as persisted: its directory entry may wait for
+        # the next sync (a crash before then loses it, a miss; it is never torn)
+        self.store_copy(entry, dst, data, record, sync=False)
+
+    def promote(self, entry: Entry, t: int, data: np.ndarray) -> None:
+        """Copy a block just read from tier ``t`` (``data``: its raw bytes) into a faster tier."""
+        target = self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
+        if target in entry.copies:
+            return
+        raw = dataclasses.replace(entry.copies[t], codec=0, stored_size=entry.raw_size, checksum=0)
+        try:
+            self.store_copy(entry, target, data, raw)
+            self.counters["promotions"] += 1
+        except PLACEMENT_ERRORS:
+            self.counters["promotion_failures"] += 1
+
+    # -- copies ----------------------------------------------------------------------------------
+
+    def read_copy(self, entry: Entry, t: int) -> np.ndarray:
+        """The bytes of one copy, zero-copy when the tier can give a single view. May return the
+        thread's scratch buffer: make room in the destination *before* calling this, since making
+        room can demote another block through the same scratch buffer."""
+        tier = self.tiers[t]
+        record = entry.copies[t]
+        if isinstance(tier, CpuTier):
+            views = tier.view(entry.key)
+            if len(views) == 1:
+                return views[0]
+        out = self._scratch_buffer(record.stored_size)
+        tier.read_into(entry.key, out)
+        return out
+
+    def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True) -> None:
+        """Place a copy of ``data`` in tier ``t``, evicting there first. ``sync=False`` leaves a
+        durable tier's directory entry to the caller's ``sync()``."""
+        record, data = self.transcoder.transcode(entry, t, like, data)
+        self.make_room(t, record.stored_size)
+        self.tiers[t].allocate(record)
+        try:
+            if sync:
+                self.tiers[t].write(record, data)
+            else:
+                self.tiers[t].write_unsynced(record, data)
+        except Exception:
+            self.tiers[t].drop(record.key)
+            raise
+        entry.copies[t] = record
+        self.index.track_copy(entry, t)
+        self.index.copies_changed(entry)
+
+    def drop_copy(self, entry: Entry, t: int) -> None:
+        self.tiers[t].drop(entry.key)
+        self.index.policies[t].remove(entry.key)
+        del entry.copies[t]
+        if entry.copies:
+            self.index.copies_changed(entry)
+        else:
+            self._forget(entry)
+
+    def discard_corrupt_copy(self, entry: Entry, t: int) -> None:
+        """Forget a copy that failed its checksum or decode (a miss, counted)."""
+        self.tiers[t].drop(entry.key)  # a durable tier drops corrupt copies itself; codecs do not
+        self.counters["corrupt_dropped"] += 1
+        self.index.policies[t].remove(entry.key)
+        entry.copies.pop(t, None)
+        if entry.copies:
+            self.index.copies_changed(entry)
+        else:
+            self._forget(entry)
+
+    def drop_entry(self, entry: Entry) -> None:
+        for t in list(entry.copies):
+            self.drop_copy(entry, t)
+        self._forget(entry)
+
+    def _forget(self, entry: Entry) -> None:
+        index = self.index
+        if index.entries.get(entry.key) is entry:
+            index.unlink(entry)
+            del index.entries[entry.key]
+            if entry.ready or entry.doomed:  # only blocks that were announced as added
+                self.listeners.removed(entry.namespace_id, entry.block_hash)
+            if entry.ready:
+                index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+            index.copies_changed(entry)  # its children just lost their prefix
+
+    def _scratch_buffer(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            # page-aligned and touched once, so the NVMe tier can read into it with O_DIRECT
+            buf = np.frombuffer(mmap.mmap(-1, -(-max(nbytes, 1 << 20) // mmap.PAGESIZE) * mmap.PAGESIZE),
+                                dtype=np.uint8)
+            buf[::mmap.PAGESIZE] = 0
+            self._scratch.buf = buf
+        return buf[:nbytes]

@@ -1,0 +1,127 @@
+"""The block index: one Entry per block, the prefix-chain links between entries, and what each
+tier's eviction policy is told about those links.
+
+The prefix-aware policy wants to know, per tier, how many of a block's children sit in that tier
+or a faster one, and whether its parent is missing there (a broken prefix). Both change whenever
+a block gains or loses a copy or a child; every such change goes through this module so the
+policies never see a stale chain. Callers hold the store lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from kvstore.keys import block_key
+from kvstore.store.policy import EvictionPolicy
+from kvstore.tiers.base import BlockRecord
+
+
+@dataclasses.dataclass
+class Entry:
+    """The index's view of one block: where its copies are and who holds it."""
+
+    namespace_id: bytes
+    block_hash: bytes
+    parent_hash: bytes | None
+    raw_size: int
+    copies: dict[int, BlockRecord] = dataclasses.field(default_factory=dict)  # tier index -> record
+    ready: bool = False          # visible to lookups and gets
+    pins: int = 0                # explicit pins (in-flight reads, leases)
+    pinned_until: float = 0.0    # lookup lease
+    doomed: bool = False         # deleted while pinned: freed on last unpin
+    children: set[bytes] = dataclasses.field(default_factory=set)  # keys of visible children
+    linked: bool = False         # listed in its parent's ``children``
+
+    @property
+    def key(self) -> bytes:
+        return block_key(self.namespace_id, self.block_hash)
+
+    @property
+    def fastest(self) -> int:
+        return min(self.copies)
+
+    @property
+    def visible(self) -> bool:
+        """Served to lookups and gets: written, and not deleted."""
+        return self.ready and not self.doomed
+
+
+class BlockIndex:
+    """Entries by key, the bytes of visible blocks per namespace, and one policy per tier."""
+
+    def __init__(self, policies: list[EvictionPolicy]) -> None:
+        self.entries: dict[bytes, Entry] = {}
+        self.policies = policies
+        self.namespace_bytes: dict[bytes, int] = defaultdict(int)
+
+    def find(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
+        return self.entries.get(block_key(namespace_id, block_hash))
+
+    def visible(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
+        entry = self.find(namespace_id, block_hash)
+        return entry if entry is not None and entry.visible else None
+
+    def held_blocks(self) -> dict[bytes, list[bytes]]:
+        """Every visible block's hash, by namespace."""
+        held: dict[bytes, list[bytes]] = defaultdict(list)
+        for entry in self.entries.values():
+            if entry.visible:
+                held[entry.namespace_id].append(entry.block_hash)
+        return dict(held)
+
+    # -- chain links -----------------------------------------------------------------------------
+
+    def parent(self, entry: Entry) -> Entry | None:
+        if entry.parent_hash is None:
+            return None
+        return self.entries.get(block_key(entry.namespace_id, entry.parent_hash))
+
+    def link(self, entry: Entry) -> None:
+        """List a newly visible block in its parent (a parent with children is not a leaf)."""
+        parent = self.parent(entry)
+        if parent is not None and not entry.linked:
+            entry.linked = True
+            parent.children.add(entry.key)
+            self.refresh_policies(parent)
+
+    def unlink(self, entry: Entry) -> None:
+        parent = self.parent(entry)
+        if entry.linked and parent is not None:
+            parent.children.discard(entry.key)
+            self.refresh_policies(parent)
+        entry.linked = False
+
+    # -- what the policies see -------------------------------------------------------------------
+
+    def chain_state(self, entry: Entry, t: int) -> tuple[int, bool]:
+        """What the prefix-aware policy of tier ``t`` needs: how many children have a copy in tier
+        ``t`` or faster, and whether the parent has none there (the prefix is broken in ``t``)."""
+        kids = 0
+        for child_key in entry.children:
+            child = self.entries.get(child_key)
+            if child is not None and child.copies and child.fastest <= t:
+                kids += 1
+        if entry.parent_hash is None:
+            return kids, False
+        parent = self.parent(entry)
+        return kids, parent is None or not parent.copies or parent.fastest > t
+
+    def track_copy(self, entry: Entry, t: int) -> None:
+        """Tell tier ``t``'s policy about the copy ``entry`` now has there."""
+        self.policies[t].insert(entry.key, *self.chain_state(entry, t))
+
+    def refresh_policies(self, entry: Entry) -> None:
+        for t in entry.copies:
+            self.policies[t].update(entry.key, *self.chain_state(entry, t))
+
+    def copies_changed(self, entry: Entry) -> None:
+        """``entry`` gained or lost a copy: its parent's children and its children's prefix, as
+        each tier sees them, may have changed."""
+        parent = self.parent(entry)
+        if parent is not None and entry.linked:
+            self.refresh_policies(parent)
+        for child_key in entry.children:
+            child = self.entries.get(child_key)
+            if child is not None:
+                self.refresh_policies(child)

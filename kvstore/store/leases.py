@@ -1,0 +1,184 @@
+"""Leases: the two-phase operations through which same-host clients read and write the CPU arena.
+
+* ``prepare_store`` reserves slots in the CPU arena and returns where to write; the block is
+  invisible until ``complete_store`` makes it visible (or ``abort_store`` / lease expiry frees it).
+* ``prepare_load`` makes sure the blocks have a raw CPU copy and pins them under a lease; the
+  client copies out of the arena and calls ``complete_load``.
+
+A lease that is never completed expires (``expire``), so a crashed client cannot leak pins or
+slots. Lease ids are never reused within one store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.buffers import Extent
+from kvstore.errors import BlockCorrupt, InvalidArgument, LeaseExpired
+from kvstore.keys import block_key
+from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.tiers.cpu import CpuTier
+
+
+@dataclasses.dataclass
+class Lease:
+    """A two-phase operation in flight: pinned (load) or reserved (store) blocks."""
+
+    id: int
+    kind: str                     # "load" | "store"
+    keys: list[bytes]
+    expires: float
+    extents: list[list[Extent] | None]
+
+
+class Leases:
+    """The open leases of one store and the two-phase operations that open and close them."""
+
+    def __init__(self, cascade: Cascade) -> None:
+        self._cascade = cascade
+        self._open: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def _cpu_tier(self) -> tuple[int, CpuTier]:
+        c = self._cascade.cpu_index
+        if c is None:
+            raise InvalidArgument("transport", "this daemon has no CPU tier to share")
+        return c, self._cascade.tiers[c]  # type: ignore[return-value]
+
+    # -- two-phase store (zero-copy writers) -----------------------------------------------------
+
+    def prepare_store(self, namespace_id: bytes, hashes: Sequence[bytes],
+                      parent: bytes | None = None) -> Lease:
+        """Reserve CPU-arena slots for the blocks not yet stored; ``extents[i]`` is None for those
+        already present. The writer fills the slots, then calls ``complete_store``."""
+        ns = self._cascade.namespaces.check_batch(namespace_id, hashes)
+        c, cpu = self._cpu_tier()
+        keys, extents = [], []
+        parents = [parent] + list(hashes[:-1])
+        try:
+            for h, p in zip(hashes, parents):
+                entry = self._cascade.reserve(namespace_id, h, p, ns.block_bytes, c, only_this_tier=True)
+                if entry is None:
+                    keys.append(block_key(namespace_id, h))
+                    extents.append(None)
+                    continue
+                keys.append(entry.key)
+                extents.append(cpu.extents(entry.key))
+        except Exception:
+            self._release_reservations([k for k, x in zip(keys, extents) if x is not None])
+            raise
+        return self._new("store", keys, extents)
+
+    def complete_store(self, lease_id: int) -> list[str]:
+        lease = self._take(lease_id, "store")
+        cascade = self._cascade
+        results = []
+        on_durable = []
+        for key, ext in zip(lease.keys, lease.extents):
+            entry = cascade.index.entries.get(key) if ext is not None else None
+            if entry is None or entry.ready:
+                results.append("exists")
+                continue
+            data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
+            payload = data[0] if len(data) == 1 else np.concatenate(data)
+            results.append("stored")
+            if cascade.publish(entry, payload):
+                on_durable.append(len(results) - 1)
+        if on_durable and cascade.sync_durable():
+            for i in on_durable:
+                results[i] = "persisted"
+        return results
+
+    def abort_store(self, lease_id: int) -> None:
+        lease = self._take(lease_id, "store")
+        self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+
+    def _release_reservations(self, keys: Sequence[bytes]) -> None:
+        with self._cascade.lock:
+            for key in keys:
+                entry = self._cascade.index.entries.get(key)
+                if entry is not None and not entry.ready:
+                    self._cascade.drop_entry(entry)
+
+    # -- two-phase load (zero-copy readers) ------------------------------------------------------
+
+    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Lease:
+        """Pin the leading present blocks with a raw CPU copy each (promoting from NVMe if needed)
+        and return their arena extents; stops at the first block it cannot stage that way (absent,
+        no room, or encoded by a CPU-tier codec)."""
+        cascade = self._cascade
+        cascade.namespaces.check_batch(namespace_id, hashes)
+        c, cpu = self._cpu_tier()
+        keys, extents = [], []
+        for h in hashes:
+            with cascade.lock:
+                entry = cascade.pin(namespace_id, h)
+                if entry is None:
+                    cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
+                    break
+                if c not in entry.copies:
+                    try:
+                        src = entry.fastest
+                        cascade.make_room(c, entry.copies[src].stored_size)  # before filling scratch
+                        data = cascade.read_copy(entry, src)
+                        cascade.store_copy(entry, c, data, entry.copies[src])
+                    except BlockCorrupt:
+                        cascade.discard_corrupt_copy(entry, src)
+                        cascade.unpin(entry)
+                        break
+                    except PLACEMENT_ERRORS:
+                        cascade.unpin(entry)
+                        break
+                if entry.copies[c].codec != 0:
+                    # an encoded arena copy (a CPU codec) is not the block's bytes: readers of the
+                    # arena must not see it; the server reads such blocks through get_into instead
+                    cascade.unpin(entry)
+                    break
+                cascade.index.policies[c].touch(entry.key)
+                cascade.counters["hits_cpu"] += 1
+                keys.append(entry.key)
+                extents.append(cpu.extents(entry.key))
+        return self._new("load", keys, extents)
+
+    def complete_load(self, lease_id: int) -> None:
+        lease = self._take(lease_id, "load")
+        self._cascade.unpin_keys(lease.keys)
+
+    # -- the lease table -------------------------------------------------------------------------
+
+    def _new(self, kind: str, keys: list[bytes], extents) -> Lease:
+        with self._cascade.lock:
+            lease = Lease(next(self._ids), kind, keys, self._cascade.clock() + self._cascade.config.lease_seconds,
+                          extents)
+            self._open[lease.id] = lease
+        return lease
+
+    def _take(self, lease_id: int, kind: str) -> Lease:
+        with self._cascade.lock:
+            lease = self._open.pop(lease_id, None)
+        if lease is None or lease.kind != kind:
+            raise LeaseExpired(f"lease_id: {kind} lease {lease_id} is unknown or expired")
+        return lease
+
+    def expire(self, now: float | None = None) -> int:
+        """Release leases whose holder never came back (a crashed client). Returns how many."""
+        cascade = self._cascade
+        now = cascade.clock() if now is None else now
+        with cascade.lock:
+            dead = [lease for lease in self._open.values() if lease.expires <= now]
+            for lease in dead:
+                del self._open[lease.id]
+        for lease in dead:
+            if lease.kind == "load":
+                cascade.unpin_keys(lease.keys)
+            else:
+                self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+        cascade.counters["leases_expired"] += len(dead)
+        return len(dead)

@@ -1,0 +1,303 @@
+"""The Store: put / get / lookup / delete over the tier cascade, and the seams other layers use.
+
+Everything a caller may need from the store's state goes through a public method here: listener
+registration with a snapshot (``subscribe``), a pinned view of one block (``pinned``), the shared
+arena's description (``shared_arena``) and the size bound of a block (``largest_block_bytes``).
+``lookup`` pins what it reports for ``lease_seconds``, so the get that follows never races an
+eviction; two-phase zero-copy operations are delegated to ``leases.Leases``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvstore.buffers import as_bytes
+from kvstore.errors import BlockCorrupt, BlockTooLarge, CodecError, InvalidArgument, TierIOError, WrongBlockSize
+from kvstore.keys import Namespace
+from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.store.config import StoreConfig
+from kvstore.store.leases import Lease, Leases
+from kvstore.store.listeners import StoreListener
+from kvstore.store.namespaces import NamespaceRegistry
+from kvstore.store.recovery import recover
+from kvstore.store.views import PinnedBlock, SharedArena
+from kvstore.tiers.base import Tier
+from kvstore.wire import Lookup
+
+
+class Store:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` measures leases; the sizing planner passes trace time."""
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.config = config or StoreConfig()
+        durable = next((t for t in tiers if t.durable), None)
+        self._namespaces = NamespaceRegistry(getattr(durable, "path") if durable is not None else None)
+        self._cascade = Cascade(tiers, self.config, self._namespaces, clock)
+        self._leases = Leases(self._cascade)
+        self._lock = self._cascade.lock
+        self._index = self._cascade.index.entries
+        self.tiers = self._cascade.tiers
+        self.policies = self._cascade.index.policies
+        self.counters = self._cascade.counters
+        self.durable_index = self._cascade.durable_index
+        self.cpu_index = self._cascade.cpu_index
+        recover(self._cascade)
+
+    # -- namespaces ------------------------------------------------------------------------------
+
+    def register_namespace(self, ns: Namespace) -> bytes:
+        """Idempotent: the id is a digest of the namespace, so equal layouts get equal ids."""
+        biggest = self.largest_block_bytes
+        if ns.block_bytes > biggest:
+            raise BlockTooLarge(f"layout.block_bytes: {ns.block_bytes}-byte blocks exceed every tier "
+                                f"(largest {biggest} bytes)")
+        with self._lock:
+            try:
+                self._namespaces.add(ns)
+            except TierIOError:
+                self.counters["namespace_persist_errors"] += 1
+                raise
+        return ns.id
+
+    def namespace(self, namespace_id: bytes) -> Namespace:
+        return self._namespaces.get(namespace_id)
+
+    def namespaces(self) -> list[Namespace]:
+        return self._namespaces.all()
+
+    def namespace_bytes(self, namespace_id: bytes) -> int:
+        return self._cascade.index.namespace_bytes.get(namespace_id, 0)
+
+    # -- seams -----------------------------------------------------------------------------------
+
+    @property
+    def largest_block_bytes(self) -> int:
+        """No block larger than this fits anywhere: the capacity of the biggest tier."""
+        return max(t.capacity_bytes for t in self.tiers)
+
+    def subscribe(self, listener: StoreListener) -> dict[bytes, list[bytes]]:
+        """Register ``listener`` and return the blocks it was not told about: every visible block's
+        hash, by namespace. Atomic with the registration, so no block is missed; an event that
+        follows may still reach the listener before the caller has handled the snapshot."""
+        with self._lock:
+            self._cascade.listeners.add(listener)
+            return self._cascade.index.held_blocks()
+
+    def unsubscribe(self, listener: StoreListener) -> None:
+        with self._lock:
+            self._cascade.listeners.remove(listener)
+
+    @contextlib.contextmanager
+    def pinned(self, namespace_id: bytes, block_hash: bytes) -> Iterator[PinnedBlock | None]:
+        """Hold one block's fastest copy in place for the ``with`` body (None: absent). Not a read:
+        no hit or miss is counted, the block is not promoted, its recency is unchanged."""
+        with self._lock:
+            entry = self._cascade.pin(namespace_id, block_hash)
+            block = None if entry is None else PinnedBlock(entry.copies[entry.fastest],
+                                                           self.tiers[entry.fastest])
+        try:
+            yield block
+        finally:
+            if entry is not None:
+                with self._lock:
+                    self._cascade.unpin(entry)
+
+    def shared_arena(self) -> SharedArena | None:
+        """The CPU tier's segment that same-host clients map, or None without a CPU tier."""
+        if self.cpu_index is None:
+            return None
+        return SharedArena(self.tiers[self.cpu_index])  # type: ignore[arg-type]
+
+    # -- put -------------------------------------------------------------------------------------
+
+    def put(self, namespace_id: bytes, hashes: Sequence[bytes], payloads: Sequence,
+            parent: bytes | None = None) -> list[str]:
+        """Store a chain of blocks (``payloads[i]``'s parent is ``hashes[i-1]``, the first's is
+        ``parent``). Returns per block ``"stored"``, ``"exists"`` or ``"persisted"`` (stored and on
+        the durable tier). Raises ``StoreFull`` if a block fits nowhere; blocks before it stay."""
+        ns = self._namespaces.check_batch(namespace_id, hashes)
+        if len(payloads) != len(hashes):
+            raise InvalidArgument("blocks", f"{len(payloads)} payloads for {len(hashes)} hashes")
+        arrays = [as_bytes(p) for p in payloads]
+        for i, a in enumerate(arrays):
+            if a.nbytes != ns.block_bytes:
+                raise WrongBlockSize(ns.block_bytes, a.nbytes, i)
+        cascade = self._cascade
+        results: list[str] = []
+        on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
+        parents = [parent] + list(hashes[:-1])
+        try:
+            for h, p, data in zip(hashes, parents, arrays):
+                entry = cascade.reserve(namespace_id, h, p, ns.block_bytes, 0)
+                if entry is None:
+                    results.append("exists")
+                    continue
+                t = entry.fastest
+                try:
+                    self.tiers[t].write_unsynced(entry.copies[t], data)
+                except Exception:
+                    with self._lock:
+                        cascade.drop_entry(entry)
+                    raise
+                results.append("stored")
+                if cascade.publish(entry, data):
+                    on_durable.append(len(results) - 1)
+        finally:
+            # blocks written before a failure stay; one directory sync covers the whole batch
+            if on_durable and cascade.sync_durable():
+                for i in on_durable:
+                    results[i] = "persisted"
+        return results
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
+        """How many leading blocks of the chain are present, and in which tier; pins them."""
+        self._namespaces.check_batch(namespace_id, hashes)
+        tiers = []
+        until = self._cascade.clock() + self.config.lease_seconds
+        with self._lock:
+            for h in hashes:
+                entry = self._cascade.index.visible(namespace_id, h)
+                if entry is None:
+                    break
+                if lease:
+                    entry.pinned_until = max(entry.pinned_until, until)
+                tiers.append(self.tiers[entry.fastest].name)
+            self.counters["lookups"] += 1
+        return Lookup(len(tiers), tiers)
+
+    def contains(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        self._namespaces.check_batch(namespace_id, hashes)
+        with self._lock:
+            return [self._cascade.index.visible(namespace_id, h) is not None for h in hashes]
+
+    def get_into(self, namespace_id: bytes, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Copy each block into ``outs[i]``; returns its size, or None for a miss (absent or
+        corrupt: a corrupt copy is dropped, counted, and another copy tried)."""
+        ns = self._namespaces.check_batch(namespace_id, hashes)
+        if len(outs) != len(hashes):
+            raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
+        sizes: list[int | None] = []
+        for h, out in zip(hashes, outs):
+            dst = as_bytes(out)
+            if dst.nbytes < ns.block_bytes:
+                raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
+            sizes.append(self._get_one(namespace_id, h, dst))
+        return sizes
+
+    def _get_one(self, namespace_id: bytes, h: bytes, dst: np.ndarray) -> int | None:
+        cascade = self._cascade
+        while True:
+            with self._lock:
+                entry = cascade.pin(namespace_id, h)
+                if entry is None:
+                    self.counters["misses"] += 1
+                    return None
+                t = entry.fastest
+            record = entry.copies[t]
+            try:
+                n = self.tiers[t].read_into(entry.key, dst)
+                if record.codec != 0:
+                    n = cascade.transcoder.decode(entry, record, dst[:n].copy(), out=dst).nbytes
+            except (BlockCorrupt, CodecError):
+                with self._lock:
+                    cascade.discard_corrupt_copy(entry, t)
+                    cascade.unpin(entry)
+                continue  # try the next copy, or report a miss
+            with self._lock:
+                self.counters[f"hits_{self.tiers[t].name}"] += 1
+                self.counters["bytes_out"] += n
+                self.policies[t].touch(entry.key)
+                if t > 0 and self.config.promote_on_hit and not entry.doomed:
+                    cascade.promote(entry, t, dst[:n])
+                cascade.unpin(entry)
+            return n
+
+    def get(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bytes | None]:
+        ns = self.namespace(namespace_id)
+        outs = [np.empty(ns.block_bytes, dtype=np.uint8) for _ in hashes]
+        sizes = self.get_into(namespace_id, hashes, outs)
+        return [None if n is None else o[:n].tobytes() for o, n in zip(outs, sizes)]
+
+    # -- two-phase operations (see leases.py) ----------------------------------------------------
+
+    def prepare_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
+        return self._leases.prepare_store(namespace_id, hashes, parent)
+
+    def complete_store(self, lease_id: int) -> list[str]:
+        return self._leases.complete_store(lease_id)
+
+    def abort_store(self, lease_id: int) -> None:
+        self._leases.abort_store(lease_id)
+
+    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Lease:
+        return self._leases.prepare_load(namespace_id, hashes)
+
+    def complete_load(self, lease_id: int) -> None:
+        self._leases.complete_load(lease_id)
+
+    def expire_leases(self, now: float | None = None) -> int:
+        return self._leases.expire(now)
+
+    # -- delete, flush, stats --------------------------------------------------------------------
+
+    def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
+        self._namespaces.check_batch(namespace_id, hashes)
+        index = self._cascade.index
+        n = 0
+        with self._lock:
+            for h in hashes:
+                entry = index.visible(namespace_id, h)
+                if entry is None:
+                    continue
+                n += 1
+                if entry.pins:
+                    entry.doomed = True
+                    index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+                    entry.ready = False
+                else:
+                    self._cascade.drop_entry(entry)
+        return n
+
+    def flush(self) -> int:
+        """Write every block that has no durable copy to the durable tier (write-back drain)."""
+        d = self.durable_index
+        if d is None:
+            return 0
+        cascade = self._cascade
+        written = 0
+        with self._lock:
+            for entry in list(self._index.values()):
+                if not entry.ready or d in entry.copies:
+                    continue
+                src = entry.fastest
+                try:
+                    cascade.make_room(d, entry.copies[src].stored_size)  # before filling scratch
+                    cascade.store_copy(entry, d, cascade.read_copy(entry, src), entry.copies[src], sync=False)
+                    written += 1
+                except PLACEMENT_ERRORS:
+                    self.counters["flush_failures"] += 1
+        self.tiers[d].sync()  # also covers blocks demoted earlier without a sync
+        return written
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "blocks": sum(1 for e in self._index.values() if e.ready),
+                "leases": len(self._leases),
+                "namespaces": len(self._namespaces),
+                "tiers": {t.name: {**t.stats(), "policy_blocks": len(p)}
+                          for t, p in zip(self.tiers, self.policies)},
+                "counters": dict(self.counters),
+            }
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

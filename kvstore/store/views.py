@@ -1,0 +1,68 @@
+"""What the store lends to code above it without handing out its internals: one pinned block, and
+the description of the shared CPU arena that same-host clients map.
+
+A ``PinnedBlock`` is only valid inside ``Store.pinned``'s ``with`` block: the pin is what keeps the
+block from being evicted and its arena slots from being reused while the caller reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.buffers import Extent
+from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.cpu import CpuTier
+
+
+class PinnedBlock:
+    """The fastest copy of one block, held in place for the duration of a ``Store.pinned`` block."""
+
+    def __init__(self, record: BlockRecord, tier: Tier) -> None:
+        self.record = dataclasses.replace(record)  # checksum, codec, stored_size, raw_size
+        self.tier: str = tier.name
+        self._source = tier
+
+    def pieces(self) -> list[np.ndarray] | None:
+        """Zero-copy views of the stored payload, in order, when the copy is in the CPU arena;
+        None otherwise (use ``read_into``)."""
+        if isinstance(self._source, CpuTier):
+            return self._source.view(self.record.key)
+        return None
+
+    def read_into(self, out) -> int:
+        """Copy the stored payload (``record.stored_size`` bytes, encoded if ``record.codec``)
+        into ``out``; returns its length. May raise ``BlockCorrupt`` for a damaged copy."""
+        return self._source.read_into(self.record.key, out)
+
+
+class SharedArena:
+    """The CPU tier's shared segment as a same-host client maps it."""
+
+    def __init__(self, tier: CpuTier) -> None:
+        self.path: str = tier.segment_path
+        self.nbytes: int = tier.arena.nbytes           # the mapping's size (at least one page)
+        self.capacity_bytes: int = tier.capacity_bytes  # of which the slots cover this much
+        self._arena = tier.arena
+
+    @functools.cached_property
+    def _stat(self) -> os.stat_result:
+        return os.stat(self.path)
+
+    @property
+    def st_dev(self) -> int:
+        """With ``st_ino``: lets a client check it mapped this very file, not a namesake."""
+        return self._stat.st_dev
+
+    @property
+    def st_ino(self) -> int:
+        return self._stat.st_ino
+
+    def views(self, extents: Sequence[Extent]) -> list[np.ndarray]:
+        """Zero-copy slices of the arena, one per (offset, length) extent (valid while the block
+        they belong to is pinned)."""
+        return [self._arena[off:off + length] for off, length in extents]
