@@ -1,6 +1,6 @@
 """Codec speed on this CPU, against memcpy measured in the same run, and what it buys.
 
-    python benchmarks/bench_codecs.py [--threads 1 2] [--out benchmarks/results] [--disk-dir DIR]
+    .venv/bin/python benchmarks/bench_codecs.py [--threads 1 2] [--out benchmarks/results] [--disk-dir DIR]
 
 For a Llama-3-8B-sized block (32 layers, 8 KV heads, head_dim 128, 16 tokens, bf16 = 2 MiB) and
 each codec: encode and decode throughput in GB/s of *raw* block bytes (best of several rounds,
@@ -19,7 +19,6 @@ import mmap
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvstore.codecs.base as codec_base  # noqa: E402
-from kvstore.codecs import CODEC_IDS, decode_block, encode_block  # noqa: E402
-from kvstore.keys import KVLayout  # noqa: E402
+import kvstore.codecs.base as codec_base
+from kvstore.codecs import CODEC_IDS, decode_block, encode_block
+from kvstore.keys import KVLayout
 
 CPU_BUDGET = 64 << 30
 
@@ -94,7 +92,7 @@ def disk_read_gbps(directory: Path, nbytes: int, chunk: int) -> tuple[float, str
         os.unlink(path)
 
 
-def run(threads: list[int], tokens: int, disk_dir: Path, device: str) -> dict:
+def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference: bool = False) -> dict:
     layout = block_layout(tokens)
     raw = realistic_block(layout).to(device)
     nbytes = layout.block_bytes
@@ -108,8 +106,8 @@ def run(threads: list[int], tokens: int, disk_dir: Path, device: str) -> dict:
         rows.append({"threads": n_threads, "codec": "memcpy (torch copy_)", "encode_gbps": memcpy,
                      "decode_gbps": memcpy, "encode_gbps_median": nbytes / med / 1e9,
                      "decode_gbps_median": nbytes / med / 1e9, "payload_bytes": nbytes})
-        variants = [(c, True) for c in CODEC_IDS if c != "raw"]
-        if device == "cpu":  # the eager-torch reference, to show what the compiled kernels buy
+        variants = [(c, not reference) for c in CODEC_IDS if c != "raw"]
+        if device == "cpu" and not reference:  # the eager-torch reference, to show what the compiled kernels buy
             variants += [("fp8", False), ("int4_g32", False)]
         for codec, fast in variants:
             codec_base.USE_FAST = fast
@@ -195,8 +193,10 @@ def main() -> None:
                     help="cuda: raw block and decode buffer on the GPU (encode = torch on the GPU + "
                          "payload to host; decode = payload to GPU + torch on the GPU)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--reference", action="store_true",
+                    help="every codec through the eager torch reference (the CUDA path), not numba")
     args = ap.parse_args()
-    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir, args.device)}
+    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir, args.device, args.reference)}
     stem = "codecs" if args.device == "cpu" else f"codecs_{args.device.split(':')[0]}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")

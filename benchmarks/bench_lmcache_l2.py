@@ -14,8 +14,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
+
+from kvstore.ops import ceilings
+from kvstore.ops.engines import engine_env, engine_venv
+from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.ops.machine import machine_facts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -23,9 +27,7 @@ SIZES_KB = (256, 4096)
 BYTES_PER_ROUND = 64 << 20
 ROUNDS = 3
 REDIS = ("127.0.0.1", 6379)
-
-sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
-from venvs import engine_env, engine_venv  # noqa: E402
+ENGINE_VENV_BUILDER = os.path.join(REPO, "scripts", "engine-venv.sh")
 
 
 def bench(venv: str, adapter: dict, size_kb: int, tmp: str) -> dict:
@@ -52,15 +54,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    import ceilings
-    from daemon_util import start_daemon
-
-    venv = engine_venv("lmcache")
+    venv = engine_venv("lmcache", ENGINE_VENV_BUILDER)
     results: dict = {}
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        d = start_daemon(os.path.join(tmp, "kvd"), cpu_bytes="2GiB", nvme_bytes="0")
+        d = start_local_daemon(os.path.join(tmp, "kvd"), cpu_bytes="2GiB", nvme_bytes="0")
         try:
             adapters = {
                 "kvstore (plugin)": {"type": "plugin", "module_path": "kvstore.connectors.lmcache",
@@ -75,7 +72,7 @@ def main() -> None:
         data = {"rounds": ROUNDS, "bytes_per_round": BYTES_PER_ROUND, "results": results,
                 "ceilings": {"memcpy_gbps_4MiB": ceilings.memcpy_gbps(4 << 20),
                              "tcp_loopback_gbps_4MiB": ceilings.tcp_loopback_gbps(4 << 20)},
-                "machine": ceilings.machine_facts(tmp)}
+                "machine": machine_facts(tmp)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "lmcache_l2.json"), "w") as f:
         json.dump(data, f, indent=2)

@@ -6,11 +6,11 @@ benchmarks/results/service.{json,md}.
 
 Measures put/get GB/s for 1/4/16 MiB blocks over gRPC streams, the raw-TCP bulk side channel and
 shared memory; lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
-socket as ceilings, each ceiling pass interleaved with the pass it judges (memcpy: benchmarks/ceilings.py's
-MemcpyPass into a working set as large as the data moved; TCP: kvstore.ops.bench.TcpPass, a persistent
+socket as ceilings, each ceiling pass interleaved with the pass it judges (memcpy: kvstore.ops.ceilings
+MemcpyPass into a working set as large as the data moved; TCP: kvstore.ops.ceilings.TcpPass, a persistent
 connection between distinct source and destination buffers as large as the data moved); Redis at 127.0.0.1:6379 as a peer on the same
 workload. Goals (issue 3): shm get >= 0.7x memcpy; remote get/put >= 0.8x raw TCP; lookups >= 10k/s.
-Without --url a private daemon runs as a child process (kvstore.ops.bench). Re-executes itself with the
+Without --url a private daemon runs as a child process (kvstore.ops.local_daemon). Re-executes itself with the
 glibc malloc settings `kvstore serve` uses, so client and daemon are tuned alike.
 """
 
@@ -23,8 +23,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 GOALS = {"shm_get_vs_memcpy": 0.7, "bulk_get_vs_tcp": 0.8, "bulk_put_vs_tcp": 0.8, "lookups_per_s": 10_000}
 
@@ -32,7 +30,7 @@ GOALS = {"shm_get_vs_memcpy": 0.7, "bulk_get_vs_tcp": 0.8, "bulk_put_vs_tcp": 0.
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = ["# Service benchmark (benchmarks/bench_service.py)", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
+           f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
            f"Python {m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']}; 1-min load average at start "
            f"{m['load_avg_1m']:.1f} (shared machine: read ratios, not absolutes). Daemon: {report['daemon']}. "
            f"Medians of {report['reps']} repetitions of {report['total_bytes_per_measurement'] >> 20} MiB each. "
@@ -79,15 +77,12 @@ def main() -> int:
     from kvstore.ops.cli import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning(sys.argv)
-    import ceilings
-
     from kvstore.ops.bench import format_report, run_bench
-    from kvstore.service.config import parse_size
+    from kvstore.units import parse_size
 
     t0 = time.time()
-    report = run_bench(url=args.url, sizes=[parse_size(s) for s in args.sizes.split(",")],
-                       total_bytes=parse_size(args.total), reps=args.reps,
-                       memcpy_pass=ceilings.MemcpyPass)
+    report = run_bench(url=args.url, sizes=[parse_size(s, "sizes") for s in args.sizes.split(",")],
+                       total_bytes=parse_size(args.total, "total"), reps=args.reps)
     report["seconds"] = round(time.time() - t0, 1)
     rows = report["sizes"].values()
 

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -137,27 +136,19 @@ def inner(url: str, file_dir: str) -> dict:
 
 
 # ---- outer: main venv -----------------------------------------------------------------------
-def engine_python() -> str:
-    venv = os.environ.get("KVSTORE_VENV_SGLANG")
-    if not venv:
-        venv = subprocess.run([os.path.join(REPO, "scripts", "engine-venv.sh"), "sglang"], check=True,
-                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return os.path.join(venv, "bin", "python")
-
-
 def outer(out_dir: str) -> None:
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    import ceilings
-    from daemon_util import start_daemon
+    from kvstore.ops import ceilings
+    from kvstore.ops.engines import engine_env, engine_python
+    from kvstore.ops.local_daemon import start_local_daemon
+    from kvstore.ops.machine import machine_facts
 
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        d = start_daemon(os.path.join(tmp, "kvd"), cpu_bytes="2GiB", nvme_bytes="0")
+        d = start_local_daemon(os.path.join(tmp, "kvd"), cpu_bytes="2GiB", nvme_bytes="0")
         try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
             file_dir = os.path.join(tmp, "hicache-file")
-            proc = subprocess.run([engine_python(), os.path.abspath(__file__), "--inner", "--url", d.url,
-                                   "--file-dir", file_dir], capture_output=True, text=True, env=env, cwd=REPO)
+            python = engine_python("sglang", os.path.join(REPO, "scripts", "engine-venv.sh"))
+            proc = subprocess.run([python, os.path.abspath(__file__), "--inner", "--url", d.url,
+                                   "--file-dir", file_dir], capture_output=True, text=True, env=engine_env(), cwd=REPO)
             if proc.returncode != 0:
                 raise SystemExit(f"inner benchmark failed:\n{proc.stderr[-4000:]}")
             data = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,7 +157,7 @@ def outer(out_dir: str) -> None:
         page = data["page_bytes"]
         data["ceilings"] = {"memcpy_gbps_one_page": ceilings.memcpy_gbps(page, working_set=page * data["pages_per_call"]),
                             "tcp_loopback_gbps": ceilings.tcp_loopback_gbps(page)}
-        data["machine"] = ceilings.machine_facts(tmp)
+        data["machine"] = machine_facts(tmp)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "sglang.json"), "w") as f:
         json.dump(data, f, indent=2)

@@ -1,6 +1,6 @@
 """Store core throughput, side by side with the physical ceilings measured in the same run.
 
-    python benchmarks/bench_store.py [--quick] [--dir DIR] [--out PREFIX]
+    .venv/bin/python benchmarks/bench_store.py [--quick] [--dir DIR] [--out PREFIX]
 
 Per block size (1, 4, 16 MiB): put / get GB/s through the Store into each tier (CPU arena, NVMe
 directory, GPU tier on the cpu device), next to memcpy and raw O_DIRECT write+fsync / read of the
@@ -17,20 +17,18 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ceilings  # noqa: E402
-
-from kvstore.keys import ChainHasher, KVLayout, Namespace  # noqa: E402
-from kvstore.store import Store, StoreConfig  # noqa: E402
-from kvstore.tiers.cpu import CpuTier  # noqa: E402
-from kvstore.tiers.gpu import GpuTier  # noqa: E402
-from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier  # noqa: E402
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.ops import ceilings
+from kvstore.ops.machine import machine_facts
+from kvstore.store import Store, StoreConfig
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 
 MIB = 1 << 20
 GOALS = {"cpu": 0.7, "nvme": 0.8, "hash_gtok_s": 0.5}
@@ -154,7 +152,7 @@ def main() -> None:
     reps = 3 if args.quick else 5
     total = (64 if args.quick else 256) * MIB
     work = tempfile.mkdtemp(prefix="bench-store-", dir=args.dir)
-    results: dict = {"machine": ceilings.machine_facts(work), "reps": reps, "bytes_per_rep": total,
+    results: dict = {"machine": machine_facts(work), "reps": reps, "bytes_per_rep": total,
                      "sizes": {}}
     try:
         for mib in (int(s) for s in args.sizes.split(",")):

@@ -37,15 +37,14 @@ import sys
 import tempfile
 import time
 
+from kvstore.ops.engines import engine_python, engine_venv, run_engine_jobs, vllm_kv_transfer_config
+from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.ops.machine import machine_facts
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
-
-import vllm_runner  # noqa: E402
-from benchmarks.ceilings import machine_facts  # noqa: E402
-from daemon_util import start_daemon  # noqa: E402
+ENGINE_VENV_BUILDER = os.path.join(REPO, "scripts", "engine-venv.sh")
+VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")  # run in the vLLM venv, not imported
 
 MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
@@ -88,7 +87,8 @@ def site_packages(venv: str) -> str:
 
 
 def run(python: str, work: str, jobs: list) -> list[dict]:
-    return vllm_runner.run_jobs(python, work, jobs, timeout_s=1800)
+    return run_engine_jobs(python, VLLM_DRIVER, work, jobs, timeout_s=1800,
+                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO})
 
 
 def summarize(result: dict, measured_step: int) -> dict:
@@ -117,7 +117,7 @@ def main() -> None:
 
     block = 32
     work = tempfile.mkdtemp(prefix="bench-vllm-ttft-")
-    python = vllm_runner.vllm_python()
+    python = engine_python("vllm", ENGINE_VENV_BUILDER)
     rng = random.Random(7)
     vocab = 8192
     tokens = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
@@ -164,10 +164,10 @@ def main() -> None:
     reference = {name: [ref_out[tuple(p)] for p in ps] for name, ps in measured.items() if not name.startswith("cold")}
 
     # 2. kvstore, CPU tier
-    d = start_daemon(os.path.join(work, "kvd"), *daemon_flags, cpu_bytes="2GiB", nvme_bytes="4GiB",
+    d = start_local_daemon(os.path.join(work, "kvd"), *daemon_flags, cpu_bytes="2GiB", nvme_bytes="4GiB",
                      nvme_path=nvme_dir)
     try:
-        kv = vllm_runner.kvstore_transfer_config(d.url)
+        kv = vllm_kv_transfer_config(d.url)
         (r,) = run(python, work, [("kvstore_cpu", job(
             [timed(warmup), timed(first), {"sleep": 3}, timed(measured["kvstore_cpu"])], kv))])
         runs["kvstore_cpu"] = summarize(r, 3)
@@ -179,10 +179,10 @@ def main() -> None:
         d.stop()
 
     # 3. kvstore, NVMe tier: same directory, fresh daemon (empty CPU tier), no promotion on hit
-    d = start_daemon(os.path.join(work, "kvd2"), *daemon_flags, "--no-promote-on-hit", cpu_bytes="2GiB",
+    d = start_local_daemon(os.path.join(work, "kvd2"), *daemon_flags, "--no-promote-on-hit", cpu_bytes="2GiB",
                      nvme_bytes="4GiB", nvme_path=nvme_dir)
     try:
-        kv = vllm_runner.kvstore_transfer_config(d.url)
+        kv = vllm_kv_transfer_config(d.url)
         (r,) = run(python, work, [("kvstore_nvme", job([timed(warmup), timed(measured["kvstore_nvme"])], kv))])
         runs["kvstore_nvme"] = summarize(r, 1)
         runs["kvstore_nvme"]["outputs_match_cold"] = r["steps"][1]["outputs"] == reference["kvstore_nvme"]
@@ -195,7 +195,7 @@ def main() -> None:
     if not a.skip_lmcache:
         server = None
         try:
-            lm_venv = vllm_runner.engine_venv("lmcache")
+            lm_venv = engine_venv("lmcache", ENGINE_VENV_BUILDER)
             shim = lmcache_shim(site_packages(lm_venv), os.path.join(work, "lmcache-shim"))
             port, http_port = free_port(), free_port()
             log = open(os.path.join(work, "lmcache-server.log"), "wb")

@@ -1,6 +1,6 @@
 """Fidelity of every codec on KV with realistic statistics, and on plain Gaussian noise.
 
-    python benchmarks/fidelity.py [--tokens 1024 4096] [--out benchmarks/results]
+    .venv/bin/python benchmarks/fidelity.py [--tokens 1024 4096] [--out benchmarks/results]
 
 Real LLM keys are not Gaussian: a few channels carry 10-50x the magnitude of the rest (stable
 across tokens, so they survive RoPE's slow low-frequency rotation), and values vary in scale from
@@ -24,15 +24,13 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvstore.codecs import CODEC_IDS, decode_block, encode_block, get_codec  # noqa: E402
-from kvstore.keys import KVLayout  # noqa: E402
+from kvstore.codecs import CODEC_IDS, decode_block, encode_block, get_codec
+from kvstore.keys import KVLayout
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 LAYERS = 2          # fidelity is per layer; two layers exercise the layer axis of blocks

@@ -12,7 +12,7 @@ route latency p50/p99 for realistic prompt lengths as the caller sees it and as 
 (INFO commandstats), the worst case (a 1024-block prompt cached on every node), heartbeat cost,
 and from those, what breaks first. Every key is deleted afterwards.
 
-    python benchmarks/fleet_scale.py [--redis redis://127.0.0.1:6379/0] [--nodes 100] [--blocks-per-node 10000]
+    .venv/bin/python benchmarks/fleet_scale.py [--redis redis://127.0.0.1:6379/0] [--nodes 100] [--blocks-per-node 10000]
 """
 
 from __future__ import annotations
@@ -21,19 +21,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import uuid
 
 import numpy as np
 import xxhash
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import ceilings  # noqa: E402
-
-from kvstore.fleet import Directory, pack_entry  # noqa: E402
+from kvstore.fleet import Directory, pack_entry
+from kvstore.ops.machine import machine_facts
 
 NS = xxhash.xxh3_128_digest(b"fleet-scale-namespace")
 BLOCK_TOKENS = 16
@@ -131,7 +126,7 @@ def run(args) -> int:
     d = Directory(args.redis, prefix, socket_timeout_s=30)
     r = d.redis
     rng = np.random.default_rng(7)
-    results: dict = {"machine": ceilings.machine_facts(), "redis_version": r.info("server")["redis_version"],
+    results: dict = {"machine": machine_facts(), "redis_version": r.info("server")["redis_version"],
                      "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
                      "niceness": os.nice(0), "private_redis": args.own_redis,
                      "config": {**vars(args), "block_tokens": BLOCK_TOKENS, "key_prefix": prefix}}

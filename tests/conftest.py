@@ -1,5 +1,7 @@
-"""Shared fixtures. ``daemon_factory`` starts real daemon subprocesses (tests/daemon_util.py) and
-stops every one it started at teardown; ``kv_daemon`` is one shared default daemon per module."""
+"""Shared fixtures. ``daemon_factory`` starts real daemon subprocesses (tests/daemon_util.py, i.e.
+kvstore.ops.local_daemon) and stops every one it started at teardown; ``kv_daemon`` is one shared
+default daemon per module. tests/ and tests/engines/ go on sys.path so test modules import their
+helpers (daemon_util, redis_util, venvs, vllm_runner) by plain name."""
 
 from __future__ import annotations
 

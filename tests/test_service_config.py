@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from kvstore.service.config import ConfigError, load_settings, parse_size
+from kvstore.service.config import ConfigError, load_settings
+from kvstore.units import parse_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

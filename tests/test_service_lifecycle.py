@@ -51,8 +51,8 @@ KILLED_CLIENT = textwrap.dedent("""
     c = Client(sys.argv[1], transport="shm")
     ns = c.register_namespace(Namespace(layout, cache_salt="lease"))
     hashes = ChainHasher(seed=1).chain(np.arange(16 * 8), 16)
-    load = c._call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes[:4]))
-    store = c._call("PrepareStore", pb.PrepareStoreRequest(namespace_id=ns, hashes=hashes[4:]))
+    load = c.call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes[:4]))
+    store = c.call("PrepareStore", pb.PrepareStoreRequest(namespace_id=ns, hashes=hashes[4:]))
     print(len(load.blocks), sum(not b.present for b in store.blocks), flush=True)
     sys.stdin.read()   # hold the leases until killed
 """)

@@ -4,9 +4,9 @@ For each block size: put and get GB/s over every transport (gRPC streams, the ra
 channel, shared memory), beside memcpy into distinct buffers (the shm ceiling) and a raw TCP
 loopback socket with ``recv_into`` (the remote ceiling), each ceiling pass run right before the
 pass it judges; ratios are medians of those per-pass ratios. Lookups per second, one chain per RPC
-and batched. Without a
-URL a private daemon is started as a separate process (client and daemon in one Python process
-would share one GIL and measure that instead).
+and batched. Without a URL a private daemon is started as a separate process
+(kvstore.ops.local_daemon; client and daemon in one Python process would share one GIL and
+measure that instead).
 
 Numbers are medians of ``reps`` repetitions, GB = 1e9 bytes. The machine is usually shared and
 noisy: read the ratios, not the absolute figures.
@@ -14,130 +14,17 @@ noisy: read the ratios, not the absolute figures.
 
 from __future__ import annotations
 
-import os
-import platform
-import socket
+import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-GB = 1e9
-
-
-# -- ceilings, as passes that can be interleaved with the code they judge ------------------------
-# A pass object runs one timed pass per call and returns its seconds; ``bytes`` is what one pass
-# moves. Interleaving ceiling and service passes, and taking the median of per-pass ratios, keeps
-# the ratio honest on a shared machine whose speed changes from one second to the next.
-
-class MemcpyPass:
-    """``count`` numpy copies of ``nbytes`` into distinct destinations (a ``working_set``-byte
-    region, as a get fills distinct output buffers), from a small pool of sources. Used when
-    benchmarks/ceilings.py is not importable (an installed kvstore)."""
-
-    def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None) -> None:
-        slots = max(1, (working_set or nbytes) // nbytes)
-        self.srcs = [np.full(nbytes, i, dtype=np.uint8) for i in range(8)]
-        dst = np.ones(slots * nbytes, dtype=np.uint8)
-        self.dsts = [dst[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
-        self.count = count or max(slots, (256 << 20) // nbytes)
-        self.bytes = nbytes * self.count
-
-    def __call__(self) -> float:
-        t = time.perf_counter()
-        for i in range(self.count):
-            np.copyto(self.dsts[i % len(self.dsts)], self.srcs[i % len(self.srcs)])
-        return time.perf_counter() - t
-
-
-class TcpPass:
-    """``count`` messages of ``nbytes`` over one TCP loopback connection, sent from and received
-    into distinct, already-touched buffers (``count * nbytes`` each side, like a get that reads
-    distinct blocks into distinct outputs): what a perfect remote data path could do on this
-    machine at this moment. One pass = one call."""
-
-    def __init__(self, nbytes: int, count: int) -> None:
-        self.nbytes, self.count, self.bytes = nbytes, count, nbytes * count
-        self._srv = socket.create_server(("127.0.0.1", 0))
-        self._go = threading.Semaphore(0)
-        self._stop = False
-        src = memoryview(np.ones(nbytes * count, dtype=np.uint8)).cast("B")
-        payloads = [src[i * nbytes:(i + 1) * nbytes] for i in range(count)]
-        port = self._srv.getsockname()[1]
-
-        def sender() -> None:
-            with socket.create_connection(("127.0.0.1", port)) as c:
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                while True:
-                    self._go.acquire()
-                    if self._stop:
-                        return
-                    for payload in payloads:
-                        c.sendall(payload)
-
-        self._thread = threading.Thread(target=sender, daemon=True)
-        self._thread.start()
-        self._conn, _ = self._srv.accept()
-        sink = memoryview(np.zeros(nbytes * count, dtype=np.uint8)).cast("B")
-        self._sinks = [sink[i * nbytes:(i + 1) * nbytes] for i in range(count)]
-
-    def __call__(self) -> float:
-        self._go.release()
-        t = time.perf_counter()
-        for dst in self._sinks:
-            got = 0
-            while got < self.nbytes:
-                k = self._conn.recv_into(dst[got:], self.nbytes - got)
-                if k == 0:
-                    raise ConnectionError("ceiling sender closed")
-                got += k
-        return time.perf_counter() - t
-
-    def close(self) -> None:
-        self._stop = True
-        self._go.release()
-        self._thread.join(10)
-        self._conn.close()
-        self._srv.close()
-
-
-# -- the daemon under test -------------------------------------------------------------------------
-
-class _PrivateDaemon:
-    """``kvstore serve`` in a child process on an ephemeral port, for the duration of a run."""
-
-    def __init__(self, cpu_bytes: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kvstore-bench-")
-        ready = os.path.join(self.dir, "ready.json")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.ops.cli", "serve", "--listen", "127.0.0.1:0", "--cpu-bytes", str(cpu_bytes),
-             "--cpu-slot-bytes", "1MiB", "--nvme-bytes", "0", "--nvme-path", os.path.join(self.dir, "nvme"),
-             "--ready-file", ready, "--log-level", "WARNING"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while not os.path.exists(ready):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"bench daemon did not start: {self.proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.05)
-        import json
-        with open(ready) as f:
-            self.address = json.load(f)["address"]
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        import shutil
-        shutil.rmtree(self.dir, ignore_errors=True)
+from kvstore.ops.ceilings import GB, MemcpyPass, TcpPass
+from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.ops.machine import machine_facts
 
 
 # -- measurements ------------------------------------------------------------------------------------
@@ -241,34 +128,17 @@ def _lookups_per_s(client, ns_id: bytes, seconds: float = 1.0) -> dict:
     return {"sequential_per_s": sequential, "batched_per_s": batched, "batch": len(batch)}
 
 
-def machine_facts() -> dict:
-    import grpc
-    import psutil
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "python": platform.python_version(), "grpcio": grpc.__version__, "numpy": np.__version__,
-            "kernel": platform.release(), "load_avg_1m": os.getloadavg()[0],
-            "malloc_tuned": "MALLOC_MMAP_MAX_" in os.environ}
-
-
 def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 4 << 20, 16 << 20),
               total_bytes: int = 256 << 20, transports=("grpc", "bulk", "shm"), reps: int = 3,
-              memcpy_pass=None, redis_url: str | None = "redis://127.0.0.1:6379/0") -> dict:
-    """Measure everything; returns a JSON-able report (see ``format_report``).
-
-    ``memcpy_pass(nbytes, working_set=...)`` builds the memcpy ceiling pass (default
-    ``MemcpyPass``; benchmarks/bench_service.py passes benchmarks/ceilings.py's)."""
+              redis_url: str | None = "redis://127.0.0.1:6379/0") -> dict:
+    """Measure everything; returns a JSON-able report (see ``format_report``)."""
     from kvstore.client import Client
     from kvstore.keys import KVLayout, Namespace
 
-    memcpy_pass = memcpy_pass or MemcpyPass
-    daemon = None if url else _PrivateDaemon(cpu_bytes=max(sizes) * 8 + 2 * total_bytes + (64 << 20))
+    workdir = None if url else tempfile.mkdtemp(prefix="kvstore-bench-")
+    daemon = None if url else start_local_daemon(
+        workdir, "--cpu-slot-bytes", "1MiB", "--log-level", "WARNING", nvme_bytes="0",
+        cpu_bytes=str(max(sizes) * 8 + 2 * total_bytes + (64 << 20)), timeout=120)
     address = url or daemon.address
     report: dict = {"machine": machine_facts(), "daemon": "external " + url if url else "private child process",
                     "total_bytes_per_measurement": total_bytes, "reps": reps, "sizes": {}}
@@ -285,7 +155,7 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             count = max(2, total_bytes // size)
             layout = KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                               block_tokens=16, block_bytes=size)
-            memcpy = memcpy_pass(size, working_set=size * count)
+            memcpy = MemcpyPass(size, working_set=size * count)
             tcp = TcpPass(size, count)
             row: dict = {"count": count}
             try:
@@ -315,7 +185,8 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             c.close()
     finally:
         if daemon is not None:
-            daemon.close()
+            daemon.stop(timeout=30)
+            shutil.rmtree(workdir, ignore_errors=True)
     return report
 
 

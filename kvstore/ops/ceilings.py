@@ -3,25 +3,25 @@
 The machines this project runs on are shared and noisy: an absolute GB/s figure means little,
 a ratio against memcpy / raw O_DIRECT / raw sockets measured a second earlier means a lot.
 Every function returns the median GB/s (1e9 bytes/s) of ``reps`` repetitions and uses pooled,
-already-touched buffers, exactly what a well-written data path could hope to reach.
+already-touched buffers, exactly what a well-written data path could hope to reach. Used by
+``kvstore bench``, ``kvstore plan`` (tier bandwidths) and the scripts in benchmarks/.
 
-    from benchmarks.ceilings import memcpy_gbps, odirect_write_gbps, machine_facts
-    # or, from a script in benchmarks/:  sys.path.insert(0, os.path.dirname(__file__)); import ceilings
+    from kvstore.ops.ceilings import memcpy_gbps, odirect_read_gbps, tcp_loopback_gbps
+    python -m kvstore.ops.ceilings [DIR]          # print this machine's ceilings as JSON
 
 Functions: memcpy_gbps(nbytes), odirect_write_gbps(dir, nbytes), odirect_read_gbps(dir, nbytes),
-tcp_loopback_gbps(nbytes), unix_socket_gbps(nbytes), machine_facts(dir), median_of(fn, reps).
-On a noisy machine, interleave instead: MemcpyPass / ODirectWritePass / ODirectReadPass are
-callables timing one pass each, to alternate with the code under test and take per-round ratios.
+tcp_loopback_gbps(nbytes), unix_socket_gbps(nbytes), median_of(fn, reps). On a noisy machine,
+interleave instead: MemcpyPass / ODirectWritePass / ODirectReadPass / TcpPass are callables timing
+one pass each, to alternate with the code under test and take per-round ratios. The machine the
+figures come from: kvstore.ops.machine.machine_facts.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.tiers.nvme import o_direct_supported as odirect_supported  # the tier's own probe
+from kvstore.ops.machine import machine_facts
+from kvstore.tiers.nvme import o_direct_supported  # the tier's own probe
 
 ALIGN = 4096
 GB = 1e9
@@ -103,7 +104,7 @@ def _odirect_flags() -> int:
 
 class _FilesPass:
     def __init__(self, directory: str, nbytes: int, files: int | None, prefix: str) -> None:
-        self.flag = _odirect_flags() if odirect_supported(directory) else 0
+        self.flag = _odirect_flags() if o_direct_supported(directory) else 0
         self.size = _round_up(nbytes)
         self.buf = touched_buffer(self.size)
         self.count = files or max(2, min(16, _iters_for(nbytes, 128 << 20)))
@@ -180,6 +181,57 @@ def odirect_read_gbps(directory: str, nbytes: int, reps: int = 5, files: int | N
     with ODirectReadPass(directory, nbytes, files) as once:
         once()
         return once.bytes / median_of(once, reps) / GB
+
+
+class TcpPass:
+    """``count`` messages of ``nbytes`` over one TCP loopback connection, sent from and received
+    into distinct, already-touched buffers (``count * nbytes`` each side, like a get that reads
+    distinct blocks into distinct outputs): what a perfect remote data path could do on this
+    machine at this moment. One pass = one call."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count, self.bytes = nbytes, count, nbytes * count
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self._go = threading.Semaphore(0)
+        self._stop = False
+        src = memoryview(np.ones(nbytes * count, dtype=np.uint8)).cast("B")
+        payloads = [src[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+        port = self._srv.getsockname()[1]
+
+        def sender() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while True:
+                    self._go.acquire()
+                    if self._stop:
+                        return
+                    for payload in payloads:
+                        c.sendall(payload)
+
+        self._thread = threading.Thread(target=sender, daemon=True)
+        self._thread.start()
+        self._conn, _ = self._srv.accept()
+        sink = memoryview(np.zeros(nbytes * count, dtype=np.uint8)).cast("B")
+        self._sinks = [sink[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+
+    def __call__(self) -> float:
+        self._go.release()
+        t = time.perf_counter()
+        for dst in self._sinks:
+            got = 0
+            while got < self.nbytes:
+                k = self._conn.recv_into(dst[got:], self.nbytes - got)
+                if k == 0:
+                    raise ConnectionError("ceiling sender closed")
+                got += k
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.release()
+        self._thread.join(10)
+        self._conn.close()
+        self._srv.close()
 
 
 def _socket_pair_gbps(server: socket.socket, connect: Callable[[], socket.socket], nbytes: int,
@@ -262,64 +314,14 @@ def unix_socket_gbps(nbytes: int, reps: int = 5) -> float:
         os.rmdir(d)
 
 
-def _fs_type(directory: str) -> str:
-    try:
-        out = subprocess.run(["stat", "-f", "-c", "%T", directory], capture_output=True, text=True,
-                             timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
-
-def machine_facts(directory: str | None = None) -> dict:
-    """What a reader needs to interpret the numbers: CPU, cores, RAM, kernel, fs, versions."""
-    facts = {
-        "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_gib": round(_ram_bytes() / 2**30, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if directory is not None:
-        facts["dir"] = directory
-        facts["dir_fs_type"] = _fs_type(directory)
-        facts["dir_o_direct"] = odirect_supported(directory)
-    for mod in ("torch", "xxhash"):
-        m = sys.modules.get(mod)
-        if m is None:
-            try:
-                m = __import__(mod)
-            except ImportError:
-                continue
-        facts[mod] = getattr(m, "__version__", getattr(m, "VERSION", "?"))
-    return facts
-
-
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Print this machine's ceilings for 16 MiB transfers (O_DIRECT in DIR) as JSON."""
+    import argparse
     import json
 
-    d = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()
+    ap = argparse.ArgumentParser(prog="python -m kvstore.ops.ceilings", description=main.__doc__)
+    ap.add_argument("dir", nargs="?", default=tempfile.gettempdir(), help="directory for the O_DIRECT passes")
+    d = ap.parse_args(argv).dir
     mib = 16 << 20
     print(json.dumps({
         "machine": machine_facts(d),
@@ -329,3 +331,8 @@ if __name__ == "__main__":
         "tcp_16MiB": tcp_loopback_gbps(mib),
         "unix_16MiB": unix_socket_gbps(mib),
     }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

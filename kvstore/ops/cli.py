@@ -129,7 +129,7 @@ def cmd_stats(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvstore.service.config import format_size
+    from kvstore.units import format_size
 
     console = Console()
     tiers = Table(title=f"kvstore at {c.address}: {stats['blocks']} blocks, {stats['namespaces']} namespaces, "
@@ -152,12 +152,17 @@ def cmd_stats(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from kvstore.errors import InvalidArgument
     from kvstore.ops.bench import format_report, run_bench
+    from kvstore.units import parse_size
 
-    from kvstore.service.config import parse_size
-
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=parse_size(args.total),
+    try:
+        sizes = [parse_size(s, "sizes") for s in args.sizes.split(",")]
+        total = parse_size(args.total, "total")
+    except InvalidArgument as e:
+        print(f"kvstore bench: {e}", file=sys.stderr)
+        return 2
+    report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=total,
                        transports=args.transports.split(","))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

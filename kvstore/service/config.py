@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tomllib
 from typing import Annotated, Any, Literal
 
@@ -22,41 +21,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import KVStoreError
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from kvstore.units import GiB, KiB, MiB, TiB, format_size, parse_size
 
 
 class ConfigError(KVStoreError, ValueError):
     """A setting is invalid; the message names the key and what is allowed."""
 
     grpc_status = "INVALID_ARGUMENT"
-
-
-def parse_size(value: Any) -> int:
-    """``"4GiB"`` -> 4294967296. Integers pass through; units are case-insensitive."""
-    if isinstance(value, bool):
-        raise ValueError("a size must be a number of bytes or a string like '4GiB'")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"{value!r} is not a size; write bytes or a number with a unit "
-                     "(KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-
-
-def format_size(n: int) -> str:
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % (size // 1024 or 1) == 0:
-            v = n / size
-            return f"{v:g}{unit}" if v == int(v) else f"{v:.2f}{unit}"
-    return f"{n}B"
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]

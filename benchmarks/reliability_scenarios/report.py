@@ -1,0 +1,176 @@
+"""The human summary of reliability.json: one section per scenario, the counts that matter."""
+
+from __future__ import annotations
+
+from .load import LOAD_OPS
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def render_markdown(report: dict) -> str:
+    """The human summary of reliability.json: one section per scenario, the counts that matter."""
+    sc = report["scenarios"]
+    m = report["machine"]
+    out = ["# kvstore reliability suite", "",
+           f"Machine: {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, Python {m['python']}, kernel {m['kernel']}, "
+           f"grpcio {m['grpcio']}; run {m['date_utc']} UTC. Regenerate: `python benchmarks/reliability.py all` "
+           "(one scenario: `python benchmarks/reliability.py crash`). Raw numbers: reliability.json.", "",
+           "Every payload is derived from its block hash, so every byte served is checked. "
+           "**Lost** = an acknowledged-persisted block missing after a restart; **wrong** = any served byte "
+           "that is not the block's. Both must be 0.", ""]
+    summary = []
+    if "crash" in sc:
+        r = sc["crash"]
+        summary.append(_row("kill -9 loop", f"{r['kills']} kills", r["lost"], r["wrong_bytes_served"] + r["wrong_after_restart"],
+                            f"DaemonUnavailable x{r['client_errors_by_type'].get('DaemonUnavailable', 0)} while down"))
+    if "disk" in sc:
+        runs = [g for g in sc["disk"].values() if isinstance(g, dict) and "skipped" not in g]
+        summary.append(_row("disk faults", f"{len(runs)} fault scenarios", sum(g.get("lost", 0) for g in runs),
+                            sum(g.get("wrong", 0) for g in runs), "puts acknowledged `stored` instead of `persisted`; counted misses"))
+    if "fuzz" in sc:
+        r = sc["fuzz"]
+        summary.append(_row("hostile input", f"{r['requests']} requests", 0, 0,
+                            f"{r['undefined_answers']} undefined statuses; no leaks"))
+    if "load" in sc:
+        r = sc["load"]["concurrent"]
+        summary.append(_row("load", f"{r['clients']} clients x {r['seconds']} s", 0, r["wrong_bytes"], f"{r['error_count']} errors"))
+    if "deps" in sc:
+        per = sc["deps"]["daemon_killed_mid_request"]["per_transport"]
+        n = sum(len(v) for v in per.values())
+        hung = sum(g["hung"] for v in per.values() for g in v)
+        wrong = sum(g["wrong"] + g["wrong_after_restart"] for v in per.values() for g in v)
+        summary.append(_row("daemon killed mid-request", f"{n} clients", 0, wrong, f"{hung} hung; all raised DaemonUnavailable"))
+    if summary:
+        out += [_row("scenario", "runs", "lost", "wrong bytes", "what users saw"), _row(*["---"] * 5), *summary, ""]
+    if "crash" in sc:
+        r = sc["crash"]
+        out += ["## Crash test (kill -9 loop)", "",
+                _row("kills", "restarts", "puts", "persisted acks", "gets", "blocks served", "deletes",
+                     "lost", "wrong (live)", "wrong (after restart)", "resurrected deletes", "daemon log errors"),
+                _row(*["---"] * 12),
+                _row(r["kills"], r["restarts"], r["puts"], r["persisted_acks"], r["gets"], r["blocks_served"],
+                     r["deletes"], r["lost"], r["wrong_bytes_served"], r["wrong_after_restart"],
+                     r["resurrected_after_delete"], r["daemon_log_errors"]), "",
+                f"Traffic: {r['config']['workers']} clients ({', '.join(r['config']['transports'])}) on a pool of "
+                f"{r['config']['pool_blocks']} blocks of {r['config']['block_bytes'] // 1024} KiB, CPU tier of "
+                f"{r['config']['cpu_blocks']} blocks (constant demotion), {r['write_back_cycles']} of the runs in "
+                f"write-back mode. Blocks checked after restarts: {r['blocks_checked']} "
+                f"({r['blocks_served_after_restart']} present). Errors clients saw: "
+                f"{r['client_errors_by_type'] or 'none'}. Persisted blocks a *live* get reported as a miss: "
+                f"{r['persisted_missed_live']} (by transport: {r.get('persisted_missed_live_by_transport') or 'none'}).", ""]
+    if "disk" in sc:
+        r = sc["disk"]
+        out += ["## Disk faults", "", _row("fault", "what users saw", "lost", "wrong", "counters / notes"), _row(*["---"] * 5)]
+        f = r.get("disk_full", {})
+        if "skipped" in f:
+            out.append(_row("disk full (8 MiB tmpfs)", "skipped: " + f["skipped"], "", "", ""))
+        elif f:
+            out.append(_row("disk full (8 MiB tmpfs)",
+                            f"{f['acknowledged_persisted']} puts `persisted`, then {f['acknowledged_stored_only']} `stored` "
+                            f"(not persisted); newest {f['recent_blocks_served_from_cpu']}/8 served from CPU; after "
+                            f"freeing space: `{f['put_after_freeing']}`", f["lost"], f["wrong"],
+                            f"write_through_failures={f['write_through_failures']}, healthy={f['healthy']}"))
+        for case, g in r.get("unwritable_at_start", {}).items():
+            out.append(_row(f"unwritable dir at start ({case})", g.get("message", g.get("skipped", "")), "", "", ""))
+        g = r.get("corrupt_files", {})
+        if g:
+            out.append(_row("block files truncated / bit-flipped / emptied / swapped / deleted under a running daemon",
+                            f"{g['damaged']} damaged blocks -> misses ({g['damaged_served']} served); "
+                            f"{g['intact_missing']} intact blocks missing; stored again: {g['served_again_exact']}/6 exact",
+                            0, g["wrong"], f"corrupt_dropped={g['corrupt_dropped_counter']}, "
+                            f"kvstore_corrupt_blocks_dropped={g['corrupt_metric']:g}"))
+        g = r.get("pinned_arena", {})
+        if g:
+            out.append(_row("every CPU slot pinned (lookup leases), blocks on NVMe requested",
+                            "; ".join(f"{t}: {v['served_exact']}/{v['nvme_blocks_asked']} served" for t, v in g.items()),
+                            0, 0, "streamed around the arena instead of a false miss"))
+        for key, label in (("dir_deleted", "NVMe directory deleted while running"),
+                           ("read_only_remount", "NVMe filesystem remounted read-only while running")):
+            g = r.get(key, {})
+            if "skipped" in g:
+                out.append(_row(label, "skipped: " + g["skipped"], "", "", ""))
+            elif g:
+                out.append(_row(label, f"puts `{'/'.join(sorted(set(g['puts_after_fault'])))}`; new blocks served "
+                                f"{g['new_blocks_served']}/8; CPU-resident blocks served {g['cpu_blocks_still_served']}/"
+                                f"{g['cpu_blocks_before_fault']}; after recovery: {g['puts_after_recovery']}; "
+                                f"SIGTERM exit {g['sigterm_exit_code']}", "n/a (medium gone)", g["wrong"],
+                                f"write_through_failures={g['write_through_failures']}, corrupt_dropped={g['corrupt_dropped']}"))
+        out.append("")
+    if "memory" in sc:
+        out += ["## Memory pressure", "", _row("configuration", "outcome", "exit code", "seconds"), _row(*["---"] * 4)]
+        for case, g in sc["memory"].items():
+            if isinstance(g, dict) and "refused" in g:
+                out.append(_row(case, g.get("message", ""), g.get("exit_code"), g.get("seconds")))
+            elif isinstance(g, dict) and "skipped" in g:
+                out.append(_row(case, "skipped: " + g["skipped"], "", ""))
+        if "load" in sc and sc["load"].get("rss"):
+            rr = sc["load"]["rss"]
+            out += ["", f"Daemon RSS under the load test (anonymous memory, i.e. excluding the shared arena): start "
+                        f"{rr['rss_anon_start_mib']} MiB, peak {rr['rss_anon_peak_mib']} MiB, end {rr['rss_anon_end_mib']} MiB "
+                        f"(growth over the second half: {rr['rss_anon_second_half_growth_mib']} MiB); total RSS at the end "
+                        f"{rr['rss_total_end_mib']} MiB."]
+        out.append("")
+    if "fuzz" in sc:
+        r = sc["fuzz"]
+        codes: dict[str, int] = {}
+        for per in r["outcomes"].values():
+            for k, v in per.items():
+                codes[k] = codes.get(k, 0) + v
+        out += ["## Hostile input", "",
+                f"Fuzz: {r['requests']} randomized requests over every RPC through the raw stubs (structured "
+                "nasty values, huge batch counts, namespace/layout confusion, plus serialized messages truncated, "
+                f"bit-flipped or replaced by garbage, and one oversized message). Answers: {codes}. "
+                f"Undefined answers: **{r['undefined_answers']}**; daemon alive: {r['daemon_alive']}; "
+                f"leaks after lease expiry: {r['leaks']}; unrelated stored blocks still exact: "
+                f"{r['stored_blocks_still_exact']}/8; daemon log errors: {r['daemon_log_errors']}. (INTERNAL appears only "
+                "as gRPC's own answer to bytes that are not a protobuf message.)", ""]
+    if "slowloris" in sc:
+        r = sc["slowloris"]
+        out += [f"Slowloris: {r['stallers']} (more stalled streams than the daemon's 16 worker threads). A normal "
+                f"client was answered in {r['normal_client_answer_s']} s (exact: {r['normal_client_exact']}/2); "
+                f"stalled streams cancelled: {r['stalled_streams_cancelled']}; leases expired: {r['leases_expired']}; "
+                f"after expiry: {r['leaks_after_expiry']}; CPU blocks {r['cpu_blocks_before']} -> {r['cpu_blocks_after']}.", ""]
+    if "tenancy" in sc:
+        r = sc["tenancy"]
+        iso, q = r["isolation"], r["quota"]
+        out += ["## Tenancy", "",
+                f"- Tenant B against tenant A's namespace: {iso['refused']} (the same answer as a namespace that does "
+                f"not exist); leaked: {iso['leaked'] or 'nothing'}.",
+                f"- B claiming A's tenant name gets its own namespace ({iso['namespace_ids_differ']}); B writing garbage "
+                f"under the very same hash bytes left A's blocks exact: {iso['victim_blocks_exact']}/{iso['victim_blocks']}.",
+                f"- Wrong tokens refused: {r.get('bad_tokens_refused')}; accepted: {r.get('bad_tokens_accepted', 'none')}.",
+                f"- Quota {q['quota_bytes']} bytes, {q['writers']} concurrent writers attempting {q['attempted_blocks']} blocks: "
+                f"tenant holds {q['tenant_bytes_after']} bytes (held: {q['held']}), refusals {q['refusals']}, "
+                f"acknowledged blocks exact {q['acknowledged_served_exact']}/{q['acknowledged']}.",
+                f"- Lease hijack: {r['lease_hijack']}.", f"- sha256 block keys: {r['sha256_keys']}.",
+                f"- TLS with a test CA: {r['tls']}.", ""]
+    if "load" in sc:
+        r = sc["load"]
+        out += ["## Load", "", _row("run", "clients", "ops/s", "errors", "wrong bytes", "lookup p50/p99 ms",
+                                    "get p50/p99 ms", "put p50/p99 ms"), _row(*["---"] * 8)]
+        for name in ("single_client", "concurrent"):
+            g = r[name]
+            lat = g["latency"]
+            out.append(_row(name, g["clients"], g["ops_per_s"], g["error_count"], g["wrong_bytes"],
+                            *[f"{lat[op].get('p50_ms')} / {lat[op].get('p99_ms')}" for op in LOAD_OPS]))
+        out += ["", f"{r['concurrent']['seconds']} s per run, {r['block_bytes'] // 1024} KiB blocks; get = 4 blocks, "
+                "put = 2 new blocks, lookup = a 32-block chain. Clients: " + ", ".join(
+                    f"{n}x {mode}/{t}" for mode, t, n in r["plan"]) + f". Throughput vs one client: "
+                f"{r['throughput_ratio']}x (the machine has {m['cpus']} cores shared by clients and daemon, so "
+                "latency grows with queueing). Leases left after: " + str(r["leases_left"]) + ".", ""]
+    if "deps" in sc:
+        r = sc["deps"]
+        out += ["## Dependencies down", "", _row("transport", "raised", "seconds to raise (kill -> exception)",
+                                                 "hung", "reconnected after restart (s)", "hits after restart", "wrong"),
+                _row(*["---"] * 7)]
+        for t, runs in r["daemon_killed_mid_request"]["per_transport"].items():
+            for g in runs:
+                out.append(_row(t, g["raised"], g["seconds_to_raise"], g["hung"], g["reconnected_s"],
+                                g["hits_after_restart"], g["wrong"] + g["wrong_after_restart"]))
+        rd = r.get("redis_down", {})
+        out += ["", f"Client deadline {r['daemon_killed_mid_request']['client_timeout_s']} s. The same Client objects "
+                "were reused after the daemon came back on the same port and directory.", "",
+                f"Redis killed under a fleet-publishing Store: {rd}", ""]
+    return "\n".join(out)

@@ -1,0 +1,258 @@
+"""The planner's replay: a workload through the production Store over metadata-only tiers.
+
+The replay builds the production ``Store`` with the production eviction policies over
+``MetadataTier``s (sizes, no bytes) and, per request, does what a connector does: ``lookup`` the
+longest cached prefix, ``get`` the hits, ``put`` the misses. Every eviction, demotion, promotion
+and lease decision is therefore the real one; only the payload copies are skipped. Each
+candidate (policy x codec x CPU size x NVMe size) is one replay; ``sweep`` runs candidates in
+parallel.
+
+Leases are real too: the replay runs the store on the trace's clock (``TraceClock``), so a block
+looked up at t is pinned until t + lease_seconds of *trace* time, whatever the replay speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument, StoreFull
+from kvstore.keys import KVLayout, Namespace
+from kvstore.ops import workload as workloads
+from kvstore.ops.plan_cost import CODECS, CostModel, ttft_ms
+from kvstore.store import Store, StoreConfig
+from kvstore.tiers.metadata import MetadataTier
+from kvstore.wire import MAX_BATCH
+
+
+# -- the trace clock -------------------------------------------------------------------------------
+
+class TraceClock:
+    """The replay's clock: leases expire in trace time, not wall time (given to the Store)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- one replay ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    policy: str
+    codec: str
+    cpu_bytes: int
+    nvme_bytes: int
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    candidate: Candidate
+    requests: int
+    blocks: int                       # full blocks asked for
+    hit_blocks: dict[str, int]        # per tier
+    miss_blocks: int
+    put_rejected: int
+    counters: dict[str, int]
+    bytes_loaded: dict[str, int]      # per tier, stored bytes read on hits
+    bytes_written: int                # stored bytes put
+    bytes_placed: dict[str, int]      # per tier, stored bytes of every copy placed (puts, demotions,
+                                      # promotions, write-through): the write traffic each medium sees
+    bytes_demoted: int
+    bytes_promoted: int
+    ttft_ms: np.ndarray | None = None
+    hit_tiers: list[tuple[int, ...]] | None = None  # per request blocks hit per tier (checks)
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hit_blocks.values()) / self.blocks if self.blocks else 0.0
+
+    def tier_hit_rate(self, tier: str) -> float:
+        return self.hit_blocks.get(tier, 0) / self.blocks if self.blocks else 0.0
+
+    def ttft_percentile(self, p: float) -> float:
+        return float(np.percentile(self.ttft_ms, p)) if self.ttft_ms is not None and len(self.ttft_ms) else 0.0
+
+    def summary(self) -> dict:
+        c = self.candidate
+        return {
+            "policy": c.policy, "codec": c.codec, "cpu_bytes": c.cpu_bytes, "nvme_bytes": c.nvme_bytes,
+            "requests": self.requests, "blocks": self.blocks, "hit_rate": self.hit_rate,
+            "hit_rate_per_tier": {t: self.tier_hit_rate(t) for t in self.hit_blocks},
+            "hit_blocks": self.hit_blocks, "miss_blocks": self.miss_blocks, "put_rejected": self.put_rejected,
+            "bytes_loaded": self.bytes_loaded, "bytes_written": self.bytes_written,
+            "bytes_placed": self.bytes_placed,
+            "bytes_demoted": self.bytes_demoted, "bytes_promoted": self.bytes_promoted,
+            "ttft_ms": {f"p{p}": self.ttft_percentile(p) for p in (50, 90, 99)}
+            | {"mean": float(self.ttft_ms.mean()) if self.ttft_ms is not None and len(self.ttft_ms) else 0.0},
+            "counters": self.counters, "replay_seconds": round(self.seconds, 2),
+        }
+
+
+
+def metadata_tiers(c: Candidate, slot_bytes: int) -> list[MetadataTier]:
+    tiers = []
+    if c.cpu_bytes:
+        tiers.append(MetadataTier.like_cpu(c.cpu_bytes, slot_bytes))
+    if c.nvme_bytes:
+        tiers.append(MetadataTier.like_nvme(c.nvme_bytes))
+    if not tiers:
+        raise InvalidArgument("tier sizes", "a candidate needs a CPU or an NVMe tier (both are 0)")
+    return tiers
+
+
+def stored_layout(layout: KVLayout, codec: str) -> KVLayout:
+    """The layout whose block size is what the codec stores (the planner's model of a codec)."""
+    ratio = CODECS[codec].ratio
+    return dataclasses.replace(layout, block_bytes=max(1, math.ceil(layout.shape_bytes / ratio)))
+
+
+def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: Candidate,
+           cost: CostModel | None = None, config: StoreConfig | None = None,
+           tiers: Sequence | None = None, slot_bytes: int = 256 * 1024, keep_hit_tiers: bool = False,
+           on_progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Replay ``requests`` through a real Store: lookup, get the hits, put the misses.
+
+    ``tiers`` defaults to metadata tiers for ``candidate``; tests pass real tiers to check that
+    both give the same answer.
+    """
+    config = dataclasses.replace(config or StoreConfig(), eviction_policy=candidate.policy)
+    own_tiers = tiers is None
+    tiers = list(tiers) if tiers is not None else metadata_tiers(candidate, slot_bytes)
+    ns = Namespace(stored_layout(layout, candidate.codec), cache_salt="kvstore-plan")
+    block_bytes = ns.block_bytes
+    names = [t.name for t in tiers]
+    hit_blocks = dict.fromkeys(names, 0)
+    codec = CODECS[candidate.codec]
+    ttfts: list[float] = []
+    hit_tiers: list[tuple[int, ...]] = []
+    blocks = misses = rejected = n_requests = 0
+    started = time.perf_counter()
+    clock = TraceClock()
+    store = Store(tiers, config, clock=clock)
+    try:
+        ns_id = store.register_namespace(ns)
+        payload = np.zeros(block_bytes, dtype=np.uint8)   # one buffer, reused for every put
+        outs = [payload] * MAX_BATCH          # and as every get's destination
+        for req in requests:
+            clock.now = req.t
+            hashes = req.hash_list()
+            got = dict.fromkeys(names, 0)
+            n_hit = 0
+            for lo in range(0, len(hashes), MAX_BATCH):
+                chunk = hashes[lo:lo + MAX_BATCH]
+                n = store.lookup(ns_id, chunk).num_hit
+                n_hit += _get_hits(store, ns_id, chunk[:n], outs, got)
+                if n < len(chunk) or n_hit < lo + n:
+                    break
+            for lo in range(n_hit, len(hashes), MAX_BATCH):
+                chunk = hashes[lo:lo + MAX_BATCH]
+                try:
+                    store.put(ns_id, chunk, [payload] * len(chunk), parent=hashes[lo - 1] if lo else None)
+                except StoreFull:
+                    rejected += 1
+                    break
+            for name in names:
+                hit_blocks[name] += got[name]
+            blocks += len(hashes)
+            misses += len(hashes) - n_hit
+            n_requests += 1
+            if on_progress is not None and n_requests % 100_000 == 0:
+                on_progress(n_requests)
+            if keep_hit_tiers:
+                hit_tiers.append(tuple(got[n] for n in names))
+            if cost is not None:
+                ttfts.append(ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
+        counters = dict(store.counters)
+        placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
+    finally:
+        store.close()
+        if own_tiers:
+            for t in tiers:
+                t.close()
+    return ReplayResult(
+        candidate, n_requests, blocks, hit_blocks, misses, rejected, counters,
+        bytes_loaded={n: hit_blocks[n] * block_bytes for n in names},
+        bytes_written=counters.get("bytes_in", 0), bytes_placed=placed,
+        bytes_demoted=counters.get("demotions", 0) * block_bytes,
+        bytes_promoted=counters.get("promotions", 0) * block_bytes,
+        ttft_ms=np.asarray(ttfts, dtype=np.float64) if cost is not None else None,
+        hit_tiers=hit_tiers if keep_hit_tiers else None, seconds=time.perf_counter() - started)
+
+
+def _get_hits(store: Store, ns_id: bytes, hashes: list[bytes], outs: list, got: dict[str, int]) -> int:
+    """Get the looked-up blocks; count per tier (the store's own counters say where each came
+    from). Returns the leading blocks actually read (a get may miss after a lookup hit)."""
+    if not hashes:
+        return 0
+    before = {name: store.counters.get(f"hits_{name}", 0) for name in got}
+    sizes = store.get_into(ns_id, hashes, outs[:len(hashes)])
+    for name in got:
+        got[name] += store.counters.get(f"hits_{name}", 0) - before[name]
+    n = 0
+    while n < len(sizes) and sizes[n] is not None:
+        n += 1
+    return n
+
+
+
+# -- the sweep -------------------------------------------------------------------------------------
+
+_SHARED: dict = {}
+
+
+def _replay_shared(candidate: Candidate) -> dict:
+    s = _SHARED
+    result = replay(s["requests"], s["layout"], candidate, s["cost"], s["config"], slot_bytes=s["slot_bytes"],
+                    on_progress=s.get("on_progress"))
+    out = result.summary()
+    out["ttft_ms_samples"] = None
+    return out
+
+
+def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[Candidate], cost: CostModel,
+          config: StoreConfig, slot_bytes: int, jobs: int, progress: Callable[[dict], None] | None = None,
+          on_requests: Callable[[int], None] | None = None) -> list[dict]:
+    """Replay every candidate (in ``jobs`` forked processes sharing the request list).
+    ``on_requests`` hears every 100,000 requests replayed, in the serial case only."""
+    serial = jobs <= 1 or len(candidates) == 1
+    _SHARED.update(requests=requests, layout=layout, cost=cost, config=config, slot_bytes=slot_bytes,
+                   on_progress=on_requests if serial else None)
+    results = []
+    try:
+        if serial:
+            for c in candidates:
+                results.append(_replay_shared(c))
+                if progress:
+                    progress(results[-1])
+        else:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for r in pool.imap(_replay_shared, candidates):
+                    results.append(r)
+                    if progress:
+                        progress(r)
+    finally:
+        _SHARED.clear()
+    return results
+
+
+def ideal_hit_rate(requests: list[workloads.Request]) -> float:
+    """The hit rate of an infinite cache: the reuse the workload offers at all."""
+    seen: set[bytes] = set()
+    hits = total = 0
+    for r in requests:
+        for h in r.hash_list():
+            total += 1
+            if h in seen:
+                hits += 1
+            else:
+                seen.add(h)
+    return hits / total if total else 0.0
