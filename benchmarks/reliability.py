@@ -97,6 +97,24 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
     return r
 
 
+CALLABLE = ("corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
+            "disk_full", "fuzz", "load", "memory_refusals", "pinned_arena", "redis_down", "slowloris", "tenancy",
+            "unwritable_dir_at_start")
+
+
+def call_scenario(function: str, args: list, kwargs: dict, result_file: str) -> int:
+    """Run one scenario function (JSON arguments) and write ``{"result": ...}`` (or ``{"unsupported": why}``) as
+    JSON: tests/reliability_runner.py runs the scenarios through this, as a separate process,
+    so tests/ never imports benchmarks/."""
+    try:
+        out = {"result": globals()[function](*args, **kwargs), "load_ops": list(LOAD_OPS)}
+    except Unsupported as e:
+        out = {"unsupported": str(e)}
+    with open(result_file, "w") as f:
+        json.dump(out, f, default=str)
+    return 0
+
+
 def machine() -> dict:
     import psutil
 
@@ -107,7 +125,7 @@ def machine() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=SCENARIOS + ("all", "_load-worker"))
+    p.add_argument("scenario", choices=SCENARIOS + ("all", "_load-worker", "_call"))
     p.add_argument("--quick", action="store_true", help="CI-sized runs")
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--requests", type=int, default=10000)
@@ -122,10 +140,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-bytes", type=int, default=64 * KiB)
     p.add_argument("--result-file")
+    # _call (internal): run one scenario function with JSON keyword arguments, for the CI tests
+    p.add_argument("--function", choices=CALLABLE)
+    p.add_argument("--args", default="[]")
+    p.add_argument("--kwargs", default="{}")
     args = p.parse_args(argv)
     if args.scenario == "_load-worker":
         run_load_worker(args)
         return 0
+    if args.scenario == "_call":
+        return call_scenario(args.function, json.loads(args.args), json.loads(args.kwargs), args.result_file)
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
     workdir = args.workdir or tempfile.mkdtemp(prefix="kvstore-reliability-")
     path = os.path.join(args.out, "reliability.json")

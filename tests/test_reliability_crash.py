@@ -5,16 +5,11 @@ the same NVMe directory after each kill. The long version (>= 50 kills) is
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import reliability as R  # noqa: E402
+import reliability_runner as R
 
 
 def test_kill_9_loop_loses_nothing_acknowledged_and_serves_no_wrong_byte(tmp_path):
-    r = R.crash_test(str(tmp_path), kills=10, traffic_s=(0.3, 1.0), seed=3)
+    r = R.run("crash_test", str(tmp_path), kills=10, traffic_s=(0.3, 1.0), seed=3)
     assert r["kills"] == 10 and r["restarts"] == 10
     assert r["exit_codes"] == {"-9": 10}                   # each death was our kill, not a crash
     assert r["persisted_acks"] > 0 and r["blocks_served"] > 0 and r["deletes"] > 0, r

@@ -4,25 +4,20 @@ machine. Clear errors, the CPU tier keeps serving, counters report, never a wron
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import reliability as R  # noqa: E402
+import reliability_runner as R
 
 
 def _or_skip(fn, *args, **kwargs):
     try:
-        return fn(*args, **kwargs)
+        return R.run(fn, *args, **kwargs)
     except R.Unsupported as e:
         pytest.skip(str(e))
 
 
 def test_disk_full_degrades_to_cpu_and_recovers(tmp_path):
-    r = _or_skip(R.disk_full, str(tmp_path))
+    r = _or_skip("disk_full", str(tmp_path))
     assert r["acknowledged_persisted"] > 0 and r["acknowledged_stored_only"] > 0, r  # the disk did fill
     assert r["lost"] == 0 and r["wrong"] == 0, r
     assert r["write_through_failures"] == r["acknowledged_stored_only"], r           # counted, not hidden
@@ -32,7 +27,7 @@ def test_disk_full_degrades_to_cpu_and_recovers(tmp_path):
 
 
 def test_unwritable_nvme_dir_is_refused_at_start_naming_the_path(tmp_path):
-    r = R.unwritable_dir_at_start(str(tmp_path))
+    r = R.run("unwritable_dir_at_start", str(tmp_path))
     for case, got in r.items():
         if "skipped" in got:
             continue
@@ -41,7 +36,7 @@ def test_unwritable_nvme_dir_is_refused_at_start_naming_the_path(tmp_path):
 
 
 def test_damaged_block_files_are_misses_never_wrong_bytes(tmp_path):
-    r = R.corrupt_files_while_running(str(tmp_path))
+    r = R.run("corrupt_files_while_running", str(tmp_path))
     assert r["nvme_only"] >= r["damaged"] == 6, r
     assert r["damaged_served"] == 0 and r["wrong"] == 0 and r["intact_missing"] == 0, r
     assert r["corrupt_dropped_counter"] == 6 and r["corrupt_metric"] == 6, r           # Stats and Prometheus
@@ -50,7 +45,7 @@ def test_damaged_block_files_are_misses_never_wrong_bytes(tmp_path):
 
 @pytest.mark.parametrize("mode", ["deleted", "read_only"])
 def test_nvme_dir_lost_while_running_cpu_keeps_serving(tmp_path, mode):
-    r = _or_skip(R.dir_lost_while_running, str(tmp_path), mode)
+    r = _or_skip("dir_lost_while_running", str(tmp_path), mode)
     assert r["wrong"] == 0 and r["healthy"] and r["daemon_log_errors"] == 0, r
     assert r["puts_after_fault"] == ["stored"] * 8, r                                 # never claimed persisted
     assert r["write_through_failures"] == 8, r
@@ -63,7 +58,7 @@ def test_nvme_dir_lost_while_running_cpu_keeps_serving(tmp_path, mode):
 
 
 def test_tiers_larger_than_the_machine_are_refused_not_oom_killed(tmp_path):
-    r = R.memory_refusals(str(tmp_path))
+    r = R.run("memory_refusals", str(tmp_path))
     for case, got in r.items():
         if "skipped" in got:
             continue
@@ -72,7 +67,7 @@ def test_tiers_larger_than_the_machine_are_refused_not_oom_killed(tmp_path):
 
 
 def test_fully_pinned_arena_still_serves_blocks_from_nvme(tmp_path):
-    r = R.pinned_arena(str(tmp_path))
+    r = R.run("pinned_arena", str(tmp_path))
     for transport, got in r.items():
         assert got["pinned_cpu_blocks"] == 4, (transport, got)
         assert got["served_exact"] == got["nvme_blocks_asked"] == 3, (transport, got)

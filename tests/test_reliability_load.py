@@ -5,28 +5,24 @@ Store or the fleet. The 64-client version is ``python benchmarks/reliability.py 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import reliability as R  # noqa: E402
+import reliability_runner as R
 
 
 def test_concurrent_clients_smoke(tmp_path):
-    r = R.load(str(tmp_path), clients=12, seconds=3, procs=2)
+    out = R.run_full("load", str(tmp_path), clients=12, seconds=3, procs=2)
+    r = out["result"]
     for run in (r["single_client"], r["concurrent"]):
         assert run["error_count"] == 0, run["errors"]
         assert run["wrong_bytes"] == 0
-        assert all(run["latency"][op]["n"] > 0 for op in R.LOAD_OPS), run["latency"]
+        assert all(run["latency"][op]["n"] > 0 for op in out["load_ops"]), run["latency"]
     assert r["concurrent"]["clients"] == 12
     assert r["daemon_alive"] and r["daemon_log_errors"] == 0
 
 
 def test_daemon_killed_mid_request_then_back(tmp_path):
-    r = R.daemon_killed_mid_request(str(tmp_path))
+    r = R.run("daemon_killed_mid_request", str(tmp_path))
     for transport, (res,) in r["per_transport"].items():
         assert not res["hung"], (transport, res)
         assert res["raised"] == "DaemonUnavailable", (transport, res)
@@ -38,7 +34,7 @@ def test_daemon_killed_mid_request_then_back(tmp_path):
 
 def test_redis_down_and_back(tmp_path):
     try:
-        r = R.redis_down(str(tmp_path))
+        r = R.run("redis_down", str(tmp_path))
     except R.Unsupported as e:
         pytest.skip(str(e))
     assert r["errors_while_down"] == [], r

@@ -3,16 +3,11 @@ hold under concurrent writers, unguessable lease ids, sha256 block keys, TLS wit
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import reliability as R  # noqa: E402
+import reliability_runner as R
 
 
 def test_tenancy(tmp_path):
-    r = R.tenancy(str(tmp_path))
+    r = R.run("tenancy", str(tmp_path))
     iso = r["isolation"]
     assert iso["namespace_ids_differ"] and iso["leaked"] == [], iso
     assert set(iso["refused"].values()) <= {"UnknownNamespace", "PERMISSION_DENIED"}, iso
