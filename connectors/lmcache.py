@@ -27,7 +27,9 @@ Threads and failures
 LMCache's store and prefetch controller threads submit tasks and poll event fds; the adapter
 never blocks them: each task runs on a small worker pool, then records its result and
 signals the task kind's event fd. A daemon that is down or slow turns into failed stores and
-zero bitmaps, never an exception.
+zero bitmaps, never an exception: each namespace is reached through a
+``kvstore.client.NamespaceHandle`` (all sharing one client and one circuit breaker), which
+registers it again after a daemon restart and skips calls for a while after repeated failures.
 
 Locks: a lookup also takes kvstore's lookup lease on the blocks it found, so they are not
 evicted before the load that follows; leases expire by themselves, so unlock has nothing
@@ -39,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -50,16 +51,13 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.client import Client
-from kvstore.errors import KVStoreError, UnknownNamespace
+from kvstore.client import CircuitBreaker, Client, NamespaceHandle
 from kvstore.keys import MAX_HASH_BYTES, KVLayout, Namespace
+from kvstore.wire import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
 LAYOUT_NAME = "lmcache_mp_object"
-FAILURE_LOG_INTERVAL_S = 10.0
-#: the store's per-request limit on hashes (kvstore.store.MAX_BATCH)
-MAX_HASHES_PER_CALL = 4096
 
 
 class KVStoreL2AdapterConfig(L2AdapterConfigBase):
@@ -155,9 +153,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._done_store: dict[L2TaskId, L2StoreResult] = {}
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
-        self._namespaces: dict[tuple[str, str, int], bytes] = {}   # (model, salt, size) -> namespace id
-        self._sizes: dict[tuple[str, str], set[int]] = {}          # (model, salt) -> object sizes seen
-        self._last_failure_log = 0.0
+        self._breaker = CircuitBreaker()   # one daemon behind every namespace: one breaker
+        self._namespaces: dict[tuple[str, str, int], NamespaceHandle] = {}   # (model, salt, size) -> handle
+        self._sizes: dict[tuple[str, str], set[int]] = {}                    # (model, salt) -> object sizes seen
         self._closed = False
 
     # ---- event fds ---------------------------------------------------------------------
@@ -171,33 +169,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return self._load_efd.fileno()
 
     # ---- namespaces ----------------------------------------------------------------------
-    def _namespace(self, model: str, salt: str, size: int) -> bytes:
+    def _namespace(self, model: str, salt: str, size: int) -> NamespaceHandle:
+        """The handle of the namespace for objects of this model, salt and size."""
         k = (model, salt, size)
-        ns = self._namespaces.get(k)
-        if ns is None:
-            layout = KVLayout(model=model, num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
-                              block_tokens=1, layout=LAYOUT_NAME, kv_per_token=1, block_bytes=size)
-            ns = self.client.register_namespace(Namespace(layout, tenant=self.config.tenant, cache_salt=salt))
-            with self._lock:
-                self._namespaces[k] = ns
+        with self._lock:
+            handle = self._namespaces.get(k)
+            if handle is None:
+                layout = KVLayout(model=model, num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                                  block_tokens=1, layout=LAYOUT_NAME, kv_per_token=1, block_bytes=size)
+                handle = self._namespaces[k] = NamespaceHandle(
+                    Namespace(layout, tenant=self.config.tenant, cache_salt=salt), client=self.client,
+                    breaker=self._breaker, name="kvstore L2")
                 self._sizes.setdefault((model, salt), set()).add(size)
-        return ns
-
-    def _with_namespace(self, model: str, salt: str, size: int, fn, *args):
-        """Call ``fn(ns, *args)``; if the daemon restarted and forgot the namespace, register again."""
-        try:
-            return fn(self._namespace(model, salt, size), *args)
-        except UnknownNamespace:
-            with self._lock:
-                self._namespaces.pop((model, salt, size), None)
-            return fn(self._namespace(model, salt, size), *args)
-
-    def _failed(self, what: str, e: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
-            self._last_failure_log = now
-            kind = "" if isinstance(e, KVStoreError) else f" ({type(e).__name__})"
-            logger.warning("kvstore L2 %s failed%s: %s", what, kind, e)
+            return handle
 
     # ---- tasks ---------------------------------------------------------------------------
     def _new_task(self) -> L2TaskId:
@@ -224,17 +208,20 @@ class KVStoreL2Adapter(L2AdapterInterface):
         try:
             sizes = [o.get_size() for o in objects]
             for (model, salt, size), idx in self._groups(keys, sizes).items():
-                for s in range(0, len(idx), MAX_HASHES_PER_CALL):
-                    part = idx[s:s + MAX_HASHES_PER_CALL]
-                    self._with_namespace(model, salt, size, self.client.put,
-                                         [block_hash(keys[i]) for i in part],
-                                         [object_bytes(objects[i]) for i in part])
+                handle = self._namespace(model, salt, size)
+                for s in range(0, len(idx), MAX_BATCH):
+                    part = idx[s:s + MAX_BATCH]
+                    ok = handle.put([block_hash(keys[i]) for i in part], [object_bytes(objects[i]) for i in part])
+                    if not ok:
+                        break
                     stored += size * len(part)
-            if keys:
+                if not ok:
+                    break
+            if ok and keys:
                 self._notify_keys_stored(keys, sizes)
-        except Exception as e:
+        except Exception as e:  # a malformed object, not the daemon (the handle turns those into False)
             ok = False
-            self._failed("store", e)
+            logger.warning("kvstore L2 store failed: %s", e)
         with self._lock:
             self._done_store[tid] = L2StoreResult(ok, stored if ok else 0)
         self._store_efd.notify()
@@ -270,17 +257,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 for (model, salt, size), local in groups.items():
                     idx = [tries[j] for j in local]
                     hashes = [block_hash(keys[i]) for i in idx]
-                    present = self._with_namespace(model, salt, size, self.client.exists, hashes)
+                    handle = self._namespace(model, salt, size)
+                    present = handle.exists(hashes)
                     hit = [i for i, p in zip(idx, present) if p]
                     if hit:  # the lock: one lookup over the hits leases them until the load
-                        self._with_namespace(model, salt, size, self.client.lookup,
-                                             [block_hash(keys[i]) for i in hit])
+                        handle.lookup([block_hash(keys[i]) for i in hit])
                     found.update(hit)
                 for i in found:
                     bitmap.set(i)
                 pending = [i for i in pending if i not in found]
-        except Exception as e:
-            self._failed("lookup", e)
+        except Exception as e:  # a malformed key or layout, not the daemon
+            logger.warning("kvstore L2 lookup failed: %s", e)
         with self._lock:
             self._done_lookup[tid] = bitmap
         self._lookup_efd.notify()
@@ -303,19 +290,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
             sizes = [o.get_size() for o in objects]
             hits = []
             for (model, salt, size), idx in self._groups(keys, sizes).items():
-                for s in range(0, len(idx), MAX_HASHES_PER_CALL):
-                    part = idx[s:s + MAX_HASHES_PER_CALL]
+                handle = self._namespace(model, salt, size)
+                for s in range(0, len(idx), MAX_BATCH):
+                    part = idx[s:s + MAX_BATCH]
                     outs = [object_bytes(objects[i]).numpy() for i in part]
-                    got = self._with_namespace(model, salt, size, self.client.get_into,
-                                               [block_hash(keys[i]) for i in part], outs)
+                    got = handle.get_into([block_hash(keys[i]) for i in part], outs)
                     for i, n in zip(part, got):
                         if n is not None and n == size:
                             bitmap.set(i)
                             hits.append(keys[i])
             if hits:
                 self._notify_keys_accessed(hits)
-        except Exception as e:
-            self._failed("load", e)
+        except Exception as e:  # a malformed object, not the daemon
+            logger.warning("kvstore L2 load failed: %s", e)
         with self._lock:
             self._done_load[tid] = bitmap
         self._load_efd.notify()
@@ -333,10 +320,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             with self._lock:
                 sizes = sorted(self._sizes.get((model, salt), ()))
             for size in sizes:
-                try:
-                    self._with_namespace(model, salt, size, self.client.delete, [block_hash(k) for k in ks])
-                except Exception as e:
-                    self._failed("delete", e)
+                self._namespace(model, salt, size).delete([block_hash(k) for k in ks])
 
     def report_status(self) -> dict:
         try:

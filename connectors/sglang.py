@@ -27,16 +27,16 @@ without the TP rank, and every rank reads them.
 Why nothing raises
 ------------------
 Storage calls run on SGLang's backup and prefetch threads; an exception there kills the
-thread. Every daemon failure (down, slow, out of space) is logged and reported as a miss
-or a failed set, so SGLang recomputes.
+thread. The daemon is reached through ``kvstore.client.NamespaceHandle``: every daemon
+failure (down, slow, out of space) is logged once and reported as a miss or a failed set,
+so SGLang recomputes; after repeated failures calls are skipped for a few seconds, and a
+restarted daemon gets the namespace registered again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-import time
 from typing import Any, List, Optional
 
 import numpy as np
@@ -47,16 +47,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvstore.client import Client
-from kvstore.errors import KVStoreError, UnknownNamespace
+from kvstore.client import Client, NamespaceHandle
 from kvstore.keys import KVLayout, Namespace
+from kvstore.wire import MAX_BATCH
 
 logger = logging.getLogger(__name__)
-
-#: the store's per-request limit on hashes (kvstore.store.MAX_BATCH)
-MAX_HASHES_PER_CALL = 4096
-#: log a daemon failure at most this often (the threads retry every batch)
-FAILURE_LOG_INTERVAL_S = 10.0
 
 
 def page_digest(key: str) -> bytes:
@@ -177,17 +172,26 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.url = extra.get("url")
         self.cache_salt = str(extra.get("cache_salt", ""))
         self.tenant = str(extra.get("tenant", ""))
-        self.client = Client(url=self.url, token=extra.get("token"),
-                             timeout_s=float(extra.get("timeout_s", 5.0)),
-                             transport=extra.get("transport", "auto"))
+        self._client = Client(url=self.url, token=extra.get("token"),
+                              timeout_s=float(extra.get("timeout_s", 5.0)),
+                              transport=extra.get("transport", "auto"))
         self.is_writer = storage_config.is_storage_writer
         self.geometry: Optional[PoolGeometry] = None
         self.namespace: Optional[Namespace] = None
-        self._ns_id: Optional[bytes] = None
-        self._ns_lock = threading.Lock()
-        self._last_failure_log = 0.0
-        self.stats = {"set_pages": 0, "set_failed": 0, "get_pages": 0, "get_missed": 0,
-                      "daemon_errors": 0}
+        self._handle: Optional[NamespaceHandle] = None   # set with the pool: it fixes the namespace
+        self.stats = {"set_pages": 0, "set_failed": 0, "get_pages": 0, "get_missed": 0}
+
+    @property
+    def client(self) -> Client:
+        """The daemon client (this backend owns it)."""
+        return self._client
+
+    @client.setter
+    def client(self, client: Client) -> None:
+        """Point the backend at another daemon connection (the caller closed the old one)."""
+        self._client = client
+        if self._handle is not None:
+            self._handle.use_client(client)
 
     # ---- pool registration: fixes the namespace --------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -195,49 +199,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.geometry = PoolGeometry(mem_pool_host)
         self.namespace = Namespace(self.geometry.layout_for(self.config), tenant=self.tenant,
                                    cache_salt=self.cache_salt)
-        self._ns_id = None
-        self._namespace_id()  # register now if the daemon is up; later calls retry otherwise
-
-    def _namespace_id(self) -> Optional[bytes]:
-        if self.namespace is None:
-            return None
-        with self._ns_lock:
-            if self._ns_id is None:
-                try:
-                    self._ns_id = self.client.register_namespace(self.namespace)
-                except Exception as e:  # daemon down: every call is a miss until it is back
-                    self._daemon_failed("register_namespace", e)
-            return self._ns_id
-
-    def _call(self, what: str, fn, *args):
-        """Run a client call against the namespace; re-register once if the daemon forgot it."""
-        ns = self._namespace_id()
-        if ns is None:
-            return None
-        try:
-            return fn(ns, *args)
-        except UnknownNamespace:  # daemon restarted: its namespaces are gone
-            with self._ns_lock:
-                self._ns_id = None
-            ns = self._namespace_id()
-            if ns is None:
-                return None
-            try:
-                return fn(ns, *args)
-            except Exception as e:
-                self._daemon_failed(what, e)
-                return None
-        except Exception as e:
-            self._daemon_failed(what, e)
-            return None
-
-    def _daemon_failed(self, what: str, e: BaseException) -> None:
-        self.stats["daemon_errors"] += 1
-        now = time.monotonic()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
-            self._last_failure_log = now
-            kind = "" if isinstance(e, KVStoreError) else f" ({type(e).__name__})"
-            logger.warning("kvstore %s failed%s: %s; treating as a miss", what, kind, e)
+        self._handle = NamespaceHandle(self.namespace, client=self._client, name="kvstore HiCache")
+        self._handle.register()  # now if the daemon is up; later calls retry otherwise
 
     # ---- primitives on segments ---------------------------------------------------------
     def _exists_pages(self, keys: List[str]) -> int:
@@ -247,10 +210,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         spp = self.geometry.segments_per_page
         hashes = segment_hashes(keys, spp)
         present: List[bool] = []
-        for i in range(0, len(hashes), MAX_HASHES_PER_CALL):
-            got = self._call("exists", self.client.exists, hashes[i:i + MAX_HASHES_PER_CALL])
-            if got is None:
-                break
+        for i in range(0, len(hashes), MAX_BATCH):
+            got = self._handle.exists(hashes[i:i + MAX_BATCH])
             present.extend(bool(x) for x in got)
             if not all(got):
                 break
@@ -264,12 +225,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         spp = self.geometry.segments_per_page
         hashes = segment_hashes(keys, spp)
         ok = [False] * len(keys)
-        pages_per_call = max(1, MAX_HASHES_PER_CALL // spp)
+        pages_per_call = max(1, MAX_BATCH // spp)
         for start in range(0, len(keys), pages_per_call):
             end = min(len(keys), start + pages_per_call)
-            res = self._call("put", self.client.put, hashes[start * spp:end * spp],
-                             segments[start * spp:end * spp])
-            if res is None:
+            if not self._handle.put(hashes[start * spp:end * spp], segments[start * spp:end * spp]):
                 break
             for p in range(start, end):
                 ok[p] = True
@@ -282,13 +241,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         spp = self.geometry.segments_per_page
         hashes = segment_hashes(keys, spp)
         ok = [False] * len(keys)
-        pages_per_call = max(1, MAX_HASHES_PER_CALL // spp)
+        pages_per_call = max(1, MAX_BATCH // spp)
         for start in range(0, len(keys), pages_per_call):
             end = min(len(keys), start + pages_per_call)
-            sizes = self._call("get_into", self.client.get_into, hashes[start * spp:end * spp],
-                               outs[start * spp:end * spp])
-            if sizes is None:
-                break
+            sizes = self._handle.get_into(hashes[start * spp:end * spp], outs[start * spp:end * spp])
             for p in range(start, end):
                 got = sizes[(p - start) * spp:(p - start + 1) * spp]
                 ok[p] = all(s is not None and s == self.geometry.segment_bytes for s in got)
@@ -412,12 +368,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """SGLang's "flush storage": kvstore is shared, so only this backend's counters reset."""
         for k in self.stats:
             self.stats[k] = 0
+        if self._handle is not None:
+            self._handle.reset_counters()
 
     def get_stats(self):
-        return dict(self.stats)
+        errors = self._handle.counters()["failures"] if self._handle is not None else 0
+        return {**self.stats, "daemon_errors": errors}
 
     def close(self) -> None:
         try:
-            self.client.close()
+            self._client.close()
         except Exception:
             pass

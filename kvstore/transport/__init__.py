@@ -1,6 +1,11 @@
-"""How bulk bytes move between a client and the daemon.
+"""How bulk bytes move between a client and the daemon: the framing both ends share.
 
 * ``shm``    — same host: the client maps the daemon's CPU arena; RPCs carry slot extents only.
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
+
+This package owns the wire format of each transport and both of its ends (the client's in
+``kvstore.client``, the daemon's in ``kvstore.service`` call in here). It must not import the
+client, the service, the store or ``tiers`` (only ``kvstore.buffers`` and the generated protocol),
+so a client never pulls in the daemon's storage code.
 """

@@ -1,0 +1,50 @@
+"""What the scheduler hands the workers each step (loads and saves), and the connector's counters.
+
+vLLM ships the metadata from the scheduler process to the workers and aggregates the stats
+across workers, so both are plain dataclasses of vLLM's base types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclasses.dataclass
+class BlockTransfer:
+    """Blocks of one request to move: vLLM block ids and the kvstore hashes, index-aligned."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+    parent: bytes | None = None   # hash of the block before hashes[0] (saves; eviction uses it)
+
+
+@dataclasses.dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counters since the last report (vLLM logs ``reduce()`` as "KV Transfer metrics")."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, key: str, n: int | float = 1) -> None:
+        self.data[key] = self.data.get(key, 0) + n
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreConnectorStats":
+        for k, v in (other.data or {}).items():
+            self.add(k, v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

@@ -1,0 +1,71 @@
+"""Whole blocks in and out of vLLM's per-layer paged KV tensors.
+
+vLLM keeps one KV tensor per layer with the block index on one of its dimensions; kvstore stores a
+block as every layer's page for it, back to back. Contiguous layers with the block index first
+move with one ``index_select`` / ``index_copy_`` each; any other arrangement takes a slower path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PagedBlocks:
+    """Copies whole blocks between vLLM's per-layer paged KV tensors and a flat staging buffer.
+
+    Each layer tensor has one dimension of size ``num_blocks``; a layer's page for block ``b`` is
+    the slice at ``b`` on that dimension. A stored block is the pages of all layers back to back.
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int) -> None:
+        self.layers: list[torch.Tensor] = []
+        self.block_dims: list[int] = []
+        self.page_bytes: list[int] = []
+        for name in layer_names:
+            t = kv_caches[name]
+            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            if not dims:
+                raise ValueError(f"layer {name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
+            d = dims[0]
+            self.layers.append(t)
+            self.block_dims.append(d)
+            self.page_bytes.append(t.numel() // num_blocks * t.element_size())
+        self.offsets = np.cumsum([0] + self.page_bytes).tolist()
+        self.block_bytes = self.offsets[-1]
+        self.device = self.layers[0].device
+        self._fast = [d == 0 and t.is_contiguous() for t, d in zip(self.layers, self.block_dims)]
+
+    def _as_pages(self, i: int) -> torch.Tensor:
+        """Layer ``i`` as uint8 [num_blocks, page_bytes] (a view; fast path only)."""
+        t = self.layers[i]
+        return t.view(torch.uint8).view(t.shape[0], -1)
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` into ``out`` (uint8 [n, block_bytes], on the CPU)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for i, t in enumerate(self.layers):
+            a, b = self.offsets[i], self.offsets[i + 1]
+            if self._fast[i]:
+                pages = self._as_pages(i).index_select(0, idx)
+            else:
+                d = self.block_dims[i]
+                pages = t.index_select(d, idx).movedim(d, 0).contiguous().view(torch.uint8).view(len(block_ids), -1)
+            out[:, a:b].copy_(pages)
+
+    def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
+        """Copy ``src`` (uint8 [n, block_bytes]) into blocks ``block_ids`` of every layer."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for i, t in enumerate(self.layers):
+            a, b = self.offsets[i], self.offsets[i + 1]
+            pages = src[:, a:b].to(self.device)
+            if self._fast[i]:
+                self._as_pages(i).index_copy_(0, idx, pages)
+            else:
+                d = self.block_dims[i]
+                shape = list(t.shape)
+                shape[d] = 1
+                moved = [shape[d]] + shape[:d] + shape[d + 1:]
+                for j, blk in enumerate(block_ids):
+                    piece = pages[j].contiguous().view(t.dtype).view(moved).movedim(0, d)
+                    t.narrow(d, blk, 1).copy_(piece)

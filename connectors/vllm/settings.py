@@ -1,0 +1,49 @@
+"""The connector's settings, parsed from vLLM's ``kv_connector_extra_config``.
+
+Unknown keys and values of the wrong type are refused at start-up, by name, rather than ignored:
+a typo in a deployment's config should fail the launch, not silently disable caching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    url: str | None = None
+    token: str | None = None
+    transport: str = "auto"
+    lookup_timeout_s: float = 0.5
+    timeout_s: float = 5.0
+    retry_after_s: float = 5.0
+    cache_salt: str = ""
+    model_id: str | None = None
+    hash_seed: int = 0
+    load: bool = True
+    save: bool = True
+    max_pending_saves: int = 64
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        out = {}
+        for name, value in extra.items():
+            kind = known[name].type
+            try:
+                if kind == "bool":
+                    out[name] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                elif kind == "float":
+                    out[name] = float(value)
+                elif kind == "int":
+                    out[name] = int(value)
+                else:
+                    out[name] = None if value is None else str(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config.{name}: cannot use {value!r} as {kind}") from None
+        return cls(**out)

@@ -1,0 +1,107 @@
+"""Which transport data calls use, agreed with the daemon run that answered the Handshake.
+
+``"auto"`` maps the daemon's arena when it is openable on this host (proved by a nonce the daemon
+writes next to the arena and by the arena file's identity), else opens the raw-TCP side channel,
+else streams gRPC chunks. The choice is per daemon *run*: it is dropped when the daemon becomes
+unreachable or a lease answer comes from another run, and made again on the next data call.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+from kvstore.client.rpc import RpcChannel
+from kvstore.client.rpc_errors import DaemonRestarted
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.transport import chunks, shm
+from kvstore.transport.bulk import BulkChannel
+from kvstore.wire import PROTOCOL_VERSION, SERVER_ID_KEY
+
+TRANSPORTS = ("auto", "shm", "bulk", "grpc")
+
+
+class Negotiation:
+    """The negotiated transport: a mapped arena (shm), a side channel (bulk), or neither (gRPC)."""
+
+    def __init__(self, rpc: RpcChannel, transport: str, chunk_bytes: int | None) -> None:
+        if transport not in TRANSPORTS:
+            raise InvalidArgument("transport", f"one of {TRANSPORTS}, got {transport!r}")
+        self.rpc = rpc
+        self.transport = transport
+        self.chunk_bytes = chunk_bytes
+        self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
+        self.arena: shm.ArenaMap | None = None
+        self.bulk: BulkChannel | None = None
+        self._negotiated = False
+        self._lock = threading.Lock()
+        rpc.on_unreachable = self.reset
+
+    @property
+    def active(self) -> str:
+        """What data calls use now: "shm", "bulk" or "grpc"."""
+        self.ensure()
+        return "shm" if self.arena is not None else "bulk" if self.bulk is not None else "grpc"
+
+    def ensure(self) -> None:
+        """Handshake with the daemon unless this run's transport is already agreed."""
+        if self._negotiated:
+            return
+        nonce = secrets.token_bytes(16)
+        hs = self.rpc.call("Handshake", pb.HandshakeRequest(nonce=nonce, client_version=PROTOCOL_VERSION))
+        with self._lock:
+            if self._negotiated:
+                return
+            self.server_id = hs.server_id
+            if self.chunk_bytes is None:
+                self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
+            self.arena = self._map_arena(hs, nonce)
+            if self.arena is None and self.transport in ("auto", "bulk") and hs.bulk_port:
+                try:
+                    self.bulk = BulkChannel(self.rpc.host, hs.bulk_port, hs.bulk_ticket, self.rpc.timeout_s)
+                except OSError:
+                    self.bulk = None
+            self._negotiated = True
+
+    def _map_arena(self, hs, nonce: bytes) -> shm.ArenaMap | None:
+        arena = None
+        if self.transport in ("auto", "shm") and hs.arena_path and shm.nonce_is_local(hs.probe_path, nonce):
+            try:
+                arena = shm.ArenaMap(hs.arena_path, hs.arena_bytes, hs.arena_dev, hs.arena_ino)
+            except OSError:
+                arena = None
+        if self.transport == "shm" and arena is None:
+            raise InvalidArgument("transport", "shm was requested but the daemon's arena is not "
+                                               "reachable from this process (another host, or no CPU tier)")
+        return arena
+
+    def reset(self) -> None:
+        """Forget the negotiated transport (the daemon may have restarted with a new arena)."""
+        with self._lock:
+            self._negotiated = False
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+            if self.bulk is not None:
+                self.bulk.close()
+                self.bulk = None
+
+    def call_same_daemon(self, method: str, request):
+        """A lease RPC whose answer holds arena offsets: valid only if the daemon run that answered
+        is the one whose arena we mapped. A daemon restarted behind the same address (the channel
+        reconnects silently) has a new arena; using its offsets in the old mapping would hand out
+        wrong bytes, so that raises ``DaemonRestarted`` and the caller renegotiates."""
+        resp, call = self.rpc.call(method, request, with_call=True)
+        meta = dict(call.trailing_metadata() or ())
+        answered_by = meta.get(SERVER_ID_KEY)
+        if answered_by != self.server_id:
+            release = "CompleteLoad" if method == "PrepareLoad" else "AbortStore"
+            try:
+                self.rpc.call(release, pb.LeaseRequest(lease_id=resp.lease_id))
+            except KVStoreError:
+                pass  # it expires on its own
+            self.reset()
+            raise DaemonRestarted(f"the daemon at {self.rpc.address} restarted (run {answered_by}, "
+                                  f"mapped {self.server_id})")
+        return resp, meta

@@ -1,0 +1,111 @@
+"""The gRPC channel to one daemon: address parsing, credentials, and calls with retries.
+
+Every call the Client makes goes through ``RpcChannel.call``, so the retry policy (idempotent
+calls retried on UNAVAILABLE with short backoff inside the deadline) and the error mapping live in
+one place. When the daemon turns out to be unreachable, ``on_unreachable`` runs (the Client drops
+its negotiated transport then: a restarted daemon has a new arena and a new side channel).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.client.rpc_errors import error_from_rpc
+from kvstore.errors import DaemonUnavailable, InvalidArgument
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import DEFAULT_URL
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def parse_url(url: str | None) -> tuple[str, bool]:
+    """``(host:port, tls)`` from ``host:port``, ``grpc[s]://`` or ``http[s]://`` (default: $KVSTORE_URL)."""
+    url = url or os.environ.get("KVSTORE_URL") or DEFAULT_URL
+    tls = False
+    for prefix, secure in (("grpcs://", True), ("grpc://", False), ("http://", False), ("https://", True)):
+        if url.startswith(prefix):
+            url, tls = url[len(prefix):], secure
+    if ":" not in url:
+        raise InvalidArgument("url", f"{url!r} is not HOST:PORT")
+    return url.rstrip("/"), tls
+
+
+class RpcChannel:
+    """One gRPC channel with the kvstore and health stubs and the caller's bearer token."""
+
+    def __init__(self, url: str | None, token: str | None, timeout_s: float, retries: int,
+                 root_ca: str | None) -> None:
+        self.address, tls = parse_url(url)
+        self.host = self.address.rpartition(":")[0].strip("[]")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.on_unreachable: Callable[[], None] = lambda: None
+        self.closed = False
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.enable_retries", 0)]
+        if tls or root_ca:
+            ca = None  # None: the system's roots
+            if root_ca:
+                with open(root_ca, "rb") as f:
+                    ca = f.read()
+            self.channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(ca), options)
+        else:
+            self.channel = grpc.insecure_channel(self.address, options)
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
+             with_call: bool = False):
+        """One RPC with retries on UNAVAILABLE inside the deadline; raises kvstore errors.
+        ``stream_factory`` builds a fresh request stream per attempt (streams are one-shot)."""
+        if self.closed:
+            raise DaemonUnavailable("client is closed")
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        fn = getattr(self.stub, method)
+        if with_call:
+            fn = fn.with_call
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                req = stream_factory() if stream_factory else request
+                return fn(req, timeout=max(remaining, 0.001), metadata=self.metadata)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if (isinstance(err, DaemonUnavailable) and e.code() == grpc.StatusCode.UNAVAILABLE
+                        and attempt < self.retries and deadline - time.monotonic() > 0.05):
+                    attempt += 1
+                    time.sleep(min(0.05 * 2 ** attempt, max(0.0, deadline - time.monotonic())))
+                    continue
+                raise self.failed(err) from None
+
+    def future(self, method: str, request, timeout_s: float):
+        """Start an RPC without waiting (bulk transfers run the socket while it is in flight)."""
+        return getattr(self.stub, method).future(request, timeout=timeout_s, metadata=self.metadata)
+
+    def failed(self, err: Exception) -> Exception:
+        """Note a failed call (an unreachable daemon resets the transport); returns ``err`` to raise."""
+        if isinstance(err, DaemonUnavailable):
+            self.on_unreachable()
+        return err
+
+    def health(self) -> bool:
+        """True when the daemon answers SERVING; False when it is down, stopping or unreachable."""
+        try:
+            resp = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self.closed = True
+        self.channel.close()
+

@@ -1,0 +1,107 @@
+"""Same-host data path: copy blocks in and out of the daemon's mapped arena under leases.
+
+A load copies out of the arena while its blocks are pinned by a lease, then ``CompleteLoad``; if
+the lease had expired (a stalled client), the blocks are reported as misses because their slots
+may have been reused. A store stops writing and aborts when its lease is close to expiry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvstore import errors
+from kvstore.client.delivery import put_results, require_fit, require_raw
+from kvstore.client.negotiation import Negotiation
+from kvstore.errors import KVStoreError
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import UNSTAGED_KEY
+
+STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
+
+
+class ShmPath:
+    """Puts and gets through the mapped arena. ``stream_one`` fetches blocks the arena could not
+    stage (present, but no free unpinned slot) over a streaming path instead of missing them."""
+
+    def __init__(self, negotiation: Negotiation, stream_one: Callable) -> None:
+        self.negotiation = negotiation
+        self.rpc = negotiation.rpc
+        self.stream_one = stream_one
+        self._pending: list = []   # background CompleteLoad calls
+
+    def put(self, ns_id: bytes, hashes, arrays, parent: bytes | None, block_bytes: int) -> list[str]:
+        t0 = time.monotonic()
+        lease, _ = self.negotiation.call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
+            namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes))
+        safe_until = t0 + STORE_LEASE_SAFETY * lease.expires_in
+        try:
+            for blk, src in zip(lease.blocks, arrays):
+                if blk.present:
+                    continue
+                if time.monotonic() > safe_until:
+                    raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
+                self.negotiation.arena.copy_in([(e.offset, e.length) for e in blk.extents], src)
+        except BaseException:
+            try:
+                self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
+            except KVStoreError:
+                pass  # the lease expires on its own
+            raise
+        return put_results(self.rpc.call("CompleteStore", pb.LeaseRequest(lease_id=lease.lease_id)))
+
+    def get(self, ns_id: bytes, hashes, dsts, block_bytes: int) -> list[int | None]:
+        sizes: list[int | None] = [None] * len(hashes)
+        start = 0
+        while start < len(hashes):
+            self.settle()  # our previous pins are released before we pin more (small arenas)
+            t0 = time.monotonic()
+            lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes))
+            got = []
+            try:
+                for k, blk in enumerate(lease.blocks):
+                    i = start + k
+                    require_raw(blk.codec, i)
+                    require_fit(blk.size, dsts[i])
+                    extents = [(e.offset, e.length) for e in blk.extents]
+                    got.append((i, self.negotiation.arena.copy_out(extents, dsts[i])))
+            finally:
+                confirmed = self._release(lease, t0)
+            if confirmed:
+                for i, n in got:
+                    sizes[i] = n
+            stop = start + len(lease.blocks)
+            if meta.get(UNSTAGED_KEY) and stop < len(hashes):
+                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [dsts[stop]])[0]
+            start = stop + 1  # skip past the first miss
+        return sizes
+
+    def _release(self, lease, t0: float) -> bool:
+        """Release a load lease; True when the copies made under it are trustworthy.
+
+        The daemon started the lease after ``t0``, so a copy that ended before ``t0 + expires_in``
+        ran entirely under the pins: release them without waiting for the answer (one round trip
+        less per get). A slower copy is trusted only if the daemon confirms."""
+        if time.monotonic() < t0 + lease.expires_in:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self.rpc.future("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id),
+                                                 self.rpc.timeout_s))
+            return True
+        try:
+            self.rpc.call("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id))
+            return True
+        except errors.LeaseExpired:
+            return False  # slots may have been reused while we copied: report misses
+
+    def settle(self) -> None:
+        """Wait for background releases, so what this client observes next includes them.
+        A lost release only means the pins last until the lease ends."""
+        for f in self._pending:
+            try:
+                f.result()
+            except grpc.RpcError:
+                pass
+        self._pending = []

@@ -1,0 +1,256 @@
+"""``Client``: the blocking client of one daemon (control calls, and puts / gets by transport).
+
+    c = Client("127.0.0.1:7373", token=None, timeout_s=5.0, transport="auto")
+    ns_id = c.register_namespace(Namespace(layout, cache_salt="..."))
+    c.put(ns_id, hashes, blocks)            # bytes / numpy / CPU torch tensors
+    sizes = c.get_into(ns_id, hashes, outs)  # None = miss
+
+Requests are checked here (sizes, writable buffers) before anything moves, cut into batches of
+the wire's limits, and sent over the negotiated transport (``kvstore.client.negotiation``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore import errors
+from kvstore.buffers import as_bytes
+from kvstore.client.negotiation import Negotiation
+from kvstore.client.rpc import RpcChannel
+from kvstore.client.rpc_errors import DaemonRestarted
+from kvstore.client.shm_path import ShmPath
+from kvstore.client.stream_paths import BulkPath, GrpcPath
+from kvstore.errors import InvalidArgument, WrongBlockSize
+from kvstore.keys import Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import MAX_BATCH, MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, Lookup
+
+
+def batches(n: int, size: int = MAX_BATCH):
+    """``(start, stop)`` ranges covering ``n`` items, at most ``size`` each."""
+    return ((i, min(i + size, n)) for i in range(0, n, size))
+
+
+def chain_batches(chains: Sequence[Sequence[bytes]]):
+    """``(start, stop)`` ranges of ``chains`` that each fit one LookupBatch (chains and hashes)."""
+    start = 0
+    while start < len(chains):
+        stop, total = start, 0
+        while stop < len(chains) and stop - start < MAX_LOOKUP_BATCH and \
+                (stop == start or total + len(chains[stop]) <= MAX_LOOKUP_HASHES):
+            total += len(chains[stop])
+            stop += 1
+        yield start, stop
+        start = stop
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 5.0,
+                 transport: str = "auto", retries: int = 2, root_ca: str | None = None,
+                 chunk_bytes: int | None = None) -> None:
+        self._rpc = RpcChannel(url, token, timeout_s, retries, root_ca)
+        self._negotiation = Negotiation(self._rpc, transport, chunk_bytes)
+        self._grpc = GrpcPath(self._negotiation)
+        self._bulk = BulkPath(self._negotiation)
+        self._shm = ShmPath(self._negotiation, stream_one=self._get_streamed)
+        self._block_bytes: dict[bytes, int] = {}
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._rpc.address
+
+    @property
+    def host(self) -> str:
+        return self._rpc.host
+
+    @property
+    def timeout_s(self) -> float:
+        return self._rpc.timeout_s
+
+    @property
+    def transport(self) -> str:
+        """What was asked for ("auto", "shm", "bulk" or "grpc"); ``active_transport`` is what runs."""
+        return self._negotiation.transport
+
+    @property
+    def active_transport(self) -> str:
+        """What data calls use now: "shm", "bulk" or "grpc"."""
+        return self._negotiation.active
+
+    @property
+    def server_id(self) -> str | None:
+        """The daemon run this client negotiated with (None before the first data call)."""
+        return self._negotiation.server_id
+
+    @property
+    def mapped_arena(self):
+        """The daemon's arena as this process mapped it (a ``transport.shm.ArenaMap``), or None
+        when data does not move through shared memory."""
+        self._negotiation.ensure()
+        return self._negotiation.arena
+
+    @property
+    def channel(self):
+        """The gRPC channel, for tools that speak the raw protocol (e.g. with their own metadata)."""
+        return self._rpc.channel
+
+    def call(self, method: str, request, timeout_s: float | None = None):
+        """One raw RPC by method name, with this client's token, retries and error mapping (tools
+        and fault-injection tests drive lease RPCs with it)."""
+        return self._rpc.call(method, request, timeout_s)
+
+    def _expected(self, ns_id: bytes) -> int:
+        return self._block_bytes.get(bytes(ns_id), 0)
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """True when the daemon answers SERVING; False when it is down, stopping or unreachable."""
+        return self._rpc.health()
+
+    def register_namespace(self, ns: Namespace) -> bytes:
+        layout = pb.Layout(**ns.layout.to_dict())
+        resp = self._rpc.call("RegisterNamespace", pb.RegisterNamespaceRequest(
+            layout=layout, cache_salt=ns.cache_salt, tenant=ns.tenant))
+        ns_id = bytes(resp.namespace_id)
+        self._block_bytes[ns_id] = resp.block_bytes
+        return ns_id
+
+    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
+        """Leading blocks of the chain present in the daemon (pinned for the lease time)."""
+        hit, tiers = 0, []
+        for a, b in batches(len(hashes)):
+            r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=hashes[a:b], no_lease=not lease))
+            hit += r.num_hit
+            tiers += list(r.tiers)
+            if r.num_hit < b - a:
+                break
+        return Lookup(hit, tiers)
+
+    def lookup_many(self, ns_id: bytes, chains: Sequence[Sequence[bytes]], lease: bool = True) -> list[Lookup]:
+        """Many chains in one RPC (batched scheduling: thousands of lookups per second)."""
+        out = []
+        for a, b in chain_batches(chains):
+            req = pb.LookupBatchRequest(requests=[pb.LookupRequest(namespace_id=ns_id, hashes=c, no_lease=not lease)
+                                                  for c in chains[a:b]])
+            out += [Lookup(r.num_hit, list(r.tiers)) for r in self._rpc.call("LookupBatch", req).responses]
+        return out
+
+    def exists(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for a, b in batches(len(hashes)):
+            out += list(self._rpc.call("Exists", pb.ExistsRequest(namespace_id=ns_id, hashes=hashes[a:b])).present)
+        return out
+
+    def delete(self, ns_id: bytes, hashes: Sequence[bytes]) -> int:
+        return sum(self._rpc.call("Delete", pb.DeleteRequest(namespace_id=ns_id, hashes=hashes[a:b])).deleted
+                   for a, b in batches(len(hashes)))
+
+    def stats(self) -> dict:
+        self._shm.settle()
+        return json.loads(self._rpc.call("Stats", pb.StatsRequest()).json)
+
+    def route(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[dict]:
+        """Fleet mode: per node, how many leading blocks of this chain it holds, longest first."""
+        resp = self._rpc.call("Route", pb.RouteRequest(namespace_id=ns_id, hashes=list(hashes)))
+        return [{"node_id": n.node_id, "address": n.address, "blocks": n.blocks, "tokens": n.tokens,
+                 "memory_blocks": n.memory_blocks, "disk_blocks": n.disk_blocks} for n in resp.nodes]
+
+    # -- put -------------------------------------------------------------------------------------
+
+    def put(self, ns_id: bytes, hashes: Sequence[bytes], blocks: Sequence, parent: bytes | None = None) -> list[str]:
+        """Store a chain of blocks; per block "stored", "exists" or "persisted"."""
+        if len(blocks) != len(hashes):
+            raise InvalidArgument("blocks", f"{len(blocks)} blocks for {len(hashes)} hashes")
+        arrays = [as_bytes(b) for b in blocks]
+        want = self._expected(ns_id)
+        for i, a in enumerate(arrays):
+            if want and a.nbytes != want:
+                raise WrongBlockSize(want, a.nbytes, i)
+        self._negotiation.ensure()
+        results: list[str] = []
+        for a, b in batches(len(hashes)):
+            p = parent if a == 0 else hashes[a - 1]
+            results += self._put_batch(ns_id, list(hashes[a:b]), arrays[a:b], p)
+        return results
+
+    def _put_batch(self, ns_id, hashes, arrays, parent) -> list[str]:
+        block_bytes = arrays[0].nbytes if arrays else 0
+        if self._negotiation.arena is not None:
+            try:
+                return self._shm.put(ns_id, hashes, arrays, parent, block_bytes)
+            except errors.TierFull:
+                pass  # the arena is full of pinned blocks: the streaming paths can land lower down
+            except DaemonRestarted:
+                self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
+                if self._negotiation.arena is not None:
+                    return self._shm.put(ns_id, hashes, arrays, parent, block_bytes)
+        bulk = self._negotiation.bulk
+        if bulk is not None:
+            return self._bulk.put(bulk, ns_id, hashes, arrays, parent, block_bytes)
+        return self._grpc.put(ns_id, hashes, arrays, parent, block_bytes)
+
+    # -- get -------------------------------------------------------------------------------------
+
+    def get_into(self, ns_id: bytes, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Copy each block into the writable buffer ``outs[i]``; its size, or None for a miss."""
+        if len(outs) != len(hashes):
+            raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
+        dsts = [as_bytes(o) for o in outs]
+        want = self._expected(ns_id)
+        for i, d in enumerate(dsts):
+            if want and d.nbytes < want:
+                raise InvalidArgument(f"outs[{i}]", f"buffer of {d.nbytes} bytes; blocks are {want} bytes")
+            if not d.flags.writeable:
+                raise InvalidArgument(f"outs[{i}]", "buffer is read-only")
+        self._negotiation.ensure()
+        sizes: list[int | None] = []
+        for a, b in batches(len(hashes)):
+            sizes += self._get_batch(ns_id, list(hashes[a:b]), dsts[a:b])
+        return sizes
+
+    def get(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[bytes | None]:
+        want = self._expected(ns_id)
+        if not want:
+            raise InvalidArgument("namespace_id", "unknown to this client; call register_namespace first")
+        outs = [np.empty(want, dtype=np.uint8) for _ in hashes]
+        sizes = self.get_into(ns_id, hashes, outs)
+        return [None if n is None else o[:n].tobytes() for o, n in zip(outs, sizes)]
+
+    def _get_batch(self, ns_id, hashes, dsts) -> list[int | None]:
+        block_bytes = self._expected(ns_id)
+        if self._negotiation.arena is not None:
+            try:
+                return self._shm.get(ns_id, hashes, dsts, block_bytes)
+            except DaemonRestarted:
+                self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
+                if self._negotiation.arena is not None:
+                    return self._shm.get(ns_id, hashes, dsts, block_bytes)
+        return self._get_streamed(ns_id, hashes, dsts)
+
+    def _get_streamed(self, ns_id, hashes, dsts) -> list[int | None]:
+        """A get over the side channel when there is one, else over gRPC chunks."""
+        bulk = self._negotiation.bulk
+        if bulk is not None:
+            return self._bulk.get(bulk, ns_id, hashes, dsts, self._expected(ns_id))
+        return self._grpc.get(ns_id, hashes, dsts, self._expected(ns_id))
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._shm.settle()
+        self._negotiation.reset()
+        self._closed = True
+        self._rpc.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
