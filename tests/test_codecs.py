@@ -578,3 +578,27 @@ def test_int4_statistics_do_not_depend_on_the_sign_of_zero(codec, dtype, monkeyp
         assert np.array_equal(ref_b, encode_block(codec, b, layout)[1])
     out = decode_block(CODEC_IDS[codec], ref_a, layout).view(TORCH_DTYPES[dtype])
     assert not bool(torch.signbit(out[out == 0]).any())
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("codec", LOSSY)
+def test_cuda_reduction_forms_give_the_cpu_payload(codec, dtype, monkeypatch):
+    """On CUDA the reference takes each statistic in one kernel (inf-norm, ``aminmax``); on the CPU
+    in their vectorised forms (``abs().amax()``, ``amin`` + ``amax``). Run here, on the CPU, both
+    must give the same payload, decode to the same block and refuse NaN alike."""
+    from kvstore.codecs import exact
+    layout = make_layout("vllm_cpu" if dtype == "float16" else LAYOUTS[0], L=3, T=32, H=2, D=64, dtype=dtype)
+    raws = [as_bytes(pack_block(*realistic_kv(3, 32, 2, 64, TORCH_DTYPES[dtype], seed=21), layout.layout)),
+            *signed_zero_blocks(layout, seed=22)]
+    if dtype == "bfloat16":
+        raws.append(special_values_block(layout, seed=23))
+    for raw in raws:
+        plain = reference_payload(codec, raw, layout, monkeypatch)
+        monkeypatch.setattr(exact, "one_kernel_reductions", lambda device: True)
+        as_on_cuda = reference_payload(codec, raw, layout, monkeypatch)  # (undoes the patch after)
+        assert np.array_equal(plain, as_on_cuda), f"{int((plain != as_on_cuda).sum())} bytes differ"
+    k, v = realistic_kv(3, 32, 2, 64, TORCH_DTYPES[dtype])
+    v[2, 31, 1, 63] = float("nan")
+    monkeypatch.setattr(exact, "one_kernel_reductions", lambda device: True)
+    with pytest.raises(CodecError, match="NaN or Inf in V"):
+        reference_payload(codec, as_bytes(pack_block(k, v, layout.layout)), layout, monkeypatch)

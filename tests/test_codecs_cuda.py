@@ -41,8 +41,8 @@ def test_encode_on_gpu_gives_the_cpu_payload(codec, dtype):
     """Encoding a CUDA tensor runs the torch reference on the GPU; every step (float32
     division, round-half-even, RNE casts) is exactly rounded, so the payload is byte-identical
     to the CPU's. Two things would break that and the codecs avoid them: dividing by a Python
-    number (CUDA multiplies by its inexact reciprocal: ``base.div_exact``) and storing a zero
-    statistic's sign (reductions meet +0/-0 in another order: ``base.canonical_zero``).
+    number (CUDA multiplies by its inexact reciprocal: ``exact.div_exact``) and storing a zero
+    statistic's sign (reductions meet +0/-0 in another order: ``exact.canonical_zero``).
     CPU twins: test_payload_does_not_depend_on_device_arithmetic and
     test_int4_statistics_do_not_depend_on_the_sign_of_zero in test_codecs.py."""
     layout = make_layout(L=3, T=32, H=2, D=64, dtype=dtype)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore.codecs.base import Codec, as_byte_tensor
+from kvstore.codecs.base import Codec, as_byte_tensor, to_device
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.header import HEADER_BYTES, parse_header, verify_body
 from kvstore.codecs.int4 import Int4Codec
@@ -133,7 +133,7 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
     verify_body(header, view[HEADER_BYTES:])
     body = host[HEADER_BYTES:]
     if dst.device.type != "cpu" and codec.lossy:
-        body = body.to(dst.device)
+        body = to_device(body, dst.device)
     codec.decode(header, body, layout, dst)
     return dst
 

@@ -25,6 +25,8 @@ from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
 ALIGN = 16
+#: bytes after a reference-encoded body for its finiteness check (see ``SectionCodec.quantize``)
+CHECK_BYTES = 8
 
 #: set False (or KVSTORE_CODECS_REFERENCE=1) to run only the torch reference implementation
 USE_FAST = os.environ.get("KVSTORE_CODECS_REFERENCE", "") in ("", "0")
@@ -93,11 +95,17 @@ class SectionCodec(Codec):
     def sections(self, shape: kvlayout.BlockShape) -> list[Section]:
         raise NotImplementedError
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor, shape: kvlayout.BlockShape) -> dict[str, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, shape: kvlayout.BlockShape, parts: dict[str, torch.Tensor],
+                 check: torch.Tensor) -> None:
+        """Quantise ``x`` (float32 ``[2, L, T, H, D]``, K then V: scratch, may be overwritten) into
+        ``parts`` (the payload's sections, on ``x``'s device) with whole-block torch ops, and write
+        into ``check`` (a float64 scalar) a number that is finite iff the block is: it crosses to
+        the host with the payload, so encoding synchronises with the device once."""
         raise NotImplementedError
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: kvlayout.BlockShape,
-                   k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+                   block: torch.Tensor) -> None:
+        """Write the block into ``block`` (flat, ``shape.dtype``, on ``parts``' device)."""
         raise NotImplementedError
 
     def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
@@ -125,58 +133,79 @@ class SectionCodec(Codec):
 
     def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
         shape = self.shape_of(layout)
-        payload = np.empty(HEADER_BYTES + self.body_bytes(shape), dtype=np.uint8)
-        body = torch.from_numpy(payload[HEADER_BYTES:])
         fast = fast_kernels(shape, raw.device)
-        if fast is not None:
-            parts = self._unpack(body, shape, zero_padding=True)
-            block = raw.view(torch.int16)
-            k16, v16 = kvlayout.split_kv(block, shape)
-            self.fast_encode(fast, fast.source(k16, block), fast.source(v16, block), parts)
-        elif raw.device.type == "cpu":
-            self._pack(self._reference_parts(raw, shape), shape, body)
-        else:  # assemble on the device, cross to the host once
-            staged = torch.empty(body.numel(), dtype=torch.uint8, device=raw.device)
-            self._pack(self._reference_parts(raw, shape), shape, staged)
-            body.copy_(staged)
+        payload = self._encode_reference(raw, shape) if fast is None else self._encode_fast(fast, raw, shape)
         payload[:HEADER_BYTES] = np.frombuffer(
             make_header(self.codec_id, self.param, layout, memoryview(payload[HEADER_BYTES:])), np.uint8)
         return payload
 
-    def _reference_parts(self, raw: torch.Tensor, shape: kvlayout.BlockShape) -> dict[str, torch.Tensor]:
-        k, v = kvlayout.split_kv(raw.view(shape.dtype), shape)
-        return self.quantize(k, v, shape)
+    def _encode_fast(self, fast, raw: torch.Tensor, shape: kvlayout.BlockShape) -> np.ndarray:
+        payload = np.empty(HEADER_BYTES + self.body_bytes(shape), dtype=np.uint8)
+        parts = self._unpack(torch.from_numpy(payload[HEADER_BYTES:]), shape, zero_padding=True)
+        block = raw.view(torch.int16)
+        k16, v16 = kvlayout.split_kv(block, shape)
+        self.fast_encode(fast, fast.source(k16, block), fast.source(v16, block), parts)
+        return payload
+
+    def _encode_reference(self, raw: torch.Tensor, shape: kvlayout.BlockShape) -> np.ndarray:
+        """The torch path, on ``raw``'s device: a fixed few whole-block ops (no per-layer or
+        per-section loops, no host round trips); the payload is assembled on the device and
+        crosses to the host in one copy (pinned memory from a CUDA device), the finiteness check
+        riding in its last 8 bytes."""
+        n = self.body_bytes(shape)
+        on_host = raw.device.type == "cpu"
+        if on_host:
+            payload = np.empty(HEADER_BYTES + n + CHECK_BYTES, dtype=np.uint8)
+            staged = torch.from_numpy(payload[HEADER_BYTES:])
+        else:
+            staged = torch.empty(n + CHECK_BYTES, dtype=torch.uint8, device=raw.device)
+        x = torch.empty((2, shape.layers, shape.tokens, shape.heads, shape.dim), dtype=torch.float32,
+                        device=raw.device)
+        for view, i in kvlayout.kv_views(raw.view(shape.dtype), shape):
+            x[i].copy_(view)
+        self.quantize(x, shape, self._unpack(staged[:n], shape, zero_padding=True),
+                      staged[n:].view(torch.float64)[0])
+        if not on_host:
+            host = torch.empty(HEADER_BYTES + n + CHECK_BYTES, dtype=torch.uint8,
+                               pin_memory=raw.device.type == "cuda")
+            host[HEADER_BYTES:].copy_(staged)  # the one synchronisation with the device
+            payload = host.numpy()
+        if not math.isfinite(payload[HEADER_BYTES + n:].view(np.float64)[0]):
+            raise nonfinite_error(raw, shape)
+        return payload[:HEADER_BYTES + n]
 
     def decode(self, header: Header, body: torch.Tensor, layout: KVLayout, out: torch.Tensor) -> None:
         shape = self.shape_of(layout)
         parts = self._unpack(body, shape)
         fast = fast_kernels(shape, out.device)
-        if fast is not None:
-            block = out.view(torch.int16)
-            k16, v16 = kvlayout.split_kv(block, shape)
-            for view, i in ((k16, 0), (v16, 1)):
-                words, geom, finish = fast.target(view, block)
-                self.fast_decode(fast, parts, i, words, geom)
-                finish()
+        if fast is None:
+            self.dequantize(parts, shape, out.view(shape.dtype))
             return
-        k_out, v_out = kvlayout.split_kv(out.view(shape.dtype), shape)
-        self.dequantize(parts, shape, k_out, v_out)
+        block = out.view(torch.int16)
+        k16, v16 = kvlayout.split_kv(block, shape)
+        for view, i in ((k16, 0), (v16, 1)):
+            words, geom, finish = fast.target(view, block)
+            self.fast_decode(fast, parts, i, words, geom)
+            finish()
 
-    def _pack(self, parts: dict[str, torch.Tensor], shape: kvlayout.BlockShape, body: torch.Tensor) -> None:
-        offset = 0
-        for s in self.sections(shape):
-            t = parts[s.name]
-            assert t.dtype == s.dtype and tuple(t.shape) == s.shape, (s, t.dtype, t.shape)
-            body[offset:offset + s.nbytes].view(s.dtype).view(s.shape).copy_(t)
-            body[offset + s.nbytes:offset + _aligned(s.nbytes)] = 0  # padding: deterministic bytes
-            offset += _aligned(s.nbytes)
+    @staticmethod
+    def rows(parts: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
+        """Sections ``names`` (same dtype and shape, evenly spaced in the body, as K and V's
+        sections are) as one strided tensor ``[len(names), *shape]``: one op writes them all."""
+        first = parts[names[0]]
+        step = (parts[names[-1]].data_ptr() - first.data_ptr()) // first.element_size() // max(len(names) - 1, 1)
+        for i, name in enumerate(names):
+            t = parts[name]
+            assert t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous(), name
+            assert t.data_ptr() == first.data_ptr() + i * step * first.element_size(), names
+        return first.as_strided((len(names), *first.shape), (step, *first.stride()))
 
     def _unpack(self, body: torch.Tensor, shape: kvlayout.BlockShape,
                 zero_padding: bool = False) -> dict[str, torch.Tensor]:
         parts, offset = {}, 0
         for s in self.sections(shape):
             parts[s.name] = body[offset:offset + s.nbytes].view(s.dtype).view(s.shape)
-            if zero_padding:
+            if zero_padding and _aligned(s.nbytes) > s.nbytes:  # padding: deterministic bytes
                 body[offset + s.nbytes:offset + _aligned(s.nbytes)] = 0
             offset += _aligned(s.nbytes)
         if offset != body.numel():
@@ -184,47 +213,26 @@ class SectionCodec(Codec):
         return parts
 
 
-def check_finite(lo: torch.Tensor, hi: torch.Tensor, what: str) -> None:
-    """Refuse NaN/Inf. Called on per-group minima/maxima (which propagate NaN/Inf) so the check
-    costs a pass over the small statistics, not over the block."""
-    bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
-    if bool(bad.any()):
-        first = [int(i) for i in bad.nonzero()[0].tolist()]
-        raise CodecError(f"block contains NaN or Inf in {what} (first at statistics index {first}); "
-                         "refusing to encode it")
+def nonfinite_error(raw: torch.Tensor, shape: kvlayout.BlockShape) -> CodecError:
+    """Why a block was refused: its first NaN/Inf, found only once a check said there is one."""
+    for name, t in zip("KV", kvlayout.split_kv(raw.view(shape.dtype), shape)):
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0].tolist()]
+            return CodecError(f"block contains NaN or Inf in {name} (first at [layer, token, head, dim] "
+                              f"= {first}); refusing to encode it")
+    return CodecError("block contains NaN or Inf; refusing to encode it")
 
 
-def div_exact(x: torch.Tensor, divisor: float) -> torch.Tensor:
-    """``x / divisor``, correctly rounded on every device.
-
-    Never write ``tensor / python_number`` in a codec: CUDA torch computes a division by a CPU
-    scalar as ``x * (1 / divisor)`` (``div_true_kernel_cuda``), one rounding more, so whenever
-    ``1 / divisor`` is inexact (1/448, 1/15) some quotients come out one ulp high, e.g.
-    ``1.3125 / 448 = 0.0029296875`` (a bf16 value) but ``1.3125 * fl(1/448) = 0.0029296877``,
-    which ``round_up`` then bumps to the next bf16. The CPU and ``fast_cpu`` divide exactly.
-    A tensor / tensor division is a true IEEE division on both devices."""
-    return x / torch.full_like(x, divisor)
-
-
-def canonical_zero(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with -0.0 replaced by +0.0. Which zero a min/max reduction returns for a group
-    holding both depends on the order it visits them (CPU vector lanes, CUDA thread blocks,
-    the compiled kernels' loop); statistics computed from it must not."""
-    return torch.where(x == 0, torch.zeros_like(x), x)
-
-
-def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32, >= 0) in ``dtype``, never smaller than ``x``: a stored scale must still
-    cover the range it was computed for."""
-    y = x.to(dtype)
-    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
-
-
-def round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32) in ``dtype``, never larger than ``x``: a stored minimum must stay below
-    every value of its group."""
-    y = x.to(dtype)
-    return torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (CPU bytes) copied to ``device`` without blocking the host on CUDA: staged through
+    pinned memory (a pageable copy waits for the transfer), whose block torch recycles only once
+    the copy is done. Decode then queues its kernels behind it and returns."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
 
 
 def as_byte_tensor(buf, field: str) -> torch.Tensor:

@@ -194,7 +194,7 @@ def fp8_decode(codes, scales, lut, out, off, L, T, H, D, sl, st, sh, per_head):
 
 @njit(inline="always")
 def _plus_zero(x):
-    """-0.0 -> +0.0, as ``base.canonical_zero`` (a min/max over +0 and -0 may return either)."""
+    """-0.0 -> +0.0, as ``exact.canonical_zero`` (a min/max over +0 and -0 may return either)."""
     return ZERO if x == ZERO else x
 
 

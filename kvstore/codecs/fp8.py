@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.codecs.base import Section, SectionCodec, check_finite, div_exact, round_up
-from kvstore.codecs.layout import BlockShape
+from kvstore.codecs.base import Section, SectionCodec
+from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
+from kvstore.codecs.layout import BlockShape, kv_views
 from kvstore.errors import CodecError
 
 E4M3_MAX = 448.0
@@ -38,27 +39,19 @@ class Fp8Codec(SectionCodec):
         """[2, L, H] or [2, L, T, H] -> broadcastable against [2, L, T, H, D]."""
         return scale[:, :, None, :, None] if self.per_head else scale[..., None]
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor, s: BlockShape) -> dict[str, torch.Tensor]:
-        x = torch.empty((2, s.layers, s.tokens, s.heads, s.dim), dtype=torch.float32, device=k.device)
-        x[0].copy_(k)
-        x[1].copy_(v)
-        lo, hi = torch.aminmax(x, dim=-1)                 # [2, L, T, H]
-        check_finite(lo, hi, "K/V")
-        amax = torch.maximum(lo.abs(), hi.abs())  # abs: a row of zeros gets +0, not -0
-        if self.per_head:
-            amax = amax.amax(dim=2)                       # [2, L, H]
-        scale = round_up(div_exact(amax, E4M3_MAX), SCALE_DTYPE)  # not amax / 448: see div_exact
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-        x.div_(self._broadcast(safe)).clamp_(-E4M3_MAX, E4M3_MAX)
-        codes = x.to(torch.float8_e4m3fn).view(torch.uint8)
-        return {"codes": codes, "scales": scale}
+    def quantize(self, x: torch.Tensor, s: BlockShape, parts: dict[str, torch.Tensor],
+                 check: torch.Tensor) -> None:
+        amax = max_abs(x, (2, 4) if self.per_head else 4)  # per row (or head); NaN/Inf propagate
+        finiteness_check(amax, check)
+        scale = round_up(div_exact(amax, E4M3_MAX), SCALE_DTYPE, out=parts["scales"])  # not amax / 448
+        x.div_(self._broadcast(nonzero_or_one(scale))).clamp_(-E4M3_MAX, E4M3_MAX)
+        parts["codes"].view(torch.float8_e4m3fn).copy_(x)
 
-    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape,
-                   k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape, block: torch.Tensor) -> None:
         x = parts["codes"].view(torch.float8_e4m3fn).float()
-        x.mul_(self._broadcast(parts["scales"].float()))
-        k_out.copy_(x[0])
-        v_out.copy_(x[1])
+        scales = self._broadcast(parts["scales"])
+        for view, i in kv_views(block, s):  # x * scale rounded to float32, stored in the block's dtype
+            torch.mul(x[i], scales[i], out=view)
 
     def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
         codes = parts["codes"].numpy()

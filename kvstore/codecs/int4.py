@@ -16,22 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.codecs.base import (Section, SectionCodec, canonical_zero, check_finite, div_exact,
-                                 round_down, round_up)
-from kvstore.codecs.layout import BlockShape
+from kvstore.codecs.base import Section, SectionCodec
+from kvstore.codecs.exact import (canonical_zero, div_exact, finiteness_check, min_max, nonzero_or_one, round_down,
+                                  round_up)
+from kvstore.codecs.layout import BlockShape, split_kv
 from kvstore.errors import CodecError
 
 LEVELS = 15
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes in [0, 15] (even count) -> half as many bytes, even index in the low nibble."""
-    flat = q.reshape(-1, 2)
-    return flat[:, 0] | (flat[:, 1] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(-1)
 
 
 class Int4Codec(SectionCodec):
@@ -69,37 +60,43 @@ class Int4Codec(SectionCodec):
         return ((s.layers, s.tokens // kg, kg, s.heads, s.dim), 2,
                 (s.layers, s.tokens, s.heads, s.dim // vg, vg), 4)
 
-    @staticmethod
-    def _quantize_groups(x: torch.Tensor, dim: int, dtype: torch.dtype, what: str):
-        lo, hi = torch.aminmax(x, dim=dim)
-        check_finite(lo, hi, what)
-        lo, hi = canonical_zero(lo), canonical_zero(hi)  # stored stats never depend on -0 vs +0
-        mn = round_down(lo, dtype)
-        scale = round_up(div_exact(hi - mn.float(), LEVELS), dtype)  # not ... / 15: see div_exact
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-        x.sub_(mn.float().unsqueeze(dim)).div_(safe.unsqueeze(dim)).round_().clamp_(0, LEVELS)
-        return pack_nibbles(x.to(torch.uint8)), scale, mn
-
-    def quantize(self, k: torch.Tensor, v: torch.Tensor, s: BlockShape) -> dict[str, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, s: BlockShape, parts: dict[str, torch.Tensor],
+                 check: torch.Tensor) -> None:
+        """K and V groups differ in shape, so only their reductions and group-wise steps run apart;
+        their statistics share one tensor (one pass of each rounding step for both) and the
+        elementwise steps run over the whole block."""
         k_shape, k_dim, v_shape, v_dim = self._grouped(s)
-        xk = torch.empty((s.layers, s.tokens, s.heads, s.dim), dtype=torch.float32, device=k.device)
-        xk.copy_(k)
-        xv = torch.empty_like(xk)
-        xv.copy_(v)
-        kc, ks, km = self._quantize_groups(xk.view(k_shape), k_dim, s.dtype, "K")
-        vc, vs, vm = self._quantize_groups(xv.view(v_shape), v_dim, s.dtype, "V")
-        return {"k_codes": kc, "v_codes": vc, "k_scale": ks, "k_min": km, "v_scale": vs, "v_min": vm}
+        k_stats, v_stats = parts["k_scale"].shape, parts["v_scale"].shape
+        nk = parts["k_scale"].numel()
+        minmax = torch.empty((2, nk + parts["v_scale"].numel()), dtype=torch.float32, device=x.device)
+        lo, hi = minmax[0], minmax[1]  # K groups, then V groups
+        min_max(x[0].view(k_shape), k_dim, (lo[:nk].view(k_stats), hi[:nk].view(k_stats)))
+        min_max(x[1].view(v_shape), v_dim, (lo[nk:].view(v_stats), hi[nk:].view(v_stats)))
+        finiteness_check(minmax, check)
+        lo, hi = canonical_zero(minmax)  # stored stats never depend on -0 vs +0
+        stats = torch.empty((2, minmax.shape[1]), dtype=s.dtype, device=x.device)  # scale, min: payload order
+        mn = round_down(lo, s.dtype, out=stats[1])
+        scale = round_up(div_exact(hi - mn, LEVELS), s.dtype, out=stats[0])  # not ... / 15: see div_exact
+        safe = nonzero_or_one(scale)
+        self.rows(parts, ("k_scale", "k_min")).copy_(stats[:, :nk].view(2, *k_stats))
+        self.rows(parts, ("v_scale", "v_min")).copy_(stats[:, nk:].view(2, *v_stats))
+        for i, shape, dim, groups, n in ((0, k_shape, k_dim, slice(0, nk), k_stats),
+                                         (1, v_shape, v_dim, slice(nk, None), v_stats)):
+            x[i].view(shape).sub_(mn[groups].view(n).unsqueeze(dim)).div_(safe[groups].view(n).unsqueeze(dim))
+        x.round_().clamp_(0, LEVELS)
+        pairs = x.view(2, -1, 2)  # two codes per byte, even element in the low nibble
+        self.rows(parts, ("k_codes", "v_codes")).copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))
 
-    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape,
-                   k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape, block: torch.Tensor) -> None:
+        codes = self.rows(parts, ("k_codes", "v_codes"))
+        x = torch.empty((*codes.shape, 2), dtype=torch.float32, device=codes.device)
+        torch.bitwise_and(codes, 0x0F, out=x[..., 0])
+        torch.bitwise_right_shift(codes, 4, out=x[..., 1])
         k_shape, k_dim, v_shape, v_dim = self._grouped(s)
-        full = (s.layers, s.tokens, s.heads, s.dim)
-        for codes, scale, mn, shape, dim, out in (
-                (parts["k_codes"], parts["k_scale"], parts["k_min"], k_shape, k_dim, k_out),
-                (parts["v_codes"], parts["v_scale"], parts["v_min"], v_shape, v_dim, v_out)):
-            x = unpack_nibbles(codes).float().view(shape)
-            x.mul_(scale.float().unsqueeze(dim)).add_(mn.float().unsqueeze(dim))
-            out.copy_(x.view(full))
+        for i, (name, shape, dim, out) in enumerate(zip("kv", (k_shape, v_shape), (k_dim, v_dim),
+                                                        split_kv(block, s))):
+            g = x[i].view(shape).mul_(parts[f"{name}_scale"].unsqueeze(dim))
+            torch.add(g, parts[f"{name}_min"].unsqueeze(dim), out=out.view(shape))  # float32 sum, stored rounded
 
     def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
         for name, (words, geom), kernel in (("k", k_src, fast.int4_encode_keys),

@@ -81,6 +81,13 @@ def _sizes(shape: BlockShape) -> dict[str, int]:
             "dim": shape.dim}
 
 
+def _canonical(block: torch.Tensor, shape: BlockShape) -> torch.Tensor:
+    """A dense permutation layout's block as one strided view ``[2, L, T, H, D]``."""
+    sizes = _sizes(shape)
+    dense = block.view(*(sizes[a] for a in shape.order))
+    return dense.permute(*(shape.order.index(a) for a in AXES))
+
+
 def split_kv(block: torch.Tensor, shape: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``block`` (a flat tensor of ``shape.dtype``) as strided views ``[L, T, H, D]``.
 
@@ -93,7 +100,15 @@ def split_kv(block: torch.Tensor, shape: BlockShape) -> tuple[torch.Tensor, torc
         k = per_head[:, :, 0].view(L, H, D, T).permute(0, 3, 1, 2)
         v = per_head[:, :, 1].view(L, H, T, D).permute(0, 2, 1, 3)
         return k, v
-    sizes = {"kv": 2, "layer": L, "token": T, "head": H, "dim": D}
-    dense = block.view(*(sizes[a] for a in shape.order))
-    canonical = dense.permute(*(shape.order.index(a) for a in AXES))
+    canonical = _canonical(block, shape)
     return canonical[0], canonical[1]
+
+
+def kv_views(block: torch.Tensor, shape: BlockShape) -> list[tuple[torch.Tensor, slice | int]]:
+    """``block``'s K and V as strided views, each paired with its index into a ``[2, L, T, H, D]``
+    tensor (K = 0, V = 1). A dense permutation layout gives one view of both, so one torch op
+    (one CUDA kernel) moves the whole block; ``vllm_cpu`` gives K and V apart."""
+    if shape.order is None:
+        k, v = split_kv(block, shape)
+        return [(k, 0), (v, 1)]
+    return [(_canonical(block, shape), slice(None))]
