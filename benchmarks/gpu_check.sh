@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=/tmp/kvstore-site
 fail=0
+rm -rf "$SITE"   # a warm machine keeps the last run's install; pip --target would not replace it
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, remember failures
   local name=$1 limit=$2; shift 2
   echo "== $name"

@@ -90,8 +90,10 @@ class Int4Codec(SectionCodec):
     def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape, block: torch.Tensor) -> None:
         codes = self.rows(parts, ("k_codes", "v_codes"))
         x = torch.empty((*codes.shape, 2), dtype=torch.float32, device=codes.device)
-        torch.bitwise_and(codes, 0x0F, out=x[..., 0])
-        torch.bitwise_right_shift(codes, 4, out=x[..., 1])
+        # Unpack in uint8, then widen: CUDA has no bitwise kernels writing a float `out`
+        # (the CPU accepts it; the first H200 run failed every INT4 decode on that).
+        x[..., 0].copy_(torch.bitwise_and(codes, 0x0F))
+        x[..., 1].copy_(torch.bitwise_right_shift(codes, 4))
         k_shape, k_dim, v_shape, v_dim = self._grouped(s)
         for i, (name, shape, dim, out) in enumerate(zip("kv", (k_shape, v_shape), (k_dim, v_dim),
                                                         split_kv(block, s))):
