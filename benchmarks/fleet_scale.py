@@ -123,7 +123,7 @@ def start_private_redis():
 
 def run(args) -> int:
     prefix = f"kvsbench-{uuid.uuid4().hex[:8]}"
-    d = Directory(args.redis, prefix, socket_timeout_s=30)
+    d = Directory(args.redis, prefix, socket_timeout_s=30, secret=uuid.uuid4().hex)   # signs like a daemon
     r = d.redis
     rng = np.random.default_rng(7)
     results: dict = {"machine": machine_facts(), "redis_version": r.info("server")["redis_version"],

@@ -4,7 +4,7 @@ KV-aware routing, and peer fetch with checksum verification.
 Daemons are real Stores (CPU arena in a temp dir). Where a test needs a node to die by SIGKILL or
 a Redis to restart, it is a real process. Peer transfers in the in-process tests go straight to
 the peer's Store (``StorePeer``); the gRPC path is covered by the daemon tests at the end, which
-run once ``kvstore serve`` and ``tests/daemon_util.py`` exist.
+run real ``kvstore serve`` processes. Hostile directories: tests/test_fleet_trust.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -22,38 +21,15 @@ import pytest
 import redis
 import xxhash
 
+from fleet_util import BLOCK, BLOCK_TOKENS, NS, SECRET, StorePeer, chain, wait_for, write_fleet_config
 from redis_util import free_port, start_redis
 
 from kvstore.errors import InvalidArgument
 from kvstore.fleet import Directory, Fleet, pack_entry, route_main
-from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 
-BLOCK_TOKENS = 16
-LAYOUT = KVLayout(model="test/fleet", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
-                  block_tokens=BLOCK_TOKENS)   # 4 KiB blocks
-NS = Namespace(LAYOUT, tenant="t", cache_salt="fleet")
-BLOCK = LAYOUT.block_bytes
-
-
 # -- fixtures: redis_url and prefix come from tests/redis_util.py (via conftest.py) ----------
-
-class StorePeer:
-    """The slice of ``kvstore.client.Client`` that peer fetch uses, answered by a peer's Store."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.corrupt_next = False
-
-    def get(self, namespace_id, hashes):
-        out = self.store.get(namespace_id, hashes)
-        if self.corrupt_next:
-            out = [None if b is None else bytes([b[0] ^ 0xFF]) + b[1:] for b in out]
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -68,7 +44,7 @@ def make_node(tmp_path, redis_url, prefix):
         store.register_namespace(NS)
         addr = f"inproc-{node_id}:1"
         peers[addr] = StorePeer(store)
-        kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a: peers[a])
+        kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a: peers[a], secret=SECRET)
         kw.update(fleet_kw)
         fleet = Fleet(store, kw.pop("redis_url", redis_url), node_id, addr, **kw).start()
         made.append((store, fleet))
@@ -81,23 +57,6 @@ def make_node(tmp_path, redis_url, prefix):
         store.close()
 
 
-def chain(n: int, seed: int = 0) -> tuple[list[bytes], list[np.ndarray]]:
-    tokens = (np.arange(n * BLOCK_TOKENS) * 7919 + seed * 104729) % 50_000
-    hashes = ChainHasher(seed=0).chain(tokens, BLOCK_TOKENS)
-    blocks = [np.random.default_rng([seed, i]).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(n)]
-    return hashes, blocks
-
-
-def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 # -- directory publishing ----------------------------------------------------------------------
 
 def test_put_publishes_entries_with_checksums_and_delete_withdraws(make_node, redis_url, prefix):
@@ -105,7 +64,7 @@ def test_put_publishes_entries_with_checksums_and_delete_withdraws(make_node, re
     hashes, blocks = chain(5)
     store.put(NS.id, hashes, blocks)
     assert fleet.wait_published()
-    d = Directory(redis_url, prefix)
+    d = Directory(redis_url, prefix, secret=SECRET)
     assert d.entries(NS.id, "n1") == 5
     (route,) = d.route(NS.id, hashes)
     assert d.checksums(NS.id, route.slot, hashes) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
@@ -127,7 +86,7 @@ def test_eviction_withdraws_entries(make_node, redis_url, prefix):
     for h, b, p in zip(hashes, blocks, [None] + hashes[:-1]):
         store.put(NS.id, [h], [b], parent=p)
     assert fleet.wait_published()
-    d = Directory(redis_url, prefix)
+    d = Directory(redis_url, prefix, secret=SECRET)
     slot = fleet._slots[NS.id]
     published = [c is not None for c in d.checksums(NS.id, slot, hashes)]
     assert published == store.contains(NS.id, hashes)
@@ -140,10 +99,11 @@ def test_blocks_held_before_start_are_published(tmp_path, redis_url, prefix):
     store.register_namespace(NS)
     hashes, blocks = chain(3)
     store.put(NS.id, hashes, blocks)
-    fleet = Fleet(store, redis_url, "late", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2).start()
+    fleet = Fleet(store, redis_url, "late", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2,
+                  secret=SECRET).start()
     try:
         assert fleet.wait_published()
-        assert Directory(redis_url, prefix).entries(NS.id, "late") == 3
+        assert Directory(redis_url, prefix, secret=SECRET).entries(NS.id, "late") == 3
     finally:
         fleet.close()
         store.close()
@@ -155,7 +115,7 @@ def test_close_withdraws_this_nodes_entries(make_node, redis_url, prefix):
     store.put(NS.id, hashes, blocks)
     assert fleet.wait_published()
     fleet.close()
-    d = Directory(redis_url, prefix)
+    d = Directory(redis_url, prefix, secret=SECRET)
     assert d.entries(NS.id, "n1") == 0
     assert d.route(NS.id, hashes) == []
 
@@ -182,7 +142,7 @@ def test_a_node_with_different_bytes_for_a_hash_is_not_advertised(make_node, red
     s2.put(NS.id, hashes, [blocks[0], np.zeros(BLOCK, dtype=np.uint8)])
     assert f2.wait_published()
     assert f2.counters["checksum_conflicts"] == 1
-    routes = Directory(redis_url, prefix).route(NS.id, hashes)
+    routes = Directory(redis_url, prefix, secret=SECRET).route(NS.id, hashes)
     assert [(r.node_id, r.blocks) for r in routes] == [("n1", 2), ("n2", 1)]
 
 
@@ -193,7 +153,7 @@ def test_dead_slots_are_swept_and_a_restarted_node_replaces_its_old_slot(make_no
     s1.put(NS.id, hashes, blocks)
     s2.put(NS.id, hashes[:1], blocks[:1])
     assert f1.wait_published() and f2.wait_published()
-    d = Directory(redis_url, prefix)
+    d = Directory(redis_url, prefix, secret=SECRET)
     old_slot = f1._slots[NS.id]
     f1.close(unpublish=False)              # like a crash: nothing withdrawn, the slot just stops beating
     wait_for(lambda: d.route(NS.id, hashes) and d.route(NS.id, hashes)[0].node_id == "n2",
@@ -217,7 +177,8 @@ def test_route_reports_blocks_on_disk(tmp_path, redis_url, prefix):
     store.register_namespace(NS)
     hashes, blocks = chain(4)
     store.put(NS.id, hashes, blocks)         # two of them are demoted to NVMe before the fleet starts
-    fleet = Fleet(store, redis_url, "disky", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2).start()
+    fleet = Fleet(store, redis_url, "disky", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2,
+                  secret=SECRET).start()
     try:
         assert fleet.wait_published()
         (r,) = fleet.route(NS.id, hashes)
@@ -264,7 +225,8 @@ def test_route_of_a_long_prompt_and_unknown_prefix(make_node):
         f1.route(NS.id)
 
 
-def test_route_cli(make_node, redis_url, prefix, capsys):
+def test_route_cli(make_node, redis_url, prefix, capsys, monkeypatch):
+    monkeypatch.setenv("KVSTORE_FLEET__SECRET", SECRET)
     s1, f1 = make_node("n1")
     hashes, blocks = chain(3)
     s1.put(NS.id, hashes, blocks)
@@ -325,7 +287,7 @@ def test_stale_directory_entry_is_a_miss_not_wrong_bytes(make_node, redis_url, p
     s1.put(NS.id, hashes, blocks)
     assert f1.wait_published()
     f1.close()   # stop publishing; re-plant the entries as they were, then swap the bytes under them
-    d = Directory(redis_url, prefix)
+    d = Directory(redis_url, prefix, secret=SECRET)
     slot = d.join(NS.id, "n1", "inproc-n1:1", ttl_s=30)
     d.publish(NS.id, slot, {h: pack_entry(xxhash.xxh3_64_intdigest(b), "cpu") for h, b in zip(hashes, blocks)})
     s1.delete(NS.id, hashes[1:])
@@ -339,7 +301,8 @@ def test_redis_down_means_local_service_and_no_peers(tmp_path):
     port = free_port()   # nothing listens here
     store = Store([CpuTier(8 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))])
     store.register_namespace(NS)
-    fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "lonely", "127.0.0.1:1", heartbeat_s=0.1, ttl_s=1).start()
+    fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "lonely", "127.0.0.1:1", heartbeat_s=0.1, ttl_s=1,
+                  secret=SECRET).start()
     try:
         hashes, blocks = chain(3)
         assert store.put(NS.id, hashes, blocks) == ["stored"] * 3
@@ -376,7 +339,7 @@ def test_redis_restart_midrun_reconnects_and_republishes(make_node, tmp_path):
         wait_for(lambda: not f1.connected, what="n1 to notice Redis is gone")
 
         server = start_redis(port)
-        d = Directory(url, f1.directory.prefix)
+        d = Directory(url, f1.directory.prefix, secret=SECRET)
         wait_for(lambda: d.entries(NS.id, "n1") == 8, what="n1 to republish everything it holds")
         assert f1.counters["republishes"] >= 2
         wait_for(lambda: f2.lookup(NS.id, hashes).num_hit == 5, what="n2 to reconnect and fetch from n1")
@@ -451,7 +414,7 @@ def test_directory_routing_peer_fetch_and_pool_on_a_redis_cluster(tmp_path, redi
         store.register_namespace(NS)
         peers[node_id] = StorePeer(store)
         fleet = Fleet(store, redis_cluster, node_id, node_id, key_prefix="kvscl", heartbeat_s=0.2, ttl_s=1.5,
-                      sweep_every=1, client_factory=lambda a: peers[a]).start()
+                      sweep_every=1, client_factory=lambda a: peers[a], secret=SECRET).start()
         made.append((store, fleet))
         return store, fleet
 
@@ -482,36 +445,13 @@ def test_directory_routing_peer_fetch_and_pool_on_a_redis_cluster(tmp_path, redi
 
 # -- real daemons: gRPC peer fetch, SIGKILL, Redis restart ----------------------------------
 
-# ``kvstore serve`` has no fleet flags yet: this starts the very same Daemon and wires a Fleet into
-# it the way docs/fleet.md asks the daemon to (store listener + Lookup through fleet.lookup).
-def _fleet_config(workdir, redis_url: str, prefix: str, node_id: str) -> str:
-    """A `kvstore serve --config` file for one fleet node: small tiers, fast heartbeats."""
-    path = workdir / "kvstore.yaml"
-    path.write_text(textwrap.dedent(f"""
-        cpu_bytes: 16MiB
-        cpu_slot_bytes: 4KiB
-        nvme_bytes: 0
-        shm_dir: {workdir}
-        lease_seconds: 1.0
-        bulk_channel: false
-        fleet:
-          enabled: true
-          redis_url: {redis_url}
-          node_id: {node_id}
-          key_prefix: {prefix}
-          heartbeat_s: 0.2
-          ttl_s: 1.5
-          peer_timeout_s: 2.0
-    """))
-    return str(path)
-
-
+# Real `kvstore serve` processes in fleet mode (fleet.* settings in their config file).
 class FleetDaemon:
     def __init__(self, workdir, redis_url: str, prefix: str, node_id: str) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         self.node_id = node_id
-        config = _fleet_config(workdir, redis_url, prefix, node_id)
+        config = write_fleet_config(workdir, redis_url, prefix, node_id)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", config,
                                       "--listen", "127.0.0.1:0", "--ready-file", str(workdir / "ready.json")],
                                      env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "log", "wb"))
@@ -558,7 +498,7 @@ def test_three_daemons_share_prefixes_and_survive_a_sigkill(fleet_daemons, redis
     only_d1, only_d1_blocks = chain(4, seed=2)    # never leaves d1
     d1.client.put(NS.id, shared, shared_blocks)
     d1.client.put(NS.id, only_d1, only_d1_blocks)
-    directory = Directory(redis_url, prefix)
+    directory = Directory(redis_url, prefix, secret=SECRET)
     wait_for(lambda: directory.entries(NS.id, "d1") == 10, what="d1 to publish")
 
     # a prefix stored via daemon 1 is served by daemon 3 (peer fetch over gRPC, verified)
@@ -592,7 +532,7 @@ def test_daemon_lookup_before_the_dead_peer_expires_is_a_miss_not_an_error(fleet
     d1.client.register_namespace(NS)
     hashes, blocks = chain(3, seed=4)
     d1.client.put(NS.id, hashes, blocks)
-    directory = Directory(redis_url, prefix)
+    directory = Directory(redis_url, prefix, secret=SECRET)
     wait_for(lambda: directory.entries(NS.id, "d1") == 3, what="d1 to publish")
     d1.kill()                                                     # entries still in the directory
     assert [r.node_id for r in directory.route(NS.id, hashes)] == ["d1"]
@@ -610,7 +550,7 @@ def test_daemons_republish_after_redis_restarts(fleet_daemons, tmp_path):
             d.client.register_namespace(NS)
         hashes, blocks = chain(5, seed=6)
         d1.client.put(NS.id, hashes, blocks)
-        directory = Directory(url, "kvsrestart")
+        directory = Directory(url, "kvsrestart", secret=SECRET)
         wait_for(lambda: directory.entries(NS.id, "d1") == 5, what="d1 to publish")
         server.kill()
         server.wait()

@@ -133,7 +133,7 @@ def test_second_daemon_reads_the_shared_pool_through_its_fleet(tmp_path, redis_u
     (tmp_path / "b").mkdir()
     store2, tier2 = store_with_redis_below(tmp_path / "b", redis_url, prefix, cpu_blocks=8)
     fleet2 = Fleet(store2, redis_url, "b", "127.0.0.1:1", key_prefix=prefix, shared_pool=tier2,
-                   peer_fetch=True).start()
+                   peer_fetch=True, secret="test-fleet-secret-0123456789abcdef").start()
     try:
         # block 3 is still only in daemon 1's CPU tier: the pool serves the first three
         assert fleet2.lookup(NS.id, hashes).num_hit == 3

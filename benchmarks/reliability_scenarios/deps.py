@@ -134,7 +134,8 @@ def redis_down(workdir: str, block_bytes: int = 16 * KiB) -> dict:
     fleet = None
     out: dict = {}
     try:
-        fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "node-a", "127.0.0.1:1").start()
+        fleet = Fleet(store, f"redis://127.0.0.1:{port}/0", "node-a", "127.0.0.1:1",
+                      secret="reliability-fleet-secret").start()
         lay = layout(block_bytes, "reliability/fleet")
         ns = store.register_namespace(Namespace(lay))
         hs = hashes(8, seed=81)

@@ -1,0 +1,194 @@
+"""Peer fetch: filling a local miss from the peers the directory names, verifying every byte.
+
+The daemon fetches, not the client: every engine gets it through one code path, the fetched copy
+lands in the local Store where all local workers reuse it, clients need no Redis credentials, and a
+peer's bytes are checked against the published checksum before a single byte is stored.
+
+Whom we talk to. Addresses come only from node entries whose MAC verifies under the fleet secret
+(``Directory.route``), so the peer token (sent on Handshake, RegisterNamespace and Get) goes only
+to daemons of this fleet; with ``peer_tls_ca`` the connection also proves the peer's name. The
+checksums come only from holders values signed for that very block. Clients are kept in a bounded
+LRU (``max_clients``); an evicted client is closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.fleet.directory import Directory
+from kvstore.fleet.routing import NodeRoute
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore.fleet")
+
+
+def grpc_client_factory(token, timeout_s: float, tls_ca: str | None = None) -> Callable[[str], object]:
+    """Clients for peers: gRPC only (no shm/bulk negotiation), no retries, the fleet's token (a str
+    or a pydantic SecretStr), TLS with ``tls_ca`` when set."""
+    if token is not None and hasattr(token, "get_secret_value"):
+        token = token.get_secret_value()
+
+    def make(address: str):
+        from kvstore.client import Client
+        return Client(url=address, token=token, timeout_s=timeout_s, transport="grpc", retries=0, root_ca=tls_ca)
+    return make
+
+
+class PeerClients:
+    """At most ``max_clients`` open peer clients, least recently used evicted (and closed), each
+    with the namespaces already registered on it."""
+
+    def __init__(self, factory: Callable[[str], object], max_clients: int = 64) -> None:
+        if max_clients < 1:
+            raise InvalidArgument("fleet.max_peer_clients", f"must be >= 1; got {max_clients}")
+        self.factory = factory
+        self.max_clients = max_clients
+        self.evicted = 0
+        self._clients: collections.OrderedDict[str, tuple[object, set[bytes]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def get(self, address: str, store: Store, ns: bytes):
+        """A client for the peer at ``address``, with namespace ``ns`` registered there (the
+        Client needs its layout)."""
+        with self._lock:
+            entry = self._clients.get(address)
+            if entry is None:
+                entry = (self.factory(address), set())
+                self._clients[address] = entry
+                while len(self._clients) > self.max_clients:
+                    _, (old, _) = self._clients.popitem(last=False)
+                    self.evicted += 1
+                    _close(old)
+            self._clients.move_to_end(address)
+            client, registered = entry
+            if ns not in registered and hasattr(client, "register_namespace"):
+                got = client.register_namespace(store.namespace(ns))
+                if got != ns:
+                    raise InvalidArgument("fleet.peer_token", f"peer {address} files this namespace under "
+                                          "another tenant; give the fleet a token of the same tenant")
+                registered.add(ns)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client, _ in self._clients.values():
+                _close(client)
+            self._clients.clear()
+
+
+def _close(client) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - a broken peer connection is not our error
+        pass
+
+
+class PeerFetcher:
+    """Copies the leading blocks of a request from peers (or a shared Redis pool) into the Store."""
+
+    def __init__(self, store: Store, directory: Directory, clients: PeerClients, node_id: str, *,
+                 fetch_batch: int, skip_failed_s: float, counters: dict[str, int], shared_pool=None) -> None:
+        self.store = store
+        self.directory = directory
+        self.clients = clients
+        self.node_id = node_id
+        self.fetch_batch = fetch_batch
+        self.skip_failed_s = skip_failed_s
+        self.counters = counters
+        self.shared_pool = shared_pool            # a RedisTier shared by the fleet, or None
+        self._suspects: dict[str, float] = {}     # node id -> until when we skip it
+
+    def fetch(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> int:
+        """Copy the leading blocks of ``hashes`` from peers into the local store; returns how many
+        leading blocks are now local. A block whose bytes do not match the checksum its owner
+        published is never stored (counted as ``peer_checksum_mismatch``); the run stops there."""
+        hashes = list(hashes)
+        got = self._fetch_from_pool(namespace_id, hashes, parent) if self.shared_pool is not None else 0
+        if got == len(hashes):
+            self.counters["fetched_blocks"] += got
+            return got
+        try:
+            routes = self.directory.route(namespace_id, hashes)
+        except Exception as e:  # noqa: BLE001
+            self.counters["fetch_directory_errors"] += 1
+            log.debug("fleet: directory unavailable for fetch: %s", e)
+            return got
+        now = time.monotonic()
+        for r in routes:
+            if r.node_id == self.node_id or r.blocks <= got or self._suspects.get(r.node_id, 0) > now:
+                continue
+            got += self._fetch_from(r, namespace_id, hashes[got:r.blocks], hashes[got - 1] if got else parent)
+            if got == len(hashes):
+                break
+        self.counters["fetched_blocks"] += got
+        if got:
+            self.counters["fetches"] += 1
+        return got
+
+    def _fetch_from_pool(self, ns: bytes, hashes: list[bytes], parent: bytes | None) -> int:
+        """The leading blocks found in the shared Redis pool (verified there), stored locally."""
+        try:
+            datas = self.shared_pool.load(ns, hashes)
+        except Exception as e:  # noqa: BLE001
+            self.counters["pool_errors"] += 1
+            log.debug("fleet: shared pool unavailable: %s", e)
+            return 0
+        run = 0
+        while run < len(datas) and datas[run] is not None:
+            run += 1
+        if not run:
+            return 0
+        try:
+            self.store.put(ns, hashes[:run], datas[:run], parent=parent)
+        except KVStoreError as e:
+            self.counters["pool_errors"] += 1
+            log.info("fleet: could not keep blocks from the shared pool: %s", e)
+            return 0
+        self.counters["pool_blocks"] += run
+        return run
+
+    def _fetch_from(self, route: NodeRoute, ns: bytes, want: list[bytes], parent: bytes | None) -> int:
+        """Fetch ``want`` from one peer in batches, verifying each block; returns blocks stored."""
+        stored = 0
+        try:
+            expected = self.directory.checksums(ns, route.slot, want)
+            if not want or expected[0] is None:   # nothing it could send would be kept: do not call
+                self.counters["peer_misses"] += 1
+                return 0
+            client = self.clients.get(route.address, self.store, ns)
+            for i in range(0, len(want), self.fetch_batch):
+                batch = want[i:i + self.fetch_batch]
+                datas = client.get(ns, batch)
+                run_h, run_d = [], []
+                for h, data, want_sum in zip(batch, datas, expected[i:i + len(batch)]):
+                    if data is None or want_sum is None:
+                        self.counters["peer_misses"] += 1
+                        break
+                    if xxhash.xxh3_64_intdigest(data) != want_sum:
+                        self.counters["peer_checksum_mismatch"] += 1
+                        log.warning("fleet: block %s from %s failed its published checksum; not stored",
+                                    h.hex(), route.node_id)
+                        break
+                    run_h.append(h)
+                    run_d.append(data)
+                if run_h:
+                    self.store.put(ns, run_h, run_d, parent=want[i - 1] if i else parent)
+                    stored += len(run_h)
+                    parent = run_h[-1]
+                if len(run_h) < len(batch):
+                    break
+        except Exception as e:  # noqa: BLE001 - a broken peer or directory is a miss, never a crash
+            self.counters["peer_errors"] += 1
+            self._suspects[route.node_id] = time.monotonic() + self.skip_failed_s
+            log.info("fleet: fetch from %s at %s failed: %s", route.node_id, route.address, e)
+        return stored

@@ -1,0 +1,220 @@
+"""Mirroring the Store into the directory: a StoreListener plus one background thread.
+
+The Store calls ``blocks_added`` / ``blocks_removed`` with its lock held, so the listener only
+appends to a queue. The thread drains it: it pins each new block just long enough to checksum it
+(zero-copy for the CPU arena, the recorded checksum for NVMe), keeps a local mirror of what it
+published, and sends the delta in batched Lua calls. If Redis fails or comes back empty (restart,
+failover, flush), the node joins again under a fresh slot and republishes its mirror; the daemon
+keeps serving locally meanwhile (``connected`` is False until Redis answers again).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.fleet.directory import Directory
+from kvstore.fleet.records import pack_entry
+from kvstore.store import Store, StoreListener
+
+log = logging.getLogger("kvstore.fleet")
+
+_COALESCE_BELOW = 256   # queued events under which the thread waits flush_interval_s for more
+
+
+class Publisher(StoreListener):
+    """Keeps this node's entries in the directory equal to what its Store holds."""
+
+    def __init__(self, store: Store, directory: Directory, node_id: str, advertise_addr: str, *,
+                 heartbeat_s: float, ttl_s: float, flush_interval_s: float, sweep_every: int,
+                 counters: dict[str, int]) -> None:
+        self.store = store
+        self.directory = directory
+        self.node_id = node_id
+        self.advertise_addr = advertise_addr
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s
+        self.flush_interval_s = flush_interval_s
+        self.sweep_every = sweep_every
+        self.counters = counters
+        self.mirror: dict[bytes, dict[bytes, bytes]] = {}   # ns -> hash -> pack_entry: what we publish
+        self.slots: dict[bytes, int] = {}                   # ns -> our slot in its directory
+        self.connected = True   # until the thread fails to reach Redis
+        self._events: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._resync = True                                 # (re)join and publish the whole mirror
+        self._thread: threading.Thread | None = None
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    # -- StoreListener (called with the store lock held: enqueue only) ---------------------------
+
+    def blocks_added(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
+        self._events.append((True, namespace_id, list(block_hashes)))
+        self._idle.clear()
+        self._wake.set()
+
+    def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
+        self._events.append((False, namespace_id, list(block_hashes)))
+        self._idle.clear()
+        self._wake.set()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for ns, hashes in self.store.subscribe(self).items():
+            self._events.append((True, ns, hashes))  # events that race this are re-checked on drain
+        self._thread = threading.Thread(target=self._run, name="kvstore-fleet", daemon=True)
+        self._thread.start()
+        self._wake.set()
+
+    def stop(self, unpublish: bool) -> None:
+        """Stop the thread; with ``unpublish`` also withdraw this node's entries."""
+        self.store.unsubscribe(self)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if unpublish:
+            try:
+                for ns, slot in self.slots.items():
+                    self.directory.leave(ns, slot, list(self.mirror.get(ns, ())))
+            except Exception as e:  # noqa: BLE001 - Redis down at shutdown: the slot expires anyway
+                log.info("fleet: could not withdraw entries at close (%s); they expire in %ss", e, self.ttl_s)
+
+    def wait_published(self, timeout_s: float = 10.0) -> bool:
+        """Block until every store event so far is in Redis (tests, graceful drains)."""
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._idle.wait(timeout=0.05) and not self._events and not self._resync:
+                return True
+        return False
+
+    # -- the background thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        backoff = 0.05
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self._wake.wait(timeout=max(0.0, min(next_beat - now, 1.0)))
+            if self._stop.is_set():
+                break
+            if self._wake.is_set() and len(self._events) < _COALESCE_BELOW:
+                time.sleep(self.flush_interval_s)  # let a burst coalesce into one pipeline
+            self._wake.clear()
+            delta = self._drain()
+            try:
+                if self._resync:
+                    self._republish()
+                elif delta:
+                    self._push(delta)
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_s
+                self.connected = True
+                backoff = 0.05
+                if not self._events:
+                    self._idle.set()
+            except Exception as e:  # noqa: BLE001 - Redis down: keep serving, republish later
+                if self.connected or self.counters["redis_errors"] == 0:
+                    log.warning("fleet: directory unreachable (%s); serving locally, will republish", e)
+                self.connected = False
+                self._resync = True
+                self.counters["redis_errors"] += 1
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.heartbeat_s)
+                self._wake.set()
+
+    def _drain(self) -> dict[bytes, dict[bytes, bytes | None]]:
+        """Apply queued store events to the mirror; return what changed (None = withdrawn)."""
+        delta: dict[bytes, dict[bytes, bytes | None]] = collections.defaultdict(dict)
+        while self._events:
+            added, ns, hashes = self._events.popleft()
+            mine = self.mirror.setdefault(ns, {})
+            for h in hashes:
+                value = self._describe(ns, h) if added else None
+                if value is None:
+                    if mine.pop(h, None) is not None or not added:
+                        delta[ns][h] = None
+                else:
+                    mine[h] = value
+                    delta[ns][h] = value
+        return delta
+
+    def _describe(self, ns: bytes, h: bytes) -> bytes | None:
+        """Checksum and tier of a block, read under a short pin; None if it is already gone."""
+        with self.store.pinned(ns, h) as block:
+            if block is None:
+                return None
+            record = block.record
+            try:
+                if record.checksum and record.codec == 0 and record.stored_size == record.raw_size:
+                    checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
+                elif (pieces := block.pieces()) is not None:
+                    x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin
+                    for piece in pieces:
+                        x.update(piece)
+                    checksum = x.intdigest()
+                else:
+                    if self._scratch.nbytes < record.stored_size:
+                        self._scratch = np.empty(record.stored_size, dtype=np.uint8)
+                    n = block.read_into(self._scratch)
+                    checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
+                self.counters["checksummed"] += 1
+                return pack_entry(checksum, block.tier)
+            except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised
+                self.counters["describe_failures"] += 1
+                log.debug("fleet: cannot checksum block %s: %s", h.hex(), e)
+                return None
+
+    def _join(self, ns: bytes) -> int:
+        slot = self.directory.join(ns, self.node_id, self.advertise_addr, self.ttl_s)
+        self.slots[ns] = slot
+        self.counters["joins"] += 1
+        return slot
+
+    def _push(self, delta: dict[bytes, dict[bytes, bytes | None]]) -> None:
+        for ns, changes in delta.items():
+            slot = self.slots.get(ns)
+            if slot is None:
+                slot = self._join(ns)
+            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, changes)
+            self.counters["published"] += sum(1 for v in changes.values() if v is not None)
+            self.counters["withdrawn"] += sum(1 for v in changes.values() if v is None)
+        self.counters["pushes"] += 1
+
+    def _republish(self, namespaces: Sequence[bytes] | None = None) -> None:
+        """Join under a fresh slot and publish the whole mirror (first start, Redis restarted or
+        unreachable for a while: what Redis holds for the old slot may be stale or gone)."""
+        for ns in list(self.mirror) if namespaces is None else namespaces:
+            slot = self._join(ns)
+            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, dict(self.mirror[ns]))
+        self._resync = False
+        self.counters["republishes"] += 1
+
+    def _heartbeat(self) -> None:
+        """Refresh our slots; a slot that vanished (Redis restarted, flushed, or we were presumed
+        dead) means joining again and republishing. Every ``sweep_every`` beats, sweep dead slots."""
+        beats = list(self.slots.items())
+        if not beats:
+            self.directory.redis.ping()   # nothing published yet: still notice a dead Redis
+            return
+        alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s)
+        lost = [ns for (ns, _), ok in zip(beats, alive) if not ok]
+        if lost:
+            self.counters["slots_lost"] += len(lost)
+            log.info("fleet: directory lost our entries for %d namespace(s); republishing", len(lost))
+            self._republish(lost)
+        self.counters["heartbeats"] += 1
+        if self.counters["heartbeats"] % self.sweep_every == 0:
+            for ns, _ in beats:
+                self.counters["swept_entries"] += self.directory.sweep(ns, grace_s=self.ttl_s)
