@@ -32,6 +32,7 @@ import time
 
 import grpc
 
+from reliability_scenarios.churn import churn
 from reliability_scenarios.common import KiB, MiB, Unsupported, hashes, is_exact, layout, payload
 from reliability_scenarios.crash import crash_test
 from reliability_scenarios.deps import daemon_killed_mid_request, redis_down
@@ -45,7 +46,7 @@ from reliability_scenarios.tenancy import make_test_ca, tenancy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-__all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "corrupt_files_while_running", "crash_test",
+__all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "churn", "corrupt_files_while_running", "crash_test",
            "daemon_killed_mid_request", "dir_lost_while_running", "disk_full", "fuzz", "hashes", "is_exact",
            "layout", "load", "machine", "main", "make_test_ca", "memory_refusals", "payload", "pinned_arena",
            "redis_down", "render_markdown", "run_scenario", "slowloris", "tenancy", "unwritable_dir_at_start"]
@@ -53,7 +54,7 @@ __all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "corrupt_files_
 
 # -- driver ----------------------------------------------------------------------------------------
 
-SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "tenancy", "load", "deps")
+SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "tenancy", "load", "deps", "churn")
 
 
 def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
@@ -83,6 +84,8 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
             r = tenancy(workdir)
         elif name == "load":
             r = load(workdir, clients=16 if quick else args.clients, seconds=3 if quick else args.seconds)
+        elif name == "churn":
+            r = churn(workdir, cycles=500 if quick else 10_000, hold_s=3.0 if quick else 30.0)
         elif name == "deps":
             r = {"daemon_killed_mid_request": daemon_killed_mid_request(workdir, rounds=1 if quick else 3)}
             try:
@@ -97,7 +100,7 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
     return r
 
 
-CALLABLE = ("corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
+CALLABLE = ("churn", "corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
             "disk_full", "fuzz", "load", "memory_refusals", "pinned_arena", "redis_down", "slowloris", "tenancy",
             "unwritable_dir_at_start")
 

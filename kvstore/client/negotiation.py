@@ -48,7 +48,7 @@ class Negotiation:
         """Handshake with the daemon unless this run's transport is already agreed."""
         if self._negotiated:
             return
-        nonce = secrets.token_bytes(16)
+        nonce = secrets.token_bytes(16) if self.transport in ("auto", "shm") else b""  # no probe file otherwise
         hs = self.rpc.call("Handshake", pb.HandshakeRequest(nonce=nonce, client_version=PROTOCOL_VERSION))
         with self._lock:
             if self._negotiated:
@@ -63,6 +63,16 @@ class Negotiation:
                 except OSError:
                     self.bulk = None
             self._negotiated = True
+
+    def live_bulk(self) -> BulkChannel | None:
+        """The side channel for the next transfer. The daemon closes sessions that idle past its
+        bound or that it evicts to make room; if this one is gone, renegotiate before using it."""
+        bulk = self.bulk
+        if bulk is not None and not bulk.alive():
+            self.reset()
+            self.ensure()
+            bulk = self.bulk
+        return bulk
 
     def _map_arena(self, hs, nonce: bytes) -> shm.ArenaMap | None:
         arena = None

@@ -189,7 +189,7 @@ class Client:
                 self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
                 if self._negotiation.arena is not None:
                     return self._shm.put(ns_id, hashes, arrays, parent, block_bytes)
-        bulk = self._negotiation.bulk
+        bulk = self._negotiation.live_bulk()
         if bulk is not None:
             return self._bulk.put(bulk, ns_id, hashes, arrays, parent, block_bytes)
         return self._grpc.put(ns_id, hashes, arrays, parent, block_bytes)
@@ -234,7 +234,7 @@ class Client:
 
     def _get_streamed(self, ns_id, hashes, dsts) -> list[int | None]:
         """A get over the side channel when there is one, else over gRPC chunks."""
-        bulk = self._negotiation.bulk
+        bulk = self._negotiation.live_bulk()
         if bulk is not None:
             return self._bulk.get(bulk, ns_id, hashes, dsts, self._expected(ns_id))
         return self._grpc.get(ns_id, hashes, dsts, self._expected(ns_id))

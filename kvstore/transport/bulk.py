@@ -1,13 +1,16 @@
-"""Remote bulk side channel: raw TCP for the bytes, gRPC for control.
+"""Remote bulk side channel: raw TCP for the bytes, gRPC for control (wire format and client end).
 
 Tuned gRPC streams in Python reach about half of raw TCP here, so remote clients that can open
 one more TCP connection to the daemon move payloads over a plain socket with ``recv_into`` into
 buffers they already own. Control stays on gRPC: every ``BulkGet``/``BulkPut`` is an ordinary,
 authenticated, validated RPC that names a side-channel *session*; only its bytes ride the socket.
 
-Opening a session: connect to ``bulk_port`` (from Handshake) and send ``MAGIC + ticket`` (the
-ticket is a per-daemon secret handed out by Handshake, which is itself authenticated); the daemon
-answers with a random 16-byte session id known only to this connection.
+Opening a session: connect to ``bulk_port`` (from Handshake) and send ``MAGIC + ticket`` within
+the daemon's greeting deadline. The ticket (16 bytes) comes from an authenticated Handshake and is
+bound to the caller's tenant; the daemon answers with a random 16-byte session id known only to
+this connection, and accepts that id only in RPCs of the same tenant. The daemon side
+(``kvstore.transport.bulk_server``) ends a session when its connection closes, when it has been
+idle past a bound, or to make room for a new client (least recently used first).
 
 Framing (all integers little-endian):
 
@@ -16,12 +19,13 @@ Framing (all integers little-endian):
 * BulkPut — the client writes ``len(hashes) * block_bytes`` payload bytes after starting the RPC;
   the daemon reads exactly that many (draining them if it rejects the request).
 
-A client that cannot connect (firewall, TLS-only deployment) keeps using the gRPC streams.
+Between transfers the daemon never writes: a side-channel socket that turns readable while idle
+has been closed by the daemon (or is out of step) and must be replaced. A client that cannot
+connect (firewall, TLS-only deployment) keeps using the gRPC streams.
 """
 
 from __future__ import annotations
 
-import secrets
 import select
 import socket
 import struct
@@ -31,8 +35,10 @@ import time
 import numpy as np
 
 MAGIC = b"KVSBULK1"
+TICKET_BYTES = 16
+SESSION_ID_BYTES = 16
+GREETING_BYTES = len(MAGIC) + TICKET_BYTES
 ERROR_SIZE = 2**64 - 1
-MAX_SESSIONS = 1024
 _U64 = struct.Struct("<Q")
 
 
@@ -52,81 +58,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class _Session:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.lock = threading.Lock()
-
-
-class BulkServer:
-    """Daemon side: accepts side-channel connections and hands their sockets to RPC handlers."""
-
-    def __init__(self, host: str) -> None:
-        self.ticket = secrets.token_bytes(16)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, 0))
-        self._listener.listen(64)
-        self.port = self._listener.getsockname()[1]
-        self._sessions: dict[bytes, _Session] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="kvstore-bulk-accept", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._greet, args=(conn,), daemon=True).start()
-
-    def _greet(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(5.0)
-            hello = recv_exact(conn, len(MAGIC) + len(self.ticket))
-            if not secrets.compare_digest(hello, MAGIC + self.ticket):
-                conn.close()
-                return
-            with self._lock:
-                if len(self._sessions) >= MAX_SESSIONS:
-                    conn.close()
-                    return
-                sid = secrets.token_bytes(16)
-                self._sessions[sid] = _Session(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(None)
-            conn.sendall(sid)
-        except OSError:
-            conn.close()
-
-    def session(self, sid: bytes) -> _Session | None:
-        with self._lock:
-            return self._sessions.get(sid)
-
-    def drop(self, sid: bytes) -> None:
-        with self._lock:
-            s = self._sessions.pop(sid, None)
-        if s is not None:
-            try:
-                s.sock.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv (close alone does not)
-            except OSError:
-                pass
-            s.sock.close()
-
-    @property
-    def session_count(self) -> int:
-        return len(self._sessions)
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        with self._lock:
-            sessions, self._sessions = list(self._sessions.values()), {}
-        for s in sessions:
-            s.sock.close()
+def readable_within(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has bytes (or EOF) to read within ``timeout_s``; ``poll``, not ``select``,
+    so a process holding more than 1,024 descriptors can use it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 class BulkChannel:
@@ -134,22 +71,32 @@ class BulkChannel:
 
     def __init__(self, host: str, port: int, ticket: bytes, timeout_s: float) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(MAGIC + ticket)
-        self.session = recv_exact(self.sock, 16)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.sendall(MAGIC + ticket)
+            self.session = recv_exact(self.sock, SESSION_ID_BYTES)
+        except OSError:
+            self.sock.close()
+            raise
         self.lock = threading.Lock()
         self.timeout_s = timeout_s
+
+    def alive(self) -> bool:
+        """False once the daemon has closed this session (idle past its bound, evicted for a new
+        client, daemon restarted): idle, the socket has nothing to read unless it is gone."""
+        try:
+            return self.sock.fileno() >= 0 and not readable_within(self.sock, 0)
+        except (OSError, ValueError):
+            return False
 
     def wait_readable(self, rpc_future, deadline: float) -> None:
         """Block until the daemon starts writing; if the RPC fails first, raise its error."""
         while True:
-            r, _, _ = select.select([self.sock], [], [], 0.02)
-            if r:
+            if readable_within(self.sock, 0.02):
                 return
             if rpc_future.done():
                 rpc_future.result()  # raises the RPC's error
-                r, _, _ = select.select([self.sock], [], [], 1.0)
-                if r:
+                if readable_within(self.sock, 1.0):
                     return
                 raise ConnectionError("side channel: the RPC finished but no data came")
             if time.monotonic() > deadline:
