@@ -48,6 +48,11 @@ class WrongBlockSize(InvalidArgument):
 class BlockTooLarge(KVStoreError):
     grpc_status = "INVALID_ARGUMENT"
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        if field:
+            self.field = field
+
 
 class TierFull(KVStoreError):
     """A tier cannot make room (everything evictable is pinned, or the medium is full)."""
@@ -89,6 +94,11 @@ class Unauthenticated(KVStoreError):
 
 class QuotaExceeded(KVStoreError):
     grpc_status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        if field:
+            self.field = field
 
 
 class DaemonUnavailable(KVStoreError):

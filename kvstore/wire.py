@@ -12,6 +12,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_URL = "127.0.0.1:7373"
 MAX_BATCH = 4096            # hashes per RPC
 MAX_LOOKUP_BATCH = 1024     # chains per LookupBatch
+MAX_LOOKUP_HASHES = 65536   # hashes per LookupBatch, all its chains together
 MAX_STRING = 256            # longest model / tenant / salt string accepted
 RAW_CODEC = 0               # codec id of an unencoded block
 SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered

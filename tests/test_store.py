@@ -254,7 +254,7 @@ def test_delete_removes_every_copy(harness):
     assert h.store.delete(h.ns, c) == 4
     assert h.store.stats()["tiers"]["nvme"]["blocks"] == 0
     assert h.store.stats()["tiers"]["cpu"]["blocks"] == 0
-    assert os.listdir(h.store.tiers[-1].path) == ["namespaces.json"]
+    assert os.listdir(h.store.tiers[-1].path) == ["namespaces"]   # the registry's directory, no block file
 
 
 # -- prefix-aware policy on whole chains -------------------------------------------------------------

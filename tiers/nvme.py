@@ -33,8 +33,9 @@ import xxhash
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
-from kvstore.buffers import as_bytes
-from kvstore.tiers.private_files import NotRegularFile, claim_private_dir, create_exclusive, open_regular
+from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
+from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, open_regular,
+                                         replace_file)
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -92,19 +93,6 @@ def o_direct_supported(directory: str) -> bool:
         os.unlink(probe)
 
 
-class _Staging(threading.local):
-    """One page-aligned, already-touched buffer per thread (O_DIRECT needs alignment)."""
-
-    def get(self, nbytes: int) -> mmap.mmap:
-        buf = getattr(self, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            if buf is not None:
-                buf.close()
-            buf = mmap.mmap(-1, _round_up(max(nbytes, 1 << 20)))
-            self.buf = buf
-        return buf
-
-
 class NvmeTier(Tier):
     name = "nvme"
     durable = True
@@ -130,7 +118,9 @@ class NvmeTier(Tier):
         self.o_direct = use_o_direct and o_direct_supported(self.path)
         self._files: dict[bytes, tuple[BlockRecord, int]] = {}  # key -> (record, footprint)
         self._lock = threading.Lock()
-        self._staging = _Staging()
+        # one page-aligned, touched staging buffer per thread (O_DIRECT needs alignment); an
+        # oversized block's is freed after use rather than kept by every thread that wrote one
+        self._staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -203,18 +193,8 @@ class NvmeTier(Tier):
             np.copyto(arr[HEADER_BYTES:HEADER_BYTES + n], src)
             arr[HEADER_BYTES + n:] = 0
             pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
-        final = self.file_path(record.key)
-        tmp = final + ".tmp"
-        fd = create_exclusive(tmp, os.O_DIRECT if self.o_direct else 0)
-        try:
-            _pwritev_all(fd, pieces)
-            os.fsync(fd)
-        except OSError:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise
-        os.close(fd)
-        os.rename(tmp, final)
+        replace_file(self.file_path(record.key), lambda fd: _pwritev_all(fd, pieces),
+                     os.O_DIRECT if self.o_direct else 0)
 
     def read_into(self, key: bytes, out) -> int:
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the

@@ -10,7 +10,8 @@ simply reads the cached KV bytes because the directory is loose. So:
   tightened to 0700 only while it is empty (a fresh mount point: tmpfs roots are 1777), since
   nothing can have been planted in it or read from it yet; a loose one with entries is refused.
 * ``create_exclusive`` creates files ``O_CREAT|O_EXCL|O_NOFOLLOW`` 0600: it never opens
-  something that was already there, link or not.
+  something that was already there, link or not; ``replace_file`` writes a whole file that way
+  (temp file, fsync, rename).
 * ``open_regular`` opens ``O_NOFOLLOW|O_NONBLOCK`` and accepts only a regular file, so a FIFO,
   socket, device, directory or symlink is reported (``NotRegularFile``), never followed or waited on.
 
@@ -94,6 +95,26 @@ def create_exclusive(path: str, extra_flags: int = 0) -> int:
     except FileExistsError:
         remove_leftover(path)
     return os.open(path, flags, PRIVATE_FILE_MODE)
+
+
+def replace_file(path: str, write, extra_flags: int = 0) -> None:
+    """Write ``path`` whole or not at all: ``write(fd)`` fills ``<path>.tmp`` (``create_exclusive``),
+    which is fsynced and renamed over ``path``. On OSError the temp file is removed and the error
+    raised. The rename itself is durable only once the caller fsyncs the directory."""
+    tmp = path + ".tmp"
+    fd = create_exclusive(tmp, extra_flags)
+    try:
+        write(fd)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
 
 
 def remove_leftover(path: str) -> None:

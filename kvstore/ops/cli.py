@@ -70,7 +70,8 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str] | None:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"{flag}: expected KEY=VALUE, got {item!r}")
+            got = "" if flag == "--token" else f", got {item!r}"   # a token is never echoed
+            raise SystemExit(f"{flag}: expected KEY=VALUE{got}")
         out[key] = value
     return out
 
@@ -133,10 +134,10 @@ def cmd_stats(args) -> int:
 
     console = Console()
     tiers = Table(title=f"kvstore at {c.address}: {stats['blocks']} blocks, {stats['namespaces']} namespaces, "
-                        f"{stats['leases']} leases")
+                        f"{stats.get('leases', 0)} leases")  # a non-admin tenant's view has no store-wide figures
     for col in ("tier", "used", "capacity", "use %", "blocks", "corrupt dropped"):
         tiers.add_column(col, justify="right" if col != "tier" else "left")
-    for name, t in stats["tiers"].items():
+    for name, t in stats.get("tiers", {}).items():
         cap = t.get("capacity_bytes", 0)
         tiers.add_row(name, format_size(t.get("used_bytes", 0)), format_size(cap),
                       f"{100 * t.get('used_bytes', 0) / cap:.1f}" if cap else "-",

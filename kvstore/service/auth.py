@@ -1,4 +1,4 @@
-"""Who is calling: bearer token -> tenant, and per-tenant byte quotas.
+"""Who is calling: bearer token -> tenant, and whether that tenant may see store-wide figures.
 
 With no tokens configured every caller is trusted and may name its tenant in RegisterNamespace
 (useful as a namespace partition on a private host). With tokens configured, a request without a
@@ -6,22 +6,26 @@ known ``authorization: Bearer <token>`` header is refused (UNAUTHENTICATED) and 
 decides the tenant: it is folded into every namespace the caller registers, and a namespace of
 another tenant is answered exactly like an unknown one (NOT_FOUND), so tenants can neither read nor
 probe each other's blocks.
+
+Admins are tenants listed in ``admin_tenants``: the tokens of those tenants may read store-wide
+Stats (every tenant's figures, the tiers' totals); everyone else sees only their own namespaces.
+Byte quotas are enforced by the store (``kvstore.store.quotas``), where every write path passes.
+No token ever appears in a message this module raises.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from kvstore.errors import QuotaExceeded, Unauthenticated
+from kvstore.errors import Unauthenticated
 
 
 class Authenticator:
-    def __init__(self, tokens: Mapping[str, str] | None = None,
-                 quotas: Mapping[str, int] | None = None) -> None:
+    def __init__(self, tokens: Mapping[str, str] | None = None, admin_tenants: Iterable[str] = ()) -> None:
         self.tokens = dict(tokens or {})
-        self.quotas = dict(quotas or {})
+        self.admin_tenants = frozenset(admin_tenants)
         self._digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in self.tokens.items()]
 
     @property
@@ -51,8 +55,7 @@ class Authenticator:
             raise Unauthenticated("authorization: unknown token")
         return found
 
-    def check_quota(self, tenant: str, used_bytes: int, incoming_bytes: int) -> None:
-        quota = self.quotas.get(tenant)
-        if quota is not None and used_bytes + incoming_bytes > quota:
-            raise QuotaExceeded(f"quota: tenant {tenant!r} holds {used_bytes} bytes; storing {incoming_bytes} "
-                                f"more would exceed its quota of {quota} bytes")
+    def sees_store_wide(self, tenant: str) -> bool:
+        """Whether an authenticated ``tenant`` may read store-wide figures: always without auth
+        (nothing tells callers apart), otherwise only the tenants listed in ``admin_tenants``."""
+        return not self.enabled or tenant in self.admin_tenants

@@ -8,7 +8,8 @@ and the leaves ``keys``, ``errors``, ``buffers``, ``wire``) and must not import 
 
 Modules: ``store`` (the Store and its seams), ``cascade`` (placing, demoting, promoting and dropping
 copies), ``index`` (entries and prefix-chain links), ``leases`` (two-phase operations),
-``transcoding`` (codec glue), ``namespaces`` (the registry and its ``namespaces.json``),
+``transcoding`` (codec glue), ``namespaces`` (the registry and its per-tenant cap),
+``namespace_files`` (one file per namespace on disk), ``quotas`` (per-tenant byte accounting),
 ``recovery`` (warm restart), ``views`` (pinned blocks and the shared arena), ``listeners``,
 ``config`` and ``policy``.
 """

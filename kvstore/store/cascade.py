@@ -6,6 +6,9 @@ fastest copy. When a tier is full its policy names a victim, which is *demoted* 
 (write-back) or dropped if it has no lower tier. With ``write_through`` a put also lands on the
 durable tier before it is acknowledged as persisted.
 
+A new block is charged to its tenant's quota when it is reserved and released when it leaves
+(``quotas.TenantQuotas``), so puts, same-host reservations and peer fetches are all counted.
+
 One lock (``Cascade.lock``) guards the index, the policies and the accounting; every method here
 that changes them expects it held unless its docstring says otherwise. Payload copies to and from
 RAM run outside it, under a pin. Demotion to NVMe runs under the lock (simple and safe; it stalls
@@ -15,20 +18,21 @@ other requests for the duration of one disk write).
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.errors import BlockTooLarge, StoreFull, TierFull, TierIOError
+from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
+from kvstore.errors import BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import BlockIndex, Entry
 from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.policy import make_policy
+from kvstore.store.quotas import TenantQuotas
 from kvstore.store.transcoding import Transcoder
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.cpu import CpuTier
@@ -51,7 +55,9 @@ class Cascade:
         self.transcoder = Transcoder(self.tiers, config, namespaces, self.counters)
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
-        self._scratch = threading.local()
+        self.quotas = TenantQuotas(config.tenant_quotas)
+        # page-aligned: the NVMe tier reads into it with O_DIRECT
+        self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
 
     # -- pins ------------------------------------------------------------------------------------
 
@@ -84,13 +90,20 @@ class Cascade:
     def reserve(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int,
                 t: int, only_this_tier: bool = False) -> Entry | None:
         """Allocate an invisible entry with room in tier ``t`` or, when it cannot make room, the
-        next tier down (None if the block exists or is being written). Takes the lock itself."""
+        next tier down (None if the block exists or is being written), charged to its tenant's
+        quota (``QuotaExceeded`` if it does not fit there). Takes the lock itself."""
         key = block_key(namespace_id, h)
+        tenant = self.namespaces.get(namespace_id).tenant
         with self.lock:
             if key in self.index.entries:  # present, or being written by someone else
                 return None
+            try:
+                self.quotas.charge(tenant, nbytes)
+            except QuotaExceeded:
+                self.counters["put_rejected_quota"] += 1
+                raise
             record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
-            entry = Entry(namespace_id, h, parent, nbytes)
+            entry = Entry(namespace_id, h, parent, nbytes, charged_to=tenant)
             while True:
                 try:
                     self.make_room(t, nbytes)
@@ -100,6 +113,7 @@ class Cascade:
                     if t + 1 < len(self.tiers) and not only_this_tier:
                         t += 1
                         continue
+                    self.quotas.release(tenant, nbytes)
                     self.counters["put_rejected_full"] += 1
                     raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
             entry.copies[t] = record
@@ -196,7 +210,7 @@ class Cascade:
             views = tier.view(entry.key)
             if len(views) == 1:
                 return views[0]
-        out = self._scratch_buffer(record.stored_size)
+        out = self._scratch.get(record.stored_size)
         tier.read_into(entry.key, out)
         return out
 
@@ -243,6 +257,18 @@ class Cascade:
             self.drop_copy(entry, t)
         self._forget(entry)
 
+    def doom(self, entry: Entry) -> None:
+        """Delete a pinned block: invisible and uncounted now, freed on its last unpin."""
+        entry.doomed = True
+        self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+        entry.ready = False
+        self._uncharge(entry)
+
+    def _uncharge(self, entry: Entry) -> None:
+        if entry.charged_to is not None:
+            self.quotas.release(entry.charged_to, entry.raw_size)
+            entry.charged_to = None
+
     def _forget(self, entry: Entry) -> None:
         index = self.index
         if index.entries.get(entry.key) is entry:
@@ -252,14 +278,5 @@ class Cascade:
                 self.listeners.removed(entry.namespace_id, entry.block_hash)
             if entry.ready:
                 index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+            self._uncharge(entry)
             index.copies_changed(entry)  # its children just lost their prefix
-
-    def _scratch_buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            # page-aligned and touched once, so the NVMe tier can read into it with O_DIRECT
-            buf = np.frombuffer(mmap.mmap(-1, -(-max(nbytes, 1 << 20) // mmap.PAGESIZE) * mmap.PAGESIZE),
-                                dtype=np.uint8)
-            buf[::mmap.PAGESIZE] = 0
-            self._scratch.buf = buf
-        return buf[:nbytes]

@@ -32,6 +32,7 @@ class Entry:
     doomed: bool = False         # deleted while pinned: freed on last unpin
     children: set[bytes] = dataclasses.field(default_factory=set)  # keys of visible children
     linked: bool = False         # listed in its parent's ``children``
+    charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
 
     @property
     def key(self) -> bytes:

@@ -1,45 +1,57 @@
-"""The namespace registry: which layouts this store serves, persisted as ``namespaces.json`` beside
-the durable tier so a restarted daemon still knows the namespaces of the blocks it recovers.
+"""The namespace registry: which layouts this store serves, persisted one file per namespace beside
+the durable tier (``namespace_files``) so a restarted daemon still knows the namespaces of the
+blocks it recovers. Without a durable tier the registry lives in RAM.
 
-The file is replaced atomically (write, fsync, rename, fsync the directory): a crash leaves the
-old registry or the new one, never a torn file. Without a durable tier the registry lives in RAM.
+Registering is serialised by the registry's own lock, never the store's: the fsync of a new
+namespace's file must not stall other tenants' gets. Readers (``get``, ``check_batch``) take no
+lock at all; a namespace becomes visible to them only once its file is durable.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import threading
+from collections import Counter
 from collections.abc import Sequence
 
-from kvstore.errors import InvalidArgument, TierIOError, UnknownNamespace
+from kvstore.errors import InvalidArgument, QuotaExceeded, TierIOError, UnknownNamespace
 from kvstore.keys import Namespace, check_block_hash
+from kvstore.store.namespace_files import NamespaceFiles
 from kvstore.wire import MAX_BATCH
-
-FILE_NAME = "namespaces.json"
 
 
 class NamespaceRegistry:
-    def __init__(self, directory: str | None) -> None:
-        """``directory``: the durable tier's, or None for a registry that is not persisted."""
-        self.path = os.path.join(directory, FILE_NAME) if directory is not None else None
+    def __init__(self, directory: str | None, max_per_tenant: int | None = None) -> None:
+        """``directory``: the durable tier's, or None for a registry that is not persisted.
+        ``max_per_tenant``: how many namespaces one tenant may register (None: unbounded)."""
+        self.files = NamespaceFiles(directory) if directory is not None else None
+        self.max_per_tenant = max_per_tenant
         self._namespaces: dict[bytes, Namespace] = {}
-        if self.path and os.path.exists(self.path):
-            with open(self.path) as f:
-                for d in json.load(f):
-                    ns = Namespace.from_dict(d)
-                    self._namespaces[ns.id] = ns
+        self._per_tenant: Counter[str] = Counter()
+        self._register_lock = threading.Lock()
+        for ns in self.files.load() if self.files is not None else ():
+            self._insert(ns)
 
     def add(self, ns: Namespace) -> None:
-        """Register ``ns`` (idempotent) and persist the registry; on failure nothing changes and
-        ``TierIOError`` is raised. Caller holds the store lock."""
+        """Register ``ns`` (idempotent) and persist it; on failure nothing changes and
+        ``TierIOError`` is raised. A tenant at ``max_per_tenant`` gets ``QuotaExceeded``."""
         if ns.id in self._namespaces:
             return
+        with self._register_lock:
+            if ns.id in self._namespaces:
+                return
+            if self.max_per_tenant is not None and self._per_tenant[ns.tenant] >= self.max_per_tenant:
+                raise QuotaExceeded(f"namespaces: this tenant already has {self.max_per_tenant} namespaces, the "
+                                    "most one tenant may register (max_namespaces_per_tenant)", field="namespaces")
+            if self.files is not None:
+                try:
+                    self.files.save(ns)
+                except OSError as e:
+                    raise TierIOError(f"cannot persist namespace registry: {e.strerror or e}") from e
+            self._insert(ns)
+
+    def _insert(self, ns: Namespace) -> None:
         self._namespaces[ns.id] = ns
-        try:
-            self._save()
-        except OSError as e:
-            del self._namespaces[ns.id]
-            raise TierIOError(f"cannot persist namespace registry: {e.strerror}") from e
+        self._per_tenant[ns.tenant] += 1
 
     def get(self, namespace_id: bytes) -> Namespace:
         try:
@@ -53,8 +65,16 @@ class NamespaceRegistry:
     def all(self) -> list[Namespace]:
         return list(self._namespaces.values())
 
+    def of_tenant(self, tenant: str) -> list[Namespace]:
+        return [ns for ns in list(self._namespaces.values()) if ns.tenant == tenant]
+
     def __len__(self) -> int:
         return len(self._namespaces)
+
+    def stats(self) -> dict[str, int]:
+        files = self.files
+        return {"namespace_files_skipped_not_regular": files.skipped_not_regular if files else 0,
+                "namespace_files_dropped_damaged": files.dropped_damaged if files else 0}
 
     def check_batch(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Namespace:
         """The namespace a request names, after checking its batch of hashes."""
@@ -64,18 +84,3 @@ class NamespaceRegistry:
         for h in hashes:
             check_block_hash(h)
         return ns
-
-    def _save(self) -> None:
-        if not self.path:
-            return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump([ns.to_dict() for ns in self._namespaces.values()], f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, self.path)
-        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)  # the rename itself must survive a crash
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)

@@ -2,7 +2,9 @@
 
 Everything a caller may need from the store's state goes through a public method here: listener
 registration with a snapshot (``subscribe``), a pinned view of one block (``pinned``), the shared
-arena's description (``shared_arena``) and the size bound of a block (``largest_block_bytes``).
+arena's description (``shared_arena``), the size bound of a block (``largest_block_bytes``), a
+tenant's quota accounting (``tenant_bytes``, ``quota_hold``) and the figures one tenant may see
+(``tenant_stats``).
 ``lookup`` pins what it reports for ``lease_seconds``, so the get that follows never races an
 eviction; two-phase zero-copy operations are delegated to ``leases.Leases``.
 """
@@ -16,7 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from kvstore.buffers import as_bytes
-from kvstore.errors import BlockCorrupt, BlockTooLarge, CodecError, InvalidArgument, TierIOError, WrongBlockSize
+from kvstore.errors import (BlockCorrupt, BlockTooLarge, CodecError, InvalidArgument, QuotaExceeded, TierIOError,
+                            WrongBlockSize)
 from kvstore.keys import Namespace
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
 from kvstore.store.config import StoreConfig
@@ -37,7 +40,8 @@ class Store:
             raise ValueError("a store needs at least one tier")
         self.config = config or StoreConfig()
         durable = next((t for t in tiers if t.durable), None)
-        self._namespaces = NamespaceRegistry(getattr(durable, "path") if durable is not None else None)
+        self._namespaces = NamespaceRegistry(getattr(durable, "path") if durable is not None else None,
+                                             self.config.max_namespaces_per_tenant)
         self._cascade = Cascade(tiers, self.config, self._namespaces, clock)
         self._leases = Leases(self._cascade)
         self._lock = self._cascade.lock
@@ -52,18 +56,25 @@ class Store:
     # -- namespaces ------------------------------------------------------------------------------
 
     def register_namespace(self, ns: Namespace) -> bytes:
-        """Idempotent: the id is a digest of the namespace, so equal layouts get equal ids."""
-        biggest = self.largest_block_bytes
-        if ns.block_bytes > biggest:
-            raise BlockTooLarge(f"layout.block_bytes: {ns.block_bytes}-byte blocks exceed every tier "
-                                f"(largest {biggest} bytes)")
-        with self._lock:
-            try:
-                self._namespaces.add(ns)
-            except TierIOError:
-                self.counters["namespace_persist_errors"] += 1
-                raise
+        """Idempotent: the id is a digest of the namespace, so equal layouts get equal ids. Not
+        under the store lock: persisting a new namespace (an fsync) must not stall reads."""
+        limit, why = self._block_limit()
+        if ns.block_bytes > limit:
+            raise BlockTooLarge(f"layout.block_bytes: {ns.block_bytes}-byte blocks exceed {why} ({limit} bytes)",
+                                field="layout.block_bytes")
+        try:
+            self._namespaces.add(ns)
+        except TierIOError:
+            self._count("namespace_persist_errors")
+            raise
+        except QuotaExceeded:
+            self._count("namespaces_refused_cap")
+            raise
         return ns.id
+
+    def _count(self, counter: str) -> None:
+        with self._lock:
+            self.counters[counter] += 1
 
     def namespace(self, namespace_id: bytes) -> Namespace:
         return self._namespaces.get(namespace_id)
@@ -78,8 +89,23 @@ class Store:
 
     @property
     def largest_block_bytes(self) -> int:
-        """No block larger than this fits anywhere: the capacity of the biggest tier."""
-        return max(t.capacity_bytes for t in self.tiers)
+        """No namespace may declare blocks larger than this (see ``_block_limit``)."""
+        return self._block_limit()[0]
+
+    def _block_limit(self) -> tuple[int, str]:
+        """The block size bound and what sets it: the biggest tier (a block must fit somewhere),
+        ``max_block_bytes``, and ``min_blocks_per_tier`` of the smallest tier (a few huge blocks
+        must not be able to flush a whole tier, nor pin its size in every scratch buffer)."""
+        limits = [(max(t.capacity_bytes for t in self.tiers), "every tier")]
+        if self.config.max_block_bytes is not None:
+            limits.append((self.config.max_block_bytes, "max_block_bytes"))
+        share = self.config.min_blocks_per_tier
+        sized = [t for t in self.tiers if t.capacity_bytes > 0]
+        if share > 0 and sized:
+            smallest = min(sized, key=lambda t: t.capacity_bytes)
+            limits.append((smallest.capacity_bytes // share,
+                           f"1/{share} of the smallest tier ({smallest.name}, {smallest.capacity_bytes} bytes)"))
+        return min(limits, key=lambda limit: limit[0])
 
     def subscribe(self, listener: StoreListener) -> dict[bytes, list[bytes]]:
         """Register ``listener`` and return the blocks it was not told about: every visible block's
@@ -226,6 +252,49 @@ class Store:
         sizes = self.get_into(namespace_id, hashes, outs)
         return [None if n is None else o[:n].tobytes() for o, n in zip(outs, sizes)]
 
+    # -- tenants: quotas, and what each may see ---------------------------------------------------
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes counted against ``tenant``'s quota: its blocks plus reservations in flight."""
+        with self._lock:
+            return self._cascade.quotas.charged.get(tenant, 0)
+
+    @contextlib.contextmanager
+    def quota_hold(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Iterator[None]:
+        """For a batch that arrives block by block: refuse it whole, now (``QuotaExceeded``), if
+        its absent blocks would not fit its tenant's quota, and count them against the quota
+        until the ``with`` body ends (see quotas.py). Each block is still charged when reserved."""
+        ns = self._namespaces.check_batch(namespace_id, hashes)
+        quotas = self._cascade.quotas
+        if ns.tenant not in quotas.limits:
+            yield
+            return
+        with self._lock:
+            absent = sum(1 for h in hashes if self._cascade.index.find(namespace_id, h) is None)
+            try:
+                quotas.hold(ns.tenant, absent * ns.block_bytes)
+            except QuotaExceeded:
+                self.counters["put_rejected_quota"] += 1
+                raise
+        try:
+            yield
+        finally:
+            with self._lock:
+                quotas.unhold(ns.tenant, absent * ns.block_bytes)
+
+    def tenant_stats(self, tenant: str) -> dict:
+        """The figures one tenant may see: its own namespaces', nothing store-wide."""
+        mine = self._namespaces.of_tenant(tenant)
+        quotas = self._cascade.quotas
+        with self._lock:
+            held = {ns.id: self._cascade.index.namespace_bytes.get(ns.id, 0) for ns in mine}
+            charged = quotas.charged.get(tenant, 0)
+        by_namespace = {ns.id.hex(): {"blocks": held[ns.id] // max(ns.block_bytes, 1), "bytes": held[ns.id]}
+                        for ns in mine}
+        return {"tenant": tenant, "namespaces": len(mine),
+                "blocks": sum(v["blocks"] for v in by_namespace.values()), "bytes": sum(held.values()),
+                "charged_bytes": charged, "quota_bytes": quotas.limits.get(tenant), "by_namespace": by_namespace}
+
     # -- two-phase operations (see leases.py) ----------------------------------------------------
 
     def prepare_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
@@ -259,9 +328,7 @@ class Store:
                     continue
                 n += 1
                 if entry.pins:
-                    entry.doomed = True
-                    index.namespace_bytes[entry.namespace_id] -= entry.raw_size
-                    entry.ready = False
+                    self._cascade.doom(entry)
                 else:
                     self._cascade.drop_entry(entry)
         return n
@@ -288,6 +355,12 @@ class Store:
         return written
 
     def stats(self) -> dict:
+        """Store-wide figures, every tenant's included (the daemon shows them to admins only
+        when auth is on; a tenant gets ``tenant_stats``)."""
+        quotas = self._cascade.quotas
+        per_tenant: dict[str, int] = {}
+        for ns in self._namespaces.all():
+            per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
         with self._lock:
             return {
                 "blocks": sum(1 for e in self._index.values() if e.ready),
@@ -295,7 +368,10 @@ class Store:
                 "namespaces": len(self._namespaces),
                 "tiers": {t.name: {**t.stats(), "policy_blocks": len(p)}
                           for t, p in zip(self.tiers, self.policies)},
-                "counters": dict(self.counters),
+                "counters": {**self.counters, **self._namespaces.stats()},
+                "tenants": {tenant: {"namespaces": n, "charged_bytes": quotas.charged.get(tenant, 0),
+                                     "quota_bytes": quotas.limits.get(tenant)}
+                            for tenant, n in per_tenant.items()},
             }
 
     def close(self) -> None:

@@ -1,0 +1,151 @@
+"""Where registered namespaces live on disk: one small file per namespace, so registering one
+writes and fsyncs a few hundred bytes instead of rewriting the whole registry.
+
+Layout, beside the durable tier's blocks::
+
+    <durable dir>/namespaces/            0700 (``claim_private_dir``: refused if loose or foreign)
+        <namespace id hex>.json          0600, one namespace's ``to_dict()``
+
+A file is written as ``<name>.tmp`` (``replace_file``: ``O_EXCL|O_NOFOLLOW``, so a planted symlink
+is never written through), fsynced, renamed into place, and the directory fsynced: a crash
+leaves the namespace registered or not, never a torn file. Loading opens each file with
+``open_regular`` (a FIFO, symlink or device is skipped without being opened through or waited on)
+and drops files that do not parse or whose name is not their namespace's id; both are counted.
+
+Upgrade: a ``namespaces.json`` written by an older daemon (one JSON list) is read once, its
+namespaces written as files, and then removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from kvstore.keys import Namespace
+from kvstore.tiers.private_files import NotRegularFile, claim_private_dir, open_regular, replace_file
+
+log = logging.getLogger("kvstore.store.namespace_files")
+
+DIR_NAME = "namespaces"
+LEGACY_FILE = "namespaces.json"
+SUFFIX = ".json"
+MAX_FILE_BYTES = 64 << 10   # a namespace is a few hundred bytes; anything bigger is not ours
+
+
+class NamespaceFiles:
+    """The per-namespace files under ``<directory>/namespaces``."""
+
+    def __init__(self, directory: str) -> None:
+        self.parent = directory
+        self.path = os.path.join(directory, DIR_NAME)
+        claim_private_dir(self.path, "namespace registry")
+        self.skipped_not_regular = 0   # FIFOs, symlinks, ... named like a namespace file
+        self.dropped_damaged = 0       # unparseable, or not named after its namespace's id
+
+    def file_path(self, namespace_id: bytes) -> str:
+        return os.path.join(self.path, namespace_id.hex() + SUFFIX)
+
+    def load(self) -> list[Namespace]:
+        """Every namespace on disk (after upgrading a legacy ``namespaces.json``)."""
+        found = {ns.id: ns for ns in self._load_dir()}
+        legacy = self._read_legacy()
+        if legacy is not None:
+            for ns in legacy:
+                if ns.id not in found:
+                    self.save(ns)
+                    found[ns.id] = ns
+            os.unlink(self._legacy_path())   # every namespace it held is a file of its own now
+            _fsync_dir(self.parent)
+        return list(found.values())
+
+    def save(self, ns: Namespace) -> None:
+        """Persist one namespace durably (OSError on failure, nothing left behind)."""
+        replace_file(self.file_path(ns.id), lambda fd: os.write(fd, json.dumps(ns.to_dict(), sort_keys=True).encode()))
+        _fsync_dir(self.path)
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _load_dir(self) -> list[Namespace]:
+        out = []
+        for name in os.listdir(self.path):
+            path = os.path.join(self.path, name)
+            if name.endswith(".tmp"):
+                _unlink_quietly(path)   # a crash mid-save: that registration never completed
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            ns = self._read_one(path)
+            if ns is not None and ns.id.hex() + SUFFIX != name:
+                self.dropped_damaged += 1
+                log.warning("namespace registry: %s does not hold the namespace it is named after; ignored", path)
+                ns = None
+            if ns is not None:
+                out.append(ns)
+        return out
+
+    def _read_one(self, path: str) -> Namespace | None:
+        data = self._read_regular(path)
+        if data is None:
+            return None
+        try:
+            return Namespace.from_dict(json.loads(data))
+        except (ValueError, KeyError, TypeError):
+            self.dropped_damaged += 1
+            log.warning("namespace registry: %s is damaged; ignored", path)
+            return None
+
+    def _read_regular(self, path: str, limit: int | None = MAX_FILE_BYTES) -> bytes | None:
+        """The bytes of a regular file, or None (counted) for anything else or one over ``limit``."""
+        try:
+            fd = open_regular(path)
+        except NotRegularFile as e:
+            self.skipped_not_regular += 1
+            log.warning("namespace registry: skipped %s: it is a %s, not a regular file", path, e.kind)
+            return None
+        except FileNotFoundError:
+            return None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                data = f.read() if limit is None else f.read(limit + 1)
+        except OSError:
+            self.dropped_damaged += 1
+            return None
+        if limit is not None and len(data) > limit:
+            self.dropped_damaged += 1
+            return None
+        return data
+
+    # -- upgrade from one namespaces.json --------------------------------------------------------
+
+    def _legacy_path(self) -> str:
+        return os.path.join(self.parent, LEGACY_FILE)
+
+    def _read_legacy(self) -> list[Namespace] | None:
+        """The namespaces of an old ``namespaces.json``; None if there is none (or it is not a
+        regular file: skipped and counted, left in place)."""
+        path = self._legacy_path()
+        data = self._read_regular(path, limit=None) if os.path.lexists(path) else None
+        if data is None:
+            return None
+        try:
+            return [Namespace.from_dict(d) for d in json.loads(data)]
+        except (ValueError, KeyError, TypeError):
+            self.dropped_damaged += 1
+            log.warning("namespace registry: %s is damaged; its namespaces must be registered again", path)
+            return []
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
