@@ -1,8 +1,12 @@
-"""The sizing planner: metadata-only replay == real store, outputs, recommendations, trace errors."""
+"""The sizing planner: metadata-only replay == real store, outputs, recommendations, trace errors,
+policies compared across workloads, a table that fits 80 columns."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -24,7 +28,7 @@ def tiny_requests(n=200, spec=CHAT):
 
 
 @pytest.mark.parametrize("policy,write_through,lease", [("prefix", False, 5.0), ("lru", False, 5.0),
-                                                        ("prefix", True, 0.0)])
+                                                        ("prefix", True, 0.0), ("s3fifo", False, 5.0)])
 def test_metadata_replay_agrees_exactly_with_real_store(tmp_path, policy, write_through, lease):
     reqs = tiny_requests()
     cpu_bytes, nvme_bytes = 20 * SLOT, 90 * 8192  # 20 CPU slots; 90 NVMe files (4 KiB header + 4 KiB)
@@ -143,3 +147,49 @@ def test_trace_hashes_tokens_like_the_store_and_shares_prefix_groups(tmp_path):
     assert c.hash_list()[:4] == b.hash_list()          # a longer turn extends the same chain
     assert d.hash_list()[:2] == c.hash_list()[:2]      # blocks wholly inside the shared group
     assert d.hash_list()[2] != c.hash_list()[2]        # block 2 mixes "sys" with a different group
+
+
+SYSPROMPT = "sysprompt:system_prompts=4,system_tokens=64,user_tokens=16"
+
+
+def test_policies_compared_across_workloads(tmp_path):
+    argv, out = _cli(tmp_path, "--workload", SYSPROMPT, "--target-hit-rate", "0.2")
+    argv[argv.index("--policy") + 1] = "prefix,lru,s3fifo"
+    argv[argv.index("--codec") + 1] = "raw"
+    report = plan.run(plan.build_parser().parse_args(argv))
+    assert [w["workload"] for w in report["workloads"]] == [CHAT, SYSPROMPT]
+    assert all(w["requests"] == 300 and w["recommendation"] is not None for w in report["workloads"])
+    assert "workload" not in report and report["recommendation"] is None   # only for a single workload
+    per_workload = 3 * 3 * 2                                                 # policies x cpu x nvme
+    assert len(report["results"]) == 2 * per_workload
+    for spec in (CHAT, SYSPROMPT):
+        rows = [r for r in report["results"] if r["workload"] == spec]
+        assert {r["policy"] for r in rows} == {"prefix", "lru", "s3fifo"} and len(rows) == per_workload
+        assert all(0 < r["hit_rate"] <= 1 for r in rows)
+    md = (tmp_path / "plan.md").read_text()
+    assert "| workload | policy |" in md and "| sysprompt | s3fifo |" in md and "| chat | lru |" in md
+
+
+def _plan_subprocess(tmp_path, *extra):
+    argv, _ = _cli(tmp_path, *extra)
+    argv.remove("--quiet")
+    env = {**os.environ, "COLUMNS": "80"}
+    return subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "plan", *argv], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+def test_table_fits_80_columns_when_piped(tmp_path):
+    out = _plan_subprocess(tmp_path, "--workload", SYSPROMPT, "--target-hit-rate", "0.3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "kvstore plan: replay per candidate" in out.stdout and "s3fifo" not in out.stdout
+    assert any(line.split()[:4] == ["prefix", "fp8", "40KiB", "400KiB"] for line in lines)  # whole cells
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    assert "…" not in out.stdout
+
+
+def test_json_output(tmp_path):
+    out = _plan_subprocess(tmp_path, "--json", "--policy", "s3fifo")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert {r["policy"] for r in report["results"]} == {"s3fifo"} and report["workload"] == CHAT

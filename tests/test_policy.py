@@ -1,10 +1,11 @@
-"""Eviction policies on metadata alone: LRU order, prefix-aware leaf-first, pinned blocks skipped."""
+"""Eviction policies on metadata alone: LRU order, prefix-aware leaf-first, S3-FIFO probation, pinned
+blocks skipped."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore.store.policy import LRUPolicy, PrefixAwarePolicy, make_policy
+from kvstore.store.policy import LRUPolicy, PrefixAwarePolicy, S3FIFOPolicy, make_policy
 
 
 def never_pinned(_key: bytes) -> bool:
@@ -128,5 +129,90 @@ def test_prefix_policy_heap_stays_bounded_under_many_touches():
 def test_make_policy():
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
+    assert isinstance(make_policy("s3fifo"), S3FIFOPolicy)
     with pytest.raises(ValueError, match="eviction_policy"):
         make_policy("random")
+
+
+def run_cache(policy, capacity: int, trace: list[bytes]) -> set[bytes]:
+    """Replay ``trace`` as the store does (a hit touches, a miss inserts after evicting to make
+    room); returns what is cached at the end."""
+    cached: set[bytes] = set()
+    for key in trace:
+        if key in cached:
+            policy.touch(key)
+            continue
+        if len(cached) >= capacity:
+            victim = policy.pick_victim(never_pinned)
+            policy.remove(victim)
+            cached.discard(victim)
+        policy.insert(key)
+        cached.add(key)
+    return cached
+
+
+def test_s3fifo_evicts_one_hit_wonders_before_reused_keys():
+    hot = [b"hot%d" % i for i in range(20)]
+    scan = [b"once%d" % i for i in range(400)]   # a scan of keys read once, 4x the tier
+    trace = hot + hot + scan                       # the hot keys are read again before the scan
+    s3 = run_cache(S3FIFOPolicy(), 100, trace)
+    lru = run_cache(LRUPolicy(), 100, trace)
+    assert set(hot) <= s3                          # every re-used key survived the scan
+    assert not set(hot) & lru                      # LRU gave every one of them up
+    # in a drain, the untouched newcomers go first
+    p = S3FIFOPolicy()
+    for k in (b"a", b"b", b"c", b"d"):
+        p.insert(k)
+    p.touch(b"a")
+    p.touch(b"c")
+    assert drain(p) == [b"b", b"d", b"a", b"c"]
+
+
+def test_s3fifo_never_picks_pinned_keys():
+    p = S3FIFOPolicy()
+    keys = [b"k%d" % i for i in range(50)]
+    for k in keys:
+        p.insert(k)
+    for k in keys[::3]:
+        p.touch(k)
+    pinned = set(keys[:10]) | set(keys[20:45])
+    victims = []
+    while (v := p.pick_victim(pinned.__contains__)) is not None:
+        assert v not in pinned
+        victims.append(v)
+        p.remove(v)
+    assert set(victims) == set(keys) - pinned      # everything else went, and nothing pinned did
+    assert len(p) == len(pinned)
+    assert p.pick_victim(lambda k: True) is None
+    assert p.pick_victim(never_pinned) is not None  # picking is only a suggestion: nothing was lost
+
+
+def test_s3fifo_ghost_hit_goes_to_main():
+    p = S3FIFOPolicy()
+    for k in (b"a", b"b", b"c"):
+        p.insert(k)
+    assert p.queue_of(b"a") == "small"
+    victim = p.pick_victim(never_pinned)
+    assert victim == b"a"
+    p.remove(victim)
+    assert p.queue_of(b"a") == "ghost"             # evicted from probation: remembered
+    p.insert(b"a")                                 # wanted again soon: straight to main
+    assert p.queue_of(b"a") == "main"
+    p.remove(b"b")                                 # a delete, not an eviction: no ghost
+    assert p.queue_of(b"b") is None
+    p.insert(b"b")
+    assert p.queue_of(b"b") == "small"
+    # the main block outlives newcomers that are never read
+    for k in (b"x", b"y", b"z"):
+        p.insert(k)
+    assert drain(p)[-1] == b"a"
+
+
+def test_s3fifo_ghosts_stay_bounded():
+    p = S3FIFOPolicy()
+    for i in range(5000):
+        p.insert(b"%d" % i)
+        if len(p) > 10:
+            p.remove(p.pick_victim(never_pinned))
+    ghosts = sum(p.queue_of(b"%d" % i) == "ghost" for i in range(5000))
+    assert 0 < ghosts <= S3FIFOPolicy.MIN_GHOSTS

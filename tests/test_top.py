@@ -1,7 +1,9 @@
-"""``kvstore top``: the frame computed from real store stats, and --once against a real daemon."""
+"""``kvstore top``: the frame computed from real store stats, --once against a real daemon, and
+``top`` / ``stats`` readable in 80 columns when piped."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,8 +26,8 @@ def _blocks(n, seed=0):
     return hashes, payloads
 
 
-def _text(renderable) -> str:
-    console = Console(record=True, width=140, color_system=None)
+def _text(renderable, width: int = 140) -> str:
+    console = Console(record=True, width=width, color_system=None)
     console.print(renderable)
     return console.export_text()
 
@@ -85,3 +87,47 @@ def test_once_against_a_real_daemon(daemon_factory):
     down = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "top", "--once", "--url", d.url],
                           capture_output=True, text=True, timeout=60, env=env)
     assert down.returncode == 1 and "unavailable" in down.stderr
+
+
+def _fits_80_columns(text: str) -> None:
+    too_long = [line for line in text.splitlines() if len(line) > 80]
+    assert not too_long, too_long
+    assert "…" not in text                              # no cell cut short
+
+
+def test_stats_and_top_fit_80_columns_when_piped(daemon_factory):
+    d = daemon_factory("--eviction-policy", "s3fifo")
+    c = d.client()
+    try:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        hashes, payloads = _blocks(6)
+        c.put(ns, hashes, payloads)
+        c.get(ns, hashes)
+    finally:
+        c.close()
+    env = {**os.environ, "PYTHONPATH": REPO, "COLUMNS": "80"}
+    for command, marker in ((["stats"], "hits_cpu"), (["top", "--once", "--interval", "0.2"], "hits/s")):
+        out = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", *command, "--url", d.url],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        _fits_80_columns(out.stdout)
+        assert "capacity" in out.stdout and marker in out.stdout
+        rows = [line.split() for line in out.stdout.splitlines()]
+        assert any(row[:1] == ["cpu"] and "6" in row for row in rows), out.stdout   # whole cells, 6 blocks
+    out = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "top", "--json", "--interval", "0.2",
+                          "--url", d.url], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    frame = json.loads(out.stdout)
+    assert frame["blocks"] == 6 and frame["rates"]["hits_cpu"] == 0.0   # a rate: two polls 0.2 s apart
+
+
+def test_namespace_table_wraps_long_models_in_80_columns():
+    model = "meta-llama/Llama-3.1-405B-Instruct-FP8-with-a-very-long-revision-name"
+    stats = {"blocks": 1, "tiers": {"cpu": {"capacity_bytes": 1 << 30, "used_bytes": 1 << 20}}, "counters": {},
+             "namespace_usage": [{"id": "ab" * 16, "model": model, "tenant": "team-a", "bytes": 1 << 20,
+                                  "blocks": 4}]}
+    text = _text(top.render(stats, width=80), width=80)
+    _fits_80_columns(text)
+    assert "░" not in text                              # no room for occupancy bars
+    assert "░" in _text(top.render(stats, width=140))
+    assert "meta-llama" in text and "team-a" in text

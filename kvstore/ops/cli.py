@@ -47,7 +47,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--nvme-path", help="directory of the NVMe tier")
     p.add_argument("--nvme-bytes", help="NVMe tier size (0 = no NVMe tier)")
     p.add_argument("--gpu-bytes", help="GPU tier size (default 0 = none)")
-    p.add_argument("--eviction-policy", choices=["lru", "prefix"])
+    p.add_argument("--eviction-policy", choices=["lru", "prefix", "s3fifo"])
     p.add_argument("--write-through", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--promote-on-hit", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--lease-seconds", type=float)
@@ -127,25 +127,28 @@ def cmd_stats(args) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from kvstore.units import format_size
 
     console = Console()
+    # light tables whose cells wrap rather than being cut with '…' in 80 columns or a pipe
     tiers = Table(title=f"kvstore at {c.address}: {stats['blocks']} blocks, {stats['namespaces']} namespaces, "
-                        f"{stats.get('leases', 0)} leases")  # a non-admin tenant's view has no store-wide figures
+                        f"{stats.get('leases', 0)} leases",  # a non-admin tenant's view has no store-wide figures
+                  box=box.SIMPLE_HEAD)
     for col in ("tier", "used", "capacity", "use %", "blocks", "corrupt dropped"):
-        tiers.add_column(col, justify="right" if col != "tier" else "left")
+        tiers.add_column(col, justify="right" if col != "tier" else "left", overflow="fold")
     for name, t in stats.get("tiers", {}).items():
         cap = t.get("capacity_bytes", 0)
         tiers.add_row(name, format_size(t.get("used_bytes", 0)), format_size(cap),
                       f"{100 * t.get('used_bytes', 0) / cap:.1f}" if cap else "-",
                       str(t.get("policy_blocks", t.get("blocks", 0))), str(t.get("corrupt_dropped", 0)))
     console.print(tiers)
-    counters = Table(title="counters")
-    counters.add_column("counter")
-    counters.add_column("value", justify="right")
+    counters = Table(title="counters", box=box.SIMPLE_HEAD)
+    counters.add_column("counter", overflow="fold")
+    counters.add_column("value", justify="right", overflow="fold")
     for k, v in sorted(stats.get("counters", {}).items()):
         counters.add_row(k, str(v))
     console.print(counters)

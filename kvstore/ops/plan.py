@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}) or a config.json path")
     p.add_argument("--dtype", help="KV dtype override (default: the model's)")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
-    p.add_argument("--workload", required=True,
+    p.add_argument("--workload", required=True, action="append",
                    help="a JSONL trace path, or a generator spec: " + ", ".join(workloads.GENERATORS)
-                   + " (e.g. chat:turns=8,rate=20)")
+                   + " (e.g. chat:turns=8,rate=20); repeat to compare candidates across workloads")
     p.add_argument("--requests", type=int, help="replay the first N requests (generators: generate N)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", default="8GiB,16GiB,32GiB",
@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme", default="0", help="candidate NVMe tier sizes, comma-separated (0: none)")
     p.add_argument("--codec", default="raw", help=f"codecs to try, comma-separated ({', '.join(CODECS)})")
     p.add_argument("--codec-table", help="JSON {codec: {ratio, decode_gbps}} overriding the built-in table")
-    p.add_argument("--policy", default="prefix", help="eviction policies to try, comma-separated (prefix, lru)")
+    p.add_argument("--policy", default="prefix",
+                   help="eviction policies to try, comma-separated (prefix, lru, s3fifo)")
     p.add_argument("--write-through", action="store_true", help="put also writes the NVMe tier")
     p.add_argument("--no-promote", action="store_true", help="do not copy NVMe hits up to the CPU tier")
     p.add_argument("--lease-seconds", type=float, default=StoreConfig.lease_seconds,
@@ -110,24 +111,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel replays")
     p.add_argument("--out", default="plan", help="output prefix: writes PREFIX.json, PREFIX.md and PREFIX.png")
     p.add_argument("--quiet", action="store_true", help="no table, no progress")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     return p
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in known:
+            raise InvalidArgument(what, f"unknown {what} {name!r}; one of {sorted(known)}")
+    return names
+
+
+def _replay_workload(spec: str, args: argparse.Namespace, layout: KVLayout, candidates: list[Candidate],
+                     cost: CostModel, config: StoreConfig, slot_bytes: int, say) -> tuple[dict, list[dict]]:
+    """Load one workload and replay every candidate on it: (its summary, one result per candidate)."""
+    t0 = time.perf_counter()
+    requests = workloads.load(spec, args.block_tokens, args.requests, args.seed)
+    load_s = time.perf_counter() - t0
+    if not requests:
+        raise InvalidArgument("workload", f"{spec}: no requests")
+    ideal = ideal_hit_rate(requests)
+    say(f"[bold]{spec}[/]: {len(requests):,} requests ({sum(r.num_blocks for r in requests):,} blocks of "
+        f"{layout.block_bytes / 2**20:.2f} MiB raw) loaded in {load_s:.1f}s; infinite-cache hit rate "
+        f"{ideal:.1%}; {len(candidates)} candidate(s) on {max(1, min(args.jobs, len(candidates)))} process(es)")
+
+    def progress(r: dict) -> None:
+        say(f"  {r['policy']:6} {r['codec']:4} cpu {gib(r['cpu_bytes']):>7} nvme {gib(r['nvme_bytes']):>7}: "
+            f"hit {r['hit_rate']:.1%}, TTFT p90 {r['ttft_ms']['p90']:.0f} ms ({r['replay_seconds']:.0f}s)")
+
+    t1 = time.perf_counter()
+
+    def replayed(n: int) -> None:
+        say(f"  ... {n:,} of {len(requests):,} requests replayed ({time.perf_counter() - t1:.0f}s)")
+
+    results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress, replayed)
+    for r in results:
+        r.pop("ttft_ms_samples", None)
+        r["workload"] = spec
+    rec = None
+    if args.target_hit_rate is not None or args.target_ttft_ms is not None:
+        rec = recommend(results, args.target_hit_rate, args.target_ttft_ms, args.ttft_percentile,
+                        args.price_cpu_gib, args.price_nvme_gib)
+    summary = {"workload": spec, "requests": len(requests), "blocks": sum(r.num_blocks for r in requests),
+               "infinite_cache_hit_rate": ideal, "recommendation": rec,
+               "load_seconds": round(load_s, 2), "sweep_seconds": round(time.perf_counter() - t1, 2)}
+    return summary, results
 
 
 def run(args: argparse.Namespace, console=None) -> dict:
     from rich.console import Console
     console = console or Console(stderr=False)
+    quiet = args.quiet or args.json
+
+    def say(text: str) -> None:
+        if not quiet:
+            console.print(text)
+
     if args.codec_table:
         with open(args.codec_table) as f:
             for name, d in json.load(f).items():
                 CODECS[name] = Codec(float(d["ratio"]), float(d.get("decode_gbps", math.inf)))
-    codecs = [c.strip() for c in args.codec.split(",") if c.strip()]
-    for c in codecs:
-        if c not in CODECS:
-            raise InvalidArgument("codec", f"unknown codec {c!r}; one of {sorted(CODECS)}")
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for pol in policies:
-        if pol not in POLICIES:
-            raise InvalidArgument("policy", f"unknown policy {pol!r}; one of {sorted(POLICIES)}")
+    codecs = _names(args.codec, CODECS, "codec")
+    policies = _names(args.policy, POLICIES, "policy")
     if args.block_tokens < 1:
         raise InvalidArgument("block_tokens", "must be >= 1")
     layout, preset_prefill = load_model(args.model, args.block_tokens, args.dtype)
@@ -145,74 +191,68 @@ def run(args: argparse.Namespace, console=None) -> dict:
     cost = CostModel(bandwidth, prefill, args.rpc_ms)
     config = StoreConfig(write_through=args.write_through, promote_on_hit=not args.no_promote,
                          lease_seconds=args.lease_seconds)
-
-    t0 = time.perf_counter()
-    requests = workloads.load(args.workload, args.block_tokens, args.requests, args.seed)
-    load_s = time.perf_counter() - t0
-    if not requests:
-        raise InvalidArgument("workload", "no requests")
-    ideal = ideal_hit_rate(requests)
     candidates = [Candidate(pol, codec, c, n) for pol in policies for codec in codecs
                   for n in nvme_sizes for c in cpu_sizes if c or n]
-    if not args.quiet:
-        console.print(f"[bold]{len(requests):,}[/] requests ({sum(r.num_blocks for r in requests):,} blocks of "
-                      f"{layout.block_bytes / 2**20:.2f} MiB raw) loaded in {load_s:.1f}s; infinite-cache hit "
-                      f"rate {ideal:.1%}; {len(candidates)} candidate(s) on "
-                      f"{max(1, min(args.jobs, len(candidates)))} process(es)")
 
-    def progress(r: dict) -> None:
-        if not args.quiet:
-            console.print(f"  {r['policy']:6} {r['codec']:4} cpu {gib(r['cpu_bytes']):>9} nvme "
-                          f"{gib(r['nvme_bytes']):>9}: hit {r['hit_rate']:.1%}, TTFT p90 "
-                          f"{r['ttft_ms']['p90']:.0f} ms ({r['replay_seconds']:.0f}s)")
-
-    t1 = time.perf_counter()
-    def replayed(n: int) -> None:
-        if not args.quiet:
-            console.print(f"  ... {n:,} of {len(requests):,} requests replayed ({time.perf_counter() - t1:.0f}s)")
-
-    results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress, replayed)
-    sweep_s = time.perf_counter() - t1
-    for r in results:
-        r.pop("ttft_ms_samples", None)
-    rec = None
-    if args.target_hit_rate is not None or args.target_ttft_ms is not None:
-        rec = recommend(results, args.target_hit_rate, args.target_ttft_ms, args.ttft_percentile,
-                        args.price_cpu_gib, args.price_nvme_gib)
+    if isinstance(args.workload, str):   # a Namespace built by hand, not by build_parser
+        args.workload = [args.workload]
+    summaries, results = [], []
+    for spec in args.workload:
+        summary, replayed = _replay_workload(spec, args, layout, candidates, cost, config, slot_bytes, say)
+        summaries.append(summary)
+        results += replayed
     report = {
         "command": "kvstore plan " + " ".join(getattr(args, "argv", None) or []),
-        "model": layout.to_dict(), "workload": args.workload, "requests": len(requests),
-        "blocks": sum(r.num_blocks for r in requests), "infinite_cache_hit_rate": ideal,
+        "model": layout.to_dict(), "workloads": summaries,
         "cost_model": {"bandwidth_gbps": bandwidth, "bandwidth_source": bw_source, "prefill_tok_s": prefill,
                        "prefill_source": "given" if args.prefill_tok_s else "preset guess", "rpc_ms": args.rpc_ms,
                        "formula": "rpc_ms + sum_t(bytes_t / bw_t) + codec decode + recomputed_tokens / prefill"},
         "codecs": {c: dataclasses.asdict(CODECS[c]) for c in codecs},
         "store_config": dataclasses.asdict(config) | {"cpu_slot_bytes": slot_bytes},
-        "timing": {"load_seconds": round(load_s, 2), "sweep_seconds": round(sweep_s, 2), "jobs": args.jobs},
+        "timing": {"load_seconds": round(sum(w["load_seconds"] for w in summaries), 2),
+                   "sweep_seconds": round(sum(w["sweep_seconds"] for w in summaries), 2), "jobs": args.jobs},
         "targets": {"hit_rate": args.target_hit_rate, "ttft_ms": args.target_ttft_ms,
                     "percentile": args.ttft_percentile},
-        "recommendation": rec, "results": results, "machine": machine_facts(tempfile.gettempdir()),
+        "recommendation": summaries[0]["recommendation"] if len(summaries) == 1 else None,
+        "results": results, "machine": machine_facts(tempfile.gettempdir()),
     }
+    if len(summaries) == 1:   # one workload: its figures at the top level, as before
+        report.update({k: summaries[0][k] for k in ("workload", "requests", "blocks", "infinite_cache_hit_rate")})
     report["cost_model"]["bandwidth_gbps"] = {k: (v if math.isfinite(v) else None) for k, v in bandwidth.items()}
     for c in report["codecs"].values():
         c["decode_gbps"] = c["decode_gbps"] if math.isfinite(c["decode_gbps"]) else None
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
+    _write_outputs(report, args, layout)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    elif not args.quiet:
+        render_table(results, console)
+        for w in summaries:
+            _say_recommendation(w, args, console)
+        console.print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
+    return report
+
+
+def _write_outputs(report: dict, args: argparse.Namespace, layout: KVLayout) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     write_markdown(report, args.out + ".md")
-    plot(results, args.out + ".png", f"{layout.model}, {args.workload}, {len(requests):,} requests, "
-                                     f"block {args.block_tokens} tokens")
-    if not args.quiet:
-        render_table(results, console)
-        if rec:
-            console.print(f"[bold green]recommended[/]: cpu {gib(rec['cpu_bytes'])}, nvme {gib(rec['nvme_bytes'])}, "
-                          f"codec {rec['codec']}, policy {rec['policy']}: hit {rec['hit_rate']:.1%}, TTFT "
-                          f"p{args.ttft_percentile} {rec['ttft_ms'][f'p{args.ttft_percentile}']:.0f} ms")
-        elif args.target_hit_rate is not None or args.target_ttft_ms is not None:
-            console.print("[bold red]no candidate reaches the target[/]: try larger sizes or another codec")
-        console.print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
-    return report
+    specs = ", ".join(w["workload"] for w in report["workloads"])
+    requests = sum(w["requests"] for w in report["workloads"])
+    plot(report["results"], args.out + ".png", f"{layout.model}, {specs}, {requests:,} requests, "
+                                               f"block {args.block_tokens} tokens")
+
+
+def _say_recommendation(summary: dict, args: argparse.Namespace, console) -> None:
+    rec = summary["recommendation"]
+    where = f"{summary['workload']}: " if len(args.workload) > 1 else ""
+    if rec:
+        p = f"p{args.ttft_percentile}"
+        console.print(f"[bold green]recommended[/] {where}cpu {gib(rec['cpu_bytes'])}, nvme {gib(rec['nvme_bytes'])}, "
+                      f"codec {rec['codec']}, policy {rec['policy']}: hit {rec['hit_rate']:.1%}, TTFT "
+                      f"{p} {rec['ttft_ms'][p]:.0f} ms")
+    elif args.target_hit_rate is not None or args.target_ttft_ms is not None:
+        console.print(f"[bold red]no candidate reaches the target[/] {where}try larger sizes or another codec")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,11 @@ the numbers, ``render()`` lays them out, and neither talks to a daemon.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -89,31 +91,42 @@ def _bar(fraction: float, width: int = 20) -> Text:
     return Text("█" * filled, style=color) + Text("░" * (width - filled), style="dim")
 
 
-def render(stats: dict, prev: dict | None = None, dt: float | None = None, address: str = "") -> Group:
+#: terminals at least this wide get the occupancy bars; narrower ones (80 columns, pipes) do not
+BAR_MIN_WIDTH = 100
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
+    """A light table whose cells wrap instead of being cut with '…' when the terminal is narrow."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return table
+
+
+def render(stats: dict, prev: dict | None = None, dt: float | None = None, address: str = "",
+           width: int | None = None) -> Group:
+    """One frame; ``width`` is the terminal's (None: wide enough for everything)."""
     v = view(stats, prev, dt)
     server = v["server"]
     head = Text.assemble(("kvstore top", "bold"), f"  {address}" if address else "",
                          f"  server {server.get('server_id', '?')}" if server else "",
                          f"  up {server.get('uptime_s', 0):.0f}s" if server else "",
-                         f"  | blocks {v['blocks']:,}  leases {v['leases']}  namespaces {v['namespaces']}")
+                         f"\nblocks {v['blocks']:,}  leases {v['leases']}  namespaces {v['namespaces']}")
     hits = Text.assemble("hit rate ", ("now " + _pct(v["hit_rate_now"]), "bold cyan"),
                          f"   since start {_pct(v['hit_rate_total'])}  (",
                          ", ".join(f"{t} {_pct(s)}" for t, s in v["hit_share_total"].items()), ")")
 
-    tiers = Table(title="tiers", title_justify="left", expand=False)
-    for col in ("tier", "used", "capacity", "occupancy", "", "blocks", "hits", "hits/s", "corrupt"):
-        tiers.add_column(col, justify="left" if col in ("tier", "") else "right")
+    bars = width is None or width >= BAR_MIN_WIDTH
+    tiers = _table("tiers", ["tier", "used", "capacity", "use %"] + ([""] if bars else [])
+                   + ["blocks", "hits", "hits/s", "corrupt"], left=("tier", ""))
     for t in v["tiers"]:
         rate = v["rates"].get(f"hits_{t['name']}")
         tiers.add_row(t["name"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
-                      f"{t['occupancy']:.1%}", _bar(t["occupancy"]), f"{t['blocks']:,}", f"{t['hits']:,}",
-                      "—" if rate is None else f"{rate:,.1f}", str(t["corrupt_dropped"]))
+                      f"{t['occupancy']:.1%}", *([_bar(t["occupancy"])] if bars else []), f"{t['blocks']:,}",
+                      f"{t['hits']:,}", "—" if rate is None else f"{rate:,.1f}", str(t["corrupt_dropped"]))
 
-    rates = Table(title=f"activity (per second over {dt:.1f}s)" if dt else "activity (since start)",
-                  title_justify="left")
-    rates.add_column("counter")
-    rates.add_column("per second", justify="right")
-    rates.add_column("total", justify="right")
+    rates = _table(f"activity (per second over {dt:.1f}s)" if dt else "activity (since start)",
+                   ["counter", "per second", "total"], left=("counter",))
     counters = stats.get("counters", {})
     for label, key, is_bytes in RATES:
         r = v["rates"].get(key)
@@ -123,9 +136,8 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
 
     parts = [head, hits, tiers, rates]
     if v["namespace_usage"]:
-        ns = Table(title="top namespaces (by bytes)", title_justify="left")
-        for col in ("namespace", "model", "tenant", "bytes", "blocks"):
-            ns.add_column(col, justify="right" if col in ("bytes", "blocks") else "left")
+        ns = _table("top namespaces (by bytes)", ["namespace", "model", "tenant", "bytes", "blocks"],
+                    left=("namespace", "model", "tenant"))
         for n in v["namespace_usage"]:
             ns.add_row(str(n.get("id", ""))[:16], str(n.get("model", "")), str(n.get("tenant", "")),
                        human_bytes(n.get("bytes", 0)), f"{n.get('blocks', 0):,}" if "blocks" in n else "—")
@@ -142,11 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root-ca", help="CA certificate for a TLS daemon")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--json", action="store_true", help="print one frame's numbers as JSON and exit")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.once = args.once or args.json
     console = Console()
     from kvstore.client import Client
     try:
@@ -161,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.interval > 0:
                 time.sleep(args.interval)
                 now, now_t = client.stats(), time.monotonic()
-                console.print(render(now, prev, now_t - prev_t, address))
+                frame = (now, prev, now_t - prev_t)
             else:
-                console.print(render(prev, address=address))
+                frame = (prev, None, None)
+            if args.json:
+                print(json.dumps(view(*frame), indent=2, sort_keys=True))
+            else:
+                console.print(render(*frame, address=address, width=console.width))
             return 0
-        with Live(render(prev, address=address), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(render(prev, address=address, width=console.width), console=console, refresh_per_second=4,
+                  screen=False) as live:
             while True:
                 time.sleep(args.interval)
                 now, now_t = client.stats(), time.monotonic()
-                live.update(render(now, prev, now_t - prev_t, address))
+                live.update(render(now, prev, now_t - prev_t, address, width=console.width))
                 prev, prev_t = now, now_t
     except DaemonUnavailable as e:
         print(f"kvstore top: daemon at {address} unavailable: {e}", file=sys.stderr)

@@ -164,7 +164,115 @@ class PrefixAwarePolicy(EvictionPolicy):
         return len(self._tick)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy}
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO (Yang et al., "FIFO queues are all you need for cache eviction", SOSP'23).
+
+    Most blocks of a KV cache are never read again (a unique question, the tail of a finished
+    conversation); LRU lets every such one-hit wonder push out a block that is read again.
+    S3-FIFO gives new blocks a short probation instead:
+
+    * ``small``: new blocks, FIFO, about 10% of the tier. A block read while here moves to main
+      when it reaches the head; one never read is evicted and its key remembered in ``ghost``.
+    * ``main``: FIFO with a 2-bit read counter; the head is reinserted (counter - 1) while its
+      counter is non-zero, else evicted.
+    * ``ghost``: keys recently evicted from small (no data, bounded to the tier's key count). A
+      block inserted again while its key is a ghost was wanted after all: it goes straight to main.
+
+    A pinned block at the head of a queue is in use: it goes to the back of that queue. Only the
+    victim the policy named counts as evicted (ghosted) when removed; other removals are deletes.
+    """
+
+    name = "s3fifo"
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3            # two bits
+    MIN_GHOSTS = 64
+
+    def __init__(self) -> None:
+        self._small: OrderedDict[bytes, None] = OrderedDict()
+        self._main: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._freq: dict[bytes, int] = {}
+        self._named: bytes | None = None
+
+    def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
+        if key in self._freq:
+            return
+        self._freq[key] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+
+    def touch(self, key: bytes) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
+
+    def remove(self, key: bytes) -> None:
+        if self._freq.pop(key, None) is None:
+            return
+        evicted = key == self._named
+        if evicted:
+            self._named = None
+        if key in self._small:
+            del self._small[key]
+            if evicted:
+                self._remember(key)
+        else:
+            del self._main[key]
+
+    def _remember(self, key: bytes) -> None:
+        self._ghost[key] = None
+        while len(self._ghost) > max(len(self._freq), self.MIN_GHOSTS):
+            self._ghost.popitem(last=False)
+
+    def queue_of(self, key: bytes) -> str | None:
+        """``"small"``, ``"main"``, ``"ghost"`` or None: where the policy holds ``key`` (for tests
+        and debugging)."""
+        for name, queue in (("small", self._small), ("main", self._main), ("ghost", self._ghost)):
+            if key in queue:
+                return name
+        return None
+
+    def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
+        if len(self._small) >= self.SMALL_FRACTION * len(self._freq):
+            victim = self._from_small(is_pinned) or self._from_main(is_pinned)
+        else:
+            victim = self._from_main(is_pinned) or self._from_small(is_pinned)
+        self._named = victim
+        return victim
+
+    def _from_small(self, is_pinned: IsPinned) -> bytes | None:
+        for _ in range(len(self._small)):        # each block at the head when we started, once
+            key = next(iter(self._small))
+            if self._freq[key] > 0:              # read during probation: keep it
+                del self._small[key]
+                self._main[key] = None
+            elif is_pinned(key):
+                self._small.move_to_end(key)
+            else:
+                return key
+        return None
+
+    def _from_main(self, is_pinned: IsPinned) -> bytes | None:
+        pinned_in_a_row = 0
+        while self._main and pinned_in_a_row < len(self._main):
+            key = next(iter(self._main))
+            if self._freq[key] > 0:              # read since it last came round: another lap
+                self._freq[key] -= 1
+                pinned_in_a_row = 0
+            elif is_pinned(key):
+                pinned_in_a_row += 1
+            else:
+                return key
+            self._main.move_to_end(key)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy, "s3fifo": S3FIFOPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
