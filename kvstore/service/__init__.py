@@ -1,1 +1,18 @@
-"""The daemon (placeholder docstring; rewritten by the service split)."""
+"""The daemon: ``kvstore serve`` and everything it runs around the Store — the gRPC servicer, the
+server ends of the transports (gRPC streams, the bulk side channel's RPCs, same-host leases),
+authentication, configuration, metrics and the process lifecycle (start-up checks, the lease and
+stall reaper, graceful shutdown). It owns what callers can hold and what they may see: every call
+is authenticated before it costs a thread, every wait on a caller is bounded, and a tenant sees
+only its own namespaces. It imports down only (``kvstore.store``, ``kvstore.tiers``,
+``kvstore.transport``, ``kvstore.fleet`` in fleet mode, and the leaves ``keys``, ``errors``,
+``buffers``, ``wire``, ``units`` and the generated protocol) and must not import ``kvstore.client``,
+``kvstore.ops`` or ``kvstore.connectors``.
+
+Modules: ``daemon`` (the process), ``config`` (settings), ``auth`` (token -> tenant),
+``grpc_server`` (the aio server, its connection bounds, health and reflection), ``interceptors``
+(authentication from the headers), ``calls`` (the call bridge: messages on the event loop, bodies
+on worker threads, errors as statuses), ``stalls`` (cutting callers that stop making progress),
+``servicer`` (the KVStore service and its control RPCs) with ``stream_rpcs`` (Put, Get),
+``lease_rpcs`` (same-host zero copy), ``bulk_rpcs`` (the side channel), ``block_reads`` and
+``rpc_base``; ``validation`` (request checks), ``metrics``, and ``server`` (the old import names).
+"""

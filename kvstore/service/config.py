@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 import psutil
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import KVStoreError
@@ -55,6 +55,12 @@ def default_nvme_bytes() -> int:
     return max(256 * MiB, min(16 * GiB, free // 2))
 
 
+def _text_not_echoed(value: Any) -> Any:
+    """A secret is whatever text it was written as (a YAML number too): it must never fail
+    validation, because a validation error would echo it."""
+    return value if value is None or isinstance(value, (str, SecretStr)) else str(value)
+
+
 class FleetSettings(BaseModel):
     """Sharing blocks between daemons through a Redis directory (kvstore.fleet)."""
 
@@ -69,6 +75,10 @@ class FleetSettings(BaseModel):
     peer_fetch: bool = True
     peer_token: str | None = None     # a token of the same tenant on the peers, when they use auth
     peer_timeout_s: float = Field(2.0, gt=0, le=60)
+    # shared by every daemon of the fleet; directory values are signed with it (required when enabled)
+    secret: Annotated[SecretStr | None, BeforeValidator(_text_not_echoed)] = None
+    peer_tls_ca: str | None = None    # CA (PEM file): talk to peers over TLS and check their certificates
+    max_peer_clients: int = Field(64, ge=1, le=4096)   # open peer connections kept (least recently used go)
 
 
 CodecName = Literal["raw", "fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "zstd"]
@@ -102,7 +112,7 @@ class Settings(BaseSettings):
     gpu_bytes: Size = Field(0, ge=0, le=64 * TiB)
     gpu_device: str = "cuda"
 
-    eviction_policy: Literal["lru", "prefix"] = "prefix"
+    eviction_policy: Literal["lru", "prefix", "s3fifo"] = "prefix"
     write_through: bool = False
     promote_on_hit: bool = True
     lease_seconds: float = Field(5.0, gt=0, le=3600)
@@ -112,6 +122,9 @@ class Settings(BaseSettings):
 
     tokens: dict[str, str] = Field(default_factory=dict)      # bearer token -> tenant
     quotas: dict[str, Size] = Field(default_factory=dict)     # tenant -> max stored bytes
+    admin_tenants: list[str] = Field(default_factory=list)   # tenants whose tokens see store-wide Stats
+    max_namespaces_per_tenant: int = Field(1024, ge=1, le=1 << 20)
+    max_block_bytes: Size = Field(64 * MiB, ge=4 * KiB, le=1 * GiB)   # and at most 1/4 of the smallest tier
     tls_cert: str | None = None
     tls_key: str | None = None
 
@@ -140,6 +153,9 @@ class Settings(BaseSettings):
     def model_post_init(self, _: Any) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        unknown = sorted(set(self.admin_tenants) - set(self.tokens.values()))
+        if self.tokens and unknown:
+            raise ValueError(f"admin_tenants: {unknown} have no token in tokens")
 
     @property
     def host(self) -> str:
@@ -191,11 +207,27 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "nvme_bytes", "gpu_bytes", "quotas"}
+_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "nvme_bytes", "gpu_bytes", "quotas",
+              "max_block_bytes"}
+
+
+# Settings that hold secrets. A bad value must not be echoed, nor, under ``tokens`` (token ->
+# tenant), the key: the key *is* the token.
+_SECRET_KEYS = {"tokens", "peer_token", "secret"}
+
+
+def _redacted(loc: tuple) -> tuple[list[str], bool]:
+    """The error location safe to print, and whether it lies under a secret setting."""
+    parts = [str(p) for p in loc]
+    for i, part in enumerate(parts):
+        if part in _SECRET_KEYS:
+            return parts[:i + 1] + [p if p == "[key]" else "<redacted>" for p in parts[i + 1:]], True
+    return parts, False
 
 
 def _describe(error: dict) -> str:
-    key = ".".join(str(p) for p in error["loc"]) or "config"
+    loc, secret = _redacted(error["loc"])
+    key = ".".join(loc) or "config"
     ctx = error.get("ctx") or {}
     sized = error["loc"] and error["loc"][0] in _SIZE_KEYS
     bounds = [f"{op} {format_size(v) if sized and isinstance(v, int) and v >= 4096 else v}"
@@ -203,8 +235,8 @@ def _describe(error: dict) -> str:
     allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown setting; see docs/config.md for the known ones"
-    got = error.get("input")
-    return f"{key}: {error['msg']}{allowed}; got {got!r}"
+    got = "<redacted>" if secret else repr(error.get("input"))
+    return f"{key}: {error['msg']}{allowed}; got {got}"
 
 
 def load_settings(config_file: str | None = None, **flags: Any) -> Settings:

@@ -19,6 +19,7 @@ import time
 
 from grpc_health.v1 import health_pb2
 
+from kvstore.buffers import HeapTrimmer, limit_heap_arenas
 from kvstore.service.auth import Authenticator
 from kvstore.service.config import Settings
 from kvstore.errors import KVStoreError
@@ -108,9 +109,10 @@ class Daemon:
         self.store = Store(build_tiers(settings), StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
             promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
-            tier_codecs=tier_codecs))
+            tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
+            min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant))
         self.metrics = Metrics(self.store)
-        auth = Authenticator(settings.tokens, settings.quotas)
+        auth = Authenticator(settings.tokens, settings.admin_tenants)
         try:
             self.server, self.servicer, self.health, self.port = build_server(
                 self.store, listen=settings.listen, workers=settings.workers,
@@ -124,7 +126,11 @@ class Daemon:
             raise
         self.fleet = None
         if settings.fleet.enabled:
-            self.fleet = self._build_fleet(settings)
+            try:
+                self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret
+            except Exception:
+                self.store.close()
+                raise
             self.servicer.fleet = self.fleet
         self.metrics_port: int | None = None
         self._stop = threading.Event()
@@ -137,7 +143,8 @@ class Daemon:
         f = settings.fleet
         return Fleet(self.store, f.redis_url, f.node_id or socket.gethostname(), f.advertise_addr or self.address,
                      key_prefix=f.key_prefix, heartbeat_s=f.heartbeat_s, ttl_s=f.ttl_s, peer_fetch=f.peer_fetch,
-                     peer_token=f.peer_token, peer_timeout_s=f.peer_timeout_s)
+                     peer_token=f.peer_token, peer_timeout_s=f.peer_timeout_s, secret=f.secret,
+                     peer_tls_ca=f.peer_tls_ca, max_peer_clients=f.max_peer_clients)
 
     @property
     def address(self) -> str:
@@ -155,12 +162,14 @@ class Daemon:
     def _reap(self) -> None:
         """Release leases of clients that never came back (a killed client leaks nothing)."""
         period = min(1.0, max(0.05, self.store.config.lease_seconds / 4))
+        heap = HeapTrimmer()  # a burst of large requests leaves freed heap in RSS until trimmed
         while not self._stop.wait(period):
             try:
                 self.store.expire_leases()
                 self.servicer.prune_leases()
                 self.servicer.cancel_stalled_streams()
                 shm.reap_probes(self.settings.shm_dir)
+                heap.maybe_trim()
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad tick
                 log.exception("lease reaper tick failed")
 
@@ -192,6 +201,7 @@ class Daemon:
 
 def run(settings: Settings, ready_file: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; exit code 0 after a clean shutdown."""
+    limit_heap_arenas()  # before the server's threads exist: lets a burst's freed heap be trimmed
     daemon = Daemon(settings)
     stop = threading.Event()
 

@@ -1,0 +1,101 @@
+"""The side channel's control RPCs: BulkGet and BulkPut, whose bytes ride a raw TCP session.
+
+Each RPC is an ordinary authenticated, validated call naming a session of
+``kvstore.transport.bulk``; its body runs on one worker thread from start to end, moving the
+payload over that session's socket. A transfer that stalls is cut by the stall watch, which drops
+the session (waking the thread blocked on the socket) and ends the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from kvstore.errors import InvalidArgument
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.block_reads import pinned_blocks
+from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.validation import check_hashes, check_parent
+from kvstore.transport import bulk as bulk_transport
+from kvstore.wire import MAX_BATCH, RAW_CODEC
+
+
+class BulkRpcs(ServicerBase):
+    def _session(self, sid: bytes, context):
+        """The caller's open session ``sid`` (another tenant's is answered like an unknown one)."""
+        session = self.bulk.session(sid, self.tenant_of(context)) if self.bulk is not None else None
+        if session is None:
+            raise InvalidArgument("session", "unknown side-channel session; reconnect or use the gRPC stream")
+        return session
+
+    @contextlib.contextmanager
+    def _transfer(self, context, sid: bytes, session):
+        """The session's socket for one transfer, watched: a stalled transfer drops the session."""
+        with self.stalls.watch(context.cancel, on_stall=lambda: self.bulk.drop(sid)) as touch, \
+                self.bulk.using(session) as sock:
+            yield touch, sock
+
+    def BulkGet(self, request, context):
+        sid = bytes(request.session)
+        session = self._session(sid, context)
+        with self._transfer(context, sid, session) as (touch, sock):
+            sent = 0
+            try:
+                ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+                hashes = check_hashes(request.hashes)
+                sizes = []
+                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get)
+                with contextlib.closing(blocks):  # unpin on any exit
+                    for block in blocks:
+                        bulk_transport.send_block(sock, block)
+                        touch()
+                        sizes.append(0 if block is None else block.nbytes)
+                        sent += sizes[-1]
+            except OSError as e:
+                self.bulk.drop(sid)
+                raise InvalidArgument("session", f"side channel failed: {e}") from e
+            except Exception:
+                try:
+                    bulk_transport.send_error(sock)
+                except OSError:
+                    self.bulk.drop(sid)
+                raise
+        self.moved("out", "bulk", sent)
+        return pb.BulkGetResponse(sizes=sizes, codecs=[RAW_CODEC] * len(sizes))
+
+    def BulkPut(self, request, context):
+        sid = bytes(request.session)
+        session = self._session(sid, context)
+        # What the client committed to send: its own idea of the block size times the count.
+        if len(request.hashes) > MAX_BATCH or request.block_bytes > self.store.largest_block_bytes + (1 << 30):
+            self.bulk.drop(sid)  # cannot drain an absurd amount: cut the channel
+            raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
+                                  "request too large for the side channel")
+        committed = len(request.hashes) * request.block_bytes
+        with self._transfer(context, sid, session) as (touch, sock):
+            received = 0
+            results: list[int] = []
+            try:
+                if not request.block_bytes:
+                    raise InvalidArgument("block_bytes", "required on the side channel")
+                ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+                hashes = check_hashes(request.hashes)
+                parent = check_parent(request.parent)
+                buf = self.scratch.get(ns.block_bytes)
+                with self.quota_hold(ns, hashes):
+                    for i, h in enumerate(hashes):
+                        bulk_transport.recv_exact_into(sock, memoryview(buf))
+                        touch()
+                        received += ns.block_bytes
+                        p = parent if i == 0 else hashes[i - 1]
+                        results.append(PUT_RESULT[self.store.put(ns.id, [h], [buf], parent=p)[0]])
+            except OSError as e:
+                self.bulk.drop(sid)
+                raise InvalidArgument("session", f"side channel failed: {e}") from e
+            except Exception:
+                try:
+                    bulk_transport.drain(sock, committed - received, self.scratch.get(1 << 20))
+                except OSError:
+                    self.bulk.drop(sid)
+                raise
+        self.moved("in", "bulk", received)
+        return pb.PutResponse(results=results)

@@ -1,0 +1,165 @@
+"""The daemon's gRPC endpoint: a ``grpc.aio`` server on its own event-loop thread.
+
+Why aio: the sync server gives every call a worker thread before its request message arrives, so
+idle callers could take all of them. Here callers wait on the event loop (``calls.py``), the
+authentication interceptor refuses unauthenticated calls from their headers
+(``interceptors.py``), and health and reflection are served on the loop itself, so a health check
+answers even while every worker is busy.
+
+Bounds on what a caller can hold (the call-level ones are the stall watch's, see ``calls.py``):
+
+* ``SERVER_OPTIONS``: a connection must finish its HTTP/2 (and TLS) handshake within 10 s; one
+  without calls for 5 minutes is closed; one older than 30 minutes is asked to go away
+  (clients reconnect transparently) and closed 5 minutes later with whatever it still holds;
+  keepalive pings every 60 s find dead peers (20 s to answer); at most 1,024 calls at once per
+  connection.
+* Messages above ``max_message_bytes`` are refused by gRPC itself with RESOURCE_EXHAUSTED.
+
+``GrpcServer`` gives the daemon a synchronous face (start, stop, wait) over the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.auth import Authenticator
+from kvstore.service.calls import CallBridge
+from kvstore.service.interceptors import AuthInterceptor
+from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.service.validation import lenient
+from kvstore.store import Store
+from kvstore.transport.bulk_server import BulkServer
+
+METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
+
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 5 * 60_000),
+    ("grpc.max_connection_age_ms", 30 * 60_000),
+    ("grpc.max_connection_age_grace_ms", 5 * 60_000),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.max_concurrent_streams", 1024),
+]
+
+
+class HealthStatus:
+    """Sets the standard health service's answers from any thread (the servicer lives on the loop)."""
+
+    def __init__(self, servicer: health_aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
+        self.servicer = servicer
+        self._loop = loop
+
+    def set(self, service: str, status) -> None:
+        asyncio.run_coroutine_threadsafe(self.servicer.set(service, status), self._loop).result(10)
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server whose event loop runs on a thread of its own."""
+
+    def __init__(self, workers: int) -> None:
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc")
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvstore-grpc-loop", daemon=True)
+        self._thread.start()
+        self.aio: grpc.aio.Server | None = None
+
+    def on_loop(self, coro: Coroutine):
+        """Run ``coro`` on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def start(self) -> None:
+        self.on_loop(self.aio.start())
+
+    def stop(self, grace_s: float | None = None) -> threading.Event:
+        """Stop accepting calls, let those in flight finish for ``grace_s``, cancel the rest; the
+        event is set once the server has stopped (the loop ends then; no new step starts)."""
+        done = threading.Event()
+        stopping = asyncio.run_coroutine_threadsafe(self.aio.stop(grace_s), self.loop)
+
+        def finished(_) -> None:
+            self.discard()
+            done.set()
+
+        stopping.add_done_callback(finished)
+        return done
+
+    def discard(self) -> None:
+        """End the loop and the workers (after ``stop``, or for a server that never started)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bridge: CallBridge) -> None:
+    """Every KVStore method through the call bridge, with lenient request parsing so a malformed
+    message is answered INVALID_ARGUMENT naming its type (see ``validation.lenient``)."""
+    handlers = {}
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
+        handlers[m.name] = bridge.method_handler(m, getattr(servicer, m.name), lenient(getattr(pb, m.input_type.name)),
+                                                 getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
+                 chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
+                 shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
+                 tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0):
+    """A ready-to-start gRPC server with the KVStore service, health and reflection.
+
+    Returns ``(server, servicer, health, port)``: a ``GrpcServer``, the ``KVStoreServicer``, a
+    ``HealthStatus``; the caller starts and stops the server."""
+    auth = auth or Authenticator()
+    host = listen.rpartition(":")[0].strip("[]")
+    bulk = BulkServer(host) if bulk_channel and not tls_cert else None
+    servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
+                               chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
+                               stream_idle_s=stream_idle_s)
+    credentials = None
+    if tls_cert:
+        with open(tls_key, "rb") as f:
+            key = f.read()
+        with open(tls_cert, "rb") as f:
+            cert = f.read()
+        credentials = grpc.ssl_server_credentials([(key, cert)])
+    server = GrpcServer(workers)
+
+    async def assemble():
+        # created on the loop that will run it
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes), *SERVER_OPTIONS]
+        aio = grpc.aio.server(migration_thread_pool=server.pool,
+                              interceptors=[AuthInterceptor(auth, SERVICE_NAME, METHOD_NAMES, metrics)],
+                              options=options)
+        add_kvstore_servicer(servicer, aio, CallBridge(server.pool, servicer.stalls, metrics))
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, aio)
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), aio)
+        try:
+            port = aio.add_secure_port(listen, credentials) if credentials else aio.add_insecure_port(listen)
+        except RuntimeError:   # grpc's "failed to bind"
+            port = 0
+        return aio, health, port
+
+    try:
+        server.aio, health, port = server.on_loop(assemble())
+        if not port:
+            raise OSError(f"listen: cannot bind {listen}")
+    except Exception:
+        server.discard()
+        if bulk is not None:
+            bulk.close()
+        raise
+    return server, servicer, HealthStatus(health, server.loop), port

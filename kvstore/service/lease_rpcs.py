@@ -1,0 +1,116 @@
+"""Same-host zero-copy RPCs: leases on arena slots that a client fills or reads in place.
+
+PrepareStore/PrepareLoad pin slots of the shared CPU arena under a store lease and answer where
+they are; the client copies through its own mapping of the arena and then completes (or aborts)
+the lease. The id a client sees is not the store's: ``ClientLeases`` hands out random public ids
+bound to the tenant that prepared them, so a stale or hostile client cannot name another client's
+lease (store ids count up from 1 in every daemon run).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+from kvstore.errors import LeaseExpired, PermissionDenied
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.validation import check_hashes, check_parent
+from kvstore.wire import RAW_CODEC
+
+
+class ClientLeases:
+    """Public lease id -> (tenant, until, store lease id)."""
+
+    def __init__(self) -> None:
+        self._owner: dict[int, tuple[str, float, int]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def issue(self, store_lease_id: int, tenant: str, lease_seconds: float) -> int:
+        with self._lock:
+            public = secrets.randbits(63) or 1
+            while public in self._owner:
+                public = secrets.randbits(63) or 1
+            self._owner[public] = (tenant, time.monotonic() + lease_seconds + 1, store_lease_id)
+        return public
+
+    def redeem(self, public_id: int, tenant: str) -> int:
+        """The store's lease id behind ``public_id``, once, and only for the tenant it was issued to."""
+        with self._lock:
+            owner = self._owner.get(public_id)
+            if owner is not None and owner[0] == tenant:
+                del self._owner[public_id]
+                return owner[2]
+        raise LeaseExpired(f"lease_id: lease {public_id} is unknown or expired")
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for lid in [k for k, (_, until, _) in self._owner.items() if until < now]:
+                del self._owner[lid]
+
+
+class LeaseRpcs(ServicerBase):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.client_leases = ClientLeases()
+
+    def prune_leases(self) -> None:
+        self.client_leases.prune()
+
+    def _public_lease(self, store_lease_id: int, tenant: str) -> int:
+        return self.client_leases.issue(store_lease_id, tenant, self.store.config.lease_seconds)
+
+    def _store_lease(self, context, public_id: int) -> int:
+        return self.client_leases.redeem(public_id, self.tenant_of(context))
+
+    def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
+        resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
+        for ext in lease.extents:
+            b = resp.blocks.add(present=ext is None and present_none, codec=RAW_CODEC, size=size)
+            for off, length in ext or ():
+                b.extents.add(offset=off, length=length)
+        return resp
+
+    def _require_shared_arena(self) -> None:
+        """The zero-copy RPCs only where the arena is offered: with auth on (and shm_with_auth
+        off) a tenant completing a store it never wrote would publish the previous occupant's
+        bytes of those slots (another tenant's data) as its own block."""
+        if not self.offer_shm:
+            raise PermissionDenied("transport: this daemon does not share its CPU arena with clients "
+                                   "(auth is on); use the gRPC or side-channel transports")
+
+    def PrepareStore(self, request, context):
+        self._require_shared_arena()
+        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        parent = check_parent(request.parent)
+        with self.quota_hold(ns, hashes):
+            lease = self.store.prepare_store(ns.id, hashes, parent)
+        self.identify(context)
+        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes)
+
+    def CompleteStore(self, request, context):
+        results = self.store.complete_store(self._store_lease(context, request.lease_id))
+        return pb.PutResponse(results=[PUT_RESULT[r] for r in results])
+
+    def AbortStore(self, request, context):
+        self.store.abort_store(self._store_lease(context, request.lease_id))
+        return pb.Empty()
+
+    def PrepareLoad(self, request, context):
+        self._require_shared_arena()
+        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        lease = self.store.prepare_load(ns.id, hashes)
+        stop = len(lease.extents)
+        self.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
+        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes)
+
+    def CompleteLoad(self, request, context):
+        self.store.complete_load(self._store_lease(context, request.lease_id))
+        return pb.Empty()

@@ -1,0 +1,100 @@
+"""What every group of RPCs shares: the daemon's state and the caller's identity and namespace.
+
+The servicer is assembled from one class per group of RPCs (``servicer.py``); each group reaches
+the Store, the caller's tenant and namespace, the side channel and the metrics through this base,
+so who-may-see-what is decided in one place: the caller's tenant is folded into every namespace it
+registers, and a namespace id of another tenant is answered exactly like an unknown one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
+from kvstore.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
+from kvstore.keys import Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.auth import Authenticator
+from kvstore.service.stalls import StallWatch
+from kvstore.store import Store
+from kvstore.transport import chunks
+from kvstore.transport.bulk_server import BulkServer
+from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
+
+PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
+
+
+class ServicerBase:
+    def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
+                 shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
+                 max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
+                 stream_idle_s: float = 30.0) -> None:
+        self.store = store
+        self.auth = auth or Authenticator()
+        self.metrics = metrics
+        self.shm_dir = shm_dir
+        self.offer_shm = offer_shm
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.bulk = bulk
+        self.server_id = secrets.token_hex(8)
+        self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
+        self.started = time.time()
+        # one pre-touched, page-aligned payload buffer per worker thread, for bodies that run on one
+        # thread from start to end (a gRPC stream's steps may hop threads: they own their buffers)
+        self.scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
+        self.stalls = StallWatch(stream_idle_s)
+
+    @property
+    def stream_idle_s(self) -> float:
+        return self.stalls.idle_s
+
+    @property
+    def stalled_streams_cancelled(self) -> int:
+        return self.stalls.cancelled
+
+    def cancel_stalled_streams(self, idle_s: float | None = None) -> int:
+        """End calls idle for longer than ``idle_s`` (default ``stream_idle_s``); see stalls.py."""
+        return self.stalls.cancel_stalled(idle_s)
+
+    def tenant_of(self, context, requested: str = "") -> str:
+        return self.auth.tenant(context.invocation_metadata(), requested)
+
+    def caller_namespace(self, context, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
+        """The caller's namespace, or NOT_FOUND (also for another tenant's: no probing)."""
+        tenant = self.tenant_of(context)
+        if len(namespace_id) != 16:
+            raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
+        try:
+            ns = self.store.namespace(bytes(namespace_id))
+        except UnknownNamespace:
+            raise UnknownNamespace(bytes(namespace_id)) from None
+        if self.auth.enabled and ns.tenant != tenant:
+            raise UnknownNamespace(bytes(namespace_id))
+        if block_bytes and block_bytes != ns.block_bytes:
+            raise LayoutMismatch(f"block_bytes: the client expects {block_bytes}-byte blocks; namespace "
+                                 f"{ns.id.hex()} has {ns.block_bytes}-byte blocks (layout differs)")
+        return ns
+
+    def tenant_bytes(self, tenant: str) -> int:
+        return self.store.tenant_bytes(tenant)
+
+    def quota_hold(self, ns: Namespace, hashes: list[bytes]):
+        """Refuse a whole batch up front if it would not fit its tenant's quota (the store charges
+        each block as it is reserved, atomically, whatever the transport; see Store.quota_hold)."""
+        return self.store.quota_hold(ns.id, hashes)
+
+    def identify(self, context, unstaged: bool = False) -> None:
+        """Tell a same-host client which daemon run answered: its arena mapping is only valid
+        for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes).
+        ``unstaged``: a load stopped at a block that *is* present but could not be staged in the
+        arena right now (every slot pinned), so the client fetches it another way, not a miss."""
+        meta = [(SERVER_ID_KEY, self.server_id)]
+        if unstaged:
+            meta.append((UNSTAGED_KEY, "1"))
+        context.set_trailing_metadata(tuple(meta))
+
+    def moved(self, direction: str, transport: str, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.moved(direction, transport, nbytes)

@@ -1,0 +1,125 @@
+"""The KVStore service: control RPCs here, the other groups of RPCs mixed in from their modules.
+
+Each handler validates every field, authorises, translates and calls the Store; it raises a
+``KVStoreError`` for anything it refuses and never touches gRPC status itself: the call bridge
+(``calls.py``) turns the error into its status, with trailing metadata naming the class and the
+field, so a client sees the same exception class the store raised.
+
+Tenancy (see ``kvstore.service.auth``): the caller's tenant is folded into every namespace it
+registers; a namespace id of another tenant is answered like an unknown one. Stats shows a tenant
+only its own namespaces unless its token is an admin's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvstore.errors import FleetModeOff, InvalidArgument
+from kvstore.keys import Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.bulk_rpcs import BulkRpcs
+from kvstore.service.lease_rpcs import LeaseRpcs
+from kvstore.service.stream_rpcs import StreamRpcs
+from kvstore.service.validation import check_hashes, check_string, layout_from_proto
+from kvstore.transport import shm
+from kvstore.wire import MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, PROTOCOL_VERSION
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
+    def Handshake(self, request, context):
+        tenant = self.tenant_of(context)
+        if request.nonce and not 16 <= len(request.nonce) <= 64:
+            raise InvalidArgument("nonce", f"must be 16..64 bytes, got {len(request.nonce)}")
+        resp = pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id=self.server_id,
+                                    lease_seconds=self.store.config.lease_seconds,
+                                    max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
+                                    tenant=tenant)
+        arena = self.store.shared_arena()
+        if arena is not None and self.offer_shm and request.nonce:
+            resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
+            resp.arena_path = arena.path
+            resp.arena_bytes = arena.nbytes
+            resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
+        if self.bulk is not None:
+            resp.bulk_port = self.bulk.port
+            resp.bulk_ticket = self.bulk.ticket_for(tenant)  # opens sessions of this tenant only
+        return resp
+
+    def RegisterNamespace(self, request, context):
+        check_string(request.cache_salt, "cache_salt")
+        check_string(request.tenant, "tenant")
+        tenant = self.tenant_of(context, request.tenant)
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout", "the KV layout descriptor is required")
+        ns = Namespace(layout_from_proto(request.layout), tenant=tenant, cache_salt=request.cache_salt)
+        ns_id = self.store.register_namespace(ns)
+        return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=ns.block_bytes, tenant=tenant)
+
+    def _lookup(self, context, request) -> pb.LookupResponse:
+        ns = self.caller_namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        if not hashes:
+            return pb.LookupResponse(num_hit=0)
+        # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
+        found = (self.fleet or self.store).lookup(ns.id, hashes, lease=not request.no_lease)
+        return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
+
+    def Route(self, request, context):
+        ns = self.caller_namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        if self.fleet is None:
+            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
+        out = pb.RouteResponse()
+        for r in self.fleet.route(ns.id, hashes):
+            out.nodes.add(node_id=r.node_id, address=r.address, blocks=r.blocks, tokens=r.tokens or 0,
+                          memory_blocks=r.tiers.get("memory", 0), disk_blocks=r.tiers.get("disk", 0))
+        return out
+
+    def Lookup(self, request, context):
+        return self._lookup(context, request)
+
+    def LookupBatch(self, request, context):
+        if len(request.requests) > MAX_LOOKUP_BATCH:
+            raise InvalidArgument("requests",
+                                  f"{len(request.requests)} lookups in one call; at most {MAX_LOOKUP_BATCH}")
+        total = sum(len(r.hashes) for r in request.requests)  # before any hash becomes a Python object
+        if total > MAX_LOOKUP_HASHES:
+            raise InvalidArgument("chains", f"{total} hashes in one LookupBatch; at most {MAX_LOOKUP_HASHES} "
+                                            "across all its chains")
+        out = pb.LookupBatchResponse()
+        for i, r in enumerate(request.requests):
+            try:
+                out.responses.append(self._lookup(context, r))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"requests[{i}].{e.field}", str(e).split(": ", 1)[-1]) from None
+        return out
+
+    def Exists(self, request, context):
+        ns = self.caller_namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        return pb.ExistsResponse(present=self.store.contains(ns.id, hashes) if hashes else [])
+
+    def Delete(self, request, context):
+        ns = self.caller_namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes, allow_empty=True)
+        return pb.DeleteResponse(deleted=self.store.delete(ns.id, hashes) if hashes else 0)
+
+    def Stats(self, request, context):
+        tenant = self.tenant_of(context)
+        server = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
+                  "tenant": tenant, "tenant_bytes": self.tenant_bytes(tenant)}
+        if not self.auth.sees_store_wide(tenant):  # a tenant sees its own namespaces, nothing store-wide
+            return pb.StatsResponse(json=json.dumps({**self.store.tenant_stats(tenant), "server": server},
+                                                    sort_keys=True))
+        stats = self.store.stats()
+        stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
+                           "bulk_channel": self.bulk.stats() if self.bulk else {},
+                           "client_leases": len(self.client_leases), "open_streams": self.stalls.open_calls,
+                           "stalled_streams_cancelled": self.stalls.cancelled}
+        if self.fleet is not None:
+            stats["fleet"] = self.fleet.stats()
+        return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
+

@@ -1,0 +1,99 @@
+"""The gRPC streams that carry block bytes: Put (a client stream) and Get (a server stream).
+
+Both are written as steps rather than loops over a blocking iterator: ``Put`` opens a
+``PutSink`` that is fed one message at a time, and ``Get`` is a generator of response messages.
+The call bridge (``calls.py``) receives and sends the messages on the event loop and runs each
+step on a worker thread, so a client that stalls mid-stream costs no thread while it waits; the
+steps of one stream may run on different threads, so a stream owns its buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from kvstore.errors import CodecError, InvalidArgument
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.block_reads import pinned_blocks
+from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.validation import check_hashes, check_parent
+from kvstore.transport import chunks
+from kvstore.wire import RAW_CODEC
+
+
+def _own_buffer(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+class PutSink:
+    """One Put stream on the daemon: the header checked and the batch held against the tenant's
+    quota when it opens, each block stored as soon as its bytes are in, the answer at the end.
+    Call ``close`` on every exit (``finish`` does): it releases the quota hold."""
+
+    def __init__(self, rpcs: ServicerBase, first, context) -> None:
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("header", "the first message of a Put stream must carry the header")
+        h = first.header
+        self.rpcs = rpcs
+        self.ns = rpcs.caller_namespace(context, h.namespace_id, h.block_bytes)
+        self.hashes = check_hashes(h.hashes)
+        self.parent = check_parent(h.parent)
+        if h.codec != RAW_CODEC:
+            raise CodecError(f"codec: payloads must be raw (0) on the wire, got codec {h.codec}")
+        self.expected = len(self.hashes) * self.ns.block_bytes
+        # gathers a block split across messages; allocated untouched, so aligned streams never fault it in
+        self.splitter = chunks.BlockSplitter(self.ns.block_bytes, _own_buffer(self.ns.block_bytes))
+        self.results: list[int] = []
+        self.received = 0
+        self._hold = contextlib.ExitStack()
+        self._hold.enter_context(rpcs.quota_hold(self.ns, self.hashes))
+        self._store(first)
+
+    def feed(self, message) -> None:
+        if message.HasField("header"):
+            raise InvalidArgument("header", "only the first message of a Put stream may carry a header")
+        self._store(message)
+
+    def _store(self, message) -> None:
+        self.received += len(message.data)
+        if self.received > self.expected:
+            raise InvalidArgument("data", f"the stream carries more than {self.expected} bytes "
+                                          f"({len(self.hashes)} blocks of {self.ns.block_bytes})")
+        store, ns, hashes = self.rpcs.store, self.ns, self.hashes
+        for i, block in self.splitter.feed(message.data):
+            parent = self.parent if i == 0 else hashes[i - 1]
+            self.results.append(PUT_RESULT[store.put(ns.id, [hashes[i]], [block], parent=parent)[0]])
+
+    def finish(self) -> pb.PutResponse:
+        self.close()
+        if self.received < self.expected:
+            raise InvalidArgument("data", f"the stream ended after {self.received} of {self.expected} bytes; "
+                                          f"{len(self.results)} of {len(self.hashes)} blocks were stored")
+        self.rpcs.moved("in", "grpc", self.received)
+        return pb.PutResponse(results=self.results)
+
+    def close(self) -> None:
+        self._hold.close()
+
+
+class StreamRpcs(ServicerBase):
+    def Put(self, first, context) -> PutSink:
+        """Open a Put stream with its first message (None: the stream ended before any)."""
+        return PutSink(self, first, context)
+
+    def Get(self, request, context):
+        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        hashes = check_hashes(request.hashes)
+        chunk = request.chunk_bytes or self.chunk_bytes
+        chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
+        sent = 0
+        # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
+        # out meanwhile ends the stream with an error (the client then trusts none of it).
+        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer)) as blocks:
+            for i, block in enumerate(blocks):
+                sent += 0 if block is None else block.nbytes
+                yield from chunks.get_messages(i, block, RAW_CODEC, chunk)
+                if not context.is_active():
+                    return
+        self.moved("out", "grpc", sent)
