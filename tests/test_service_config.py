@@ -108,3 +108,20 @@ def test_stub_imports_its_messages_from_the_package():
     import kvstore.proto.kvstore_pb2_grpc as grpc_stub
     source = open(grpc_stub.__file__).read()
     assert "from kvstore.proto import kvstore_pb2" in source
+
+
+def test_shm_with_auth_is_refused_when_tokens_name_several_tenants():
+    """Whoever maps the arena reads and writes every block in it, so sharing it across tenants
+    would void their isolation: refused at start, and the error names the key, not a token."""
+    with pytest.raises(ConfigError, match="shm_with_auth") as e:
+        load_settings(tokens={"tok-alice-secret": "alice", "tok-bob-secret": "bob"}, shm_with_auth=True)
+    assert "tok-alice-secret" not in str(e.value) and "tok-bob-secret" not in str(e.value)
+    one = load_settings(tokens={"tok-a": "team", "tok-b": "team"}, shm_with_auth=True)
+    assert one.shm_with_auth
+
+
+def test_hash_settings_that_did_nothing_are_gone():
+    """The daemon never hashes tokens itself (clients send block hashes); a setting that does
+    nothing is refused as unknown rather than silently accepted."""
+    with pytest.raises(ConfigError, match="hash_seed: unknown setting"):
+        load_settings(hash_seed=3)

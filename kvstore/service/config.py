@@ -116,8 +116,6 @@ class Settings(BaseSettings):
     write_through: bool = False
     promote_on_hit: bool = True
     lease_seconds: float = Field(5.0, gt=0, le=3600)
-    hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
-    hash_seed: int = Field(0, ge=0, lt=2**64)
     codecs: CodecSettings = Field(default_factory=CodecSettings)
 
     tokens: dict[str, str] = Field(default_factory=dict)      # bearer token -> tenant
@@ -128,7 +126,7 @@ class Settings(BaseSettings):
     tls_cert: str | None = None
     tls_key: str | None = None
 
-    shm_with_auth: bool = False  # offer the shared arena even when tokens are configured (see docs)
+    shm_with_auth: bool = False  # offer the shared arena with tokens set: only when they name one tenant
     metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
     metrics_host: str = "127.0.0.1"
     bulk_channel: bool = True
@@ -153,6 +151,11 @@ class Settings(BaseSettings):
     def model_post_init(self, _: Any) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.shm_with_auth and len(set(self.tokens.values())) > 1:
+            # Whoever maps the arena can read and write every block in it: sharing it between
+            # tenants would void tenant isolation, so it is refused rather than documented.
+            raise ValueError("shm_with_auth: the tokens name more than one tenant; the shared arena "
+                             "would let each tenant read and overwrite the others' blocks")
         unknown = sorted(set(self.admin_tenants) - set(self.tokens.values()))
         if self.tokens and unknown:
             raise ValueError(f"admin_tenants: {unknown} have no token in tokens")
@@ -235,6 +238,8 @@ def _describe(error: dict) -> str:
     allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown setting; see docs/config.md for the known ones"
+    if not error["loc"]:  # a check across settings: its input is the whole config, tokens included
+        return f"{key}: {error['msg']}"
     got = "<redacted>" if secret else repr(error.get("input"))
     return f"{key}: {error['msg']}{allowed}; got {got}"
 
