@@ -27,6 +27,7 @@ Each engine first runs one unrelated warm-up prompt (kernels, allocator, connect
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -81,6 +82,49 @@ def lmcache_shim(site_packages: str, into: str) -> str:
     return into
 
 
+@contextlib.contextmanager
+def lmcache_server(work: str, chunk_tokens: int = 256, l1_gb: int = 2):
+    """A fresh LMCache MP server (its own venv, CPU L1) for the duration; yields the
+    kv_transfer_config and engine sys.path entries that point vLLM's LMCacheMPConnector at it."""
+    lm_venv = engine_venv("lmcache", ENGINE_VENV_BUILDER)
+    shim = lmcache_shim(site_packages(lm_venv), os.path.join(work, "lmcache-shim"))
+    port, http_port = free_port(), free_port()
+    log = open(os.path.join(work, "lmcache-server.log"), "wb")
+    server = subprocess.Popen(
+        [os.path.join(lm_venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.http_server",
+         "--host", "localhost", "--port", str(port), "--http-host", "localhost", "--http-port", str(http_port),
+         "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+         "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, cwd=work)
+    try:
+        wait_port(http_port, 300, server)
+        yield ({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}, [shim])
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The random Llama's shape (defaults: big enough that a 2k-token prefill costs seconds here)."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1024)
+
+
+def model_spec(a: argparse.Namespace, work: str, vocab: int) -> tuple[dict, int, int]:
+    """The tiny_model build spec from ``add_model_args``' flags, its head dim and KV bytes per token (bf16)."""
+    model = {"out_dir": os.path.join(work, "model"), "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
+             "kv_heads": a.kv_heads, "intermediate": a.intermediate, "vocab": vocab, "seed": 0,
+             "max_positions": 8192}
+    head_dim = a.hidden // a.heads
+    return model, head_dim, a.layers * 2 * a.kv_heads * head_dim * 2
+
+
 def site_packages(venv: str) -> str:
     lib = os.path.join(venv, "lib")
     return os.path.join(lib, next(d for d in os.listdir(lib) if d.startswith("python")), "site-packages")
@@ -100,11 +144,7 @@ def summarize(result: dict, measured_step: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model and prompts (smoke run, not committed)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=1024)
+    add_model_args(ap)
     ap.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
     ap.add_argument("--suffix", type=int, default=64, help="distinct suffix tokens per prompt")
     ap.add_argument("--reps", type=int, default=5, help="measured prompts per engine")
@@ -128,11 +168,7 @@ def main() -> None:
     # every engine gets its own suffixes, so each measured prompt is a prefix hit plus real work
     measured = {name: [prefix + tokens(a.suffix) for _ in range(a.reps)]
                 for name in ("cold", "kvstore_cpu", "kvstore_nvme", "lmcache_cpu", "cold_end")}
-    model = {"out_dir": os.path.join(work, "model"), "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
-             "kv_heads": a.kv_heads, "intermediate": a.intermediate, "vocab": vocab, "seed": 0,
-             "max_positions": 8192}
-    head_dim = a.hidden // a.heads
-    kv_bytes_per_token = a.layers * 2 * a.kv_heads * head_dim * 2
+    model, head_dim, kv_bytes_per_token = model_spec(a, work, vocab)
     block_bytes = kv_bytes_per_token * block
     max_len = a.prefix + a.suffix + 64
     engine = {"model": model["out_dir"], "enable_prefix_caching": False, "max_model_len": max_len,
@@ -193,35 +229,16 @@ def main() -> None:
 
     # 4. LMCache MP connector against its CPU server
     if not a.skip_lmcache:
-        server = None
         try:
-            lm_venv = engine_venv("lmcache", ENGINE_VENV_BUILDER)
-            shim = lmcache_shim(site_packages(lm_venv), os.path.join(work, "lmcache-shim"))
-            port, http_port = free_port(), free_port()
-            log = open(os.path.join(work, "lmcache-server.log"), "wb")
-            server = subprocess.Popen(
-                [os.path.join(lm_venv, "bin", "python"), "-m", "lmcache.v1.multiprocess.http_server",
-                 "--host", "localhost", "--port", str(port), "--http-host", "localhost", "--http-port", str(http_port),
-                 "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
-                 "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, cwd=work)
-            wait_port(http_port, 300, server)
-            kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
-            (r,) = run(python, work, [("lmcache_cpu", job(
-                [timed(warmup), timed(first), {"sleep": 3}, timed(measured["lmcache_cpu"])], kv, [shim]))])
+            with lmcache_server(work, chunk_tokens=256) as (kv, extra_path):
+                (r,) = run(python, work, [("lmcache_cpu", job(
+                    [timed(warmup), timed(first), {"sleep": 3}, timed(measured["lmcache_cpu"])], kv, extra_path))])
             runs["lmcache_cpu"] = summarize(r, 3)
             runs["lmcache_cpu"]["first_prompt_ttft_s"] = r["steps"][1]["seconds"][0]
             runs["lmcache_cpu"]["outputs_match_cold"] = r["steps"][3]["outputs"] == reference["lmcache_cpu"]
             runs["lmcache_cpu"]["chunk_tokens"] = 256
         except Exception as e:  # noqa: BLE001 - report, keep kvstore's figures
             notes.append(f"LMCache run failed: {type(e).__name__}: {str(e)[-800:]}")
-        finally:
-            if server is not None:
-                server.terminate()
-                try:
-                    server.wait(30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
 
     # 5. cold again at the end: the machine is shared, so bracket the hits with two cold runs and
     # compare against the faster one (the conservative choice)

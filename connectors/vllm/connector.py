@@ -15,14 +15,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvstore.client import CircuitBreaker, NamespaceHandle
-from kvstore.connectors.vllm.identity import namespace_for, worker_ranks
+from kvstore.connectors.vllm.identity import checked_hasher, namespace_for
+from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorStats
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
+from kvstore.connectors.vllm.ranks import lookup_namespaces, worker_ranks
 from kvstore.connectors.vllm.saver import SaveQueue
 from kvstore.connectors.vllm.scheduler_side import RequestState, SchedulerSide
 from kvstore.connectors.vllm.settings import ConnectorSettings
 from kvstore.connectors.vllm.worker_side import WorkerSide
-from kvstore.keys import ChainHasher
+from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,31 +47,45 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
                 logger.warning("kvstore connector: set kv_load_failure_policy='recompute' in the "
                                "kv_transfer_config, or failed loads will fail requests")
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.hasher = ChainHasher("xxh3_128", seed=self.settings.hash_seed)
+        self.hasher = checked_hasher(self.settings)
         self._stats = KVStoreConnectorStats()      # since vLLM last collected them
         self.totals: dict[str, int | float] = {}    # since start (tests, benchmarks, shutdown log)
         self._stats_lock = threading.Lock()
-        tp_rank, pp_rank = (0, 0) if role == KVConnectorRole.SCHEDULER else worker_ranks()
-        self.namespace = namespace_for(vllm_config, kv_cache_config, self.settings, tp_rank, pp_rank)
-        self.enabled = self.namespace is not None
+        self.tp_rank, pp_rank = (0, 0) if role == KVConnectorRole.SCHEDULER else worker_ranks()
+        self.namespace = namespace_for(vllm_config, kv_cache_config, self.settings, self.tp_rank, pp_rank)
+        self.enabled = self.namespace is not None and self.hasher is not None
         # scheduler side (each thread that talks to the daemon owns its handle)
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
-        self._lookup_link = (self._daemon_handle(self.settings.lookup_timeout_s, "lookup")
-                             if self.enabled and role == KVConnectorRole.SCHEDULER else None)
+        self._lookup_links: list[NamespaceHandle] = []
+        if self.enabled and role == KVConnectorRole.SCHEDULER:
+            self._lookup_links = [self._daemon_handle(self.settings.lookup_timeout_s, "lookup", ns)
+                                  for ns in lookup_namespaces(vllm_config, kv_cache_config, self.settings)]
         # worker side
         self._paged: PagedBlocks | None = None
         self._load_link: NamespaceHandle | None = None
+        self._loader: BackgroundLoader | None = None
         self._saver: SaveQueue | None = None
         self._load_errors: set[int] = set()
+        self._failed_async: list[BlockTransfer] = []
+        self._layer_job: LoadJob | None = None
+        self._layer_hooks_missing = False      # layer mode fell back to loading before the forward pass
+        self._saving_reqs: set[str] = set()    # requests the scheduler holds blocks of for saves
+        self._finishing: set[str] = set()      # ... that finished; reported once copied out
         self._staging = torch.empty(0, dtype=torch.uint8)
 
-    def _daemon_handle(self, timeout_s: float, what: str) -> NamespaceHandle:
-        """The namespace on the daemon, failing closed: any failure skips calls for ``retry_after_s``."""
+    def _daemon_handle(self, timeout_s: float, what: str, namespace: Namespace | None = None) -> NamespaceHandle:
+        """A namespace on the daemon, failing closed: any failure skips calls for ``retry_after_s``."""
         s = self.settings
-        return NamespaceHandle(self.namespace, url=s.url, token=s.token, timeout_s=timeout_s, transport=s.transport,
+        return NamespaceHandle(namespace or self.namespace, url=s.url, token=s.token, timeout_s=timeout_s,
+                               transport=s.transport,
                                breaker=CircuitBreaker(failures_to_open=1, cool_down_s=s.retry_after_s),
                                name=f"kvstore connector ({what})")
+
+    @property
+    def _lookup_link(self) -> NamespaceHandle | None:
+        """The scheduler's handle on its own (rank 0) namespace (tests inject faults through it)."""
+        return self._lookup_links[0] if self._lookup_links else None
 
     # -- stats ------------------------------------------------------------------------------------
 
@@ -95,6 +111,8 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         if self._saver is not None:
             self._saver.close()
             self._saver.handle.close()
-        for handle in (self._load_link, self._lookup_link):
+        if self._loader is not None:
+            self._loader.close()
+        for handle in (self._load_link, *self._lookup_links):
             if handle is not None:
                 handle.close()

@@ -1,18 +1,24 @@
 """What a vLLM block is called in kvstore: its namespace (shape, layout, shard) and chain hashes.
 
 Both are derived from vLLM's configuration and the request alone, never from tensors, so the
-scheduler (which has no tensors) and every worker compute the same names.
+scheduler (which has no tensors) and every worker compute the same names. Nothing here imports
+vLLM at module level, so the naming rules can be tested without an engine.
+
+Sharding: with tensor or pipeline parallelism each worker holds a different shard of every block,
+so each (TP rank, PP rank) stores under its own namespace. MLA models keep one latent vector per
+token that every TP rank holds identically: they store it once, under a namespace without the TP
+rank (``tp_size`` 1); ``ranks`` says who writes and what the scheduler looks up.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.connectors.vllm.settings import ConnectorSettings
-from kvstore.keys import DTYPE_SIZES, ChainHasher, KVLayout, Namespace
+from kvstore.keys import DTYPE_SIZES, ChainHasher, KVLayout, Namespace, determinism_self_check
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,6 +38,11 @@ def layout_name(device_type: str) -> str:
     return "vllm_cpu" if device_type == "cpu" else f"vllm_{device_type}"
 
 
+def is_mla(vllm_config: "VllmConfig", spec: Any) -> bool:
+    """MLA stores one latent vector per token, identical on every TP rank."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False)) or "MLA" in type(spec).__name__
+
+
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", settings: ConnectorSettings,
                   tp_rank: int = 0, pp_rank: int = 0) -> Namespace | None:
     """The namespace a worker with these ranks stores into; None if this model is unsupported."""
@@ -49,41 +60,56 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", s
         logger.warning("kvstore connector: KV dtype %s unsupported; disabled", dtype)
         return None
     pc = vllm_config.parallel_config
+    mla = is_mla(vllm_config, spec)
+    tp_rank, tp_size = (0, 1) if mla else (tp_rank, int(pc.tensor_parallel_size))
     model = settings.model_id or str(vllm_config.model_config.model)
     layout = KVLayout(model=model, num_layers=len(groups[0].layer_names), num_kv_heads=int(spec.num_kv_heads),
                       head_dim=int(spec.head_size), dtype=dtype, block_tokens=int(spec.block_size),
-                      layout=layout_name(vllm_config.device_config.device_type),
-                      tp_rank=tp_rank, tp_size=int(pc.tensor_parallel_size),
+                      layout=layout_name(vllm_config.device_config.device_type), kv_per_token=1 if mla else 2,
+                      tp_rank=tp_rank, tp_size=tp_size,
                       pp_rank=pp_rank, pp_size=int(pc.pipeline_parallel_size),
                       block_bytes=int(spec.page_size_bytes) * len(groups[0].layer_names))
     return Namespace(layout, cache_salt=settings.cache_salt)
 
 
-def worker_ranks() -> tuple[int, int]:
-    """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed setup."""
+def checked_hasher(settings: ConnectorSettings) -> ChainHasher | None:
+    """The block hasher, or None (connector disabled, logged) if this build's hashing does not
+    match the pinned known answers: blocks stored by other processes would never be found, and
+    this process's blocks would poison nothing but waste the store."""
     try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        determinism_self_check()
+        return ChainHasher(settings.hash_algorithm, seed=settings.hash_seed)
+    except Exception as e:  # noqa: BLE001
+        logger.error("kvstore connector DISABLED: the block-hash self-check failed (%s); this process "
+                     "would not find blocks other processes stored", e)
+        return None
 
-        return int(get_tp_group().rank_in_group), int(get_pp_group().rank_in_group)
-    except Exception:  # noqa: BLE001
-        return 0, 0
 
-
-def prompt_block_hashes(hasher: ChainHasher, request: "Request", block_tokens: int) -> list[bytes]:
-    """kvstore chain hashes of the prompt's full blocks, with vLLM's per-block extra keys
-    (LoRA name, multimodal identifiers, cache salt, prompt-embeds digests) mixed in exactly where
-    vLLM mixes them into its own hashes. Empty when the prompt cannot be keyed."""
-    tokens = request.prompt_token_ids
-    if not tokens:
+def block_hashes(hasher: ChainHasher, request: "Request", block_tokens: int, start_block: int, end_block: int,
+                 parent: bytes | None) -> list[bytes]:
+    """kvstore chain hashes of blocks ``[start_block, end_block)`` of the request's tokens (prompt,
+    then generated), chained from ``parent`` (the hash of block ``start_block - 1``), with vLLM's
+    per-block extra keys (LoRA name, multimodal identifiers, cache salt, prompt-embeds digests)
+    mixed in exactly where vLLM mixes them into its own hashes."""
+    if end_block <= start_block:
         return []
-    n_blocks = len(tokens) // block_tokens
+    bt = block_tokens
+    tokens = request.all_token_ids[start_block * bt:end_block * bt]
     extra = None
     if (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
             or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None):
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
         extra, mm_idx = [], 0
-        for i in range(n_blocks):
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * block_tokens, (i + 1) * block_tokens, mm_idx)
+        for i in range(start_block, end_block):
+            keys, mm_idx = generate_block_hash_extra_keys(request, i * bt, (i + 1) * bt, mm_idx)
             extra.append(keys)
-    return hasher.chain(tokens[:n_blocks * block_tokens], block_tokens, extra_keys=extra)
+    return hasher.chain(tokens, bt, parent=parent, extra_keys=extra)
+
+
+def prompt_block_hashes(hasher: ChainHasher, request: "Request", block_tokens: int) -> list[bytes]:
+    """Hashes of the prompt's full blocks. Empty when the prompt cannot be keyed."""
+    tokens = request.prompt_token_ids
+    if not tokens:
+        return []
+    return block_hashes(hasher, request, block_tokens, 0, len(tokens) // block_tokens, None)

@@ -20,12 +20,17 @@ class BlockTransfer:
     block_ids: list[int]
     hashes: list[bytes]
     parent: bytes | None = None   # hash of the block before hashes[0] (saves; eviction uses it)
+    asynchronous: bool = False    # loads: lands between steps, reported through get_finished
 
 
 @dataclasses.dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)
     saves: list[BlockTransfer] = dataclasses.field(default_factory=list)
+    load_mode: str = "sync"
+    # requests preempted this step: their blocks may be handed to others before the forward pass,
+    # so saves still reading them must finish first (``handle_preemptions``)
+    preempted: bool = False
 
 
 @dataclasses.dataclass

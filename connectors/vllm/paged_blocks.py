@@ -20,6 +20,7 @@ class PagedBlocks:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int) -> None:
         self.layers: list[torch.Tensor] = []
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.block_dims: list[int] = []
         self.page_bytes: list[int] = []
         for name in layer_names:
@@ -56,16 +57,24 @@ class PagedBlocks:
     def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
         """Copy ``src`` (uint8 [n, block_bytes]) into blocks ``block_ids`` of every layer."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for i, t in enumerate(self.layers):
-            a, b = self.offsets[i], self.offsets[i + 1]
-            pages = src[:, a:b].to(self.device)
-            if self._fast[i]:
-                self._as_pages(i).index_copy_(0, idx, pages)
-            else:
-                d = self.block_dims[i]
-                shape = list(t.shape)
-                shape[d] = 1
-                moved = [shape[d]] + shape[:d] + shape[d + 1:]
-                for j, blk in enumerate(block_ids):
-                    piece = pages[j].contiguous().view(t.dtype).view(moved).movedim(0, d)
-                    t.narrow(d, blk, 1).copy_(piece)
+        for i in range(len(self.layers)):
+            self.scatter_layer(i, block_ids, src, idx)
+
+    def scatter_layer(self, i: int, block_ids: list[int], src: torch.Tensor, idx: torch.Tensor | None = None) -> None:
+        """Copy layer ``i``'s slice of ``src`` (uint8 [n, block_bytes]) into its pages ``block_ids``:
+        a block's layer ``i`` is the fixed byte range ``offsets[i]:offsets[i + 1]`` of it."""
+        if idx is None:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        t = self.layers[i]
+        a, b = self.offsets[i], self.offsets[i + 1]
+        pages = src[:, a:b].to(self.device)
+        if self._fast[i]:
+            self._as_pages(i).index_copy_(0, idx, pages)
+        else:
+            d = self.block_dims[i]
+            shape = list(t.shape)
+            shape[d] = 1
+            moved = [shape[d]] + shape[:d] + shape[d + 1:]
+            for j, blk in enumerate(block_ids):
+                piece = pages[j].contiguous().view(t.dtype).view(moved).movedim(0, d)
+                t.narrow(d, blk, 1).copy_(piece)

@@ -1,11 +1,20 @@
-"""The background saver: sends gathered blocks to the daemon so the engine never waits on a save.
+"""The background saver: copies saved blocks out of the paged cache and sends them to the daemon,
+so the engine waits neither for the copy nor for the network.
 
-Saves are best effort: when the queue is full or the daemon is down (the handle's breaker is
+Two stages on two threads. The *gather* stage copies each batch of blocks out of vLLM's paged cache
+into a buffer of its own; until it has, vLLM must not reuse those blocks, so the saver counts the
+batches still to gather per request (the worker holds a finished request's blocks until its count
+is zero, and waits for all of them before a preemption hands blocks to another request). The
+*send* stage puts gathered batches to the daemon.
+
+Saves are best effort: when the send queue is full or the daemon is down (the handle's breaker is
 open) a batch is dropped and counted, never retried — the engine recomputes what is missing.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import queue
 import threading
 import time
@@ -14,47 +23,106 @@ from collections.abc import Callable
 import torch
 
 from kvstore.client import NamespaceHandle
+from kvstore.connectors.vllm.paged_blocks import PagedBlocks
+
+logger = logging.getLogger("kvstore.connectors.vllm")
 
 
 class SaveQueue:
-    """Sends gathered blocks to the daemon on a background thread; drops work when full or down."""
+    """Gathers and sends saved blocks on background threads; drops work when full or down."""
 
-    def __init__(self, handle: NamespaceHandle, max_pending: int, stats_add: Callable[[str, int], None]) -> None:
+    def __init__(self, handle: NamespaceHandle, paged: PagedBlocks, max_pending: int,
+                 stats_add: Callable[[str, int | float], None]) -> None:
         self.handle = handle
+        self.paged = paged
         self.stats_add = stats_add
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
-        self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
-        self._thread.start()
+        self._to_gather: queue.Queue = queue.Queue()
+        self._to_send: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
+        self._ungathered: collections.Counter[str] = collections.Counter()
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._gather_loop, name="kvstore-gather", daemon=True),
+                         threading.Thread(target=self._send_loop, name="kvstore-save", daemon=True)]
+        for t in self._threads:
+            t.start()
 
-    def submit(self, hashes: list[bytes], blocks: torch.Tensor, parent: bytes | None) -> None:
+    def submit(self, req_id: str, block_ids: list[int], hashes: list[bytes], parent: bytes | None) -> None:
+        """Queue blocks of ``req_id`` for saving; they are read from the paged cache later."""
         if not self.handle.available():
             self.stats_add("save_skipped_blocks", len(hashes))
             return
-        try:
-            self._q.put_nowait((hashes, blocks, parent))
-        except queue.Full:
-            self.stats_add("save_dropped_blocks", len(hashes))
+        with self._cond:
+            self._ungathered[req_id] += 1
+        self._to_gather.put((req_id, block_ids, hashes, parent))
 
-    def _run(self) -> None:
+    def ungathered(self, req_id: str) -> int:
+        """Batches of ``req_id`` whose blocks the saver has yet to copy out of the paged cache."""
+        with self._cond:
+            return self._ungathered.get(req_id, 0)
+
+    def wait_gathered(self, timeout_s: float = 30.0) -> bool:
+        """Block until every queued batch is copied out of the paged cache (before vLLM reuses blocks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._ungathered:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _gather_loop(self) -> None:
         while True:
-            item = self._q.get()
+            item = self._to_gather.get()
             if item is None:
                 return
+            req_id, block_ids, hashes, parent = item
+            blocks = None
+            t0 = time.perf_counter()
+            try:
+                blocks = torch.empty((len(block_ids), self.paged.block_bytes), dtype=torch.uint8)
+                self.paged.gather(block_ids, blocks)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("kvstore connector: copying blocks of %s out failed: %s", req_id, e)
+                blocks = None
+            self.stats_add("save_gather_seconds", time.perf_counter() - t0)
+            with self._cond:
+                self._ungathered[req_id] -= 1
+                if self._ungathered[req_id] <= 0:
+                    del self._ungathered[req_id]
+                self._cond.notify_all()
+            if blocks is None:
+                self.stats_add("save_failed_blocks", len(hashes))
+                continue
+            try:
+                self._to_send.put_nowait((hashes, blocks, parent))
+            except queue.Full:
+                self.stats_add("save_dropped_blocks", len(hashes))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._to_send.get()
+            if item is None:
+                self._to_send.task_done()
+                return
             hashes, blocks, parent = item
-            arrays = [blocks[i].numpy() for i in range(len(hashes))]
-            stored = self.handle.put(hashes, arrays, parent=parent)
-            self.stats_add("saved_blocks" if stored else "save_failed_blocks", len(hashes))
-            self._q.task_done()
+            try:
+                arrays = [blocks[i].numpy() for i in range(len(hashes))]
+                stored = self.handle.put(hashes, arrays, parent=parent)
+                self.stats_add("saved_blocks" if stored else "save_failed_blocks", len(hashes))
+            finally:
+                self._to_send.task_done()
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait until queued saves are sent (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
-        while self._q.unfinished_tasks and time.monotonic() < deadline:
+        self.wait_gathered(timeout_s)
+        while self._to_send.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def close(self) -> None:
         self.drain()
+        self._to_gather.put(None)
         try:
-            self._q.put_nowait(None)
+            self._to_send.put_nowait(None)
         except queue.Full:
             pass

@@ -2,7 +2,15 @@
 
 The scheduler never moves bytes. It learns once per request how many leading prompt blocks the
 daemon holds (a lookup pins them under a lease until the worker loads them), offers those tokens to
-vLLM, and each step turns vLLM's allocations into ``BlockTransfer`` loads and saves for the workers.
+vLLM — to be loaded before the step's forward pass (``sync``, ``layer``) or between steps while
+other requests run (``async``) — and each step turns vLLM's allocations into ``BlockTransfer`` loads
+and saves for the workers.
+
+Saves cover every block that becomes full: prompt blocks as prefill computes them and, with
+``save_decode``, blocks filled by generated tokens, hashed as the continuation of the prompt's chain
+— so the next turn of a conversation (prompt + answer + new message) hits through the answer.
+Workers copy saved blocks out in the background, so a finished request that had saves keeps its
+blocks (``request_finished`` answers ``True``) until the workers report it through ``get_finished``.
 """
 
 from __future__ import annotations
@@ -12,12 +20,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore.connectors.vllm.identity import prompt_block_hashes
+from kvstore.connectors.vllm.identity import block_hashes, prompt_block_hashes
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMetadata
+from kvstore.connectors.vllm.ranks import hits_on_every_rank
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvstore.connectors.vllm")
@@ -27,46 +37,57 @@ logger = logging.getLogger("kvstore.connectors.vllm")
 class RequestState:
     """Scheduler-side bookkeeping for one live request."""
 
-    hashes: list[bytes]
+    request: "Request"
+    hashes: list[bytes]             # chain hashes of its full blocks known so far (prompt, then generated)
     num_hit: int                    # leading blocks the daemon holds (one lookup per request)
+    cacheable: bool = True          # False: the prompt cannot be keyed, nothing of it is saved
     match_start: int = 0            # num_computed_tokens when the hit was offered
     block_ids: list[int] = dataclasses.field(default_factory=list)
     num_stored: int = 0             # leading blocks known to be in the daemon or queued for saving
+    saved_any: bool = False         # a save went to the workers: its blocks are freed after they report
 
 
 class SchedulerSide:
     """Scheduler-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``:
-    ``_requests``, ``_pending_loads``, ``_lookup_link``, ``hasher``, ``block_size``, ``settings``)."""
+    ``_requests``, ``_pending_loads``, ``_lookup_links``, ``hasher``, ``block_size``, ``settings``)."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            return self._matched_tokens(request, num_computed_tokens), False
+            n = self._matched_tokens(request, num_computed_tokens)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
             return 0, False
+        return n, n > 0 and self.settings.load_mode == "async"
 
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if not self.enabled or not self.settings.load and not self.settings.save:
             return 0
         state = self._requests.get(request.request_id)
         if state is None:
-            try:
-                hashes = prompt_block_hashes(self.hasher, request, self.block_size)
-            except Exception as e:  # noqa: BLE001 - an extra key kvstore cannot encode: no caching
-                logger.info("kvstore connector: request %s not cacheable (%s)", request.request_id, e)
-                hashes = []
-            num_hit = 0
-            if hashes and self.settings.load:
-                t0 = time.perf_counter()
-                num_hit = self._lookup_link.lookup(hashes).num_hit
-                self._add_stat("lookups")
-                self._add_stat("lookup_hit_blocks", num_hit)
-                self._add_stat("lookup_seconds", time.perf_counter() - t0)
-            state = self._requests[request.request_id] = RequestState(hashes, num_hit, num_stored=num_hit)
+            state = self._requests[request.request_id] = self._new_state(request)
         state.match_start = num_computed_tokens
         # At least one token must be computed by vLLM to produce logits.
         loadable_end = min(state.num_hit * self.block_size, request.num_tokens - 1)
         return max(0, loadable_end - num_computed_tokens)
+
+    def _new_state(self, request: "Request") -> RequestState:
+        cacheable = bool(request.prompt_token_ids)
+        try:
+            hashes = prompt_block_hashes(self.hasher, request, self.block_size)
+        except Exception as e:  # noqa: BLE001 - an extra key kvstore cannot encode: no caching
+            logger.info("kvstore connector: request %s not cacheable (%s)", request.request_id, e)
+            hashes, cacheable = [], False
+        num_hit = self._lookup(hashes) if hashes and self.settings.load else 0
+        return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=num_hit)
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        """Leading blocks that every rank's namespace holds (each lookup pins its blocks)."""
+        t0 = time.perf_counter()
+        num_hit = hits_on_every_rank(self._lookup_links, hashes)
+        self._add_stat("lookups")
+        self._add_stat("lookup_hit_blocks", num_hit)
+        self._add_stat("lookup_seconds", time.perf_counter() - t0)
+        return num_hit
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -83,11 +104,13 @@ class SchedulerSide:
         end = min(end, len(state.hashes), len(state.block_ids))
         if end > first:
             self._pending_loads[request.request_id] = BlockTransfer(
-                request.request_id, state.block_ids[first:end], state.hashes[first:end])
+                request.request_id, state.block_ids[first:end], state.hashes[first:end],
+                asynchronous=self.settings.load_mode == "async")
             self._add_stat("load_planned_blocks", end - first)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()), load_mode=self.settings.load_mode,
+                                        preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
         self._pending_loads.clear()
         if not self.enabled or not self.settings.save:
             return meta
@@ -114,17 +137,42 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, state: RequestState, computed: int) -> None:
-        """Save the prompt blocks that are full once this step's forward has run."""
-        end = min(computed // self.block_size, len(state.hashes), len(state.block_ids))
+        """Save the blocks that are full once this step's forward has run."""
+        if not state.cacheable:
+            return
+        request = state.request
+        end = min(computed, request.num_tokens) // self.block_size
+        if not self.settings.save_decode:
+            end = min(end, len(request.prompt_token_ids) // self.block_size)
+        end = min(end, len(state.block_ids))
         start = state.num_stored
         if end <= start:
             return
+        if end > len(state.hashes):  # blocks filled by generated tokens: continue the chain
+            known = len(state.hashes)
+            state.hashes += block_hashes(self.hasher, request, self.block_size, known, end,
+                                         state.hashes[-1] if known else None)
         meta.saves.append(BlockTransfer(req_id, state.block_ids[start:end], state.hashes[start:end],
                                         parent=state.hashes[start - 1] if start else None))
         state.num_stored = end
+        state.saved_any = True
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Blocks that failed to load are recomputed by vLLM: never offer them again (a request
+        whose async load failed asks again), and save them again once they are computed."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for state in self._requests.values():
+            for i, block_id in enumerate(state.block_ids[:max(state.num_stored, state.num_hit)]):
+                if block_id in bad:
+                    state.num_hit = min(state.num_hit, i)
+                    state.num_stored = min(state.num_stored, i)
+                    break
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copy blocks out during the step that computed them, so blocks are free to go now.
-        self._requests.pop(request.request_id, None)
+        # Workers copy saved blocks out in the background; they report the request through
+        # get_finished once nothing reads its blocks any more.
+        state = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        return False, None
+        return state is not None and state.saved_any, None

@@ -1,13 +1,17 @@
 """The connector's settings, parsed from vLLM's ``kv_connector_extra_config``.
 
-Unknown keys and values of the wrong type are refused at start-up, by name, rather than ignored:
-a typo in a deployment's config should fail the launch, not silently disable caching.
+Unknown keys, values of the wrong type and values outside a key's choices are refused at
+start-up, by name, rather than ignored: a typo in a deployment's config should fail the launch,
+not silently disable caching.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+LOAD_MODES = ("sync", "async", "layer")
+HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +25,11 @@ class ConnectorSettings:
     cache_salt: str = ""
     model_id: str | None = None
     hash_seed: int = 0
+    hash_algorithm: str = "xxh3_128"
     load: bool = True
     save: bool = True
+    save_decode: bool = True
+    load_mode: str = "sync"
     max_pending_saves: int = 64
 
     @classmethod
@@ -46,4 +53,7 @@ class ConnectorSettings:
                     out[name] = None if value is None else str(value)
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: cannot use {value!r} as {kind}") from None
+        for name, choices in (("load_mode", LOAD_MODES), ("hash_algorithm", HASH_ALGORITHMS)):
+            if name in out and out[name] not in choices:
+                raise ValueError(f"kv_connector_extra_config.{name}: {out[name]!r} is not one of {list(choices)}")
         return cls(**out)

@@ -1,8 +1,24 @@
-"""The worker half of the connector: load planned blocks before the forward pass, gather computed
-blocks after it and hand them to the background saver.
+"""The worker half of the connector: bring planned blocks in, hand computed blocks to the saver,
+and tell vLLM which transfers finished.
 
-A load that does not deliver a whole block reports that block's vLLM id as a load error, so vLLM
-recomputes it (``kv_load_failure_policy="recompute"``); nothing raised here reaches vLLM.
+Loads, by the metadata's ``load_mode``:
+
+* ``sync``: ``start_load_kv`` fetches the step's blocks and scatters them into every layer before
+  the forward pass.
+* ``layer``: ``start_load_kv`` starts the fetch on the loader thread and returns;
+  ``wait_for_layer_load(layer)`` (called by each attention layer before it runs) waits for the
+  fetch and places that layer's slice of every block, so the fetch overlaps the forward pass up to
+  the first attention layer and placing overlaps the layers before each one.
+* ``async``: each request's blocks are fetched and placed on the loader thread while vLLM runs
+  other requests; ``get_finished`` reports the request once they are in place.
+
+A block that did not arrive whole is reported through ``get_block_ids_with_load_errors`` (for an
+async load, in the same step that reports the request finished), and vLLM recomputes it
+(``kv_load_failure_policy="recompute"``); nothing raised here reaches vLLM.
+
+Saves: ``wait_for_save`` queues the step's new full blocks with the saver, which copies them out
+in the background. A finished request that had saves is reported as finished *sending* once its
+blocks are copied out (the scheduler held them through ``request_finished``).
 """
 
 from __future__ import annotations
@@ -13,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
+from kvstore.connectors.vllm.ranks import is_writer
 from kvstore.connectors.vllm.saver import SaveQueue
 
 if TYPE_CHECKING:
@@ -24,8 +42,9 @@ logger = logging.getLogger("kvstore.connectors.vllm")
 
 
 class WorkerSide:
-    """Worker-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``:
-    ``_paged``, ``_load_link``, ``_saver``, ``_load_errors``, ``_staging``, ``namespace``)."""
+    """Worker-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``: ``_paged``,
+    ``_load_link``, ``_loader``, ``_saver``, ``_load_errors``, ``_staging``, ``_layer_job``,
+    ``_layer_hooks_missing``, ``_saving_reqs``, ``_finishing``, ``_failed_async``, ``namespace``, ``tp_rank``)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.enabled:
@@ -42,11 +61,14 @@ class WorkerSide:
             return
         self._paged = paged
         self._load_link = self._daemon_handle(self.settings.timeout_s, "load")
-        if self.settings.save:
-            self._saver = SaveQueue(self._daemon_handle(self.settings.timeout_s, "save"),
+        if self.settings.load_mode != "sync":
+            self._loader = BackgroundLoader(self._load_link, self._add_stat)
+        if self.settings.save and is_writer(self.namespace, self.tp_rank):
+            self._saver = SaveQueue(self._daemon_handle(self.settings.timeout_s, "save"), paged,
                                     self.settings.max_pending_saves, self._add_stat)
-        logger.info("kvstore connector: %d layers, %d bytes per block, namespace %s (%s)",
-                    len(paged.layers), paged.block_bytes, self.namespace.id.hex(), self.namespace.layout.layout)
+        logger.info("kvstore connector: %d layers, %d bytes per block, namespace %s (%s), loads %s",
+                    len(paged.layers), paged.block_bytes, self.namespace.id.hex(), self.namespace.layout.layout,
+                    self.settings.load_mode)
 
     def _staging_rows(self, n: int) -> torch.Tensor:
         """A reused CPU buffer of ``n`` blocks (grown on demand, never shrunk)."""
@@ -55,63 +77,131 @@ class WorkerSide:
             self._staging = torch.empty(need, dtype=torch.uint8)
         return self._staging[:need].view(n, self._paged.block_bytes)
 
+    # -- loads ------------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Async loads start as soon as the step's plan arrives: vLLM calls ``start_load_kv`` after
+        the forward pass when a step has no in-step loads, which would idle the loader meanwhile."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = self._bound_metadata()
+        if meta is None:
+            return
+        for t in meta.loads:
+            if not t.asynchronous:
+                continue
+            if self._paged is not None and self._loader is not None:
+                self._loader.submit(LoadJob([t], self._paged, asynchronous=True), place_all=True)
+            else:  # disabled worker: reported finished with every block to recompute
+                self._failed_async.append(t)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self._paged is None or not self.has_connector_metadata():
+        meta = self._bound_metadata()
+        in_step = [t for t in meta.loads if not t.asynchronous] if meta is not None else []
+        if not in_step:
             return
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+        if self._paged is None:  # disabled worker: whatever was planned is recomputed
+            self._load_errors |= {b for t in in_step for b in t.block_ids}
             return
-        block_ids = [b for t in meta.loads for b in t.block_ids]
-        hashes = [h for t in meta.loads for h in t.hashes]
+        job = LoadJob(in_step, self._paged)
+        if meta.load_mode == "layer" and self._loader is not None and not self._layer_hooks_missing:
+            self._layer_job = job
+            self._loader.submit(job, place_all=False)
+            return
         t0 = time.perf_counter()
-        try:
-            staging = self._staging_rows(len(hashes))
-            rows = staging.numpy()
-            sizes = self._load_link.get_into(hashes, [rows[i] for i in range(len(hashes))])
-            good = [i for i, n in enumerate(sizes) if n == self._paged.block_bytes]
-            if good:
-                if len(good) == len(hashes):
-                    self._paged.scatter(block_ids, staging)
-                else:
-                    self._paged.scatter([block_ids[i] for i in good], staging[good])
-            bad = {block_ids[i] for i, n in enumerate(sizes) if n != self._paged.block_bytes}
-        except Exception as e:  # noqa: BLE001
-            logger.warning("kvstore connector: load failed: %s", e)
-            good, bad = [], set(block_ids)
-        self._load_errors |= bad
-        self._add_stat("loaded_blocks", len(good))
-        self._add_stat("load_failed_blocks", len(bad))
+        job.fetch(self._load_link, self._staging_rows(len(job.hashes)))
+        job.scatter()
+        job.release()
+        self._load_errors |= job.bad
+        self._add_stat("loaded_blocks", len(job.good))
+        self._add_stat("load_failed_blocks", len(job.bad))
         self._add_stat("load_seconds", time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # blocks are gathered across layers in wait_for_save
-
-    def wait_for_save(self) -> None:
-        if self._paged is None or self._saver is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreConnectorMetadata):
+        job = self._layer_job
+        if job is None:
             return
         t0 = time.perf_counter()
-        for t in meta.saves:
-            try:
-                if not self._saver.handle.available():
-                    self._add_stat("save_skipped_blocks", len(t.hashes))
-                    continue
-                blocks = torch.empty((len(t.block_ids), self._paged.block_bytes), dtype=torch.uint8)
-                self._paged.gather(t.block_ids, blocks)
-                self._saver.submit(t.hashes, blocks, t.parent)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("kvstore connector: save of %s failed: %s", t.req_id, e)
-        if meta.saves:
-            self._add_stat("save_gather_seconds", time.perf_counter() - t0)
+        job.done.wait()
+        i = self._paged.layer_index.get(layer_name)
+        if i is None:
+            job.scatter()
+        else:
+            job.scatter_layer(i)
+        self._add_stat("layer_wait_seconds", time.perf_counter() - t0)
+
+    def _finish_layer_job(self) -> None:
+        """End of the step: report the job's errors. A layer the forward pass never asked for ran
+        without its pages (the engine does not call ``wait_for_layer_load``): every block of the
+        job is then a load error, so vLLM recomputes, and later steps load before the forward pass."""
+        job, self._layer_job = self._layer_job, None
+        if job is None:
+            return
+        job.done.wait()
+        if job.good and len(job.layers_placed) < len(self._paged.layers):
+            logger.warning("kvstore connector: attention layers did not wait for their pages; "
+                           "recomputing and loading before the forward pass from now on")
+            self._layer_hooks_missing = True
+            job.bad |= set(job.block_ids)
+        job.release()
+        self._load_errors |= job.bad
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # full blocks are copied out after the step, off the forward path (the saver)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    # -- saves ------------------------------------------------------------------------------------
+
+    def wait_for_save(self) -> None:
+        meta = self._bound_metadata()
+        self._finish_layer_job()
+        if meta is None or not meta.saves:
+            return
+        for t in meta.saves:
+            # Recorded before anything can fail: the scheduler holds this request's blocks until
+            # get_finished reports it, so it must be reported even if nothing is saved.
+            self._saving_reqs.add(t.req_id)
+        if self._saver is None:
+            return
+        for t in meta.saves:
+            try:
+                self._saver.submit(t.req_id, t.block_ids, t.hashes, t.parent)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("kvstore connector: save of %s failed: %s", t.req_id, e)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Preempted requests' blocks may go to other requests in this step: copy out what the
+        saver still has to read before the forward pass overwrites them."""
+        if self._saver is not None and getattr(kv_connector_metadata, "preempted", False):
+            if not self._saver.wait_gathered():
+                logger.warning("kvstore connector: saves still reading preempted blocks after 30 s")
+
+    # -- completions ------------------------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving: set[str] = set()
+        if self._loader is not None:
+            for job in self._loader.take_finished():
+                if job.asynchronous:
+                    self._load_errors |= job.bad
+                    recving.update(job.req_ids)
+        for t in self._failed_async:
+            self._load_errors |= set(t.block_ids)
+            recving.add(t.req_id)
+        self._failed_async = []
+        self._finishing |= finished_req_ids & self._saving_reqs
+        sending = {r for r in self._finishing if self._saver is None or self._saver.ungathered(r) == 0}
+        self._finishing -= sending
+        self._saving_reqs -= sending
+        return sending or None, recving or None
+
+    def _bound_metadata(self) -> KVStoreConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVStoreConnectorMetadata) else None
 
     def drain_saves(self, timeout_s: float = 10.0) -> None:
         """Block until queued saves reach the daemon (for tests and orderly shutdown)."""

@@ -11,6 +11,8 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
       "kv_transfer_config": {...} | null,
       "steps": [{"generate": [[token ids], ...], "max_tokens": 8, "timed": false,
                  "lose_after_lookup": false},  # fault injection, see lose_blocks_after_lookup()
+                {"serve": [[token ids], ...], "max_tokens": 16},  # all arrive at once; per-request
+                                            # TTFT and inter-token latency (see serve())
                 {"drain": true},            # wait until the kvstore connector's saves reached the daemon
                 {"kill": PID},              # SIGKILL a process (the daemon) between steps
                 {"sleep": SECONDS}]}
@@ -70,6 +72,35 @@ def lose_blocks_after_lookup(scheduler):
     return lambda: setattr(scheduler, "_matched_tokens", original)
 
 
+def serve(llm, prompts: list, max_tokens: int, tag: str) -> dict:
+    """Submit every prompt at once and step the engine, timing each request's tokens as they come
+    out: TTFT from submission, inter-token gaps after that (a serving workload, offline)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    stamps: dict[str, list[float]] = {rid: [] for rid in ids}
+    final: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter() - t0
+            got = len(out.outputs[0].token_ids)
+            stamps[out.request_id] += [now] * (got - len(stamps[out.request_id]))
+            if out.finished:
+                final[out.request_id] = out
+    wall = time.perf_counter() - t0
+    return {"outputs": [list(final[r].outputs[0].token_ids) for r in ids],
+            "num_cached_tokens": [final[r].num_cached_tokens or 0 for r in ids],
+            "ttft": [stamps[r][0] for r in ids],
+            "itl": [[b - a for a, b in zip(stamps[r], stamps[r][1:])] for r in ids],
+            "seconds": [wall]}
+
+
 def main() -> None:
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
@@ -115,6 +146,8 @@ def main() -> None:
                 undo()
             out = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                    "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": secs}
+        elif "serve" in step:
+            out = serve(llm, step["serve"], step.get("max_tokens", 16), f"serve{len(result['steps'])}")
         elif "drain" in step:
             if worker is not None and hasattr(worker, "drain_saves"):
                 worker.drain_saves()

@@ -1,0 +1,130 @@
+"""Fetching planned blocks from the daemon into vLLM's paged cache, now or in the background.
+
+A ``LoadJob`` is a set of blocks to bring in: it fetches every block into a staging buffer of its
+own (one ``get_into``; a shared-memory copy on the same host), notes which arrived whole, and
+scatters those into the paged cache — all layers at once, or one layer at a time when the forward
+pass asks for it (``scatter_layer``). A block that did not arrive whole is a *load error*: its
+vLLM block id goes back to vLLM, which recomputes from there.
+
+``BackgroundLoader`` runs jobs on one thread, in order, so loads overlap the engine's forward
+passes; finished jobs are collected by the worker (``take_finished``) at the end of each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvstore.client import NamespaceHandle
+from kvstore.connectors.vllm.metadata import BlockTransfer
+from kvstore.connectors.vllm.paged_blocks import PagedBlocks
+
+logger = logging.getLogger("kvstore.connectors.vllm")
+
+
+class LoadJob:
+    """Blocks of one or more requests to bring in from the daemon."""
+
+    def __init__(self, transfers: list[BlockTransfer], paged: PagedBlocks, asynchronous: bool = False) -> None:
+        self.asynchronous = asynchronous   # lands between steps: reported through get_finished
+        self.req_ids = [t.req_id for t in transfers]
+        self.block_ids = [b for t in transfers for b in t.block_ids]
+        self.hashes = [h for t in transfers for h in t.hashes]
+        self.paged = paged
+        self.good: list[int] = []          # positions (in block_ids) that arrived whole
+        self.bad: set[int] = set()         # vLLM block ids to recompute
+        self.done = threading.Event()
+        self._staging: torch.Tensor | None = None
+        self._good_ids: list[int] = []
+        self._good_rows: torch.Tensor | None = None
+        self._layers_placed: set[int] = set()
+
+    def fetch(self, handle: NamespaceHandle, staging: torch.Tensor | None = None) -> None:
+        """Copy the blocks from the daemon into ``staging`` (uint8 [n, block_bytes]; a new buffer
+        when None). Never raises: a failure makes every block a load error."""
+        n, size = len(self.hashes), self.paged.block_bytes
+        try:
+            staging = torch.empty((n, size), dtype=torch.uint8) if staging is None else staging[:n]
+            rows = staging.numpy()
+            sizes = handle.get_into(self.hashes, [rows[i] for i in range(n)])
+            self.good = [i for i, got in enumerate(sizes) if got == size]
+            self.bad = {self.block_ids[i] for i, got in enumerate(sizes) if got != size}
+            self._staging = staging
+            self._good_ids = [self.block_ids[i] for i in self.good]
+            self._good_rows = staging if len(self.good) == n else staging[self.good]
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvstore connector: load failed: %s", e)
+            self.good, self.bad = [], set(self.block_ids)
+
+    def scatter(self) -> None:
+        """Place every layer of the blocks that arrived."""
+        for i in range(len(self.paged.layers)):
+            self.scatter_layer(i)
+
+    def scatter_layer(self, i: int) -> None:
+        """Place layer ``i`` of the blocks that arrived (once)."""
+        if i in self._layers_placed:
+            return
+        self._layers_placed.add(i)
+        if self._good_ids:
+            self.paged.scatter_layer(i, self._good_ids, self._good_rows)
+
+    @property
+    def layers_placed(self) -> frozenset[int]:
+        return frozenset(self._layers_placed)
+
+    def release(self) -> None:
+        """Drop the staging buffer (the job is reported; its bytes are placed)."""
+        self._staging = self._good_rows = None
+
+
+class BackgroundLoader:
+    """Runs load jobs on a background thread, in order; finished ones wait for ``take_finished``."""
+
+    def __init__(self, handle: NamespaceHandle, stats_add: Callable[[str, int | float], None]) -> None:
+        self.handle = handle
+        self.stats_add = stats_add
+        self._jobs: queue.Queue = queue.Queue()
+        self._finished: list[LoadJob] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: LoadJob, place_all: bool) -> None:
+        """Fetch ``job`` in the background; with ``place_all`` also scatter it into every layer."""
+        self._jobs.put((job, place_all))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, place_all = item
+            t0 = time.perf_counter()
+            job.fetch(self.handle)
+            if place_all:
+                try:
+                    job.scatter()
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("kvstore connector: placing loaded blocks failed: %s", e)
+                    job.bad |= set(job.block_ids)
+                job.release()
+            self.stats_add("loaded_blocks", len(job.good))
+            self.stats_add("load_failed_blocks", len(job.bad))
+            self.stats_add("load_seconds", time.perf_counter() - t0)
+            with self._lock:
+                self._finished.append(job)
+            job.done.set()
+
+    def take_finished(self) -> list[LoadJob]:
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def close(self) -> None:
+        self._jobs.put(None)
