@@ -29,7 +29,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., client_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant")
+    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant", "stored_codecs")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class HandshakeResponse(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    STORED_CODECS_FIELD_NUMBER: _ClassVar[int]
     server_version: int
     server_id: str
     arena_path: str
@@ -56,7 +57,8 @@ class HandshakeResponse(_message.Message):
     bulk_port: int
     bulk_ticket: bytes
     tenant: str
-    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    stored_codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ..., stored_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "layout", "kv_per_token", "tp_rank", "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size", "block_bytes")
@@ -239,16 +241,18 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
     chunk_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    accept_codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetChunk(_message.Message):
     __slots__ = ("index", "hit", "codec", "size", "offset", "data")
@@ -279,14 +283,16 @@ class PrepareStoreRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "accept_codecs")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    accept_codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Extent(_message.Message):
     __slots__ = ("offset", "length")
@@ -325,18 +331,20 @@ class LeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session")
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session", "accept_codecs")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     block_bytes: int
     session: bytes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+    accept_codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
     __slots__ = ("sizes", "codecs")
@@ -345,3 +353,98 @@ class BulkGetResponse(_message.Message):
     sizes: _containers.RepeatedScalarFieldContainer[int]
     codecs: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, sizes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("blocks", "bytes")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("namespace_id", "tenant", "layout", "cache_salt", "blocks", "bytes", "tiers", "pinned_blocks", "pinned_bytes", "lookup_blocks", "lookup_hits", "last_used")
+    class TiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TierUsage
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierUsage, _Mapping]] = ...) -> None: ...
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    tenant: str
+    layout: Layout
+    cache_salt: str
+    blocks: int
+    bytes: int
+    tiers: _containers.MessageMap[str, TierUsage]
+    pinned_blocks: int
+    pinned_bytes: int
+    lookup_blocks: int
+    lookup_hits: int
+    last_used: float
+    def __init__(self, namespace_id: _Optional[bytes] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., cache_salt: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierUsage]] = ..., pinned_blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., last_used: _Optional[float] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class NamespaceRequest(_message.Message):
+    __slots__ = ("namespace_id",)
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ...) -> None: ...
+
+class PrefixRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AdminResponse(_message.Message):
+    __slots__ = ("blocks", "bytes", "stored", "skipped", "fetched", "warmed")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    WARMED_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    stored: int
+    skipped: int
+    fetched: int
+    warmed: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., stored: _Optional[int] = ..., skipped: _Optional[int] = ..., fetched: _Optional[int] = ..., warmed: _Optional[int] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("applied", "ignored")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
+    applied: _containers.RepeatedScalarFieldContainer[str]
+    ignored: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, applied: _Optional[_Iterable[str]] = ..., ignored: _Optional[_Iterable[str]] = ...) -> None: ...

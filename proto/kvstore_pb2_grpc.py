@@ -119,6 +119,41 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.BulkRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/kvstore.v1.KVStore/ListNamespaces',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.DropNamespace = channel.unary_unary(
+                '/kvstore.v1.KVStore/DropNamespace',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.NamespaceRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kvstore.v1.KVStore/Evict',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Pin',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Unpin',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/kvstore.v1.KVStore/Prewarm',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+                _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/kvstore.v1.KVStore/Reload',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -232,6 +267,51 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNamespaces(self, request, context):
+        """Operator commands (kvstore ns / evict / pin / unpin / prewarm / reload). With auth on, a tenant
+        acts on its own namespaces only (another's is NOT_FOUND); tenants in admin_tenants on all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropNamespace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reload(self, request, context):
+        """Re-read tokens, quotas, pin bound and log level (admins only); bad config is refused, the old kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +399,41 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.BulkPut,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.BulkRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'DropNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropNamespace,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.NamespaceRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReloadRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -780,6 +895,195 @@ class KVStore:
             '/kvstore.v1.KVStore/BulkPut',
             kvstore_dot_proto_dot_kvstore__pb2.BulkRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ListNamespaces',
+            kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DropNamespace',
+            kvstore_dot_proto_dot_kvstore__pb2.NamespaceRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Evict',
+            kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Pin',
+            kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Unpin',
+            kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prewarm',
+            kvstore_dot_proto_dot_kvstore__pb2.PrefixRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Reload',
+            kvstore_dot_proto_dot_kvstore__pb2.ReloadRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -155,9 +155,9 @@ class RedisTier(Tier):
 
     # -- shared-pool reads (blocks other daemons stored) -----------------------------------------
 
-    def load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bytes | None]:
+    def load(self, namespace_id: bytes, hashes: Sequence[bytes], with_codecs: bool = False) -> list:
         """The verified payloads of blocks in the pool, whoever stored them (None: absent or
-        corrupt). One pipeline; refreshes their TTLs."""
+        corrupt); ``with_codecs``: each as ``(codec id, payload)``. One pipeline; refreshes their TTLs."""
         pipe = self.redis.pipeline(transaction=False)
         for h in hashes:
             pipe.getex(block_redis_key(self.prefix, namespace_id, h), px=self.ttl_ms)
@@ -167,7 +167,10 @@ class RedisTier(Tier):
             if value is not None and payload is None:
                 self.corrupt_dropped += 1
                 self.redis.delete(block_redis_key(self.prefix, namespace_id, h))
-            out.append(None if payload is None else payload.tobytes())
+            if payload is None or not with_codecs:
+                out.append(None if payload is None else payload.tobytes())
+            else:
+                out.append((_HEADER.unpack_from(value)[2], payload.tobytes()))
         return out
 
     # -- helpers ---------------------------------------------------------------------------------

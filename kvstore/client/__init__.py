@@ -3,7 +3,8 @@
 ends of the transports. It owns talking to a daemon and nothing else; it must not import
 ``kvstore.store``, ``kvstore.service``, ``kvstore.fleet``, ``kvstore.ops`` or ``kvstore.tiers``
 (only the wire: ``kvstore.wire``, ``kvstore.keys``, ``kvstore.buffers``, ``kvstore.errors``,
-``kvstore.transport`` and the generated protocol).
+``kvstore.transport`` and the generated protocol, plus ``kvstore.codecs``, imported lazily and
+only when a daemon stores blocks encoded, to decode them).
 
     c = Client("127.0.0.1:7373", token=None, timeout_s=5.0, transport="auto")
     ns_id = c.register_namespace(Namespace(layout, cache_salt="..."))
@@ -19,11 +20,14 @@ Failure model: every failure to reach the daemon in time — refused, reset, dea
 ``DaemonUnavailable`` (``NamespaceHandle`` turns it into a miss). Idempotent calls (all of them:
 puts are content-addressed) are retried on UNAVAILABLE with short backoff inside the deadline. Any
 other error comes back as the same ``kvstore.errors`` class the daemon raised, naming the field.
-Blocks cross the wire raw; one that arrives encoded raises ``CodecError``.
+Compressed transfer: blocks a daemon stores encoded (tier codecs) arrive as stored and are
+decoded here, into the caller's buffer on its device (a CUDA tensor decodes on its GPU), when this
+process can decode them; otherwise the daemon decodes them before sending. A payload that fails
+its decode raises ``CodecError``.
 
 Modules: ``sync_client`` (Client), ``async_client``, ``rpc`` (channel, retries), ``rpc_errors``
 (gRPC status -> kvstore error), ``negotiation`` (transport choice per daemon run), ``shm_path`` /
-``stream_paths`` (the data paths), ``delivery`` (what every path checks), ``breaker`` and
+``stream_paths`` (the data paths), ``delivery`` (where each block lands, decoded), ``breaker`` and
 ``namespace_handle``.
 """
 

@@ -4,6 +4,10 @@
 writes next to the arena and by the arena file's identity), else opens the raw-TCP side channel,
 else streams gRPC chunks. The choice is per daemon *run*: it is dropped when the daemon becomes
 unreachable or a lease answer comes from another run, and made again on the next data call.
+
+Compressed transfer is agreed here too: the Handshake lists the codecs the daemon stores blocks
+with, and a client that can decode them (``kvstore.codecs`` importable, ``compressed_transfer``
+on) asks for blocks as stored (``accept_codecs``). A daemon without codecs costs no torch import.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ TRANSPORTS = ("auto", "shm", "bulk", "grpc")
 class Negotiation:
     """The negotiated transport: a mapped arena (shm), a side channel (bulk), or neither (gRPC)."""
 
-    def __init__(self, rpc: RpcChannel, transport: str, chunk_bytes: int | None) -> None:
+    def __init__(self, rpc: RpcChannel, transport: str, chunk_bytes: int | None,
+                 compressed_transfer: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument("transport", f"one of {TRANSPORTS}, got {transport!r}")
         self.rpc = rpc
         self.transport = transport
         self.chunk_bytes = chunk_bytes
+        self.compressed_transfer = compressed_transfer
+        self.accept_codecs: tuple[int, ...] = ()   # codecs of this daemon run that we decode ourselves
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
         self.arena: shm.ArenaMap | None = None
         self.bulk: BulkChannel | None = None
@@ -57,12 +64,24 @@ class Negotiation:
             if self.chunk_bytes is None:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)
+            self.accept_codecs = self._decodable(hs.stored_codecs)
             if self.arena is None and self.transport in ("auto", "bulk") and hs.bulk_port:
                 try:
                     self.bulk = BulkChannel(self.rpc.host, hs.bulk_port, hs.bulk_ticket, self.rpc.timeout_s)
                 except OSError:
                     self.bulk = None
             self._negotiated = True
+
+    def _decodable(self, stored: list[int]) -> tuple[int, ...]:
+        """The daemon's stored codecs this process can decode (none without torch)."""
+        if not stored or not self.compressed_transfer:
+            return ()
+        try:
+            from kvstore import codecs
+        except ImportError:
+            return ()
+        known = set(codecs.CODEC_IDS.values())
+        return tuple(c for c in stored if c in known)
 
     def live_bulk(self) -> BulkChannel | None:
         """The side channel for the next transfer. The daemon closes sessions that idle past its

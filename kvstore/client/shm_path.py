@@ -2,7 +2,9 @@
 
 A load copies out of the arena while its blocks are pinned by a lease, then ``CompleteLoad``; if
 the lease had expired (a stalled client), the blocks are reported as misses because their slots
-may have been reused. A store stops writing and aborts when its lease is close to expiry.
+may have been reused. Blocks the daemon keeps encoded are copied out as stored when this client
+decodes their codec (``accept``) and decoded only once the lease is released and confirmed. A
+store stops writing and aborts when its lease is close to expiry.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 import grpc
 
 from kvstore import errors
-from kvstore.client.delivery import put_results, require_fit, require_raw
+from kvstore.client.delivery import put_results
 from kvstore.client.negotiation import Negotiation
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
@@ -52,30 +54,30 @@ class ShmPath:
             raise
         return put_results(self.rpc.call("CompleteStore", pb.LeaseRequest(lease_id=lease.lease_id)))
 
-    def get(self, ns_id: bytes, hashes, dsts, block_bytes: int) -> list[int | None]:
+    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
+        """Each block into its sink (``delivery``); its size, or None for a miss."""
         sizes: list[int | None] = [None] * len(hashes)
         start = 0
         while start < len(hashes):
             self.settle()  # our previous pins are released before we pin more (small arenas)
             t0 = time.monotonic()
             lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
-                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes))
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept))
             got = []
             try:
                 for k, blk in enumerate(lease.blocks):
                     i = start + k
-                    require_raw(blk.codec, i)
-                    require_fit(blk.size, dsts[i])
                     extents = [(e.offset, e.length) for e in blk.extents]
-                    got.append((i, self.negotiation.arena.copy_out(extents, dsts[i])))
+                    self.negotiation.arena.copy_out(extents, sinks[i].buffer(blk.size))
+                    got.append((i, blk.size, blk.codec))
             finally:
                 confirmed = self._release(lease, t0)
             if confirmed:
-                for i, n in got:
-                    sizes[i] = n
+                for i, size, codec in got:
+                    sizes[i] = sinks[i].finish(size, codec)
             stop = start + len(lease.blocks)
             if meta.get(UNSTAGED_KEY) and stop < len(hashes):
-                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [dsts[stop]])[0]
+                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]])[0]
             start = stop + 1  # skip past the first miss
         return sizes
 

@@ -2,17 +2,21 @@
 
 Both stream blocks back to back; they differ in where the bytes ride. The side channel moves them
 over a plain socket into buffers the caller owns (gRPC carries only control); the chunk streams
-carry them inside ~1 MiB protobuf messages, which is what a client behind a proxy can use.
+carry them inside ~1 MiB protobuf messages, which is what a client behind a proxy can use. Gets
+name the codecs this client decodes (``accept``); such blocks arrive as stored and their sinks
+decode them (``delivery``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
 
 import grpc
 import numpy as np
 
-from kvstore.client.delivery import put_results, require_fit, require_raw
+from kvstore.client.delivery import EarlyDecode, put_results
 from kvstore.client.negotiation import Negotiation
 from kvstore.client.rpc_errors import error_from_rpc, is_session_error
 from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
@@ -21,6 +25,8 @@ from kvstore.transport import chunks
 from kvstore.transport.bulk import BulkChannel
 
 SLOW_LINK_BYTES_PER_S = 100e6   # deadline allowance per byte for data calls
+#: decode side-channel blocks on a worker thread while the next arrive only with more cores than this
+EARLY_DECODE_MIN_CORES = 3
 
 
 def data_timeout(timeout_s: float, nbytes: int) -> float:
@@ -34,6 +40,17 @@ class BulkPath:
     def __init__(self, negotiation: Negotiation) -> None:
         self.negotiation = negotiation
         self.rpc = negotiation.rpc
+        self._decoder: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
+            self._decoder = None
+
+    def _early_decode(self, block_bytes: int, accept) -> EarlyDecode:
+        if self._decoder is None and accept and len(os.sched_getaffinity(0)) >= EARLY_DECODE_MIN_CORES:
+            self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-decode")
+        return EarlyDecode(self._decoder, block_bytes, accept)
 
     def _rpc_failed(self, e: grpc.RpcError):
         err = error_from_rpc(e)
@@ -57,34 +74,40 @@ class BulkPath:
                 self.negotiation.reset()
                 raise DaemonUnavailable(f"side channel failed: {e}") from None
 
-    def get(self, bulk: BulkChannel, ns_id: bytes, hashes, dsts, block_bytes: int) -> list[int | None]:
-        req = pb.BulkRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes, session=bulk.session)
-        timeout = data_timeout(self.rpc.timeout_s, sum(d.nbytes for d in dsts))
+    def get(self, bulk: BulkChannel, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
+        req = pb.BulkRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes, session=bulk.session,
+                             accept_codecs=accept)
+        timeout = data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks))
         sizes: list[int | None] = []
-        with bulk.lock:
-            fut = self.rpc.future("BulkGet", req, timeout)
-            try:
-                bulk.wait_readable(fut, time.monotonic() + timeout)
-                for dst in dsts:
-                    size = bulk.read_size()
-                    if size is None:
-                        fut.result()  # raises the daemon's error
-                        raise DaemonUnavailable("side channel reported an error the RPC did not")
-                    require_fit(size, dst)
-                    if size:
-                        bulk.recv_into(dst[:size])
-                    sizes.append(size or None)
-                for i, codec in enumerate(fut.result().codecs):
-                    require_raw(codec, i)
-            except grpc.RpcError as e:
-                raise self._rpc_failed(e) from None
-            except (OSError, TimeoutError, InvalidArgument) as e:
-                fut.cancel()
-                self.negotiation.reset()  # the socket is mid-frame: start a fresh one next time
-                if isinstance(e, InvalidArgument):
-                    raise
-                raise DaemonUnavailable(f"side channel failed: {e}") from None
-        return sizes
+        early = self._early_decode(block_bytes, accept)
+        try:
+            with bulk.lock:
+                fut = self.rpc.future("BulkGet", req, timeout)
+                try:
+                    bulk.wait_readable(fut, time.monotonic() + timeout)
+                    for i, sink in enumerate(sinks):
+                        size = bulk.read_size()
+                        if size is None:
+                            fut.result()  # raises the daemon's error
+                            raise DaemonUnavailable("side channel reported an error the RPC did not")
+                        if size:
+                            bulk.recv_into(sink.buffer(size))
+                            early.arrived(i, sink, size)
+                        sizes.append(size or None)
+                    codecs = list(fut.result().codecs)
+                except grpc.RpcError as e:
+                    raise self._rpc_failed(e) from None
+                except (OSError, TimeoutError, InvalidArgument) as e:
+                    fut.cancel()
+                    self.negotiation.reset()  # the socket is mid-frame: start a fresh one next time
+                    if isinstance(e, InvalidArgument):
+                        raise
+                    raise DaemonUnavailable(f"side channel failed: {e}") from None
+        finally:
+            early.settle()
+        codecs += [0] * (len(sizes) - len(codecs))
+        return [None if size is None else early.finish(i, sink, size, codec)
+                for i, (sink, size, codec) in enumerate(zip(sinks, sizes, codecs))]
 
 
 class GrpcPath:
@@ -101,21 +124,26 @@ class GrpcPath:
                              stream_factory=lambda: chunks.put_messages(header, arrays, chunk_bytes))
         return put_results(resp)
 
-    def get(self, ns_id: bytes, hashes, dsts, block_bytes: int) -> list[int | None]:
+    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
         sizes: list[int | None] = [None] * len(hashes)
         req = pb.GetRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes,
-                            chunk_bytes=self.negotiation.chunk_bytes or 0)
-        stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(d.nbytes for d in dsts)))
+                            chunk_bytes=self.negotiation.chunk_bytes or 0, accept_codecs=accept)
+        stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks)))
+        landing: dict[int, np.ndarray] = {}
         try:
             for c in stream:
                 if not c.hit:
                     continue
-                dst = dsts[c.index]
-                require_raw(c.codec, c.index)
-                require_fit(c.size, dst)
+                if c.index >= len(sinks):
+                    raise InvalidArgument("index", f"the daemon sent block {c.index} of a {len(sinks)}-block get")
+                if c.index not in landing:
+                    landing[c.index] = sinks[c.index].buffer(c.size)
+                dst = landing[c.index]
+                if c.offset + len(c.data) > dst.nbytes:
+                    raise InvalidArgument("outs", f"chunk past the end of block {c.index}")
                 dst[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
                 if c.offset + len(c.data) >= c.size:
-                    sizes[c.index] = c.size
+                    sizes[c.index] = sinks[c.index].finish(c.size, c.codec)
         except grpc.RpcError as e:
             raise self.rpc.failed(error_from_rpc(e)) from None
         except KVStoreError:

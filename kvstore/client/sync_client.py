@@ -3,10 +3,12 @@
     c = Client("127.0.0.1:7373", token=None, timeout_s=5.0, transport="auto")
     ns_id = c.register_namespace(Namespace(layout, cache_salt="..."))
     c.put(ns_id, hashes, blocks)            # bytes / numpy / CPU torch tensors
-    sizes = c.get_into(ns_id, hashes, outs)  # None = miss
+    sizes = c.get_into(ns_id, hashes, outs)  # None = miss; outs may be CUDA tensors
 
 Requests are checked here (sizes, writable buffers) before anything moves, cut into batches of
 the wire's limits, and sent over the negotiated transport (``kvstore.client.negotiation``).
+Blocks the daemon stores encoded arrive as stored and are decoded here, into the caller's buffer
+on its device (``compressed_transfer=False``: the daemon decodes them instead).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from kvstore import errors
 from kvstore.buffers import as_bytes
+from kvstore.client.delivery import IntoBuffer, KeepPayload, LandingPool
 from kvstore.client.negotiation import Negotiation
 from kvstore.client.rpc import RpcChannel
 from kvstore.client.rpc_errors import DaemonRestarted
@@ -50,13 +53,17 @@ def chain_batches(chains: Sequence[Sequence[bytes]]):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 5.0,
                  transport: str = "auto", retries: int = 2, root_ca: str | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, compressed_transfer: bool = True) -> None:
+        """``compressed_transfer``: take blocks the daemon stores encoded as stored and decode them
+        here (fewer bytes on the wire; needs torch), instead of having the daemon decode them."""
         self._rpc = RpcChannel(url, token, timeout_s, retries, root_ca)
-        self._negotiation = Negotiation(self._rpc, transport, chunk_bytes)
+        self._negotiation = Negotiation(self._rpc, transport, chunk_bytes, compressed_transfer)
         self._grpc = GrpcPath(self._negotiation)
         self._bulk = BulkPath(self._negotiation)
         self._shm = ShmPath(self._negotiation, stream_one=self._get_streamed)
         self._block_bytes: dict[bytes, int] = {}
+        self._layouts: dict = {}   # namespace id -> KVLayout, for decoding blocks sent as stored
+        self._landing = LandingPool()
         self._closed = False
 
     @property
@@ -118,6 +125,8 @@ class Client:
             layout=layout, cache_salt=ns.cache_salt, tenant=ns.tenant))
         ns_id = bytes(resp.namespace_id)
         self._block_bytes[ns_id] = resp.block_bytes
+        if resp.block_bytes == ns.layout.block_bytes:
+            self._layouts[ns_id] = ns.layout
         return ns_id
 
     def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
@@ -197,21 +206,34 @@ class Client:
     # -- get -------------------------------------------------------------------------------------
 
     def get_into(self, ns_id: bytes, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Copy each block into the writable buffer ``outs[i]``; its size, or None for a miss."""
+        """Copy each block into the writable buffer ``outs[i]`` (bytes-like, numpy, or a torch
+        tensor on any device); its size, or None for a miss."""
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
-        dsts = [as_bytes(o) for o in outs]
-        want = self._expected(ns_id)
-        for i, d in enumerate(dsts):
-            if want and d.nbytes < want:
-                raise InvalidArgument(f"outs[{i}]", f"buffer of {d.nbytes} bytes; blocks are {want} bytes")
-            if not d.flags.writeable:
-                raise InvalidArgument(f"outs[{i}]", "buffer is read-only")
+        want, layout = self._expected(ns_id), self._layouts.get(bytes(ns_id))
+        sinks = [IntoBuffer(o, i, want, layout, self._landing) for i, o in enumerate(outs)]
+        return self._get_sinks(ns_id, hashes, sinks)
+
+    def get_payloads(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[tuple[int, np.ndarray] | None]:
+        """Each block as the daemon stores it: ``(codec id, payload)`` (codec 0: the block itself),
+        or None for a miss. A fleet peer keeps such payloads as they are, so they match the
+        checksum their owner published."""
+        if not self._expected(ns_id):
+            raise InvalidArgument("namespace_id", "unknown to this client; call register_namespace first")
+        sinks = [KeepPayload(self._expected(ns_id)) for _ in hashes]
+        sizes = self._get_sinks(ns_id, hashes, sinks)
+        return [None if n is None else (s.codec, s.payload) for s, n in zip(sinks, sizes)]
+
+    def _get_sinks(self, ns_id: bytes, hashes: Sequence[bytes], sinks: list) -> list[int | None]:
         self._negotiation.ensure()
         sizes: list[int | None] = []
         for a, b in batches(len(hashes)):
-            sizes += self._get_batch(ns_id, list(hashes[a:b]), dsts[a:b])
+            sizes += self._get_batch(ns_id, list(hashes[a:b]), sinks[a:b])
         return sizes
+
+    def _accept(self, ns_id: bytes) -> tuple[int, ...]:
+        """The codecs to take blocks as stored in: none unless we know the namespace's layout."""
+        return self._negotiation.accept_codecs if bytes(ns_id) in self._layouts else ()
 
     def get(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[bytes | None]:
         want = self._expected(ns_id)
@@ -221,23 +243,23 @@ class Client:
         sizes = self.get_into(ns_id, hashes, outs)
         return [None if n is None else o[:n].tobytes() for o, n in zip(outs, sizes)]
 
-    def _get_batch(self, ns_id, hashes, dsts) -> list[int | None]:
+    def _get_batch(self, ns_id, hashes, sinks) -> list[int | None]:
         block_bytes = self._expected(ns_id)
         if self._negotiation.arena is not None:
             try:
-                return self._shm.get(ns_id, hashes, dsts, block_bytes)
+                return self._shm.get(ns_id, hashes, sinks, block_bytes, self._accept(ns_id))
             except DaemonRestarted:
                 self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
                 if self._negotiation.arena is not None:
-                    return self._shm.get(ns_id, hashes, dsts, block_bytes)
-        return self._get_streamed(ns_id, hashes, dsts)
+                    return self._shm.get(ns_id, hashes, sinks, block_bytes, self._accept(ns_id))
+        return self._get_streamed(ns_id, hashes, sinks)
 
-    def _get_streamed(self, ns_id, hashes, dsts) -> list[int | None]:
+    def _get_streamed(self, ns_id, hashes, sinks) -> list[int | None]:
         """A get over the side channel when there is one, else over gRPC chunks."""
         bulk = self._negotiation.live_bulk()
         if bulk is not None:
-            return self._bulk.get(bulk, ns_id, hashes, dsts, self._expected(ns_id))
-        return self._grpc.get(ns_id, hashes, dsts, self._expected(ns_id))
+            return self._bulk.get(bulk, ns_id, hashes, sinks, self._expected(ns_id), self._accept(ns_id))
+        return self._grpc.get(ns_id, hashes, sinks, self._expected(ns_id), self._accept(ns_id))
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -246,6 +268,7 @@ class Client:
             return
         self._shm.settle()
         self._negotiation.reset()
+        self._bulk.close()
         self._closed = True
         self._rpc.close()
 

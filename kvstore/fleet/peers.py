@@ -4,6 +4,12 @@ The daemon fetches, not the client: every engine gets it through one code path, 
 lands in the local Store where all local workers reuse it, clients need no Redis credentials, and a
 peer's bytes are checked against the published checksum before a single byte is stored.
 
+What is checked is what was published: a node publishes the checksum of each block's payload as
+it stores it (encoded, with a tier codec), the peer serves that payload as stored to a fetcher
+that asks for it (``Client.get_payloads``), and the fetcher keeps it as it is (``Store.put`` with
+its codec id), so fleet fetch works, bit-exact, with every codec, and the fetched copy publishes
+the same checksum again.
+
 Whom we talk to. Addresses come only from node entries whose MAC verifies under the fleet secret
 (``Directory.route``), so the peer token (sent on Handshake, RegisterNamespace and Get) goes only
 to daemons of this fleet; with ``peer_tls_ca`` the connection also proves the peer's name. The
@@ -86,6 +92,14 @@ class PeerClients:
             self._clients.clear()
 
 
+def _stored_payloads(client, ns: bytes, hashes: list[bytes]) -> list:
+    """Per block ``(codec id, payload)`` as the peer stores it, or None for a miss. A peer client
+    without ``get_payloads`` (an in-process stand-in) serves raw blocks."""
+    if hasattr(client, "get_payloads"):
+        return client.get_payloads(ns, hashes)
+    return [None if data is None else (0, data) for data in client.get(ns, hashes)]
+
+
 def _close(client) -> None:
     try:
         client.close()
@@ -138,18 +152,19 @@ class PeerFetcher:
     def _fetch_from_pool(self, ns: bytes, hashes: list[bytes], parent: bytes | None) -> int:
         """The leading blocks found in the shared Redis pool (verified there), stored locally."""
         try:
-            datas = self.shared_pool.load(ns, hashes)
+            blocks = self.shared_pool.load(ns, hashes, with_codecs=True)  # as stored: encoded or raw
         except Exception as e:  # noqa: BLE001
             self.counters["pool_errors"] += 1
             log.debug("fleet: shared pool unavailable: %s", e)
             return 0
         run = 0
-        while run < len(datas) and datas[run] is not None:
+        while run < len(blocks) and blocks[run] is not None:
             run += 1
         if not run:
             return 0
         try:
-            self.store.put(ns, hashes[:run], datas[:run], parent=parent)
+            self.store.put(ns, hashes[:run], [b[1] for b in blocks[:run]], parent=parent,
+                           codecs=[b[0] for b in blocks[:run]])
         except KVStoreError as e:
             self.counters["pool_errors"] += 1
             log.info("fleet: could not keep blocks from the shared pool: %s", e)
@@ -168,12 +183,13 @@ class PeerFetcher:
             client = self.clients.get(route.address, self.store, ns)
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]
-                datas = client.get(ns, batch)
-                run_h, run_d = [], []
-                for h, data, want_sum in zip(batch, datas, expected[i:i + len(batch)]):
-                    if data is None or want_sum is None:
+                got = _stored_payloads(client, ns, batch)
+                run_h, run_d, run_c = [], [], []
+                for h, block, want_sum in zip(batch, got, expected[i:i + len(batch)]):
+                    if block is None or want_sum is None:
                         self.counters["peer_misses"] += 1
                         break
+                    codec, data = block
                     if xxhash.xxh3_64_intdigest(data) != want_sum:
                         self.counters["peer_checksum_mismatch"] += 1
                         log.warning("fleet: block %s from %s failed its published checksum; not stored",
@@ -181,8 +197,9 @@ class PeerFetcher:
                         break
                     run_h.append(h)
                     run_d.append(data)
+                    run_c.append(codec)
                 if run_h:
-                    self.store.put(ns, run_h, run_d, parent=want[i - 1] if i else parent)
+                    self.store.put(ns, run_h, run_d, parent=want[i - 1] if i else parent, codecs=run_c)
                     stored += len(run_h)
                     parent = run_h[-1]
                 if len(run_h) < len(batch):

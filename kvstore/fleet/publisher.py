@@ -1,8 +1,9 @@
 """Mirroring the Store into the directory: a StoreListener plus one background thread.
 
 The Store calls ``blocks_added`` / ``blocks_removed`` with its lock held, so the listener only
-appends to a queue. The thread drains it: it pins each new block just long enough to checksum it
-(zero-copy for the CPU arena, the recorded checksum for NVMe), keeps a local mirror of what it
+appends to a queue. The thread drains it: it pins each new block just long enough to checksum its
+payload as stored — encoded when a tier codec encoded it, which is what the node serves to a peer
+(zero-copy for the CPU arena, the recorded checksum for NVMe) — keeps a local mirror of what it
 published, and sends the delta in batched Lua calls. If Redis fails or comes back empty (restart,
 failover, flush), the node joins again under a fresh slot and republishes its mirror; the daemon
 keeps serving locally meanwhile (``connected`` is False until Redis answers again).
@@ -157,7 +158,7 @@ class Publisher(StoreListener):
                 return None
             record = block.record
             try:
-                if record.checksum and record.codec == 0 and record.stored_size == record.raw_size:
+                if record.checksum:
                     checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
                 elif (pieces := block.pieces()) is not None:
                     x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin

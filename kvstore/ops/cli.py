@@ -1,4 +1,5 @@
-"""The ``kvstore`` command: serve, health, stats, bench (+ plan, top, route from their modules).
+"""The ``kvstore`` command: serve, health, stats, bench (+ plan, top, route, ns, evict, pin, unpin, prewarm,
+reload from their modules).
 
     kvstore serve                       # zero config: CPU tier sized from RAM, NVMe in ~/.cache, 127.0.0.1:7373
     kvstore serve --config kv.yaml --listen 0.0.0.0:7373 --cpu-bytes 8GiB --nvme-path /mnt/nvme/kv
@@ -21,7 +22,12 @@ import sys
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(64 << 20)}
 
 LAZY_COMMANDS = {"plan": ("kvstore.ops.plan", "main"), "top": ("kvstore.ops.top", "main"),
-                 "route": ("kvstore.fleet", "route_main")}
+                 "route": ("kvstore.fleet", "route_main"),
+                 # operator commands (kvstore/ops/admin_cli.py)
+                 "ns": ("kvstore.ops.admin_cli", "ns_main"), "evict": ("kvstore.ops.admin_cli", "evict_main"),
+                 "pin": ("kvstore.ops.admin_cli", "pin_main"), "unpin": ("kvstore.ops.admin_cli", "unpin_main"),
+                 "prewarm": ("kvstore.ops.admin_cli", "prewarm_main"),
+                 "reload": ("kvstore.ops.admin_cli", "reload_main")}
 
 
 def reexec_with_malloc_tuning(command: list[str]) -> None:
@@ -60,7 +66,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--bulk-channel", action=argparse.BooleanOptionalAction, default=None,
                    help="offer the raw-TCP side channel to remote clients (default on)")
     p.add_argument("--ready-file", help="write {address, port, metrics_port, pid} as JSON here once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", help="DEBUG, INFO, ... (default INFO; the log_level setting; reloadable)")
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict[str, str] | None:
@@ -80,23 +86,24 @@ def cmd_serve(args) -> int:
     from kvstore.service.config import ConfigError, load_settings
     from kvstore.errors import KVStoreError
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags = {"listen": args.listen, "cpu_bytes": args.cpu_bytes, "cpu_slot_bytes": args.cpu_slot_bytes,
              "shm_dir": args.shm_dir, "nvme_path": args.nvme_path, "nvme_bytes": args.nvme_bytes,
              "gpu_bytes": args.gpu_bytes, "eviction_policy": args.eviction_policy,
              "write_through": args.write_through, "promote_on_hit": args.promote_on_hit,
              "lease_seconds": args.lease_seconds, "metrics_port": args.metrics_port,
              "tokens": _pairs(args.token, "--token"), "quotas": _pairs(args.quota, "--quota"),
-             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "bulk_channel": args.bulk_channel}
+             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "bulk_channel": args.bulk_channel,
+             "log_level": args.log_level}
     try:
         settings = load_settings(args.config, **flags)
     except ConfigError as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvstore.service.daemon import run
 
-    try:
-        return run(settings, ready_file=args.ready_file)
+    try:   # SIGHUP / `kvstore reload` read the configuration again the same way
+        return run(settings, ready_file=args.ready_file, reload_settings=lambda: load_settings(args.config, **flags))
     except (KVStoreError, OSError, ValueError) as e:
         print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
         return 1
@@ -116,12 +123,12 @@ def cmd_health(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from kvstore.errors import DaemonUnavailable
+    from kvstore.errors import KVStoreError
 
     try:
         with _client(args) as c:
             stats = c.stats()
-    except DaemonUnavailable as e:
+    except KVStoreError as e:   # unreachable, or a missing / unknown token
         print(f"kvstore stats: {e}", file=sys.stderr)
         return 1
     if args.json:

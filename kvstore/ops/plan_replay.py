@@ -9,11 +9,18 @@ parallel.
 
 Leases are real too: the replay runs the store on the trace's clock (``TraceClock``), so a block
 looked up at t is pinned until t + lease_seconds of *trace* time, whatever the replay speed.
+
+Codecs are modelled by the size a block takes: exactly the payload ``kvstore.codecs`` produces for
+the model's layout (a daemon with ``codecs.cpu`` stores every block in that form: put, promotion,
+demotion; see ``kvstore.store.transcoding``), raw when the codec cannot read the layout; a codec
+known only to the cost table (``--codec-table``) by its ratio. ``replay(..., real_codec=True)``
+runs the same trace through a store that really encodes (tests compare the two).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import multiprocessing
 import time
@@ -67,6 +74,7 @@ class ReplayResult:
                                       # promotions, write-through): the write traffic each medium sees
     bytes_demoted: int
     bytes_promoted: int
+    used_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per tier, at the end
     ttft_ms: np.ndarray | None = None
     hit_tiers: list[tuple[int, ...]] | None = None  # per request blocks hit per tier (checks)
     seconds: float = 0.0
@@ -90,7 +98,7 @@ class ReplayResult:
             "hit_blocks": self.hit_blocks, "miss_blocks": self.miss_blocks, "put_rejected": self.put_rejected,
             "bytes_loaded": self.bytes_loaded, "bytes_written": self.bytes_written,
             "bytes_placed": self.bytes_placed,
-            "bytes_demoted": self.bytes_demoted, "bytes_promoted": self.bytes_promoted,
+            "bytes_demoted": self.bytes_demoted, "bytes_promoted": self.bytes_promoted, "used_bytes": self.used_bytes,
             "ttft_ms": {f"p{p}": self.ttft_percentile(p) for p in (50, 90, 99)}
             | {"mean": float(self.ttft_ms.mean()) if self.ttft_ms is not None and len(self.ttft_ms) else 0.0},
             "counters": self.counters, "replay_seconds": round(self.seconds, 2),
@@ -109,26 +117,85 @@ def metadata_tiers(c: Candidate, slot_bytes: int) -> list[MetadataTier]:
     return tiers
 
 
+#: cost-table codec names that stand for a daemon codec of another name
+DAEMON_CODECS = {"int4": "int4_g64"}
+#: the byte order the planner sizes a model's blocks in when it is not told one (a layout the codecs read)
+MODELLED_ORDER = "kv,layer,token,head,dim"
+
+
+def daemon_codec(codec: str) -> str | None:
+    """The ``kvstore.codecs`` codec a planner codec stands for (None: raw, or only in the cost table)."""
+    name = DAEMON_CODECS.get(codec, codec)
+    if name == "raw":
+        return None
+    from kvstore.codecs import CODEC_IDS
+    return name if name in CODEC_IDS else None
+
+
+def modelled_layout(layout: KVLayout) -> KVLayout:
+    """The planner knows a model's shape, not its engine's byte order: an opaque layout is sized as
+    the canonical order, which the codecs read."""
+    return dataclasses.replace(layout, layout=MODELLED_ORDER) if layout.layout == "opaque" else layout
+
+
+def sample_block(layout: KVLayout) -> np.ndarray:
+    """A finite block of ``layout`` (section codecs' payload size does not depend on the values)."""
+    import torch
+    dtype = getattr(torch, layout.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return np.zeros(layout.block_bytes, dtype=np.uint8)
+    n = layout.block_bytes // torch.empty((), dtype=dtype).element_size()
+    values = torch.linspace(-1, 1, n, dtype=torch.float32).to(dtype)
+    return values.view(torch.uint8).numpy().copy()
+
+
+@functools.lru_cache(maxsize=64)
+def stored_block_bytes(layout: KVLayout, codec: str) -> int:
+    """Bytes the daemon stores one block in with ``codec``: the encoded payload's size, or raw when
+    the codec cannot read the layout or its encoding would not be smaller (as the daemon decides);
+    a cost-table-only codec: raw / its ratio."""
+    name = daemon_codec(codec)
+    if name is None:
+        return max(1, math.ceil(layout.shape_bytes / CODECS[codec].ratio)) if codec != "raw" else layout.block_bytes
+    from kvstore import codecs
+    real = modelled_layout(layout)
+    try:
+        codecs.check_layout(name, real)
+        _, payload = codecs.encode_block(name, sample_block(real), real)
+    except codecs.CodecError:
+        return layout.block_bytes
+    return min(payload.nbytes, layout.block_bytes)
+
+
 def stored_layout(layout: KVLayout, codec: str) -> KVLayout:
     """The layout whose block size is what the codec stores (the planner's model of a codec)."""
-    ratio = CODECS[codec].ratio
-    return dataclasses.replace(layout, block_bytes=max(1, math.ceil(layout.shape_bytes / ratio)))
+    return dataclasses.replace(layout, block_bytes=stored_block_bytes(layout, codec))
 
 
 def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: Candidate,
            cost: CostModel | None = None, config: StoreConfig | None = None,
            tiers: Sequence | None = None, slot_bytes: int = 256 * 1024, keep_hit_tiers: bool = False,
-           on_progress: Callable[[int], None] | None = None) -> ReplayResult:
+           on_progress: Callable[[int], None] | None = None, real_codec: bool = False) -> ReplayResult:
     """Replay ``requests`` through a real Store: lookup, get the hits, put the misses.
 
     ``tiers`` defaults to metadata tiers for ``candidate``; tests pass real tiers to check that
-    both give the same answer.
+    both give the same answer. ``real_codec``: instead of modelling the codec by block size, put
+    real blocks of the layout into a store whose first tier has the codec (``codecs.cpu``), which
+    encodes them as a daemon does (needs tiers that keep bytes).
     """
     config = dataclasses.replace(config or StoreConfig(), eviction_policy=candidate.policy)
     own_tiers = tiers is None
     tiers = list(tiers) if tiers is not None else metadata_tiers(candidate, slot_bytes)
-    ns = Namespace(stored_layout(layout, candidate.codec), cache_salt="kvstore-plan")
-    block_bytes = ns.block_bytes
+    block_bytes = stored_block_bytes(layout, candidate.codec)
+    if real_codec:
+        ns = Namespace(modelled_layout(layout), cache_salt="kvstore-plan")
+        name = daemon_codec(candidate.codec)
+        if name is not None:
+            config = dataclasses.replace(config, tier_codecs={tiers[0].name: name})
+        payload = sample_block(ns.layout)
+    else:
+        ns = Namespace(stored_layout(layout, candidate.codec), cache_salt="kvstore-plan")
+        payload = np.zeros(block_bytes, dtype=np.uint8)   # one buffer, reused for every put
     names = [t.name for t in tiers]
     hit_blocks = dict.fromkeys(names, 0)
     codec = CODECS[candidate.codec]
@@ -140,8 +207,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     store = Store(tiers, config, clock=clock)
     try:
         ns_id = store.register_namespace(ns)
-        payload = np.zeros(block_bytes, dtype=np.uint8)   # one buffer, reused for every put
-        outs = [payload] * MAX_BATCH          # and as every get's destination
+        outs = [np.empty(ns.block_bytes, dtype=np.uint8)] * MAX_BATCH   # every get's destination
         for req in requests:
             clock.now = req.t
             hashes = req.hash_list()
@@ -173,6 +239,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
                 ttfts.append(ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
         counters = dict(store.counters)
         placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
+        used = {t.name: t.used_bytes for t in tiers}
     finally:
         store.close()
         if own_tiers:
@@ -183,7 +250,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
         bytes_loaded={n: hit_blocks[n] * block_bytes for n in names},
         bytes_written=counters.get("bytes_in", 0), bytes_placed=placed,
         bytes_demoted=counters.get("demotions", 0) * block_bytes,
-        bytes_promoted=counters.get("promotions", 0) * block_bytes,
+        bytes_promoted=counters.get("promotions", 0) * block_bytes, used_bytes=used,
         ttft_ms=np.asarray(ttfts, dtype=np.float64) if cost is not None else None,
         hit_tiers=hit_tiers if keep_hit_tiers else None, seconds=time.perf_counter() - started)
 
@@ -224,6 +291,8 @@ def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[
     """Replay every candidate (in ``jobs`` forked processes sharing the request list).
     ``on_requests`` hears every 100,000 requests replayed, in the serial case only."""
     serial = jobs <= 1 or len(candidates) == 1
+    for c in {c.codec for c in candidates}:
+        stored_block_bytes(layout, c)   # sized once here, not in every forked worker
     _SHARED.update(requests=requests, layout=layout, cost=cost, config=config, slot_bytes=slot_bytes,
                    on_progress=on_requests if serial else None)
     results = []

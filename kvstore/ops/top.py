@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -150,7 +151,7 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore top", description="live view of a running kvstore daemon")
     p.add_argument("--url", help="daemon HOST:PORT (default: the client's default)")
-    p.add_argument("--token", help="bearer token")
+    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token (or KVSTORE_TOKEN)")
     p.add_argument("--root-ca", help="CA certificate for a TLS daemon")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                 prev, prev_t = now, now_t
     except DaemonUnavailable as e:
         print(f"kvstore top: daemon at {address} unavailable: {e}", file=sys.stderr)
+        return 1
+    except KVStoreError as e:   # e.g. a missing or unknown token
+        print(f"kvstore top: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

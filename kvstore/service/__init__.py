@@ -14,5 +14,8 @@ Modules: ``daemon`` (the process), ``config`` (settings), ``auth`` (token -> ten
 on worker threads, errors as statuses), ``stalls`` (cutting callers that stop making progress),
 ``servicer`` (the KVStore service and its control RPCs) with ``stream_rpcs`` (Put, Get),
 ``lease_rpcs`` (same-host zero copy), ``bulk_rpcs`` (the side channel), ``block_reads`` and
-``rpc_base``; ``validation`` (request checks), ``metrics``, and ``server`` (the old import names).
+``rpc_base``, ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
+``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /
+fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``), ``reload`` (SIGHUP, ``kvstore
+reload``), and ``server`` (the old import names).
 """

@@ -8,9 +8,14 @@ another tenant is answered exactly like an unknown one (NOT_FOUND), so tenants c
 probe each other's blocks.
 
 Admins are tenants listed in ``admin_tenants``: the tokens of those tenants may read store-wide
-Stats (every tenant's figures, the tiers' totals); everyone else sees only their own namespaces.
+Stats (every tenant's figures, the tiers' totals) and run operator commands on every namespace;
+everyone else sees and touches only their own namespaces.
 Byte quotas are enforced by the store (``kvstore.store.quotas``), where every write path passes.
 No token ever appears in a message this module raises.
+
+Reload (SIGHUP, ``kvstore reload``): ``replace`` swaps tokens and admins in one assignment, so a
+call sees either the old set or the new one, never a mix; calls and connections in flight are not
+touched, and the next call with a removed token is refused.
 """
 
 from __future__ import annotations
@@ -22,33 +27,56 @@ from collections.abc import Iterable, Mapping
 from kvstore.errors import Unauthenticated
 
 
+class _Credentials:
+    """One immutable set of tokens (as digests) and admins: what ``replace`` swaps whole."""
+
+    def __init__(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> None:
+        self.tenants = frozenset(tokens.values())
+        self.admin_tenants = frozenset(admin_tenants)
+        self.digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in tokens.items()]
+
+
 class Authenticator:
     def __init__(self, tokens: Mapping[str, str] | None = None, admin_tenants: Iterable[str] = ()) -> None:
-        self.tokens = dict(tokens or {})
-        self.admin_tenants = frozenset(admin_tenants)
-        self._digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in self.tokens.items()]
+        self._credentials = _Credentials(dict(tokens or {}), admin_tenants)
+
+    def replace(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> None:
+        """New tokens and admins from the next call on (reload). Turning auth on or off is the
+        caller's to refuse: what the daemon offers (the shared arena) was decided at start."""
+        self._credentials = _Credentials(dict(tokens), admin_tenants)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.tokens)
+        return bool(self._credentials.digests)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants some token maps to (empty without auth)."""
+        return self._credentials.tenants
 
     def tenant(self, metadata, requested: str = "") -> str:
         """The caller's tenant from its metadata (``requested`` counts only without auth)."""
-        if not self.enabled:
+        credentials = self._credentials   # one snapshot for the whole check: reload may swap it
+        if not credentials.digests:
             return requested
         header = ""
         for key, value in metadata or ():
             if key == "authorization":
                 header = value
                 break
-        scheme, _, token = header.partition(" ")
+        return self.tenant_of_header(header, credentials)
+
+    def tenant_of_header(self, header: str, credentials: _Credentials | None = None) -> str:
+        """The tenant of an ``Authorization`` header's value (the HTTP endpoint passes its own)."""
+        credentials = credentials or self._credentials
+        scheme, _, token = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: missing bearer token")
         # Constant time: compare fixed-size digests against every known token, no early exit,
         # so timing reveals neither a token's bytes, its length, nor which one matched.
         offered = hashlib.sha256(token.strip().encode()).digest()
         found = None
-        for digest, tenant in self._digests:
+        for digest, tenant in credentials.digests:
             if hmac.compare_digest(digest, offered):
                 found = tenant
         if found is None:
@@ -56,6 +84,8 @@ class Authenticator:
         return found
 
     def sees_store_wide(self, tenant: str) -> bool:
-        """Whether an authenticated ``tenant`` may read store-wide figures: always without auth
-        (nothing tells callers apart), otherwise only the tenants listed in ``admin_tenants``."""
-        return not self.enabled or tenant in self.admin_tenants
+        """Whether an authenticated ``tenant`` may read store-wide figures and act on every
+        namespace: always without auth (nothing tells callers apart), otherwise only the tenants
+        listed in ``admin_tenants``."""
+        credentials = self._credentials
+        return not credentials.digests or tenant in credentials.admin_tenants

@@ -2,47 +2,54 @@
 
 Both ways of sending blocks to a remote client (the gRPC Get stream and the bulk side channel)
 read through here, so both send straight from the arena and both refuse to vouch for bytes whose
-pin ran out while they were being sent.
+pin ran out while they were being sent. A block is sent as stored when the client decodes its
+codec itself (``accept``: the request's ``accept_codecs``), else decoded here first.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 
-from kvstore.errors import LeaseExpired
+from kvstore.errors import InvalidArgument, LeaseExpired
 from kvstore.keys import Namespace
 from kvstore.store import Store
 
 PIN_WINDOW_BYTES = 256 << 20   # reads pin at most this much of the arena at a time
 
+#: one block to send: its payload and codec id (0: the block itself), or None for a miss
+Payload = tuple[np.ndarray, int] | None
 
-def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes],
-                  buffer: Callable[[int], np.ndarray]) -> Iterator[np.ndarray | None]:
-    """Each block as one view of the CPU arena while it is pinned (None = miss).
+
+def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
+                  accept: Collection[int] = ()) -> Iterator[Payload]:
+    """Each block as one view of the CPU arena while it is pinned, with its codec id.
 
     Blocks are pinned a window at a time (at most ``PIN_WINDOW_BYTES`` or an eighth of the arena)
     under a store lease; if sending a block outlived the lease, its slots may have been reused
     meanwhile, so that raises LeaseExpired and the caller signals an error instead of vouching for
     those bytes. Blocks that cannot be viewed in the arena (no arena; present but not stageable
-    right now) are copied into ``buffer(nbytes)``, whose view is valid until the next block.
-    Close the generator (``contextlib.closing``) so an early exit unpins its window."""
+    right now; encoded with a codec the client does not take) are copied into
+    ``buffer(nbytes)``, asked once per call and reused (a fresh buffer of a large block would page
+    fault at a fraction of the decode's speed), whose view is valid until the next block. Close the
+    generator (``contextlib.closing``) so an early exit unpins its window."""
+    buffer = _reused(buffer)
     arena = store.shared_arena()
     window = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
     start = 0
     while start < len(hashes):
         if arena is None:  # no arena: copy through the buffer
-            yield _copied(store, ns, hashes[start], buffer)
+            yield _copied(store, ns, hashes[start], buffer, accept)
             start += 1
             continue
         asked = len(hashes[start:start + window])
-        lease = store.prepare_load(ns.id, hashes[start:start + window])
+        lease = store.prepare_load(ns.id, hashes[start:start + window], accept)
         try:
-            for extents in lease.extents:
+            for extents, codec in zip(lease.extents, lease.codecs):
                 views = arena.views(extents)
-                yield views[0] if len(views) == 1 else np.concatenate(views)
+                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
                 if time.monotonic() >= lease.expires:
                     raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
                                        "for this link); retry")
@@ -54,15 +61,39 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes],
         start += len(lease.extents)
         if len(lease.extents) < asked:
             # The block that stopped the lease: absent, or present but not stageable in the arena
-            # right now (every slot pinned). Read the latter through the buffer: a false miss would
-            # make an engine recompute a block that is sitting on NVMe.
+            # right now (every slot pinned), or encoded with a codec this client does not decode.
+            # Read the latter through the buffer: a false miss would make an engine recompute a
+            # block that is sitting on NVMe.
             h = hashes[start]
-            yield _copied(store, ns, h, buffer) if store.contains(ns.id, [h])[0] else None
+            yield _copied(store, ns, h, buffer, accept) if store.contains(ns.id, [h])[0] else None
             start += 1
 
 
-def _copied(store: Store, ns: Namespace, block_hash: bytes, buffer: Callable[[int], np.ndarray]) -> np.ndarray | None:
-    buf = buffer(ns.block_bytes)
-    n = store.get_into(ns.id, [block_hash], [buf])[0]
-    return None if n is None else buf[:n]
+def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
+    held: list[np.ndarray] = []
 
+    def get(nbytes: int) -> np.ndarray:
+        if not held or held[0].nbytes < nbytes:
+            held[:] = [buffer(nbytes)]
+        return held[0][:nbytes]
+    return get
+
+
+def _copied(store: Store, ns: Namespace, block_hash: bytes, buffer: Callable[[int], np.ndarray],
+            accept: Collection[int]) -> Payload:
+    buf = buffer(ns.block_bytes)
+    got = store.get_payloads_into(ns.id, [block_hash], [buf], accept)[0]
+    return None if got is None else (buf[:got[0]], got[1])
+
+
+MAX_ACCEPT_CODECS = 64
+
+
+def accepted_codecs(store: Store, requested) -> frozenset[int]:
+    """The codecs of a request's ``accept_codecs`` that blocks here may be stored with."""
+    if not requested:
+        return frozenset()
+    if len(requested) > MAX_ACCEPT_CODECS:
+        raise InvalidArgument("accept_codecs", f"{len(requested)} codec ids; at most {MAX_ACCEPT_CODECS}")
+    asked = set(requested)
+    return frozenset(c for c in store.stored_codecs() if c in asked)

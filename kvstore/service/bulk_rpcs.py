@@ -12,11 +12,11 @@ import contextlib
 
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import pinned_blocks
+from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent
 from kvstore.transport import bulk as bulk_transport
-from kvstore.wire import MAX_BATCH, RAW_CODEC
+from kvstore.wire import MAX_BATCH
 
 
 class BulkRpcs(ServicerBase):
@@ -42,13 +42,16 @@ class BulkRpcs(ServicerBase):
             try:
                 ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
-                sizes = []
-                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get)
+                accept = accepted_codecs(self.store, request.accept_codecs)
+                sizes, codecs = [], []
+                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get, accept)
                 with contextlib.closing(blocks):  # unpin on any exit
                     for block in blocks:
-                        bulk_transport.send_block(sock, block)
+                        payload, codec = (None, 0) if block is None else block
+                        bulk_transport.send_block(sock, payload)
                         touch()
-                        sizes.append(0 if block is None else block.nbytes)
+                        sizes.append(0 if payload is None else payload.nbytes)
+                        codecs.append(codec)
                         sent += sizes[-1]
             except OSError as e:
                 self.bulk.drop(sid)
@@ -60,7 +63,7 @@ class BulkRpcs(ServicerBase):
                     self.bulk.drop(sid)
                 raise
         self.moved("out", "bulk", sent)
-        return pb.BulkGetResponse(sizes=sizes, codecs=[RAW_CODEC] * len(sizes))
+        return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
     def BulkPut(self, request, context):
         sid = bytes(request.session)

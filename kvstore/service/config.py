@@ -95,6 +95,31 @@ class CodecSettings(BaseModel):
     nvme: CodecName = "raw"
 
 
+class RedisTierSettings(BaseModel):
+    """A Redis (or Redis Cluster) tier below NVMe (kvstore.tiers.redis): a pool a fleet shares.
+    Blocks demoted out of the last local tier land here instead of being dropped; in fleet mode
+    a local miss is looked up in the pool before peers are asked."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"      # redis://, rediss://, unix:// or redis+cluster://
+    cluster: bool = False                       # a Redis Cluster (same as a redis+cluster:// url)
+    capacity_bytes: Size = Field(1 * GiB, ge=1 * MiB, le=1024 * TiB)   # this daemon's budget in the pool
+    ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)   # every key expires; refreshed on each read
+    codec: CodecName = "raw"                    # blocks are encoded as they move into the pool
+    key_prefix: str = Field("kvs", min_length=1, max_length=64, pattern=r"^[^{}\s]+$")
+    socket_timeout_s: float = Field(2.0, gt=0, le=60)
+
+    @property
+    def connect_url(self) -> str:
+        if self.cluster and self.url.startswith("redis://"):
+            return "redis+cluster://" + self.url[len("redis://"):]
+        return self.url
+
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_", env_nested_delimiter="__", extra="forbid",
                                       validate_default=True)
@@ -121,6 +146,9 @@ class Settings(BaseSettings):
     tokens: dict[str, str] = Field(default_factory=dict)      # bearer token -> tenant
     quotas: dict[str, Size] = Field(default_factory=dict)     # tenant -> max stored bytes
     admin_tenants: list[str] = Field(default_factory=list)   # tenants whose tokens see store-wide Stats
+    # and act on every namespace (kvstore ns / evict / pin / prewarm / reload)
+    # the most bytes one tenant may pin (kvstore pin); None: a quarter of the CPU tier
+    max_pinned_bytes_per_tenant: Size | None = Field(None, ge=0, le=64 * TiB)
     max_namespaces_per_tenant: int = Field(1024, ge=1, le=1 << 20)
     max_block_bytes: Size = Field(64 * MiB, ge=4 * KiB, le=1 * GiB)   # and at most 1/4 of the smallest tier
     tls_cert: str | None = None
@@ -129,6 +157,9 @@ class Settings(BaseSettings):
     shm_with_auth: bool = False  # offer the shared arena with tokens set: only when they name one tenant
     metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
     metrics_host: str = "127.0.0.1"
+    metrics_top_n: int = Field(10, ge=1, le=1000)   # per-tenant / per-namespace series kept; the rest is "other"
+    log_level: Annotated[LogLevel, BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)] = "INFO"
+    redis_tier: RedisTierSettings = Field(default_factory=RedisTierSettings)
     bulk_channel: bool = True
     fleet: FleetSettings = Field(default_factory=FleetSettings)
 
@@ -159,6 +190,13 @@ class Settings(BaseSettings):
         unknown = sorted(set(self.admin_tenants) - set(self.tokens.values()))
         if self.tokens and unknown:
             raise ValueError(f"admin_tenants: {unknown} have no token in tokens")
+
+    @property
+    def pinned_bytes_limit(self) -> int:
+        """What one tenant may pin: ``max_pinned_bytes_per_tenant``, or a quarter of the CPU tier."""
+        if self.max_pinned_bytes_per_tenant is not None:
+            return self.max_pinned_bytes_per_tenant
+        return self.cpu_bytes // 4
 
     @property
     def host(self) -> str:
@@ -211,12 +249,12 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 _SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "nvme_bytes", "gpu_bytes", "quotas",
-              "max_block_bytes"}
+              "max_block_bytes", "max_pinned_bytes_per_tenant"}
 
 
 # Settings that hold secrets. A bad value must not be echoed, nor, under ``tokens`` (token ->
 # tenant), the key: the key *is* the token.
-_SECRET_KEYS = {"tokens", "peer_token", "secret"}
+_SECRET_KEYS = {"tokens", "peer_token", "secret", "url"}   # a Redis URL may hold a password
 
 
 def _redacted(loc: tuple) -> tuple[list[str], bool]:

@@ -4,7 +4,8 @@ Start-up refuses to run if hashing is not deterministic here (``determinism_self
 daemon that hashes differently from its clients would silently never hit. Shutdown on SIGTERM or
 SIGINT: mark health NOT_SERVING, stop accepting, let in-flight RPCs finish (``grace_s``), flush
 write-back blocks to NVMe, close the tiers, exit 0 — so a restart on the same NVMe directory
-serves what the old daemon held.
+serves what the old daemon held. SIGHUP re-reads the configuration and applies tokens, quotas,
+the pin bound and the log level (``reload.py``); a bad file is refused and logged, nothing changes.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
 
 from kvstore.buffers import HeapTrimmer, limit_heap_arenas
 from kvstore.service.auth import Authenticator
-from kvstore.service.config import Settings
+from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
+from kvstore.service.http_endpoint import RouteOverHttp
 from kvstore.service.metrics import Metrics
+from kvstore.service.metrics_breakdown import FleetCollector, TenantCollector
+from kvstore.service.reload import Reloader
 from kvstore.service.server import build_server
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
@@ -91,15 +96,35 @@ def build_tiers(settings: Settings) -> list:
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
+    if settings.redis_tier.enabled:
+        tiers.append(build_redis_tier(settings))
     return tiers
+
+
+def build_redis_tier(settings: Settings):
+    """The Redis tier below the local ones. A Redis that does not answer now is logged, not
+    fatal: the tier's failures are counted misses and failed demotions, as disk trouble is."""
+    from kvstore.tiers.redis import RedisTier
+    r = settings.redis_tier
+    tier = RedisTier(r.capacity_bytes, r.connect_url, key_prefix=r.key_prefix, ttl_s=r.ttl_s,
+                     max_block_bytes=settings.max_block_bytes, socket_timeout_s=r.socket_timeout_s)
+    try:
+        tier.redis.ping()
+    except Exception as e:  # noqa: BLE001 - any client failure: the tier degrades, the daemon serves
+        log.warning("redis_tier: %s does not answer now (%s); blocks demoted there will be dropped until it does",
+                    r.connect_url.rpartition("@")[2], type(e).__name__)
+    return tier
 
 
 class Daemon:
     """Everything one ``kvstore serve`` runs; usable in-process (tests, ``kvstore bench``)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:
+        """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``); None:
+        this daemon cannot reload."""
         determinism_self_check()
-        tier_codecs = {tier: codec for tier, codec in settings.codecs.model_dump().items() if codec != "raw"}
+        codecs_by_tier = {**settings.codecs.model_dump(), "redis": settings.redis_tier.codec}
+        tier_codecs = {tier: codec for tier, codec in codecs_by_tier.items() if codec != "raw"}
         if tier_codecs:
             from kvstore import codecs  # needs torch; fail at start, not at the first demotion
             threading.Thread(target=codecs.warm_up, name="kvstore-codec-warm-up", daemon=True).start()
@@ -111,6 +136,7 @@ class Daemon:
             promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
             tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
             min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant))
+        self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
         try:
@@ -124,6 +150,11 @@ class Daemon:
         except Exception:
             self.store.close()
             raise
+        self.metrics.watch(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
+        self.reloader = None
+        if reload_settings is not None:
+            self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics)
+            self.servicer.reloader = self.reloader
         self.fleet = None
         if settings.fleet.enabled:
             try:
@@ -132,6 +163,7 @@ class Daemon:
                 self.store.close()
                 raise
             self.servicer.fleet = self.fleet
+            self.metrics.watch(FleetCollector(self.fleet))
         self.metrics_port: int | None = None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
@@ -141,10 +173,11 @@ class Daemon:
 
         from kvstore.fleet import Fleet
         f = settings.fleet
+        pool = next((t for t in self.store.tiers if t.name == "redis"), None)   # the shared Redis tier, if any
         return Fleet(self.store, f.redis_url, f.node_id or socket.gethostname(), f.advertise_addr or self.address,
                      key_prefix=f.key_prefix, heartbeat_s=f.heartbeat_s, ttl_s=f.ttl_s, peer_fetch=f.peer_fetch,
                      peer_token=f.peer_token, peer_timeout_s=f.peer_timeout_s, secret=f.secret,
-                     peer_tls_ca=f.peer_tls_ca, max_peer_clients=f.max_peer_clients)
+                     peer_tls_ca=f.peer_tls_ca, max_peer_clients=f.max_peer_clients, shared_pool=pool)
 
     @property
     def address(self) -> str:
@@ -155,7 +188,8 @@ class Daemon:
         if self.fleet is not None:
             self.fleet.start()
         if self.settings.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port,
+                                                   route=RouteOverHttp(self.servicer))
         self._reaper.start()
         log.info("kvstore serving on %s (tiers: %s)", self.address, ", ".join(t.name for t in self.store.tiers))
 
@@ -199,11 +233,24 @@ class Daemon:
                 "tiers": [t.name for t in self.store.tiers]}
 
 
-def run(settings: Settings, ready_file: str | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; exit code 0 after a clean shutdown."""
+def reload_on_signal(daemon: Daemon) -> None:
+    """SIGHUP: reload, or say why not (the reloader logs the outcome either way)."""
+    if daemon.reloader is None:
+        log.warning("SIGHUP: this daemon has no configuration source to reload")
+        return
+    try:
+        daemon.reloader()
+    except ConfigError:
+        pass   # logged by the reloader; the running configuration stays
+
+
+def run(settings: Settings, ready_file: str | None = None,
+        reload_settings: Callable[[], Settings] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (SIGHUP: reload); exit code 0 after a clean shutdown."""
     limit_heap_arenas()  # before the server's threads exist: lets a burst's freed heap be trimmed
-    daemon = Daemon(settings)
+    daemon = Daemon(settings, reload_settings)
     stop = threading.Event()
+    reload_asked = threading.Event()
 
     def on_signal(signum, _frame):
         log.info("signal %d: shutting down", signum)
@@ -211,6 +258,7 @@ def run(settings: Settings, ready_file: str | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: reload_asked.set())   # handled below, off the signal frame
     daemon.start()
     info = daemon.ready_info()
     if ready_file:
@@ -220,8 +268,10 @@ def run(settings: Settings, ready_file: str | None = None) -> int:
         os.replace(tmp, ready_file)
     print(f"kvstore: serving on {info['address']}"
           + (f", metrics on :{info['metrics_port']}" if info["metrics_port"] else ""), flush=True)
-    while not stop.wait(0.5):
-        pass
+    while not stop.wait(0.2):
+        if reload_asked.is_set():
+            reload_asked.clear()
+            reload_on_signal(daemon)
     t0 = time.monotonic()
     try:
         flushed = daemon.stop()

@@ -15,6 +15,7 @@ import time
 
 from kvstore.errors import LeaseExpired, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.block_reads import accepted_codecs
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent
 from kvstore.wire import RAW_CODEC
@@ -69,9 +70,12 @@ class LeaseRpcs(ServicerBase):
         return self.client_leases.redeem(public_id, self.tenant_of(context))
 
     def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
+        """Where each block's slots are; a load lease also says what each holds (codec, bytes)."""
         resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
-        for ext in lease.extents:
-            b = resp.blocks.add(present=ext is None and present_none, codec=RAW_CODEC, size=size)
+        codecs = lease.codecs or [RAW_CODEC] * len(lease.extents)
+        sizes = lease.sizes or [size] * len(lease.extents)
+        for ext, codec, stored in zip(lease.extents, codecs, sizes):
+            b = resp.blocks.add(present=ext is None and present_none, codec=codec, size=stored)
             for off, length in ext or ():
                 b.extents.add(offset=off, length=length)
         return resp
@@ -106,7 +110,7 @@ class LeaseRpcs(ServicerBase):
         self._require_shared_arena()
         ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
-        lease = self.store.prepare_load(ns.id, hashes)
+        lease = self.store.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
         stop = len(lease.extents)
         self.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
         return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes)

@@ -3,12 +3,15 @@
 Store-side numbers (hits and misses per tier, bytes in/out, evictions, demotions, occupancy,
 corrupt blocks dropped, leases) are read from ``Store.stats()`` at scrape time by a custom
 collector, so there is one source of truth and nothing to keep in sync on the hot path. Only what
-the store cannot know — RPC latency, RPC errors, bytes per transport — is recorded by the server.
+the store cannot know — RPC latency, RPC errors, bytes per transport, configuration reloads — is
+recorded by the server. Per-tenant, per-namespace and fleet series come from
+``metrics_breakdown`` (bounded: top N plus "other"). The HTTP side (``/metrics`` and the routers'
+JSON endpoint beside it) is ``http_endpoint``.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +31,9 @@ _STORE_COUNTERS = {
     "leases_expired": ("kvstore_leases_expired", "Leases released because their holder never came back"),
     "put_rejected_full": ("kvstore_put_rejected_full", "Puts refused because no tier had room"),
     "recovered_blocks": ("kvstore_recovered_blocks", "Blocks found on durable tiers at start-up"),
+    "prewarmed": ("kvstore_prewarmed_blocks", "Blocks copied into the CPU tier by prewarm or pin"),
+    "admin_dropped_blocks": ("kvstore_admin_dropped_blocks", "Blocks dropped by ns drop or evict"),
+    "pins_refused_limit": ("kvstore_pins_refused", "Pins refused by max_pinned_bytes_per_tenant"),
 }
 
 
@@ -76,7 +82,18 @@ class Metrics:
                               registry=self.registry)
         self.wire_bytes = Counter("kvstore_wire_bytes", "Payload bytes moved, by direction and transport",
                                   ["direction", "transport"], registry=self.registry)
+        self.reloads = Counter("kvstore_config_reloads", "Configuration reloads, by result (applied / refused)",
+                               ["result"], registry=self.registry)
+        for result in ("applied", "refused"):
+            self.reloads.labels(result)
         self._http = None
+
+    def watch(self, collector) -> None:
+        """Export another collector's series (the daemon adds the tenant and fleet breakdowns)."""
+        self.registry.register(collector)
+
+    def reloaded(self, ok: bool) -> None:
+        self.reloads.labels("applied" if ok else "refused").inc()
 
     def observe(self, method: str, seconds: float, code: str | None = None) -> None:
         self.latency.labels(method).observe(seconds)
@@ -87,13 +104,15 @@ class Metrics:
         if nbytes:
             self.wire_bytes.labels(direction, transport).inc(nbytes)
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint; returns the port (useful when ``port`` is 0)."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+    def serve(self, host: str, port: int, route=None) -> int:
+        """Start the HTTP endpoint (``/metrics``, and ``/v1/route`` when ``route`` is given: see
+        http_endpoint.py); returns the port (useful when ``port`` is 0)."""
+        from kvstore.service.http_endpoint import HttpEndpoint
+
+        self._http = HttpEndpoint(self.registry, route=route)
+        return self._http.serve(host, port)
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None

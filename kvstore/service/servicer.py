@@ -18,6 +18,7 @@ import time
 from kvstore.errors import FleetModeOff, InvalidArgument
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.admin_rpcs import AdminRpcs
 from kvstore.service.bulk_rpcs import BulkRpcs
 from kvstore.service.lease_rpcs import LeaseRpcs
 from kvstore.service.stream_rpcs import StreamRpcs
@@ -28,7 +29,7 @@ from kvstore.wire import MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, PROTOCOL_VERSION
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
-class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
+class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
     def Handshake(self, request, context):
         tenant = self.tenant_of(context)
         if request.nonce and not 16 <= len(request.nonce) <= 64:
@@ -36,7 +37,7 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
         resp = pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id=self.server_id,
                                     lease_seconds=self.store.config.lease_seconds,
                                     max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
-                                    tenant=tenant)
+                                    tenant=tenant, stored_codecs=self.store.stored_codecs())
         arena = self.store.shared_arena()
         if arena is not None and self.offer_shm and request.nonce:
             resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
@@ -65,6 +66,7 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
             return pb.LookupResponse(num_hit=0)
         # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
         found = (self.fleet or self.store).lookup(ns.id, hashes, lease=not request.no_lease)
+        self.record_lookup(ns.id, len(hashes), found.num_hit)
         return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
 
     def Route(self, request, context):
@@ -100,7 +102,9 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
     def Exists(self, request, context):
         ns = self.caller_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes, allow_empty=True)
-        return pb.ExistsResponse(present=self.store.contains(ns.id, hashes) if hashes else [])
+        present = self.store.contains(ns.id, hashes) if hashes else []
+        self.record_lookup(ns.id, len(hashes), sum(present))
+        return pb.ExistsResponse(present=present)
 
     def Delete(self, request, context):
         ns = self.caller_namespace(context, request.namespace_id)
@@ -112,9 +116,11 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs):
         server = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
                   "tenant": tenant, "tenant_bytes": self.tenant_bytes(tenant)}
         if not self.auth.sees_store_wide(tenant):  # a tenant sees its own namespaces, nothing store-wide
-            return pb.StatsResponse(json=json.dumps({**self.store.tenant_stats(tenant), "server": server},
+            return pb.StatsResponse(json=json.dumps({**self.store.tenant_stats(tenant), "server": server,
+                                                     "namespace_usage": self.top_namespaces(context)},
                                                     sort_keys=True))
         stats = self.store.stats()
+        stats["namespace_usage"] = self.top_namespaces(context)   # what `kvstore top` shows
         stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
                            "client_leases": len(self.client_leases), "open_streams": self.stalls.open_calls,

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.errors import CodecError, InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import pinned_blocks
+from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent
 from kvstore.transport import chunks
@@ -87,13 +87,15 @@ class StreamRpcs(ServicerBase):
         hashes = check_hashes(request.hashes)
         chunk = request.chunk_bytes or self.chunk_bytes
         chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
+        accept = accepted_codecs(self.store, request.accept_codecs)
         sent = 0
         # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
         # out meanwhile ends the stream with an error (the client then trusts none of it).
-        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer)) as blocks:
+        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept)) as blocks:
             for i, block in enumerate(blocks):
-                sent += 0 if block is None else block.nbytes
-                yield from chunks.get_messages(i, block, RAW_CODEC, chunk)
+                payload, codec = (None, RAW_CODEC) if block is None else block
+                sent += 0 if payload is None else payload.nbytes
+                yield from chunks.get_messages(i, payload, codec, chunk)
                 if not context.is_active():
                     return
         self.moved("out", "grpc", sent)

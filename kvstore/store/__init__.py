@@ -8,10 +8,12 @@ and the leaves ``keys``, ``errors``, ``buffers``, ``wire``) and must not import 
 
 Modules: ``store`` (the Store and its seams), ``cascade`` (placing, demoting, promoting and dropping
 copies), ``index`` (entries and prefix-chain links), ``leases`` (two-phase operations),
-``transcoding`` (codec glue), ``namespaces`` (the registry and its per-tenant cap),
+``puts`` / ``reads`` (blocks by value, as stored or decoded), ``transcoding`` (the form a copy
+takes in each tier: codecs where configured) with ``codec_stats`` (its per-tier tally), ``namespaces`` (the registry and its per-tenant cap),
 ``namespace_files`` (one file per namespace on disk), ``quotas`` (per-tenant byte accounting),
 ``recovery`` (warm restart), ``views`` (pinned blocks and the shared arena), ``listeners``,
-``config`` and ``policy``.
+``config`` and ``policy``; ``admin`` (operator commands: footprints, drop, evict, prewarm, limits;
+``Store.admin``) with ``pinned_prefixes`` (``kvstore pin``) and ``warming`` (copies into the CPU tier).
 """
 
 from kvstore.store.config import StoreConfig

@@ -33,7 +33,7 @@ from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.policy import make_policy
 from kvstore.store.quotas import TenantQuotas
-from kvstore.store.transcoding import Transcoder
+from kvstore.store.transcoding import StagedBlock, Transcoder
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.cpu import CpuTier
 
@@ -83,15 +83,18 @@ class Cascade:
 
     def _is_pinned(self, key: bytes) -> bool:
         e = self.index.entries.get(key)
-        return e is not None and (e.pins > 0 or not e.ready or e.pinned_until > self.clock())
+        return e is not None and (e.pins > 0 or e.held or not e.ready or e.pinned_until > self.clock())
 
     # -- writing a new block ---------------------------------------------------------------------
 
     def reserve(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int,
-                t: int, only_this_tier: bool = False) -> Entry | None:
+                t: int, only_this_tier: bool = False, staged: StagedBlock | None = None) -> Entry | None:
         """Allocate an invisible entry with room in tier ``t`` or, when it cannot make room, the
         next tier down (None if the block exists or is being written), charged to its tenant's
-        quota (``QuotaExceeded`` if it does not fit there). Takes the lock itself."""
+        quota (``QuotaExceeded`` if it does not fit there) for its ``nbytes`` raw bytes. With
+        ``staged``, the room is for the block's form in the tier it lands in (encoded when that
+        tier has a codec; ``staged.placement(entry.fastest)`` is the payload to write); without,
+        for ``nbytes`` raw bytes. Takes the lock itself."""
         key = block_key(namespace_id, h)
         tenant = self.namespaces.get(namespace_id).tenant
         with self.lock:
@@ -105,8 +108,10 @@ class Cascade:
             record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
             entry = Entry(namespace_id, h, parent, nbytes, charged_to=tenant)
             while True:
+                if staged is not None:
+                    record = dataclasses.replace(staged.placement(t).record)
                 try:
-                    self.make_room(t, nbytes)
+                    self.make_room(t, record.stored_size)
                     self.tiers[t].allocate(record)
                     break
                 except (TierFull, BlockTooLarge) as e:
@@ -138,7 +143,7 @@ class Cascade:
                 return True
             if d is not None and self.config.write_through:
                 try:
-                    self.store_copy(entry, d, data, entry.copies[t], sync=False)
+                    self.store_copy(entry, d, data, entry.copies[t], sync=False, downward=True)
                     return True
                 except PLACEMENT_ERRORS:
                     self.counters["write_through_failures"] += 1
@@ -184,16 +189,16 @@ class Cascade:
         data = self.read_copy(entry, src)
         # a demoted block was never acknowledged as persisted: its directory entry may wait for
         # the next sync (a crash before then loses it, a miss; it is never torn)
-        self.store_copy(entry, dst, data, record, sync=False)
+        self.store_copy(entry, dst, data, record, sync=False, downward=True)
 
-    def promote(self, entry: Entry, t: int, data: np.ndarray) -> None:
-        """Copy a block just read from tier ``t`` (``data``: its raw bytes) into a faster tier."""
+    def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
+        """Copy a block just read from tier ``t`` into a faster tier. ``payload``: its copy's
+        stored bytes; ``decoded``: its raw bytes when the reader decoded them already."""
         target = self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
         if target in entry.copies:
             return
-        raw = dataclasses.replace(entry.copies[t], codec=0, stored_size=entry.raw_size, checksum=0)
         try:
-            self.store_copy(entry, target, data, raw)
+            self.store_copy(entry, target, payload, entry.copies[t], decoded=decoded)
             self.counters["promotions"] += 1
         except PLACEMENT_ERRORS:
             self.counters["promotion_failures"] += 1
@@ -214,10 +219,14 @@ class Cascade:
         tier.read_into(entry.key, out)
         return out
 
-    def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True) -> None:
-        """Place a copy of ``data`` in tier ``t``, evicting there first. ``sync=False`` leaves a
+    def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True,
+                   downward: bool = False, decoded=None) -> None:
+        """Place a copy of ``data`` (a payload encoded as ``like`` says) in tier ``t``, evicting
+        there first; ``downward``/``decoded`` as in ``Transcoder.place``. ``sync=False`` leaves a
         durable tier's directory entry to the caller's ``sync()``."""
-        record, data = self.transcoder.transcode(entry, t, like, data)
+        placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, like, data,
+                                       downward=downward, decoded=decoded)
+        record, data = placed.record, placed.payload
         self.make_room(t, record.stored_size)
         self.tiers[t].allocate(record)
         try:
@@ -229,8 +238,30 @@ class Cascade:
             self.tiers[t].drop(record.key)
             raise
         entry.copies[t] = record
+        self.transcoder.count(t, placed, entry.raw_size)
         self.index.track_copy(entry, t)
         self.index.copies_changed(entry)
+
+    def encode_reserved(self, entry: Entry, t: int, data) -> object:
+        """Give a reserved, not yet visible block whose raw bytes ``data`` were written into tier
+        ``t`` in place (a same-host writer's slots) the form tier ``t`` stores: re-allocated
+        smaller when encoded, the rest of its room freed. Returns the payload it now holds. The
+        encoding runs outside the lock: nobody else touches an invisible entry."""
+        placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, entry.copies[t], data)
+        with self.lock:
+            if placed.record.codec != 0:
+                self.tiers[t].drop(entry.key)
+                self.tiers[t].allocate(placed.record)   # fits: it is smaller than what was freed
+                entry.copies[t] = placed.record
+            self.transcoder.count(t, placed, entry.raw_size)
+        if placed.record.codec != 0:
+            try:
+                self.tiers[t].write(placed.record, placed.payload)
+            except Exception:
+                with self.lock:
+                    self.drop_entry(entry)
+                raise
+        return placed.payload
 
     def drop_copy(self, entry: Entry, t: int) -> None:
         self.tiers[t].drop(entry.key)

@@ -33,6 +33,7 @@ class Entry:
     children: set[bytes] = dataclasses.field(default_factory=set)  # keys of visible children
     linked: bool = False         # listed in its parent's ``children``
     charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
+    held: bool = False           # in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted
 
     @property
     def key(self) -> bytes:

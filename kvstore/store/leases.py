@@ -1,9 +1,12 @@
 """Leases: the two-phase operations through which same-host clients read and write the CPU arena.
 
-* ``prepare_store`` reserves slots in the CPU arena and returns where to write; the block is
-  invisible until ``complete_store`` makes it visible (or ``abort_store`` / lease expiry frees it).
-* ``prepare_load`` makes sure the blocks have a raw CPU copy and pins them under a lease; the
-  client copies out of the arena and calls ``complete_load``.
+* ``prepare_store`` reserves slots in the CPU arena and returns where to write the raw block; it
+  is invisible until ``complete_store`` makes it visible (or ``abort_store`` / lease expiry frees
+  it). With a CPU-tier codec, ``complete_store`` encodes the block into fewer slots first.
+* ``prepare_load`` makes sure the blocks have a CPU copy and pins them under a lease; the client
+  copies out of the arena and calls ``complete_load``. A copy encoded with a codec the reader
+  decodes (``accept``) is leased as stored (``Lease.codecs`` / ``sizes`` say what each holds);
+  one it does not decode stops the lease (the server then decodes it for that reader).
 
 A lease that is never completed expires (``expire``), so a crashed client cannot leak pins or
 slots. Lease ids are never reused within one store.
@@ -13,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from kvstore.buffers import Extent
-from kvstore.errors import BlockCorrupt, InvalidArgument, LeaseExpired
+from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
 from kvstore.tiers.cpu import CpuTier
@@ -33,6 +36,8 @@ class Lease:
     keys: list[bytes]
     expires: float
     extents: list[list[Extent] | None]
+    codecs: list[int] = dataclasses.field(default_factory=list)   # load: each block's codec id
+    sizes: list[int] = dataclasses.field(default_factory=list)    # load: each block's stored bytes
 
 
 class Leases:
@@ -88,6 +93,7 @@ class Leases:
                 continue
             data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
             payload = data[0] if len(data) == 1 else np.concatenate(data)
+            payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
             results.append("stored")
             if cascade.publish(entry, payload):
                 on_durable.append(len(results) - 1)
@@ -109,14 +115,14 @@ class Leases:
 
     # -- two-phase load (zero-copy readers) ------------------------------------------------------
 
-    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Lease:
-        """Pin the leading present blocks with a raw CPU copy each (promoting from NVMe if needed)
+    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes], accept: Collection[int] = ()) -> Lease:
+        """Pin the leading present blocks with a CPU copy each (promoting from NVMe if needed)
         and return their arena extents; stops at the first block it cannot stage that way (absent,
-        no room, or encoded by a CPU-tier codec)."""
+        no room, or encoded with a codec not in ``accept``)."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
-        keys, extents = [], []
+        keys, extents, codecs, sizes = [], [], [], []
         for h in hashes:
             with cascade.lock:
                 entry = cascade.pin(namespace_id, h)
@@ -128,24 +134,29 @@ class Leases:
                         src = entry.fastest
                         cascade.make_room(c, entry.copies[src].stored_size)  # before filling scratch
                         data = cascade.read_copy(entry, src)
-                        cascade.store_copy(entry, c, data, entry.copies[src])
-                    except BlockCorrupt:
+                        cascade.store_copy(entry, c, data, entry.copies[src], downward=c > src)
+                    except (BlockCorrupt, CodecError):   # a damaged copy, or one that failed its decode
                         cascade.discard_corrupt_copy(entry, src)
                         cascade.unpin(entry)
                         break
                     except PLACEMENT_ERRORS:
                         cascade.unpin(entry)
                         break
-                if entry.copies[c].codec != 0:
-                    # an encoded arena copy (a CPU codec) is not the block's bytes: readers of the
-                    # arena must not see it; the server reads such blocks through get_into instead
+                record = entry.copies[c]
+                if record.codec != 0 and record.codec not in accept:
+                    # an encoded arena copy is not the block's bytes to a reader that cannot decode
+                    # it; the server reads such blocks for it through get_into instead
                     cascade.unpin(entry)
                     break
                 cascade.index.policies[c].touch(entry.key)
                 cascade.counters["hits_cpu"] += 1
                 keys.append(entry.key)
                 extents.append(cpu.extents(entry.key))
-        return self._new("load", keys, extents)
+                codecs.append(record.codec)
+                sizes.append(record.stored_size)
+        lease = self._new("load", keys, extents)
+        lease.codecs, lease.sizes = codecs, sizes
+        return lease
 
     def complete_load(self, lease_id: int) -> None:
         lease = self._take(lease_id, "load")

@@ -64,6 +64,14 @@ class NamespaceFiles:
         replace_file(self.file_path(ns.id), lambda fd: os.write(fd, json.dumps(ns.to_dict(), sort_keys=True).encode()))
         _fsync_dir(self.path)
 
+    def remove(self, namespace_id: bytes) -> None:
+        """Forget one namespace durably (``kvstore ns drop``); absent is fine."""
+        try:
+            os.unlink(self.file_path(namespace_id))
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.path)
+
     # -- loading ---------------------------------------------------------------------------------
 
     def _load_dir(self) -> list[Namespace]:

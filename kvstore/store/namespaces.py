@@ -49,6 +49,22 @@ class NamespaceRegistry:
                     raise TierIOError(f"cannot persist namespace registry: {e.strerror or e}") from e
             self._insert(ns)
 
+    def remove(self, namespace_id: bytes) -> Namespace | None:
+        """Unregister a namespace and delete its file (``kvstore ns drop``); its blocks are the
+        caller's to drop. Returns what was removed (None: it was not registered)."""
+        with self._register_lock:
+            ns = self._namespaces.pop(namespace_id, None)
+            if ns is None:
+                return None
+            self._per_tenant[ns.tenant] -= 1
+            if self.files is not None:
+                try:
+                    self.files.remove(namespace_id)
+                except OSError as e:
+                    raise TierIOError(f"cannot remove namespace {namespace_id.hex()} from the registry: "
+                                      f"{e.strerror or e}") from e
+            return ns
+
     def _insert(self, ns: Namespace) -> None:
         self._namespaces[ns.id] = ns
         self._per_tenant[ns.tenant] += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -21,11 +21,14 @@ from kvstore.buffers import as_bytes
 from kvstore.errors import (BlockCorrupt, BlockTooLarge, CodecError, InvalidArgument, QuotaExceeded, TierIOError,
                             WrongBlockSize)
 from kvstore.keys import Namespace
+from kvstore.store.admin import StoreAdmin
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
 from kvstore.store.config import StoreConfig
 from kvstore.store.leases import Lease, Leases
 from kvstore.store.listeners import StoreListener
 from kvstore.store.namespaces import NamespaceRegistry
+from kvstore.store.puts import checked_payloads, put_chain
+from kvstore.store.reads import read_block
 from kvstore.store.recovery import recover
 from kvstore.store.views import PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
@@ -52,6 +55,7 @@ class Store:
         self.durable_index = self._cascade.durable_index
         self.cpu_index = self._cascade.cpu_index
         recover(self._cascade)
+        self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -143,43 +147,17 @@ class Store:
     # -- put -------------------------------------------------------------------------------------
 
     def put(self, namespace_id: bytes, hashes: Sequence[bytes], payloads: Sequence,
-            parent: bytes | None = None) -> list[str]:
+            parent: bytes | None = None, codecs: Sequence[int] | None = None) -> list[str]:
         """Store a chain of blocks (``payloads[i]``'s parent is ``hashes[i-1]``, the first's is
-        ``parent``). Returns per block ``"stored"``, ``"exists"`` or ``"persisted"`` (stored and on
-        the durable tier). Raises ``StoreFull`` if a block fits nowhere; blocks before it stay."""
+        ``parent``), each in the form the tier it lands in keeps (encoded where that tier has a
+        codec). ``codecs[i]``: the codec ``payloads[i]`` is already encoded with (a peer's stored
+        payload; None: all raw). Returns per block ``"stored"``, ``"exists"`` or ``"persisted"``
+        (stored and on the durable tier). Raises ``StoreFull`` if a block fits nowhere; blocks
+        before it stay."""
         ns = self._namespaces.check_batch(namespace_id, hashes)
         if len(payloads) != len(hashes):
             raise InvalidArgument("blocks", f"{len(payloads)} payloads for {len(hashes)} hashes")
-        arrays = [as_bytes(p) for p in payloads]
-        for i, a in enumerate(arrays):
-            if a.nbytes != ns.block_bytes:
-                raise WrongBlockSize(ns.block_bytes, a.nbytes, i)
-        cascade = self._cascade
-        results: list[str] = []
-        on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
-        parents = [parent] + list(hashes[:-1])
-        try:
-            for h, p, data in zip(hashes, parents, arrays):
-                entry = cascade.reserve(namespace_id, h, p, ns.block_bytes, 0)
-                if entry is None:
-                    results.append("exists")
-                    continue
-                t = entry.fastest
-                try:
-                    self.tiers[t].write_unsynced(entry.copies[t], data)
-                except Exception:
-                    with self._lock:
-                        cascade.drop_entry(entry)
-                    raise
-                results.append("stored")
-                if cascade.publish(entry, data):
-                    on_durable.append(len(results) - 1)
-        finally:
-            # blocks written before a failure stay; one directory sync covers the whole batch
-            if on_durable and cascade.sync_durable():
-                for i in on_durable:
-                    results[i] = "persisted"
-        return results
+        return put_chain(self._cascade, ns, hashes, checked_payloads(ns, payloads, codecs), parent, codecs)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -205,46 +183,30 @@ class Store:
             return [self._cascade.index.visible(namespace_id, h) is not None for h in hashes]
 
     def get_into(self, namespace_id: bytes, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Copy each block into ``outs[i]``; returns its size, or None for a miss (absent or
-        corrupt: a corrupt copy is dropped, counted, and another copy tried)."""
+        """Copy each block (decoded) into ``outs[i]``; returns its size, or None for a miss
+        (absent or corrupt: a corrupt copy is dropped, counted, and another copy tried)."""
+        got = self.get_payloads_into(namespace_id, hashes, outs)
+        return [None if g is None else g[0] for g in got]
+
+    def get_payloads_into(self, namespace_id: bytes, hashes: Sequence[bytes], outs: Sequence,
+                          accept: Collection[int] = ()) -> list[tuple[int, int] | None]:
+        """As ``get_into``, but a block stored with a codec in ``accept`` is copied as stored:
+        per block ``(bytes, codec id)`` (codec 0: the block itself), or None for a miss."""
         ns = self._namespaces.check_batch(namespace_id, hashes)
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
-        sizes: list[int | None] = []
+        got: list[tuple[int, int] | None] = []
         for h, out in zip(hashes, outs):
             dst = as_bytes(out)
             if dst.nbytes < ns.block_bytes:
                 raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
-            sizes.append(self._get_one(namespace_id, h, dst))
-        return sizes
+            got.append(read_block(self._cascade, namespace_id, h, dst, accept))
+        return got
 
-    def _get_one(self, namespace_id: bytes, h: bytes, dst: np.ndarray) -> int | None:
-        cascade = self._cascade
-        while True:
-            with self._lock:
-                entry = cascade.pin(namespace_id, h)
-                if entry is None:
-                    self.counters["misses"] += 1
-                    return None
-                t = entry.fastest
-            record = entry.copies[t]
-            try:
-                n = self.tiers[t].read_into(entry.key, dst)
-                if record.codec != 0:
-                    n = cascade.transcoder.decode(entry, record, dst[:n].copy(), out=dst).nbytes
-            except (BlockCorrupt, CodecError):
-                with self._lock:
-                    cascade.discard_corrupt_copy(entry, t)
-                    cascade.unpin(entry)
-                continue  # try the next copy, or report a miss
-            with self._lock:
-                self.counters[f"hits_{self.tiers[t].name}"] += 1
-                self.counters["bytes_out"] += n
-                self.policies[t].touch(entry.key)
-                if t > 0 and self.config.promote_on_hit and not entry.doomed:
-                    cascade.promote(entry, t, dst[:n])
-                cascade.unpin(entry)
-            return n
+    def stored_codecs(self) -> list[int]:
+        """Ids of the codecs blocks may be stored with here (a reader that decodes them may ask
+        for blocks as stored: ``get_payloads_into``, ``prepare_load(accept=...)``)."""
+        return self._cascade.transcoder.stored_codecs()
 
     def get(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bytes | None]:
         ns = self.namespace(namespace_id)
@@ -306,8 +268,8 @@ class Store:
     def abort_store(self, lease_id: int) -> None:
         self._leases.abort_store(lease_id)
 
-    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Lease:
-        return self._leases.prepare_load(namespace_id, hashes)
+    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes], accept: Collection[int] = ()) -> Lease:
+        return self._leases.prepare_load(namespace_id, hashes, accept)
 
     def complete_load(self, lease_id: int) -> None:
         self._leases.complete_load(lease_id)
@@ -342,7 +304,7 @@ class Store:
         written = 0
         with self._lock:
             for entry in list(self._index.values()):
-                if not entry.ready or d in entry.copies:
+                if not entry.ready or not entry.copies or d in entry.copies:  # no copies: evicted by this loop
                     continue
                 src = entry.fastest
                 try:
@@ -362,11 +324,12 @@ class Store:
         for ns in self._namespaces.all():
             per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
         with self._lock:
+            codecs = self._cascade.transcoder.tier_stats(self._index.values())
             return {
                 "blocks": sum(1 for e in self._index.values() if e.ready),
                 "leases": len(self._leases),
                 "namespaces": len(self._namespaces),
-                "tiers": {t.name: {**t.stats(), "policy_blocks": len(p)}
+                "tiers": {t.name: {**t.stats(), "policy_blocks": len(p), "codec": codecs[t.name]}
                           for t, p in zip(self.tiers, self.policies)},
                 "counters": {**self.counters, **self._namespaces.stats()},
                 "tenants": {tenant: {"namespaces": n, "charged_bytes": quotas.charged.get(tenant, 0),

@@ -1,24 +1,44 @@
-"""Codec glue: which codec each tier stores a namespace's blocks with, and the re-encoding a copy
-needs when it moves between tiers (demotion, write-through, flush, promotion).
+"""Codec glue: which codec each tier stores a namespace's blocks with, and the form a copy takes
+when it enters a tier.
 
-A tier's configured codec applies only to namespaces whose layout it understands (decided once
-per tier and namespace, refusals counted); a block whose encoding would not shrink it, or that a
-codec refuses (NaN/Inf), stays raw. ``kvstore.codecs`` is imported lazily: it pulls in torch.
+* A copy entering a tier by put (a client's, or a peer fetch's), by promotion or by staging for
+  a same-host read is stored in that tier's codec: encoded when the tier names one, decoded when
+  the tier is raw (a raw tier is where reads are fastest).
+* A copy made for a slower tier (demotion, write-through, flush) keeps the encoding it has unless
+  that tier names *another* codec: the block is already lossy, decoding would only take room, and
+  re-encoding would change the bytes whose checksum the fleet directory holds.
+
+A tier's codec applies only to namespaces whose layout it understands (decided once per tier and
+namespace); a block the codec refuses (NaN/Inf) or whose encoding would not be smaller stays raw.
+Every placement is tallied per tier (``codec_stats``). ``kvstore.codecs`` is imported lazily: it
+pulls in torch, which a daemon without codecs never needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError
+from kvstore.store.codec_stats import CodecTally
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import Entry
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.tiers.base import BlockRecord, Tier
+
+RAW = "raw"
+
+
+@dataclasses.dataclass
+class Placement:
+    """A copy's form in one tier: its record (codec, stored size), its payload, and why."""
+
+    record: BlockRecord
+    payload: object
+    outcome: str      # "encoded" / "raw" (as configured), or why a codec tier kept it raw
 
 
 class Transcoder:
@@ -28,13 +48,25 @@ class Transcoder:
         self.config = config
         self.namespaces = namespaces
         self.counters = counters
+        self.tally = CodecTally({t.name: config.tier_codecs.get(t.name, RAW) for t in tiers})
         self._choice: dict[tuple[int, bytes], str] = {}
+
+    def configured(self, t: int) -> str:
+        return self.config.tier_codecs.get(self.tiers[t].name, RAW)
+
+    def stored_codecs(self) -> list[int]:
+        """Ids of the codecs some tier is configured with (what a reader may be sent)."""
+        names = {name for name in self.config.tier_codecs.values() if name != RAW}
+        if not names:
+            return []
+        from kvstore import codecs
+        return sorted(codecs.CODEC_IDS[name] for name in names)
 
     def codec_for(self, t: int, namespace_id: bytes) -> str:
         """The codec tier ``t`` stores this namespace's blocks with: its configured codec if the
         codec can interpret the namespace's layout, else raw (decided once per namespace)."""
-        name = self.config.tier_codecs.get(self.tiers[t].name, "raw")
-        if name == "raw":
+        name = self.configured(t)
+        if name == RAW:
             return name
         key = (t, namespace_id)
         if key not in self._choice:
@@ -46,38 +78,84 @@ class Transcoder:
                 codecs.check_layout(name, ns.layout)
                 self._choice[key] = name
             except (KeyError, CodecError):
-                self._choice[key] = "raw"
+                self._choice[key] = RAW
                 self.counters["codec_layout_refusals"] += 1
         return self._choice[key]
 
-    def decode(self, entry: Entry, record: BlockRecord, payload, out=None) -> np.ndarray:
+    def decode(self, namespace_id: bytes, raw_size: int, record: BlockRecord, payload, out=None) -> np.ndarray:
         """Raw block bytes of an encoded copy (into ``out`` when given)."""
         from kvstore import codecs
-        layout = self.namespaces.get(entry.namespace_id).layout
-        dst = np.empty(entry.raw_size, dtype=np.uint8) if out is None else out[:entry.raw_size]
-        codecs.decode_block(record.codec, payload, layout, out=dst)
+        layout = self.namespaces.get(namespace_id).layout
+        dst = np.empty(raw_size, dtype=np.uint8) if out is None else out[:raw_size]
+        codecs.decode_block(record.codec, as_bytes(payload)[:record.stored_size], layout, out=dst)
         return dst
 
-    def transcode(self, entry: Entry, t: int, like: BlockRecord, data) -> tuple[BlockRecord, object]:
-        """The record and payload a copy of ``data`` (encoded as ``like`` says) gets in tier ``t``."""
-        want = self.codec_for(t, entry.namespace_id)
-        from_codec = like.codec
-        if want == "raw" and from_codec == 0:
-            return dataclasses.replace(like), data
+    def place(self, namespace_id: bytes, raw_size: int, t: int, like: BlockRecord, data, *,
+              downward: bool = False, decoded=None) -> Placement:
+        """The form a copy of ``data`` (encoded as ``like`` says) takes in tier ``t``. ``downward``:
+        the copy is for a slower tier (see the module docstring). ``decoded``: the block's raw
+        bytes when the caller has them already (saves a decode)."""
+        want = self.codec_for(t, namespace_id)
+        have = like.codec
+        if have != 0:
+            from kvstore import codecs
+            if codecs.CODEC_IDS.get(want) == have or (want == RAW and downward):
+                return Placement(dataclasses.replace(like), data, "encoded")
+            raw = decoded if decoded is not None else self.decode(namespace_id, raw_size, like, data)
+            raw_record = dataclasses.replace(like, codec=0, stored_size=raw_size, checksum=0)
+        else:
+            raw, raw_record = data, dataclasses.replace(like)
+        if want == RAW:
+            return Placement(raw_record, raw, "layout" if self.configured(t) != RAW else RAW)
         from kvstore import codecs
-        if from_codec != 0:
-            if codecs.CODEC_IDS.get(want) == from_codec:
-                return dataclasses.replace(like), data
-            data = self.decode(entry, like, as_bytes(data)[:like.stored_size])
-        raw = dataclasses.replace(like, codec=0, stored_size=entry.raw_size, checksum=0)
-        if want == "raw":
-            return raw, data
         try:
-            codec_id, payload = codecs.encode_block(want, data, self.namespaces.get(entry.namespace_id).layout)
-        except CodecError:
+            codec_id, payload = codecs.encode_block(want, raw, self.namespaces.get(namespace_id).layout)
+        except CodecError as e:
             self.counters["codec_fallbacks_raw"] += 1  # NaN/Inf or similar: keep the exact bytes
-            return raw, data
-        if payload.nbytes >= entry.raw_size:
-            return raw, data
+            return Placement(raw_record, raw, "nonfinite" if getattr(e, "reason", "") == "nonfinite"
+                             else "codec_error")
+        if payload.nbytes >= raw_size:
+            return Placement(raw_record, raw, "no_gain")
         self.counters[f"encoded_{want}"] += 1
-        return dataclasses.replace(raw, codec=codec_id, stored_size=payload.nbytes), payload
+        return Placement(dataclasses.replace(raw_record, codec=codec_id, stored_size=payload.nbytes, checksum=0),
+                         payload, "encoded")
+
+    def tier_stats(self, entries: Iterable[Entry]) -> dict[str, dict]:
+        """Per tier: the copies it holds encoded and raw now, and the tally of placements."""
+        held = [[0, 0] for _ in self.tiers]
+        for entry in entries:
+            for t, record in entry.copies.items():
+                held[t][record.codec == 0] += 1
+        return {tier.name: self.tally.tier_stats(tier.name, *held[t]) for t, tier in enumerate(self.tiers)}
+
+    def count(self, t: int, placement: Placement, raw_size: int) -> None:
+        """Tally a placement made in tier ``t`` (caller holds the store lock)."""
+        tier = self.tiers[t].name
+        if placement.record.codec != 0:
+            self.tally.encoded(tier, raw_size, placement.record.stored_size)
+        elif placement.outcome != RAW:
+            self.tally.raw_kept(tier, placement.outcome, raw_size)
+
+
+class StagedBlock:
+    """A block on its way in by put: its placement per tier, worked out (and encoded) at most once
+    per tier, so the put can encode for the first tier it tries before taking the store lock. A
+    put that falls through to a slower tier (the first is full of pinned blocks) lands there as if
+    demoted from the first: in the first tier's form unless the slower tier names another codec."""
+
+    def __init__(self, transcoder: Transcoder, like: BlockRecord, data) -> None:
+        self.transcoder = transcoder
+        self.like = like
+        self.data = data
+        self._placements: dict[int, Placement] = {}
+
+    def placement(self, t: int) -> Placement:
+        if t not in self._placements:
+            ns, raw_size = self.like.namespace_id, self.like.raw_size
+            if self._placements:
+                first = self._placements[min(self._placements)]
+                placed = self.transcoder.place(ns, raw_size, t, first.record, first.payload, downward=True)
+            else:
+                placed = self.transcoder.place(ns, raw_size, t, self.like, self.data)
+            self._placements[t] = placed
+        return self._placements[t]

@@ -1,0 +1,172 @@
+"""Operator operations on the store: where the space goes per namespace, dropping a namespace,
+evicting a prefix, pinning, prewarming, and limits changed while serving.
+
+These are what ``kvstore ns list / ns drop / evict / pin / unpin / prewarm / reload`` do inside the
+daemon. Authorisation (which tenant may touch which namespace) is the service's; everything here
+trusts its caller. Walking every block of a namespace is O(blocks in the store): fine for an
+operator's command, never on a request path. Footprints are counted from a snapshot taken under
+the lock, outside it, so listing a large store does not stall reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvstore.keys import Namespace
+from kvstore.store.cascade import Cascade
+from kvstore.store.index import Entry
+from kvstore.store.namespaces import NamespaceRegistry
+from kvstore.store.pinned_prefixes import PinnedPrefixes, PinOutcome
+from kvstore.store.warming import ALREADY_WARM, WARMED, warm
+
+
+@dataclasses.dataclass
+class Footprint:
+    """One namespace's share of the store: visible blocks and their raw bytes, and per tier the
+    copies held there and the bytes they occupy (encoded size), plus what is pinned."""
+
+    blocks: int = 0
+    bytes: int = 0
+    tiers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+
+
+@dataclasses.dataclass
+class Freed:
+    """What a drop or an evict removed; ``held`` counts pinned blocks an evict left in place."""
+
+    blocks: int = 0
+    bytes: int = 0
+    held: int = 0
+
+
+@dataclasses.dataclass
+class Warmed:
+    """What a prewarm did with the blocks it was given."""
+
+    warmed: int = 0      # copied into the CPU tier
+    already: int = 0     # had a CPU (or faster) copy
+    missing: int = 0     # not stored here
+    failed: int = 0      # no room in the CPU tier (everything pinned) or a damaged copy (dropped)
+
+
+class StoreAdmin:
+    """The store's operator seam (``Store.admin``)."""
+
+    def __init__(self, cascade: Cascade, namespaces: NamespaceRegistry) -> None:
+        self.cascade = cascade
+        self.namespaces = namespaces
+        self.pins = PinnedPrefixes(cascade)
+        cascade.listeners.add(self.pins)
+
+    # -- limits changed while serving (reload) ----------------------------------------------------
+
+    def set_limits(self, quotas: Mapping[str, int], max_pinned_bytes_per_tenant: int | None) -> None:
+        """New per-tenant byte quotas and pin bound. Bytes already stored or pinned stay: a lower
+        limit only refuses what comes next."""
+        with self.cascade.lock:
+            self.cascade.quotas.limits = dict(quotas)
+            self.pins.limit_bytes = max_pinned_bytes_per_tenant
+
+    def quota_limits(self) -> dict[str, int]:
+        """Tenant -> byte quota, for tenants that have one."""
+        with self.cascade.lock:
+            return dict(self.cascade.quotas.limits)
+
+    # -- where the space goes ---------------------------------------------------------------------
+
+    def footprints(self, namespace_ids: Iterable[bytes]) -> dict[bytes, Footprint]:
+        wanted = set(namespace_ids)
+        cascade = self.cascade
+        with cascade.lock:
+            entries = list(cascade.index.entries.values())
+        out = {ns_id: Footprint() for ns_id in wanted}
+        names = [t.name for t in cascade.tiers]
+        per_tier: dict[bytes, dict[str, list[int]]] = defaultdict(lambda: {n: [0, 0] for n in names})
+        for entry in entries:
+            fp = out.get(entry.namespace_id)
+            if fp is None or not entry.visible:
+                continue
+            fp.blocks += 1
+            fp.bytes += entry.raw_size
+            tiers = per_tier[entry.namespace_id]
+            for t, record in list(entry.copies.items()):
+                tiers[names[t]][0] += 1
+                tiers[names[t]][1] += record.stored_size
+        for ns_id, fp in out.items():
+            fp.tiers = {n: {"blocks": b, "bytes": nb} for n, (b, nb) in per_tier[ns_id].items()}
+            fp.pinned_blocks, fp.pinned_bytes = self.pins.of_namespace(ns_id)
+        return out
+
+    # -- dropping ---------------------------------------------------------------------------------
+
+    def drop_namespace(self, namespace_id: bytes) -> Freed:
+        """Unregister the namespace (its file too), forget its pins and drop every block of it
+        from every tier. Unregistered first, so a put arriving after it is refused; a reservation
+        already in flight (never visible yet) is left to its writer, whose slot it still is."""
+        self.namespaces.remove(namespace_id)
+        self.pins.unpin(namespace_id)
+        with self.cascade.lock:
+            return self._drop([e for e in self.cascade.index.entries.values()
+                               if e.namespace_id == namespace_id and e.visible])
+
+    def evict(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> Freed:
+        """Drop the blocks of ``hashes`` (None: the whole namespace) from every tier, leaving
+        pinned ones in place (counted in ``held``: unpin them first)."""
+        index = self.cascade.index
+        with self.cascade.lock:
+            if hashes is None:
+                found = [e for e in index.entries.values() if e.namespace_id == namespace_id and e.visible]
+            else:
+                found = [e for e in (index.visible(namespace_id, h) for h in dict.fromkeys(hashes)) if e is not None]
+            freed = self._drop([e for e in found if not e.held])
+            freed.held = sum(1 for e in found if e.held)
+            return freed
+
+    def _drop(self, entries: list[Entry]) -> Freed:
+        """Caller holds the lock. A block a reader has pinned right now is doomed (invisible at
+        once, freed on its last unpin), as a client's Delete does."""
+        freed = Freed()
+        for entry in entries:
+            freed.blocks += 1
+            freed.bytes += entry.raw_size
+            entry.held = False
+            if entry.pins:
+                self.cascade.doom(entry)
+            else:
+                self.cascade.drop_entry(entry)
+        self.cascade.counters["admin_dropped_blocks"] += freed.blocks
+        return freed
+
+    # -- pins and warming -------------------------------------------------------------------------
+
+    def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> PinOutcome:
+        return self.pins.pin(ns, hashes)
+
+    def unpin(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> PinOutcome:
+        return self.pins.unpin(namespace_id, hashes)
+
+    def pinned_bytes_by_tenant(self) -> dict[str, int]:
+        return self.pins.by_tenant()
+
+    def prewarm(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Warmed:
+        """Copy the stored blocks of ``hashes`` into the CPU tier, one at a time under the lock
+        (each copy is one read from its tier), so requests interleave with a long prewarm."""
+        result = Warmed()
+        for h in dict.fromkeys(hashes):
+            with self.cascade.lock:
+                entry = self.cascade.index.visible(namespace_id, h)
+                if entry is None:
+                    result.missing += 1
+                    continue
+                done = warm(self.cascade, entry)
+            if done == WARMED:
+                result.warmed += 1
+            elif done == ALREADY_WARM:
+                result.already += 1
+            else:
+                result.failed += 1
+        return result
