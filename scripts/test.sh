@@ -20,6 +20,11 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
   for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null && break; sleep 0.1; done
 fi
 
+# systemd-analyze lints deploy/kvstore.service (tests/test_deploy.py).
+if ! command -v systemd-analyze >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq systemd >/dev/null || true
+fi
+
 # Engine environments (vLLM, SGLang, LMCache) live outside the clone, keyed by their pins.
 for engine in $(ls connectors/requirements/*.txt 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.txt$//'); do
   path=$(scripts/engine-venv.sh "$engine")
