@@ -6,7 +6,8 @@ and open descriptors end within ``SLACK`` of where they began, and the next clie
 
 Phase 2 (idle): an attacker keeps ``idle_connections`` TCP connections open to the bulk port for
 ``hold_s`` (reopening each one the daemon closes, once a second; a third of them send half a
-greeting), while a legitimate client probes health and a 1 MiB get every 50 ms. Passes when both
+greeting), and 64 unary gRPC calls that never send their message plus 64 stalled Put streams
+(each reopened when the daemon cuts it), while a legitimate client probes health and a 1 MiB get every 50 ms. Passes when both
 answer within ``P99_LIMIT_MS`` at p99 and the daemon's thread count stays flat.
 """
 
@@ -28,7 +29,9 @@ from .common import KiB, MiB, daemon_log_errors, hashes, is_exact, layout, paylo
 
 SLACK = 8              # sessions / descriptors allowed above the baseline after churn
 P99_LIMIT_MS = 100.0   # health and a 1 MiB get, at p99, while the port is flooded with idle connections
-THREAD_SLACK = 3       # daemon threads allowed above the baseline while connections idle
+THREAD_SLACK = 3       # daemon threads allowed above the baseline while connections idle ...
+RPC_WORKERS = 16       # ... plus the RPC worker pool (config `workers`, default 16), which grows to its
+                       # size on demand: threads are bounded by the pool, not by idle connections or calls
 
 
 def _latency_ms(samples: list[float]) -> dict:
@@ -116,7 +119,65 @@ class _IdleFlood:
             s.close()
 
 
-def _idle_phase(d, observer: Client, daemon: psutil.Process, connections: int, hold_s: float) -> dict:
+class _IdleCallFlood:
+    """``n`` unary Lookup calls that send headers and never their message, and ``n`` Put streams
+    that stall (half before their first message, half after a header and 1 kB), each reopened
+    as soon as the daemon cuts it, for as long as the flood lasts: callers that hold a call open
+    and send nothing, no token needed."""
+
+    def __init__(self, address: str, n: int, namespace_id: bytes, block_bytes: int) -> None:
+        import grpc
+
+        self.namespace_id, self.block_bytes = namespace_id, block_bytes
+
+        self.channel = grpc.insecure_channel(address)
+        service = "/" + pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+        self.lookup = self.channel.stream_unary(f"{service}/Lookup",
+                                                request_serializer=pb.LookupRequest.SerializeToString,
+                                                response_deserializer=pb.LookupResponse.FromString)
+        self.put = self.channel.stream_unary(f"{service}/Put", request_serializer=pb.PutChunk.SerializeToString,
+                                             response_deserializer=pb.PutResponse.FromString)
+        self.stop = threading.Event()
+        self.opened = self.cut = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._hold, args=(kind, i), daemon=True)
+                        for kind in ("unary", "stream") for i in range(n)]
+
+    def _silence(self, first: list):
+        yield from first
+        self.stop.wait()
+
+    def _hold(self, kind: str, i: int) -> None:
+        while not self.stop.is_set():
+            first = []
+            if kind == "stream" and i % 2:
+                first = [pb.PutChunk(header=pb.PutHeader(namespace_id=self.namespace_id, block_bytes=self.block_bytes,
+                                                         hashes=[bytes([i % 256]) * 16]), data=b"\0" * 1000)]
+            call = (self.lookup if kind == "unary" else self.put).future(self._silence(first))
+            with self._lock:
+                self.opened += 1
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001 - the daemon cut it (CANCELLED) or we closed the channel
+                pass
+            if not self.stop.is_set():
+                with self._lock:
+                    self.cut += 1
+
+    def __enter__(self) -> "_IdleCallFlood":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.channel.close()
+        for t in self.threads:
+            t.join(timeout=5)
+
+
+def _idle_phase(d, observer: Client, daemon: psutil.Process, connections: int, hold_s: float,
+                idle_calls: int = 64) -> dict:
     big = 1 * MiB
     hs = hashes(1, seed=4242)
     with Client(d.address, transport="bulk") as legit:
@@ -128,7 +189,7 @@ def _idle_phase(d, observer: Client, daemon: psutil.Process, connections: int, h
         health_s: list[float] = []
         get_s: list[float] = []
         wrong = failed = threads_max = 0
-        with _IdleFlood(port, connections) as flood:
+        with _IdleFlood(port, connections) as flood, _IdleCallFlood(d.address, idle_calls, ns, big) as calls:
             end = time.monotonic() + hold_s
             while time.monotonic() < end:
                 t0 = time.perf_counter()
@@ -147,14 +208,16 @@ def _idle_phase(d, observer: Client, daemon: psutil.Process, connections: int, h
             transport = legit.active_transport
         health, get = _latency_ms(health_s), _latency_ms(get_s)
         bulk = observer.stats()["server"].get("bulk_channel", {})
-    return {"idle_connections": connections, "hold_s": hold_s, "connections_opened": flood.opened,
+    return {"idle_connections": connections, "idle_unary_calls": idle_calls, "stalled_put_streams": idle_calls,
+            "idle_calls_opened": calls.opened, "idle_calls_cut_by_daemon": calls.cut,
+            "hold_s": hold_s, "connections_opened": flood.opened,
             "closed_by_daemon": flood.closed_by_daemon, "health_latency": health, "get_1mib_latency": get,
             "probe_failures": failed, "wrong_bytes": wrong, "legit_transport": transport,
             "fresh_client_transport_during_flood": fresh_transport,
             "daemon_threads_before": threads_before, "daemon_threads_max": threads_max, "bulk_channel": bulk,
             "ok": (failed == 0 and wrong == 0 and transport == "bulk"
                    and health.get("p99_ms", 1e9) <= P99_LIMIT_MS and get.get("p99_ms", 1e9) <= P99_LIMIT_MS
-                   and threads_max <= threads_before + THREAD_SLACK)}
+                   and threads_max <= threads_before + RPC_WORKERS + THREAD_SLACK)}
 
 
 def churn(workdir: str, cycles: int = 10_000, idle_connections: int = 300, hold_s: float = 30.0,

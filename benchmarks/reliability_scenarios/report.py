@@ -42,6 +42,13 @@ def render_markdown(report: dict) -> str:
         hung = sum(g["hung"] for v in per.values() for g in v)
         wrong = sum(g["wrong"] + g["wrong_after_restart"] for v in per.values() for g in v)
         summary.append(_row("daemon killed mid-request", f"{n} clients", 0, wrong, f"{hung} hung; all raised DaemonUnavailable"))
+    if "churn" in sc and "churn" in sc["churn"]:
+        c, i = sc["churn"]["churn"], sc["churn"]["idle"]
+        summary.append(_row("client churn + idle callers", f"{c.get('cycles')} clients; {i['idle_connections']} idle "
+                            f"+ {i['idle_unary_calls']}+{i['stalled_put_streams']} stalled calls", 0,
+                            c.get("wrong_bytes", 0) + i["wrong_bytes"],
+                            f"health p99 {i['health_latency'].get('p99_ms')} ms, 1 MiB get p99 "
+                            f"{i['get_1mib_latency'].get('p99_ms')} ms"))
     if summary:
         out += [_row("scenario", "runs", "lost", "wrong bytes", "what users saw"), _row(*["---"] * 5), *summary, ""]
     if "crash" in sc:
@@ -173,4 +180,16 @@ def render_markdown(report: dict) -> str:
         out += ["", f"Client deadline {r['daemon_killed_mid_request']['client_timeout_s']} s. The same Client objects "
                 "were reused after the daemon came back on the same port and directory.", "",
                 f"Redis killed under a fleet-publishing Store: {rd}", ""]
+    if "churn" in sc and "churn" in sc["churn"]:
+        r = sc["churn"]
+        c, i = r["churn"], r["idle"]
+        out += ["## Client churn and idle callers", "",
+                "Phase 1: clients connect over the side channel, read one block and close. Phase 2: idle "
+                "connections parked on the side-channel port (a third sending half a greeting), unary calls "
+                "that never send their message and stalled Put streams, each reopened when the daemon cuts "
+                "it, while a legitimate client probes health and a 1 MiB get every 50 ms.", "",
+                _row("what", "figure"), _row("---", "---"),
+                *[_row(f"churn: {k}", v) for k, v in c.items() if not isinstance(v, (dict, list))],
+                *[_row(f"idle: {k}", v) for k, v in i.items() if not isinstance(v, (list,))],
+                _row("passed", r.get("ok")), ""]
     return "\n".join(out)
