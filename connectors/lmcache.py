@@ -13,13 +13,19 @@ Mapping LMCache objects to kvstore blocks
 -----------------------------------------
 An LMCache ``ObjectKey`` is (chunk hash, model, kv_rank, object group, cache salt) and its
 ``MemoryObj`` is a fixed-size chunk in LMCache's own memory format. kvstore blocks live in a
-namespace with one exact block size, so the namespace is (model, object size, cache salt,
-layout ``lmcache_mp_object``) and the block hash is the chunk hash extended with kv_rank and
-object group: two shards or groups of one chunk never share a block, and bytes of one size
-are never read into a buffer of another.
+namespace with one exact block size, so the namespace is (model, object shape, cache salt) and
+the block hash is the chunk hash extended with kv_rank and object group: two shards or groups of
+one chunk never share a block, and bytes of one shape are never read into a buffer of another.
+
+The namespace's layout describes the object's bytes (``object_layout``) so kvstore's codecs can
+compress them: an LMCache MP object of one kernel group is ``[2, layers, tokens, hidden]`` (K and
+V; ``hidden`` = heads x head_dim, which LMCache does not split) or ``[layers, tokens, hidden]`` /
+``[1, layers, tokens, hidden]`` (one plane: MLA latents), in a float dtype. Anything else (several
+kernel groups in one object, integer or FP8 dtypes, no shape known) keeps the opaque layout
+``lmcache_mp_object`` (dtype uint8), which codecs leave raw.
 
 A lookup is told the object layout by LMCache's prefetch controller (``group_layout_descs``);
-when it is not (``lmcache bench l2`` passes a placeholder), the sizes this adapter has already
+when it is not (``lmcache bench l2`` passes a placeholder), the object shapes this adapter has already
 stored or loaded are tried.
 
 Threads and failures
@@ -121,6 +127,53 @@ def object_bytes(obj: Any) -> torch.Tensor:
     return raw.reshape(-1).view(torch.uint8)[: obj.get_size()]
 
 
+#: what decides an object's namespace besides model and salt: (bytes, ((shape, dtype name), ...))
+ObjectShape = tuple[int, tuple[tuple[tuple[int, ...], str], ...]]
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def object_shape(size: int, shapes: Any = None, dtypes: Any = None) -> ObjectShape:
+    """An object's size and, when known, its kernel groups' shapes and dtypes."""
+    groups = tuple((tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
+                   for shape, dtype in zip(shapes or (), dtypes or ()))
+    return int(size), groups
+
+
+def object_layout(model: str, shape: ObjectShape) -> KVLayout:
+    """The namespace layout of LMCache objects of ``shape`` (see the module docstring)."""
+    size, groups = shape
+    if len(groups) == 1:
+        dims, dtype = groups[0]
+        if len(dims) == 4 and dims[0] == 1:
+            dims = dims[1:]
+        kv = 2 if len(dims) == 4 and dims[0] == 2 else 1
+        if dtype in _FLOAT_DTYPES and len(dims) == 3 + (kv == 2) and min(dims) > 0:
+            layers, tokens, hidden = dims[-3:]
+            layout = KVLayout(model=model, num_layers=layers, num_kv_heads=1, head_dim=hidden, dtype=dtype,
+                              block_tokens=tokens, layout="kv,layer,token,dim" if kv == 2 else "layer,token,dim",
+                              kv_per_token=kv)
+            if layout.block_bytes == size:
+                return layout
+    return KVLayout(model=model, num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                    block_tokens=1, layout=LAYOUT_NAME, kv_per_token=1, block_bytes=size)
+
+
+def obj_shape(obj: Any) -> ObjectShape:
+    """The ``ObjectShape`` of a MemoryObj: its kernel groups' shapes and dtypes when its metadata
+    records them, else its one logical shape and dtype (what the allocating layout described)."""
+    for shapes_of, dtypes_of in (("get_shapes", "get_dtypes"), ("get_shape", "get_dtype")):
+        try:
+            shapes, dtypes = getattr(obj, shapes_of)(), getattr(obj, dtypes_of)()
+        except (AssertionError, AttributeError, NotImplementedError, TypeError):  # (not recorded)
+            continue
+        if shapes_of == "get_shape":
+            shapes, dtypes = [shapes], [dtypes]
+        if shapes and dtypes and all(d is not None for d in dtypes):
+            return object_shape(obj.get_size(), shapes, dtypes)
+    return object_shape(obj.get_size())
+
+
 def layout_desc_bytes(desc: Any) -> int:
     """Bytes of one object described by an LMCache MemoryLayoutDesc (0 if it is a placeholder)."""
     total = 0
@@ -154,8 +207,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._breaker = CircuitBreaker()   # one daemon behind every namespace: one breaker
-        self._namespaces: dict[tuple[str, str, int], NamespaceHandle] = {}   # (model, salt, size) -> handle
-        self._sizes: dict[tuple[str, str], set[int]] = {}                    # (model, salt) -> object sizes seen
+        self._namespaces: dict[tuple[str, str, ObjectShape], NamespaceHandle] = {}  # (model, salt, shape) -> handle
+        self._shapes: dict[tuple[str, str], set[ObjectShape]] = {}                # (model, salt) -> shapes seen
         self._closed = False
 
     # ---- event fds ---------------------------------------------------------------------
@@ -169,18 +222,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return self._load_efd.fileno()
 
     # ---- namespaces ----------------------------------------------------------------------
-    def _namespace(self, model: str, salt: str, size: int) -> NamespaceHandle:
-        """The handle of the namespace for objects of this model, salt and size."""
-        k = (model, salt, size)
+    def _namespace(self, model: str, salt: str, shape: ObjectShape) -> NamespaceHandle:
+        """The handle of the namespace for objects of this model, salt and shape."""
+        k = (model, salt, shape)
         with self._lock:
             handle = self._namespaces.get(k)
             if handle is None:
-                layout = KVLayout(model=model, num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
-                                  block_tokens=1, layout=LAYOUT_NAME, kv_per_token=1, block_bytes=size)
                 handle = self._namespaces[k] = NamespaceHandle(
-                    Namespace(layout, tenant=self.config.tenant, cache_salt=salt), client=self.client,
-                    breaker=self._breaker, name="kvstore L2")
-                self._sizes.setdefault((model, salt), set()).add(size)
+                    Namespace(object_layout(model, shape), tenant=self.config.tenant, cache_salt=salt),
+                    client=self.client, breaker=self._breaker, name="kvstore L2")
+                self._shapes.setdefault((model, salt), set()).add(shape)
             return handle
 
     # ---- tasks ---------------------------------------------------------------------------
@@ -191,11 +242,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return tid
 
     @staticmethod
-    def _groups(keys: list, sizes: list[int]) -> dict[tuple[str, str, int], list[int]]:
-        """Key indices grouped by namespace (model, salt, size), in order."""
-        groups: dict[tuple[str, str, int], list[int]] = {}
-        for i, (k, size) in enumerate(zip(keys, sizes)):
-            groups.setdefault((k.model_name, k.cache_salt, size), []).append(i)
+    def _groups(keys: list, shapes: list[ObjectShape]) -> dict[tuple[str, str, ObjectShape], list[int]]:
+        """Key indices grouped by namespace (model, salt, object shape), in order."""
+        groups: dict[tuple[str, str, ObjectShape], list[int]] = {}
+        for i, (k, shape) in enumerate(zip(keys, shapes)):
+            groups.setdefault((k.model_name, k.cache_salt, shape), []).append(i)
         return groups
 
     def submit_store_task(self, keys: list, objects: list) -> L2TaskId:
@@ -206,15 +257,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _run_store(self, tid: L2TaskId, keys: list, objects: list) -> None:
         ok, stored = True, 0
         try:
-            sizes = [o.get_size() for o in objects]
-            for (model, salt, size), idx in self._groups(keys, sizes).items():
-                handle = self._namespace(model, salt, size)
+            shapes = [obj_shape(o) for o in objects]
+            sizes = [shape[0] for shape in shapes]
+            for (model, salt, shape), idx in self._groups(keys, shapes).items():
+                handle = self._namespace(model, salt, shape)
                 for s in range(0, len(idx), MAX_BATCH):
                     part = idx[s:s + MAX_BATCH]
                     ok = handle.put([block_hash(keys[i]) for i in part], [object_bytes(objects[i]) for i in part])
                     if not ok:
                         break
-                    stored += size * len(part)
+                    stored += shape[0] * len(part)
                 if not ok:
                     break
             if ok and keys:
@@ -236,28 +288,29 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._pool.submit(self._run_lookup, tid, list(keys), dict(group_layout_descs or {}))
         return tid
 
-    def _candidate_sizes(self, key: Any, descs: dict) -> list[int]:
+    def _candidate_shapes(self, key: Any, descs: dict) -> list[ObjectShape]:
+        """The object's shape from the lookup's layout description, else every shape seen."""
         desc = descs.get(key.object_group_id)
         size = layout_desc_bytes(desc) if desc is not None else 0
         if size > 0:
-            return [size]
+            return [object_shape(size, getattr(desc, "shapes", None), getattr(desc, "dtypes", None))]
         with self._lock:
-            return sorted(self._sizes.get((key.model_name, key.cache_salt), ()))
+            return sorted(self._shapes.get((key.model_name, key.cache_salt), ()))
 
     def _run_lookup(self, tid: L2TaskId, keys: list, descs: dict) -> None:
         bitmap = Bitmap(len(keys))
         try:
             pending = list(range(len(keys)))
-            sizes_per_key = [self._candidate_sizes(k, descs) for k in keys]
-            max_tries = max((len(s) for s in sizes_per_key), default=0)
+            shapes_per_key = [self._candidate_shapes(k, descs) for k in keys]
+            max_tries = max((len(s) for s in shapes_per_key), default=0)
             for attempt in range(max_tries):
-                tries = [i for i in pending if attempt < len(sizes_per_key[i])]
-                groups = self._groups([keys[i] for i in tries], [sizes_per_key[i][attempt] for i in tries])
+                tries = [i for i in pending if attempt < len(shapes_per_key[i])]
+                groups = self._groups([keys[i] for i in tries], [shapes_per_key[i][attempt] for i in tries])
                 found: set[int] = set()
-                for (model, salt, size), local in groups.items():
+                for (model, salt, shape), local in groups.items():
                     idx = [tries[j] for j in local]
                     hashes = [block_hash(keys[i]) for i in idx]
-                    handle = self._namespace(model, salt, size)
+                    handle = self._namespace(model, salt, shape)
                     present = handle.exists(hashes)
                     hit = [i for i, p in zip(idx, present) if p]
                     if hit:  # the lock: one lookup over the hits leases them until the load
@@ -287,10 +340,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _run_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            sizes = [o.get_size() for o in objects]
+            shapes = [obj_shape(o) for o in objects]
             hits = []
-            for (model, salt, size), idx in self._groups(keys, sizes).items():
-                handle = self._namespace(model, salt, size)
+            for (model, salt, shape), idx in self._groups(keys, shapes).items():
+                handle, size = self._namespace(model, salt, shape), shape[0]
                 for s in range(0, len(idx), MAX_BATCH):
                     part = idx[s:s + MAX_BATCH]
                     outs = [object_bytes(objects[i]).numpy() for i in part]
@@ -318,9 +371,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             by_ns.setdefault((k.model_name, k.cache_salt), []).append(k)
         for (model, salt), ks in by_ns.items():
             with self._lock:
-                sizes = sorted(self._sizes.get((model, salt), ()))
-            for size in sizes:
-                self._namespace(model, salt, size).delete([block_hash(k) for k in ks])
+                shapes = sorted(self._shapes.get((model, salt), ()))
+            for shape in shapes:
+                self._namespace(model, salt, shape).delete([block_hash(k) for k in ks])
 
     def report_status(self) -> dict:
         try:

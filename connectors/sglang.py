@@ -138,7 +138,14 @@ class PoolGeometry:
         return [segs[i] for i in range(self.segments_per_page)]
 
     def layout_for(self, config: HiCacheStorageConfig) -> KVLayout:
-        """The namespace layout: everything that decides what a segment's bytes mean."""
+        """The namespace layout: everything that decides what a segment's bytes mean.
+
+        Codecs read the name ``sglang_[mla_]<layout>_segment<N>`` with the layers, heads, head
+        dim, page size and segment bytes to find a segment's tokens, heads and layers
+        (``kvstore.codecs.engine_layouts``): an MHA segment is one tensor (K or V), an MLA
+        segment one layer's or all layers' latents. Names and fields here are namespace
+        identity: changing them orphans every stored page.
+        """
         pool = self.pool
         if self.is_mla:
             # Replicated across TP: one copy for all ranks; DCP shards differ by dcp rank.

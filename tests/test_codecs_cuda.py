@@ -78,3 +78,22 @@ def test_damaged_payload_into_gpu_buffer_is_refused():
     with pytest.raises(CodecError, match="checksum"):
         decode_block(cid, payload, layout, out=out)
     assert int(out.count_nonzero()) == 0  # nothing was written
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("engine_name", ["vllm_flash_attn", "vllm_lbhnc", "vllm_mla", "sglang_mha_layer_first",
+                                         "sglang_mha_page_head", "sglang_mla_page_first", "lmcache_kv"])
+def test_engine_layouts_on_gpu_give_the_cpu_payload_and_block(engine_name, codec):
+    """K-only / V-only segments, one-layer segments and MLA latents: a GPU encode gives the CPU's
+    payload, and a decode into a GPU buffer the CPU's block."""
+    from test_codecs_layouts import ENGINES
+
+    engine = ENGINES[engine_name]()
+    for block in engine.blocks(engine.state)[:2]:
+        raw = block.view(torch.uint8)
+        cid, on_cpu = encode_block(codec, raw, engine.layout)
+        _, on_gpu = encode_block(codec, raw.to(DEVICE), engine.layout)
+        assert np.array_equal(on_cpu, on_gpu), f"{int((on_cpu != on_gpu).sum())} bytes differ"
+        out = torch.empty(engine.layout.block_bytes, dtype=torch.uint8, device=DEVICE)
+        decode_block(cid, on_cpu, engine.layout, out=out)
+        assert torch.equal(out.cpu(), decode_block(cid, on_cpu, engine.layout))

@@ -21,7 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = [
     "roundtrip_mha_layer_first", "roundtrip_mha_page_first", "roundtrip_mha_page_first_direct",
     "roundtrip_mha_page_head", "roundtrip_mla_layer_first", "roundtrip_mla_page_first",
-    "roundtrip_mla_page_first_direct", "layout_mismatch", "unsupported_layout", "mla_one_writer", "daemon_down",
+    "roundtrip_mla_page_first_direct", "codecs_mha_layer_first", "codecs_mha_page_first",
+    "codecs_mha_page_first_direct", "codecs_mha_page_head", "codecs_mla_layer_first", "codecs_mla_page_first",
+    "codecs_mla_page_first_direct", "layout_mismatch", "unsupported_layout", "mla_one_writer", "daemon_down",
     "failure_injector", "concurrent_threads", "controller",
 ]
 

@@ -1,5 +1,9 @@
 """KV block codecs: raw, FP8 e4m3, INT4 (KIVI-style), zstd — the API the store and client call.
 
+Owns how a block's bytes become a smaller payload and back, for every layout it understands. It
+imports only ``kvstore.keys`` and ``kvstore.errors`` from the rest of kvstore (never the store,
+service, client, tiers or connectors), so both ends of the wire can use it.
+
     codec_id, payload = encode_block("fp8", raw, layout)   # payload: 1-D numpy uint8 (host)
     block = decode_block(codec_id, payload, layout, out=gpu_buffer)  # torch uint8, out's device
 
@@ -13,6 +17,10 @@
 * Anything a codec cannot represent faithfully raises ``CodecError`` (a ``KVStoreError``):
   unknown codec id, a layout or dtype the codec does not interpret (store raw instead),
   NaN/Inf in a block, a truncated or corrupted payload, a payload encoded for another shape.
+  Refusals to encode (layout, dtype, NaN/Inf) are ``Refused`` with a stable ``reason``
+  (``REASONS``): the label under which the store counts blocks and bytes it kept raw.
+* Layouts: K+V blocks, K-only / V-only segments and MLA latents, in the axis grammar of
+  ``codecs.layout`` or an engine name from ``codecs.engine_layouts``.
 
 See docs/codecs.md for formats, fidelity and speed.
 """
@@ -22,16 +30,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore.codecs.base import Codec, as_byte_tensor, to_device
+from kvstore.codecs.base import Codec, as_byte_tensor
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.header import HEADER_BYTES, parse_header, verify_body
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.lossless import RawCodec, ZstdCodec
+from kvstore.codecs.refusal import REASONS, Refused, reason_of
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-__all__ = ["CODEC_IDS", "Codec", "CodecError", "check_layout", "codec_for_id", "decode_block",
-           "encode_block", "get_codec", "warm_up"]
+__all__ = ["CODEC_IDS", "Codec", "CodecError", "REASONS", "Refused", "check_layout", "codec_for_id",
+           "compiled_on_cpu", "decode_block", "encode_block", "get_codec", "reason_of", "warm_up"]
 
 _CODECS: tuple[Codec, ...] = (
     RawCodec(),
@@ -66,11 +75,21 @@ def get_codec(name_or_id: str | int) -> Codec:
 
 
 def check_layout(name_or_id: str | int, layout: KVLayout) -> None:
-    """Raise ``CodecError`` (saying why) if this codec cannot encode blocks of ``layout``.
+    """Raise ``Refused`` (a ``CodecError`` saying why, ``.reason`` a stable label) if this codec
+    cannot encode blocks of ``layout``.
 
     Call it once per namespace and tier to decide raw vs encoded, instead of per block.
     """
     get_codec(name_or_id).check_layout(layout)
+
+
+def compiled_on_cpu(name_or_id: str | int, layout: KVLayout) -> bool:
+    """Whether encoding and decoding blocks of ``layout`` on the CPU runs the compiled kernels
+    (bf16, numba installed, a layout whose rows they can address), not the eager torch reference."""
+    codec = get_codec(name_or_id)
+    if not codec.lossy:
+        return False
+    return codec.fast_modules(codec.shape_of(layout), torch.device("cpu")) is not None
 
 
 def _block_bytes(raw, layout: KVLayout, field: str) -> torch.Tensor:
@@ -120,8 +139,8 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
                              f"are {layout.block_bytes} bytes")
         dst.copy_(src)
         return dst
-    host = src.cpu() if src.device.type != "cpu" else src
-    view = memoryview(host.numpy())
+    host = (src.cpu() if src.device.type != "cpu" else src).numpy()
+    view = memoryview(host)
     header = parse_header(view)
     if header.codec_id != codec.codec_id:
         raise CodecError(f"block is labelled codec {codec.codec_id} ({codec.name}) but its payload "
@@ -131,10 +150,7 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
                          f"{codec.header_param(layout)} for this layout")
     header.check_layout(layout)
     verify_body(header, view[HEADER_BYTES:])
-    body = host[HEADER_BYTES:]
-    if dst.device.type != "cpu" and codec.lossy:
-        body = to_device(body, dst.device)
-    codec.decode(header, body, layout, dst)
+    codec.decode(header, host[HEADER_BYTES:], layout, dst)
     return dst
 
 
@@ -144,6 +160,6 @@ def warm_up() -> None:
     layout = KVLayout("kvstore/warm-up", num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
                       block_tokens=32, layout="kv,layer,token,head,dim")
     raw = torch.linspace(-1, 1, layout.block_bytes // 2).to(torch.bfloat16)
-    for codec in _CODECS:
+    for codec in _CODECS:  # (every kernel has one signature: one layout compiles them all)
         if codec.lossy:
             decode_block(*encode_block(codec.codec_id, raw, layout), layout)

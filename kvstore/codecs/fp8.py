@@ -1,5 +1,8 @@
 """FP8 e4m3: one byte per element plus a bf16 scale per (token, head) — or per head.
 
+For a one-tensor block (a K-only or V-only segment, an MLA latent: ``heads`` 1) the row is the
+token's vector, so an MLA latent gets one scale per token over its kv_lora_rank + rope dims.
+
 ``code = e4m3(x / scale)`` with ``scale = amax / 448`` (rounded up so nothing saturates), and
 ``x' = e4m3_to_float(code) * scale``. e4m3 keeps ~3 significant bits over a wide exponent range,
 so outlier key channels cost precision only within their own (token, head) row. The per-head
@@ -16,8 +19,8 @@ import torch
 
 from kvstore.codecs.base import Section, SectionCodec
 from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
-from kvstore.codecs.layout import BlockShape, kv_views
-from kvstore.errors import CodecError
+from kvstore.codecs.fast_runner import words32_ok
+from kvstore.codecs.layout import BlockShape, canonical_shape, kv_views
 
 E4M3_MAX = 448.0
 SCALE_DTYPE = torch.bfloat16
@@ -29,14 +32,14 @@ class Fp8Codec(SectionCodec):
         self.param = 1 if per_head else 0
 
     def _scale_shape(self, s: BlockShape) -> tuple[int, ...]:
-        return (2, s.layers, s.heads) if self.per_head else (2, s.layers, s.tokens, s.heads)
+        return (s.parts, s.layers, s.heads) if self.per_head else (s.parts, s.layers, s.tokens, s.heads)
 
     def sections(self, s: BlockShape) -> list[Section]:
-        return [Section("codes", torch.uint8, (2, s.layers, s.tokens, s.heads, s.dim)),
+        return [Section("codes", torch.uint8, canonical_shape(s)),
                 Section("scales", SCALE_DTYPE, self._scale_shape(s))]
 
     def _broadcast(self, scale: torch.Tensor) -> torch.Tensor:
-        """[2, L, H] or [2, L, T, H] -> broadcastable against [2, L, T, H, D]."""
+        """[P, L, H] or [P, L, T, H] -> broadcastable against [P, L, T, H, D]."""
         return scale[:, :, None, :, None] if self.per_head else scale[..., None]
 
     def quantize(self, x: torch.Tensor, s: BlockShape, parts: dict[str, torch.Tensor],
@@ -53,19 +56,22 @@ class Fp8Codec(SectionCodec):
         for view, i in kv_views(block, s):  # x * scale rounded to float32, stored in the block's dtype
             torch.mul(x[i], scales[i], out=view)
 
-    def fast_encode(self, fast, k_src, v_src, parts: dict[str, torch.Tensor]) -> None:
-        codes = parts["codes"].numpy()
-        scales = fast.words(parts["scales"])
-        for i, ((words, geom), what) in enumerate(((k_src, "K"), (v_src, "V"))):
-            sc = scales[i].reshape(geom[1], 1, geom[3]) if self.per_head else scales[i]
-            bad = fast.by_layers(geom, lambda a, b, g, c=codes[i], sc=sc, w=words: fast.fp8_encode(
-                w, *g, c[a:b], sc[a:b], self.per_head))
-            if bad:
-                raise CodecError(f"block contains NaN or Inf in {what}; refusing to encode it")
+    def fast_ok(self, s: BlockShape) -> bool:
+        return words32_ok(s)   # decode writes two bf16 per 32-bit word
 
-    def fast_decode(self, fast, parts: dict[str, torch.Tensor], kv: int, words, geom) -> None:
-        codes = parts["codes"].numpy()[kv]
-        scales = fast.words(parts["scales"])[kv]
-        sc = scales.reshape(geom[1], 1, geom[3]) if self.per_head else scales
-        fast.by_layers(geom, lambda a, b, g: fast.fp8_decode(
-            codes[a:b], sc[a:b], fast.E4M3_TO_F32, words, *g, self.per_head))
+    def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
+        codes, scales = sections["codes"], sections["scales"]
+        nc, ns = codes.size // s.parts, scales.size // s.parts
+        jobs = []
+        for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
+            c, sc, g = codes[i * nc:(i + 1) * nc], scales[i * ns:(i + 1) * ns], (off, T, H, D, sl, st, sh)
+            if not encode:   # decode: codes as 16-bit pairs, the block as 32-bit words
+                pairs, words32 = c.view("<u2"), words.view("<u4")
+                g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)
+                jobs.append((lambda a, b, c=pairs, sc=sc, w=words32, g=g: kernels.fp8_decode(
+                    c, sc, self.per_head, w, *g, a, b), L * T))
+            elif self.per_head:
+                jobs.append((lambda a, b, c=c, sc=sc, w=words, g=g: kernels.fp8_head_encode(w, *g, a, b, c, sc), L))
+            else:
+                jobs.append((lambda a, b, c=c, sc=sc, w=words, g=g: kernels.fp8_encode(w, *g, a, b, c, sc), L * T))
+        return jobs

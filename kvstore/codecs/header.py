@@ -31,6 +31,7 @@ HEADER_BYTES = _FORMAT.size + _CRC.size  # 48
 #: stable codes for KVLayout.dtype names (stored in headers: never renumber)
 DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3, "float8_e4m3fn": 4, "float8_e5m2": 5,
                "int8": 6, "uint8": 7}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def parse_header(payload: memoryview) -> Header:
     if version != VERSION:
         raise CodecError(f"codec header version {version} is not supported by this build "
                          f"(supports {VERSION})")
-    dtype = {v: k for k, v in DTYPE_CODES.items()}.get(dtype_code)
+    dtype = _DTYPE_NAMES.get(dtype_code)
     if dtype is None:
         raise CodecError(f"codec header names unknown dtype code {dtype_code}")
     if len(payload) != HEADER_BYTES + body_len:

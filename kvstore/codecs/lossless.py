@@ -44,10 +44,10 @@ class ZstdCodec(Codec):
         payload[HEADER_BYTES:] = np.frombuffer(body, np.uint8)
         return payload
 
-    def decode(self, header: Header, body: torch.Tensor, layout: KVLayout, out: torch.Tensor) -> None:
+    def decode(self, header: Header, body: np.ndarray, layout: KVLayout, out: torch.Tensor) -> None:
         planes = header.param  # decode_block has checked it against header_param()
         try:
-            data = zstandard.ZstdDecompressor().decompress(body.numpy(),
+            data = zstandard.ZstdDecompressor().decompress(body,
                                                            max_output_size=layout.block_bytes)
         except zstandard.ZstdError as e:
             raise CodecError(f"zstd payload does not decompress: {e}") from e

@@ -167,6 +167,63 @@ def check_roundtrip(url: str, kind: str, layout: str) -> str:
     return f"{g.segments_per_page} segments x {g.segment_bytes} B per page"
 
 
+CODECS = ("fp8", "fp8_head", "int4_g32", "int4_g64", "zstd")
+
+
+def fill_kv_like(pool, seed: int) -> None:
+    """KV-like values (channel outliers, magnitudes varying by row): random bytes would hold NaNs,
+    which codecs refuse."""
+    g = torch.Generator().manual_seed(seed)
+    buf = pool.kv_buffer
+    x = torch.randn(buf.shape, generator=g) * torch.rand(*buf.shape[:-1], 1, generator=g).mul(3).add(0.1)
+    x[..., :1] = x[..., :1] * 4 + 20
+    buf.copy_(x.to(buf.dtype))
+
+
+def check_codec_roundtrip(url: str, kind: str, layout: str) -> str:
+    """Codecs understand the namespace layout this backend builds for a real SGLang host pool:
+    every segment of two pages, encoded from the pool's memory and decoded straight into another
+    pool's memory (the zero-copy path), comes back within the codec's error: per (token, head) row
+    for fp8 (rows are head_dim wide in every layout), by norm for the rest, exact for zstd."""
+    from kvstore import codecs
+
+    make = (lambda lay: mha_host_pool(lay, head_dim=64)) if kind == "mha" else mla_host_pool
+    src, dst = make(layout), make(layout)
+    fill_kv_like(src, 21)
+    b_src = backend_for(storage_config(url, mla=kind == "mla"), src)
+    b_dst = backend_for(storage_config(url, mla=kind == "mla"), dst)
+    ns_layout = b_src.namespace.layout
+    segs_src = b_src.geometry.segment_views(page_indices(2, 2), 2)
+    segs_dst = b_dst.geometry.segment_views(page_indices(5, 2), 2)
+    ratios, no_gain = {}, []
+    for codec in CODECS:
+        try:
+            codecs.check_layout(codec, ns_layout)
+        except codecs.Refused as e:   # these test pages are tiny: a codec may not shrink them
+            expect(e.reason == "no_gain", f"{codec} refused the backend's layout: {e}")
+            no_gain.append(codec)
+        stored = 0
+        for a, b in zip(segs_src, segs_dst):
+            cid, payload = codecs.encode_block(codec, a, ns_layout)
+            stored += payload.nbytes
+            codecs.decode_block(cid, payload, ns_layout, out=b)
+        ratios[codec] = round(sum(s.size for s in segs_src) / stored, 2)
+        for p_src, p_dst in zip((2, 3), (5, 6)):
+            x = src.get_data_page(p_src * PAGE, flat=True).float()
+            y = dst.get_data_page(p_dst * PAGE, flat=True).float()
+            if codec == "zstd":
+                expect(torch.equal(x, y), f"{codec}: not exact")
+                continue
+            rel = ((y - x).norm() / x.norm()).item()
+            expect(rel < (0.04 if codec.startswith("fp8") else 0.12), f"{codec}: relative error {rel:.4f}")
+            if codec == "fp8":
+                rows_x, rows_y = x.view(-1, int(ns_layout.head_dim)), y.view(-1, int(ns_layout.head_dim))
+                amax = rows_x.abs().amax(dim=1, keepdim=True)
+                bound = rows_x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + rows_y.abs() * torch.finfo(torch.bfloat16).eps
+                expect(bool(((rows_y - rows_x).abs() <= bound).all()), f"{codec}: a row outside its e4m3 step")
+    return f"{ns_layout.layout}: ratios {ratios}" + (f"; no gain (stored raw): {no_gain}" if no_gain else "")
+
+
 def check_layout_mismatch(url: str) -> str:
     """A page stored from one layout (or dtype, or model) is never read into another."""
     writer = mha_host_pool("page_first")
@@ -395,6 +452,10 @@ def all_checks(url: str) -> dict:
         checks[f"roundtrip_mha_{layout}"] = lambda layout=layout: check_roundtrip(url, "mha", layout)
     for layout in MLA_LAYOUTS:
         checks[f"roundtrip_mla_{layout}"] = lambda layout=layout: check_roundtrip(url, "mla", layout)
+    for layout in MHA_LAYOUTS:
+        checks[f"codecs_mha_{layout}"] = lambda layout=layout: check_codec_roundtrip(url, "mha", layout)
+    for layout in MLA_LAYOUTS:
+        checks[f"codecs_mla_{layout}"] = lambda layout=layout: check_codec_roundtrip(url, "mla", layout)
     checks["layout_mismatch"] = lambda: check_layout_mismatch(url)
     checks["unsupported_layout"] = lambda: check_unsupported_layout(url)
     checks["mla_one_writer"] = lambda: check_mla_one_writer(url)
