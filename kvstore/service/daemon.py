@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
 
-from kvstore.buffers import HeapTrimmer, limit_heap_arenas
+from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
 from kvstore.service.auth import Authenticator
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
