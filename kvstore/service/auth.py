@@ -64,11 +64,6 @@ class Authenticator:
             if key == "authorization":
                 header = value
                 break
-        return self.tenant_of_header(header, credentials)
-
-    def tenant_of_header(self, header: str, credentials: _Credentials | None = None) -> str:
-        """The tenant of an ``Authorization`` header's value (the HTTP endpoint passes its own)."""
-        credentials = credentials or self._credentials
         scheme, _, token = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: missing bearer token")

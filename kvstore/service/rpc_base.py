@@ -59,7 +59,14 @@ class ServicerBase:
         return self.stalls.cancel_stalled(idle_s)
 
     def tenant_of(self, context, requested: str = "") -> str:
-        return self.auth.tenant(context.invocation_metadata(), requested)
+        """The caller's tenant, resolved once per call: with auth on, the token check hashes the
+        token and compares it with every known one, and a side-channel RPC asks three times."""
+        if not self.auth.enabled:
+            return self.auth.tenant(context.invocation_metadata(), requested)
+        tenant = getattr(context, "tenant", None)
+        if tenant is None:
+            tenant = context.tenant = self.auth.tenant(context.invocation_metadata())
+        return tenant
 
     def caller_namespace(self, context, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
         """The caller's namespace, or NOT_FOUND (also for another tenant's: no probing)."""
