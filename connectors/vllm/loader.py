@@ -67,12 +67,20 @@ class LoadJob:
             self.scatter_layer(i)
 
     def scatter_layer(self, i: int) -> None:
-        """Place layer ``i`` of the blocks that arrived (once)."""
+        """Place layer ``i`` of the blocks that arrived (once). Never raises: it runs inside
+        vLLM's step (sync loads, ``wait_for_layer_load``), so a failure makes every block of the
+        job a load error, which vLLM recomputes, and the remaining layers are not placed."""
         if i in self._layers_placed:
             return
         self._layers_placed.add(i)
-        if self._good_ids:
+        if not self._good_ids:
+            return
+        try:
             self.paged.scatter_layer(i, self._good_ids, self._good_rows)
+        except Exception as e:  # noqa: BLE001 - the engine must never see a connector failure
+            logger.warning("kvstore connector: placing loaded blocks failed: %s", e)
+            self.bad |= set(self.block_ids)
+            self.good, self._good_ids = [], []
 
     @property
     def layers_placed(self) -> frozenset[int]:
@@ -108,11 +116,7 @@ class BackgroundLoader:
             t0 = time.perf_counter()
             job.fetch(self.handle)
             if place_all:
-                try:
-                    job.scatter()
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("kvstore connector: placing loaded blocks failed: %s", e)
-                    job.bad |= set(job.block_ids)
+                job.scatter()
                 job.release()
             self.stats_add("loaded_blocks", len(job.good))
             self.stats_add("load_failed_blocks", len(job.bad))
