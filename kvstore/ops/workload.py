@@ -161,6 +161,18 @@ def _zipf_choice(rng: np.random.Generator, n: int, s: float, size: int) -> np.nd
     return rng.choice(n, size=size, p=weights / weights.sum())
 
 
+def _session_steps(rng, starts, steps: int, gap_s: float) -> list[tuple[float, int, int]]:
+    """``(time, session, step)`` for sessions starting at ``starts``, each taking ``steps`` steps
+    an exponential ``gap_s`` apart, in time order (chat turns and agent steps alike)."""
+    events = []
+    for s, t in enumerate(starts):
+        for k in range(steps):
+            events.append((t, s, k))
+            t += rng.exponential(gap_s)
+    events.sort()
+    return events
+
+
 def _chat(rng, n, block_tokens, conversations=0, turns=8, system_prompts=4, system_tokens=1024,
           user_tokens=150, reply_tokens=350, rate=20.0, think_s=30.0, zipf=1.0):
     """Conversations arrive at ``rate``/s; turn k is sent ``think_s`` (exp.) after turn k-1 and
@@ -168,14 +180,7 @@ def _chat(rng, n, block_tokens, conversations=0, turns=8, system_prompts=4, syst
     conversations = conversations or max(1, n // turns)
     starts = np.cumsum(rng.exponential(1.0 / rate, conversations))
     sys_of = _zipf_choice(rng, system_prompts, zipf, conversations)
-    events = []
-    for c in range(conversations):
-        t = starts[c]
-        for k in range(turns):
-            events.append((t, c, k))
-            t += rng.exponential(think_s)
-    events.sort()
-    for t, c, k in events[:n]:
+    for t, c, k in _session_steps(rng, starts, turns, think_s)[:n]:
         history = k * (user_tokens + reply_tokens) + user_tokens
         pieces = [(_group_id(f"sys-{sys_of[c]}"), system_tokens), (_group_id(f"conv-{c}"), history)]
         yield Request(float(t), *chain_groups(pieces, block_tokens))
@@ -210,15 +215,8 @@ def _agent(rng, n, block_tokens, steps=20, system_tokens=3000, task_tokens=300, 
     (reuse approaches (steps-1)/steps of the context)."""
     sessions = max(1, n // steps)
     starts = np.cumsum(rng.exponential(1.0 / rate, sessions))
-    events = []
-    for s in range(sessions):
-        t = starts[s]
-        for k in range(steps):
-            events.append((t, s, k))
-            t += rng.exponential(step_s)
-    events.sort()
     sys_gid = _group_id("agent-sys")
-    for t, s, k in events[:n]:
+    for t, s, k in _session_steps(rng, starts, steps, step_s)[:n]:
         pieces = [(sys_gid, system_tokens), (_group_id(f"agent-{s}"), task_tokens + k * tool_tokens)]
         yield Request(float(t), *chain_groups(pieces, block_tokens))
 
