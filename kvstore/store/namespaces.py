@@ -53,16 +53,17 @@ class NamespaceRegistry:
         """Unregister a namespace and delete its file (``kvstore ns drop``); its blocks are the
         caller's to drop. Returns what was removed (None: it was not registered)."""
         with self._register_lock:
-            ns = self._namespaces.pop(namespace_id, None)
+            ns = self._namespaces.get(namespace_id)
             if ns is None:
                 return None
-            self._per_tenant[ns.tenant] -= 1
-            if self.files is not None:
+            if self.files is not None:  # the file first: a failure leaves memory and disk agreeing
                 try:
                     self.files.remove(namespace_id)
                 except OSError as e:
                     raise TierIOError(f"cannot remove namespace {namespace_id.hex()} from the registry: "
                                       f"{e.strerror or e}") from e
+            del self._namespaces[namespace_id]
+            self._per_tenant[ns.tenant] -= 1
             return ns
 
     def _insert(self, ns: Namespace) -> None:
