@@ -92,11 +92,6 @@ def f32_to_bf16_bits(f):
 
 
 @njit(inline="always")
-def f32_to_bf16(f):
-    return U16(f32_to_bf16_bits(f))
-
-
-@njit(inline="always")
 def bf16_round_up(f):
     """bf16 >= f (f >= 0, finite): torch.where(y < f, nextafter(y, inf), y), branch-free."""
     y = f32_to_bf16_bits(f)
