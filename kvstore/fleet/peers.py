@@ -66,6 +66,7 @@ class PeerClients:
     def get(self, address: str, store: Store, ns: bytes):
         """A client for the peer at ``address``, with namespace ``ns`` registered there (the
         Client needs its layout)."""
+        evicted = []
         with self._lock:
             entry = self._clients.get(address)
             if entry is None:
@@ -74,16 +75,20 @@ class PeerClients:
                 while len(self._clients) > self.max_clients:
                     _, (old, _) = self._clients.popitem(last=False)
                     self.evicted += 1
-                    _close(old)
+                    evicted.append(old)
             self._clients.move_to_end(address)
-            client, registered = entry
-            if ns not in registered and hasattr(client, "register_namespace"):
-                got = client.register_namespace(store.namespace(ns))
-                if got != ns:
-                    raise InvalidArgument("fleet.peer_token", f"peer {address} files this namespace under "
-                                          "another tenant; give the fleet a token of the same tenant")
-                registered.add(ns)
-            return client
+        for old in evicted:
+            _close(old)
+        # Outside the lock: a registration is a round trip to the peer (up to its timeout), and
+        # one slow peer must not hold up fetches from every other (registering twice is harmless).
+        client, registered = entry
+        if ns not in registered and hasattr(client, "register_namespace"):
+            got = client.register_namespace(store.namespace(ns))
+            if got != ns:
+                raise InvalidArgument("fleet.peer_token", f"peer {address} files this namespace under "
+                                      "another tenant; give the fleet a token of the same tenant")
+            registered.add(ns)
+        return client
 
     def close(self) -> None:
         with self._lock:
