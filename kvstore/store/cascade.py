@@ -205,19 +205,19 @@ class Cascade:
 
     # -- copies ----------------------------------------------------------------------------------
 
-    def read_copy(self, entry: Entry, t: int) -> np.ndarray:
+    def read_copy(self, entry: Entry, t: int, scratch: Scratch | None = None) -> np.ndarray:
         """The bytes of one copy, zero-copy when the tier can give a single view. May return the
-        thread's scratch buffer: make room in the destination *before* calling this, since making
-        room can demote another block through the same scratch buffer."""
+        thread's buffer of ``scratch`` (the cascade's own by default): make room in the destination
+        *before* calling this, since making room can demote another block through the cascade's
+        scratch buffer."""
         tier = self.tiers[t]
         record = entry.copies[t]
         if isinstance(tier, CpuTier):
             views = tier.view(entry.key)
             if len(views) == 1:
                 return views[0]
-        out = self._scratch.get(record.stored_size)
-        tier.read_into(entry.key, out)
-        return out
+        out = (scratch or self._scratch).get(record.stored_size)
+        return out[:tier.read_into(entry.key, out)]
 
     def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True,
                    downward: bool = False, decoded=None) -> None:

@@ -17,9 +17,9 @@ import numpy as np
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
 from kvstore.store.cascade import Cascade
-from kvstore.store.index import Entry
-from kvstore.tiers.cpu import CpuTier
 
+# Not the cascade's scratch: a read payload must outlive the promotion it feeds, which can demote
+# another block through the cascade's buffer.
 _payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
 
@@ -40,7 +40,7 @@ def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np
         try:
             codec = record.codec
             if codec != 0 and codec not in accept:
-                payload = _stored_payload(cascade, entry, t)
+                payload = cascade.read_copy(entry, t, _payloads)
                 decoded = cascade.transcoder.decode(namespace_id, entry.raw_size, record, payload, out=dst)
                 n, codec = decoded.nbytes, 0
             else:
@@ -59,14 +59,3 @@ def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np
                 cascade.promote(entry, t, payload, decoded)
             cascade.unpin(entry)
         return n, codec
-
-
-def _stored_payload(cascade: Cascade, entry: Entry, t: int) -> np.ndarray:
-    """Copy ``t``'s stored bytes: in place when it is one piece of the CPU arena, else read."""
-    tier = cascade.tiers[t]
-    if isinstance(tier, CpuTier):
-        views = tier.view(entry.key)
-        if len(views) == 1:
-            return views[0]
-    buf = _payloads.get(entry.copies[t].stored_size)
-    return buf[:tier.read_into(entry.key, buf)]
