@@ -34,8 +34,8 @@ import xxhash
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
-from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, open_regular,
-                                         replace_file)
+from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, fsync_dir,
+                                         open_regular, replace_file, unlink_quietly)
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -81,7 +81,7 @@ def o_direct_supported(directory: str) -> bool:
     try:
         fd = create_exclusive(probe, os.O_DIRECT)
     except OSError:
-        _unlink_quietly(probe)  # some filesystems create the file, then refuse O_DIRECT
+        unlink_quietly(probe)  # some filesystems create the file, then refuse O_DIRECT
         return False
     try:
         os.write(fd, mmap.mmap(-1, ALIGN))
@@ -164,11 +164,7 @@ class NvmeTier(Tier):
     def sync(self) -> None:
         """Make every rename so far durable: one directory fsync for a whole batch."""
         try:
-            dfd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(self.path)
         except OSError as e:
             raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
 
@@ -247,7 +243,7 @@ class NvmeTier(Tier):
             if entry is None:
                 return
             self.used_bytes -= entry[1]
-        _unlink_quietly(self.file_path(key))
+        unlink_quietly(self.file_path(key))
 
     def record(self, key: bytes) -> BlockRecord:
         return self._files[key][0]
@@ -261,7 +257,7 @@ class NvmeTier(Tier):
         for name in names:
             path = os.path.join(self.path, name)
             if name.endswith(".tmp"):
-                _unlink_quietly(path)
+                unlink_quietly(path)
                 continue
             if not name.endswith(SUFFIX):
                 continue
@@ -273,11 +269,11 @@ class NvmeTier(Tier):
                 continue
             except (OSError, ValueError):
                 self.corrupt_dropped += 1
-                _unlink_quietly(path)
+                unlink_quietly(path)
                 continue
             if record.key.hex() + SUFFIX != name:
                 self.corrupt_dropped += 1
-                _unlink_quietly(path)
+                unlink_quietly(path)
                 continue
             fp = HEADER_BYTES + _round_up(record.stored_size)
             with self._lock:
@@ -327,12 +323,3 @@ def _pwritev_all(fd: int, pieces: list[memoryview]) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
-
-
-def _unlink_quietly(path: str) -> None:
-    """Best effort: on a filesystem gone read-only (or a vanished directory) dropping a block
-    must not turn an eviction into a failed request; a file left behind is still a valid block."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -108,10 +108,7 @@ def replace_file(path: str, write, extra_flags: int = 0) -> None:
         os.fsync(fd)
     except OSError:
         os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quietly(tmp)
         raise
     os.close(fd)
     os.rename(tmp, path)
@@ -146,3 +143,21 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise NotRegularFile(path, file_kind(mode))
     return fd
+
+
+def unlink_quietly(path: str) -> None:
+    """Best effort: on a filesystem gone read-only (or a vanished directory) dropping a file must
+    not turn an eviction or a cleanup into a failed request; a file left behind stays valid."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def fsync_dir(path: str) -> None:
+    """Make the renames and unlinks in directory ``path`` so far durable (OSError if it cannot)."""
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

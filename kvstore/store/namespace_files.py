@@ -23,7 +23,8 @@ import logging
 import os
 
 from kvstore.keys import Namespace
-from kvstore.tiers.private_files import NotRegularFile, claim_private_dir, open_regular, replace_file
+from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, fsync_dir, open_regular, replace_file,
+                                         unlink_quietly)
 
 log = logging.getLogger("kvstore.store.namespace_files")
 
@@ -56,13 +57,13 @@ class NamespaceFiles:
                     self.save(ns)
                     found[ns.id] = ns
             os.unlink(self._legacy_path())   # every namespace it held is a file of its own now
-            _fsync_dir(self.parent)
+            fsync_dir(self.parent)
         return list(found.values())
 
     def save(self, ns: Namespace) -> None:
         """Persist one namespace durably (OSError on failure, nothing left behind)."""
         replace_file(self.file_path(ns.id), lambda fd: os.write(fd, json.dumps(ns.to_dict(), sort_keys=True).encode()))
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def remove(self, namespace_id: bytes) -> None:
         """Forget one namespace durably (``kvstore ns drop``); absent is fine."""
@@ -70,7 +71,7 @@ class NamespaceFiles:
             os.unlink(self.file_path(namespace_id))
         except FileNotFoundError:
             return
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -79,7 +80,7 @@ class NamespaceFiles:
         for name in os.listdir(self.path):
             path = os.path.join(self.path, name)
             if name.endswith(".tmp"):
-                _unlink_quietly(path)   # a crash mid-save: that registration never completed
+                unlink_quietly(path)   # a crash mid-save: that registration never completed
                 continue
             if not name.endswith(SUFFIX):
                 continue
@@ -142,18 +143,3 @@ class NamespaceFiles:
             self.dropped_damaged += 1
             log.warning("namespace registry: %s is damaged; its namespaces must be registered again", path)
             return []
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
