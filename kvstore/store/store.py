@@ -18,8 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 import numpy as np
 
 from kvstore.buffers import as_bytes
-from kvstore.errors import (BlockCorrupt, BlockTooLarge, CodecError, InvalidArgument, QuotaExceeded, TierIOError,
-                            WrongBlockSize)
+from kvstore.errors import BlockTooLarge, InvalidArgument, QuotaExceeded, TierIOError
 from kvstore.keys import Namespace
 from kvstore.store.admin import StoreAdmin
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
