@@ -59,6 +59,31 @@ def codec_daemon(request, tmp_path_factory):
     assert d.stop() == 0
 
 
+def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(tmp_path):
+    """On a cold numba cache the kernels take seconds to compile (9 s here): a daemon that said
+    SERVING before then made its first put into a codec tier wait for the compiler past the
+    client's deadline. Ready (ready file, health SERVING) now means every kernel is compiled."""
+    pytest.importorskip("numba")
+    from kvstore.codecs import fast_cpu
+
+    cache = tmp_path / "numba-cache"
+    config = tmp_path / "kvstore.yaml"
+    config.write_text(f"codecs:\n  cpu: int4_g64\nshm_dir: {tmp_path}\n")
+    d = start_local_daemon(tmp_path / "d", "--config", str(config), cpu_bytes="8MiB", nvme_bytes="64MiB",
+                           env={"NUMBA_CACHE_DIR": str(cache)})
+    try:
+        compiled = {p.name.split(".")[1].rsplit("-", 1)[0] for p in cache.rglob("*.nbi")}
+        assert compiled == set(fast_cpu.KERNEL_NAMES)
+        assert "codec kernels ready" in d.log()
+        hashes, blocks = chain(2, seed=5)
+        with d.client(timeout_s=2.0) as c:
+            ns = c.register_namespace(Namespace(LAYOUT))
+            assert c.put(ns, hashes, blocks) == ["stored"] * 2
+            assert c.stats()["tiers"]["cpu"]["codec"]["encoded_blocks"] == 2
+    finally:
+        assert d.stop() == 0
+
+
 def test_puts_over_every_transport_are_stored_encoded_and_read_back_decoded(codec_daemon):
     codec, d = codec_daemon
     chains = {t: chain(3, seed=10 + i) for i, t in enumerate(TRANSPORTS)}

@@ -103,7 +103,7 @@ def test_kill_9_mid_write_loop_then_restart(tmp_path, mode, delay):
         assert [g is not None for g in got] == [True] * len(acked)
         assert all(g == expected(h) for g, h in zip(got, acked))
         # whatever else survived is intact too: no torn block is ever served
-        recovered = [e.block_hash for e in store._index.values()]
+        recovered = [b.block_hash for b in store.block_states()]
         assert set(acked) <= set(recovered)
         for h, g in zip(recovered, store.get(ns, recovered)):
             assert g is None or g == expected(h)

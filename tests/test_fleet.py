@@ -87,7 +87,7 @@ def test_eviction_withdraws_entries(make_node, redis_url, prefix):
         store.put(NS.id, [h], [b], parent=p)
     assert fleet.wait_published()
     d = Directory(redis_url, prefix, secret=SECRET)
-    slot = fleet._slots[NS.id]
+    slot = fleet.publisher.slots[NS.id]
     published = [c is not None for c in d.checksums(NS.id, slot, hashes)]
     assert published == store.contains(NS.id, hashes)
     assert sum(published) == 4
@@ -154,7 +154,7 @@ def test_dead_slots_are_swept_and_a_restarted_node_replaces_its_old_slot(make_no
     s2.put(NS.id, hashes[:1], blocks[:1])
     assert f1.wait_published() and f2.wait_published()
     d = Directory(redis_url, prefix, secret=SECRET)
-    old_slot = f1._slots[NS.id]
+    old_slot = f1.publisher.slots[NS.id]
     f1.close(unpublish=False)              # like a crash: nothing withdrawn, the slot just stops beating
     wait_for(lambda: d.route(NS.id, hashes) and d.route(NS.id, hashes)[0].node_id == "n2",
              timeout_s=5, what="n1 to drop out of routing once its slot expires")

@@ -119,7 +119,8 @@ def test_promotion_on_hit(harness):
     assert h.check(cold[:1]) == [True]
     assert h.store.stats()["counters"]["hits_cpu"] == 1
     # the NVMe copy is kept: evicting the promoted block again costs no write
-    assert sorted(h.store._index[h.ns + cold[0]].copies) == [0, 1]
+    state = next(b for b in h.store.block_states() if b.namespace_id == h.ns and b.block_hash == cold[0])
+    assert sorted(state.tiers) == [0, 1]
     assert h.store.stats()["tiers"]["nvme"]["blocks"] == 5  # 4 + the block demoted to make room
 
 
@@ -211,7 +212,7 @@ def test_two_phase_load_promotes_pins_and_expires(harness):
         h.store.complete_load(lease.id)
     lease = h.store.prepare_load(h.ns, cold)
     assert h.store.expire_leases(now=lease.expires + 1) == 1
-    assert all(e.pins == 0 for e in h.store._index.values())
+    assert all(b.pins == 0 for b in h.store.block_states())
 
 
 def test_write_through_acks_persisted(harness, tmp_path):
@@ -477,8 +478,8 @@ def test_random_workload_never_serves_a_wrong_byte(harness, tiers):
     assert s["counters"]["demotions"] > 20 and s["counters"]["promotions"] > 20
     assert s["counters"].get("corrupt_dropped", 0) == 0
     for i, t in enumerate(h.store.tiers):
-        assert t.used_bytes == sum(t.footprint(sizes[e.namespace_id]) for e in h.store._index.values()
-                                   if i in e.copies)
+        assert t.used_bytes == sum(t.footprint(sizes[b.namespace_id]) for b in h.store.block_states()
+                                   if i in b.tiers)
 
 
 def test_concurrent_puts_and_gets(harness):

@@ -42,7 +42,7 @@ def test_demoted_blocks_are_encoded_and_read_back_close(tmp_path, codec, max_rel
     store.put(ns, hashes, blocks)
     nvme = store.tiers[1]
     assert nvme.stats()["blocks"] >= 6
-    encoded = [nvme.record(k) for k in list(nvme._files)]  # noqa: SLF001 - inspecting what hit disk
+    encoded = nvme.records()  # inspecting what hit disk
     assert all(r.codec != 0 for r in encoded)
     if codec != "zstd":  # lossy codecs shrink bf16 noise; zstd barely does
         assert all(r.stored_size < LAYOUT.block_bytes * 0.6 for r in encoded)
@@ -70,7 +70,7 @@ def test_codec_survives_restart_and_promotion_stores_raw(tmp_path):
         rel = float((as_floats(np.frombuffer(g, np.uint8)) - as_floats(want)).norm() / as_floats(want).norm())
         assert rel < 0.05
     cpu = again.tiers[0]
-    promoted = [k for k in cpu.slots._blocks]  # noqa: SLF001
+    promoted = cpu.slots.keys()
     assert promoted, "hits on NVMe are promoted into the CPU arena"
     # the CPU copy is raw (the CPU tier has no codec): it equals the decoded bytes exactly
     assert again.get(ns, hashes[-1:])[0] == got[-1]
@@ -208,7 +208,7 @@ def test_demotion_keeps_the_encoding_and_promotion_back_copies_it_as_is(tmp_path
     blocks = [kv_block(500 + i) for i in range(6)]
     store.put(ns, hashes, blocks)
     nvme = store.tiers[1]
-    on_disk = [nvme.record(k) for k in list(nvme._files)]  # noqa: SLF001 - inspecting what hit disk
+    on_disk = nvme.records()  # inspecting what hit disk
     assert on_disk and all(r.codec == codec_view("fp8", blocks[0])[0] for r in on_disk)
     assert store.get(ns, hashes) == [codec_view("fp8", b)[2] for b in blocks]
     assert store.stats()["counters"]["promotions"] >= 1

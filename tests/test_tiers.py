@@ -356,6 +356,6 @@ def test_cpu_arena_is_page_locked_with_cuda():
         pytest.skip("no CUDA device")
     tier = CpuTier(4 * 64 * KIB, slot_bytes=64 * KIB)
     try:
-        assert tier._cuda_registered
+        assert tier.page_locked
     finally:
         tier.close()

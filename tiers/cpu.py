@@ -54,7 +54,8 @@ class CpuTier(Tier):
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         if pretouch:
             self.arena[::mmap.PAGESIZE] = 0
-        self._cuda_registered = _register_with_cuda(self.arena)
+        # this process's mapping is page-locked (cudaHostRegister): a CUDA device is present
+        self.page_locked: bool = _register_with_cuda(self.arena)
 
     def footprint(self, nbytes: int) -> int:
         return self.slots.footprint(nbytes)

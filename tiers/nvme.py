@@ -248,6 +248,11 @@ class NvmeTier(Tier):
     def record(self, key: bytes) -> BlockRecord:
         return self._files[key][0]
 
+    def records(self) -> list[BlockRecord]:
+        """The record of every block this tier holds (a snapshot; for inspection)."""
+        with self._lock:
+            return [record for record, _ in self._files.values()]
+
     def recover(self) -> Iterator[BlockRecord]:
         """Rebuild the index from disk: delete leftovers and damaged files, yield intact blocks."""
         try:

@@ -50,6 +50,8 @@ _SIGNATURES = {
     "int4_decode_values": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I),
 }
 
+KERNEL_NAMES = tuple(_SIGNATURES)   # what ``warm_up`` compiles
+
 
 class _Lazy:
     """Compile a kernel on first call, for its one signature (one machine-code version and one

@@ -125,9 +125,17 @@ class Daemon:
         determinism_self_check()
         codecs_by_tier = {**settings.codecs.model_dump(), "redis": settings.redis_tier.codec}
         tier_codecs = {tier: codec for tier, codec in codecs_by_tier.items() if codec != "raw"}
+        # Until the codec kernels are compiled (seconds on a cold numba cache) the first put into a
+        # codec tier would wait for the compiler past a client's deadline: the daemon answers health
+        # NOT_SERVING and writes its ready file only once they are (see ``start``, ``wait_ready``).
+        self._warm = threading.Event()
+        self._warm_up = None
         if tier_codecs:
             from kvstore import codecs  # needs torch; fail at start, not at the first demotion
-            threading.Thread(target=codecs.warm_up, name="kvstore-codec-warm-up", daemon=True).start()
+            self._warm_up = threading.Thread(target=self._compile_codecs, args=(codecs.warm_up,),
+                                             name="kvstore-codec-warm-up", daemon=True)
+        else:
+            self._warm.set()
         self.settings = settings
         check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
@@ -183,7 +191,28 @@ class Daemon:
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
 
+    def _compile_codecs(self, warm_up: Callable[[], None]) -> None:
+        t0 = time.monotonic()
+        try:
+            warm_up()
+            log.info("codec kernels ready in %.1fs", time.monotonic() - t0)
+        except Exception:  # noqa: BLE001 - serve anyway: a block a codec cannot encode stays raw
+            log.exception("codec warm-up failed; encoding compiles on first use")
+        finally:
+            self._warm.set()
+            if not self._stop.is_set():
+                for name in ("", "kvstore.v1.KVStore"):
+                    self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """True once the daemon serves at full speed (its codec kernels are compiled)."""
+        return self._warm.wait(timeout_s)
+
     def start(self) -> None:
+        if self._warm_up is not None:
+            for name in ("", "kvstore.v1.KVStore"):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._warm_up.start()
         self.server.start()
         if self.fleet is not None:
             self.fleet.start()
@@ -260,6 +289,8 @@ def run(settings: Settings, ready_file: str | None = None,
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda *_: reload_asked.set())   # handled below, off the signal frame
     daemon.start()
+    while not daemon.wait_ready(0.2) and not stop.is_set():
+        pass
     info = daemon.ready_info()
     if ready_file:
         tmp = ready_file + ".tmp"

@@ -4,7 +4,7 @@ Everything a caller may need from the store's state goes through a public method
 registration with a snapshot (``subscribe``), a pinned view of one block (``pinned``), the shared
 arena's description (``shared_arena``), the size bound of a block (``largest_block_bytes``), a
 tenant's quota accounting (``tenant_bytes``, ``quota_hold``) and the figures one tenant may see
-(``tenant_stats``).
+(``tenant_stats``), and a snapshot of the index for inspection (``block_states``).
 ``lookup`` pins what it reports for ``lease_seconds``, so the get that follows never races an
 eviction; two-phase zero-copy operations are delegated to ``leases.Leases``.
 """
@@ -29,7 +29,7 @@ from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.puts import checked_payloads, put_chain
 from kvstore.store.reads import read_block
 from kvstore.store.recovery import recover
-from kvstore.store.views import PinnedBlock, SharedArena
+from kvstore.store.views import BlockState, PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
 from kvstore.wire import Lookup
 
@@ -142,6 +142,13 @@ class Store:
         if self.cpu_index is None:
             return None
         return SharedArena(self.tiers[self.cpu_index])  # type: ignore[arg-type]
+
+    def block_states(self) -> list[BlockState]:
+        """A snapshot of every block the index tracks (reserved, visible, or deleted while still
+        pinned): which tiers hold a copy and how many pins hold it. For inspection: tests, debugging."""
+        with self._lock:
+            return [BlockState(e.namespace_id, e.block_hash, tuple(sorted(e.copies)), e.pins, e.visible)
+                    for e in self._index.values()]
 
     # -- put -------------------------------------------------------------------------------------
 

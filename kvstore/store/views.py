@@ -1,5 +1,6 @@
-"""What the store lends to code above it without handing out its internals: one pinned block, and
-the description of the shared CPU arena that same-host clients map.
+"""What the store lends to code above it without handing out its internals: one pinned block, the
+description of the shared CPU arena that same-host clients map, and a copied-out state of a block
+for inspection.
 
 A ``PinnedBlock`` is only valid inside ``Store.pinned``'s ``with`` block: the pin is what keeps the
 block from being evicted and its arena slots from being reused while the caller reads them.
@@ -17,6 +18,18 @@ import numpy as np
 from kvstore.buffers import Extent
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.cpu import CpuTier
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockState:
+    """One block as the index sees it, copied out by ``Store.block_states`` (nothing in it refers
+    back into the store)."""
+
+    namespace_id: bytes
+    block_hash: bytes
+    tiers: tuple[int, ...]   # indexes into ``Store.tiers`` of the tiers holding a copy, ascending
+    pins: int                # explicit pins (in-flight reads, leases)
+    visible: bool            # served to lookups and gets (written, not deleted)
 
 
 class PinnedBlock:
