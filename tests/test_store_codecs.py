@@ -70,7 +70,7 @@ def test_codec_survives_restart_and_promotion_stores_raw(tmp_path):
         rel = float((as_floats(np.frombuffer(g, np.uint8)) - as_floats(want)).norm() / as_floats(want).norm())
         assert rel < 0.05
     cpu = again.tiers[0]
-    promoted = cpu.slots.keys()
+    promoted = cpu.stats()["blocks"]
     assert promoted, "hits on NVMe are promoted into the CPU arena"
     # the CPU copy is raw (the CPU tier has no codec): it equals the decoded bytes exactly
     assert again.get(ns, hashes[-1:])[0] == got[-1]

@@ -65,11 +65,6 @@ class SlotTable:
             self._free.extend(sorted(slots, reverse=True))
             return len(slots) * self.slot_bytes
 
-    def keys(self) -> list[bytes]:
-        """The keys of every block allocated here (a snapshot; for inspection)."""
-        with self._lock:
-            return list(self._blocks)
-
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
