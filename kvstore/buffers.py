@@ -2,19 +2,21 @@
 oversized request.
 
 A leaf: every layer that moves payload bytes (tiers, the store, the client's shared-memory
-transport, the server) needs the same small things, and none of them should import another
-layer to get them. Imports nothing from kvstore but the errors module.
+transport, the server, the codecs) needs the same small things, and none of them should import
+another layer to get them. Imports nothing from kvstore but the errors module; torch only inside
+``as_byte_tensor`` (and for a tensor given to ``as_bytes``).
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import CodecError, InvalidArgument
 
 Extent = tuple[int, int]  # (byte offset in an arena, length)
 
@@ -37,6 +39,29 @@ def as_bytes(buf, field: str = "blocks") -> np.ndarray:
 
         return t.contiguous().reshape(-1).view(torch.uint8).numpy()
     return np.frombuffer(buf, dtype=np.uint8)
+
+
+def as_byte_tensor(buf, field: str):
+    """``as_bytes`` as a flat uint8 torch tensor, for code that computes in torch (the codecs):
+    bytes, bytearray, memoryview, a numpy array or a tensor on any device (kept there), copying
+    nothing. What would need a copy is refused instead, with ``CodecError`` naming ``field``: a
+    non-contiguous array or tensor, or any other type."""
+    import torch
+
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous():
+            raise CodecError(f"{field}: tensor must be contiguous")
+        return buf.reshape(-1).view(torch.uint8)
+    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+        raise CodecError(f"{field}: array must be C-contiguous")
+    if not isinstance(buf, (np.ndarray, bytes, bytearray, memoryview)):
+        raise CodecError(f"{field}: expected bytes, a numpy array or a torch tensor, got {type(buf).__name__}")
+    arr = as_bytes(buf, field)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():  # read-only buffers are only ever read from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
 
 
 def scatter(arena: np.ndarray, extents: Sequence[Extent], src: np.ndarray) -> int:

@@ -1,8 +1,9 @@
 """KV block codecs: raw, FP8 e4m3, INT4 (KIVI-style), zstd — the API the store and client call.
 
 Owns how a block's bytes become a smaller payload and back, for every layout it understands. It
-imports only ``kvstore.keys`` and ``kvstore.errors`` from the rest of kvstore (never the store,
-service, client, tiers or connectors), so both ends of the wire can use it.
+imports only the leaves ``kvstore.keys``, ``kvstore.errors`` and ``kvstore.buffers`` from the rest
+of kvstore (never the store, service, client, tiers or connectors), so both ends of the wire can
+use it.
 
     codec_id, payload = encode_block("fp8", raw, layout)   # payload: 1-D numpy uint8 (host)
     block = decode_block(codec_id, payload, layout, out=gpu_buffer)  # torch uint8, out's device
@@ -30,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore.codecs.base import Codec, as_byte_tensor
+from kvstore.buffers import as_byte_tensor
+from kvstore.codecs.base import Codec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.header import HEADER_BYTES, parse_header, verify_body
 from kvstore.codecs.int4 import Int4Codec

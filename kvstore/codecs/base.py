@@ -16,11 +16,11 @@ import dataclasses
 import functools
 import math
 import os
-import warnings
 
 import numpy as np
 import torch
 
+from kvstore.buffers import as_byte_tensor
 from kvstore.codecs import layout as kvlayout
 from kvstore.codecs.header import HEADER_BYTES, Header, make_header
 from kvstore.codecs.refusal import Refused
@@ -278,24 +278,3 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     pinned.copy_(host)
     return pinned.to(device, non_blocking=True)
 
-
-def as_byte_tensor(buf, field: str) -> torch.Tensor:
-    """A flat uint8 torch view of ``buf`` (bytes-like, numpy array or tensor), copying nothing."""
-    if isinstance(buf, torch.Tensor):
-        if not buf.is_contiguous():
-            raise CodecError(f"{field}: tensor must be contiguous")
-        return buf.reshape(-1).view(torch.uint8)
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise CodecError(f"{field}: array must be C-contiguous")
-        arr = buf.reshape(-1).view(np.uint8)
-    elif isinstance(buf, (bytes, bytearray, memoryview)):
-        arr = np.frombuffer(buf, dtype=np.uint8)
-    else:
-        raise CodecError(f"{field}: expected bytes, a numpy array or a torch tensor, "
-                         f"got {type(buf).__name__}")
-    if arr.flags.writeable:
-        return torch.from_numpy(arr)
-    with warnings.catch_warnings():  # read-only buffers are only ever read from
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
