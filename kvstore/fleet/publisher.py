@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import xxhash
 
+from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.fleet.directory import Directory
 from kvstore.fleet.records import pack_entry
 from kvstore.store import Store, StoreListener
@@ -53,7 +53,7 @@ class Publisher(StoreListener):
         self._idle = threading.Event()
         self._resync = True                                 # (re)join and publish the whole mirror
         self._thread: threading.Thread | None = None
-        self._scratch = np.empty(0, dtype=np.uint8)
+        self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES)   # copies of blocks outside the arena
 
     # -- StoreListener (called with the store lock held: enqueue only) ---------------------------
 
@@ -166,10 +166,9 @@ class Publisher(StoreListener):
                         x.update(piece)
                     checksum = x.intdigest()
                 else:
-                    if self._scratch.nbytes < record.stored_size:
-                        self._scratch = np.empty(record.stored_size, dtype=np.uint8)
-                    n = block.read_into(self._scratch)
-                    checksum = xxhash.xxh3_64_intdigest(self._scratch[:n])
+                    buf = self._scratch.get(record.stored_size)
+                    n = block.read_into(buf)
+                    checksum = xxhash.xxh3_64_intdigest(buf[:n])
                 self.counters["checksummed"] += 1
                 return pack_entry(checksum, block.tier)
             except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised
