@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -67,6 +67,15 @@ def page_digest(key: str) -> bytes:
 def segment_hashes(keys: List[str], segments_per_page: int) -> List[bytes]:
     """One block hash per segment: the page digest followed by the segment index."""
     return [page_digest(k) + s.to_bytes(2, "big") for k in keys for s in range(segments_per_page)]
+
+
+def page_batches(num_pages: int, segments_per_page: int) -> Iterator[Tuple[int, int, slice]]:
+    """The calls a run of pages is sent in: whole pages, at most ``MAX_BATCH`` segments per call
+    (at least one page). Yields (first page, end page, the slice of their segments)."""
+    pages_per_call = max(1, MAX_BATCH // segments_per_page)
+    for start in range(0, num_pages, pages_per_call):
+        end = min(num_pages, start + pages_per_call)
+        yield start, end, slice(start * segments_per_page, end * segments_per_page)
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -232,10 +241,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         spp = self.geometry.segments_per_page
         hashes = segment_hashes(keys, spp)
         ok = [False] * len(keys)
-        pages_per_call = max(1, MAX_BATCH // spp)
-        for start in range(0, len(keys), pages_per_call):
-            end = min(len(keys), start + pages_per_call)
-            if not self._handle.put(hashes[start * spp:end * spp], segments[start * spp:end * spp]):
+        for start, end, segs in page_batches(len(keys), spp):
+            if not self._handle.put(hashes[segs], segments[segs]):
                 break
             for p in range(start, end):
                 ok[p] = True
@@ -248,10 +255,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         spp = self.geometry.segments_per_page
         hashes = segment_hashes(keys, spp)
         ok = [False] * len(keys)
-        pages_per_call = max(1, MAX_BATCH // spp)
-        for start in range(0, len(keys), pages_per_call):
-            end = min(len(keys), start + pages_per_call)
-            sizes = self._handle.get_into(hashes[start * spp:end * spp], outs[start * spp:end * spp])
+        for start, end, segs in page_batches(len(keys), spp):
+            sizes = self._handle.get_into(hashes[segs], outs[segs])
             for p in range(start, end):
                 got = sizes[(p - start) * spp:(p - start + 1) * spp]
                 ok[p] = all(s is not None and s == self.geometry.segment_bytes for s in got)
