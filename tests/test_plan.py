@@ -28,7 +28,8 @@ def tiny_requests(n=200, spec=CHAT):
 
 
 @pytest.mark.parametrize("policy,write_through,lease", [("prefix", False, 5.0), ("lru", False, 5.0),
-                                                        ("prefix", True, 0.0), ("s3fifo", False, 5.0)])
+                                                        ("prefix", True, 0.0), ("s3fifo", False, 5.0),
+                                                        ("cpu=s3fifo+nvme=lru", False, 5.0)])
 def test_metadata_replay_agrees_exactly_with_real_store(tmp_path, policy, write_through, lease):
     reqs = tiny_requests()
     cpu_bytes, nvme_bytes = 20 * SLOT, 90 * 8192  # 20 CPU slots; 90 NVMe files (4 KiB header + 4 KiB)
@@ -193,3 +194,27 @@ def test_json_output(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert {r["policy"] for r in report["results"]} == {"s3fifo"} and report["workload"] == CHAT
+
+
+def test_a_policy_per_tier(tmp_path, capsys):
+    argv, _ = _cli(tmp_path)
+    argv[argv.index("--policy") + 1] = "s3fifo,lru,cpu=s3fifo+nvme=lru,cpu=lru+nvme=s3fifo"
+    argv[argv.index("--codec") + 1] = "raw"
+    report = plan.run(plan.build_parser().parse_args(argv))
+    by = {(r["policy"], r["cpu_bytes"], r["nvme_bytes"]): r["hit_blocks"] for r in report["results"]}
+    assert len(by) == 4 * 3 * 2
+    for cpu in (40 << 10, 80 << 10, 160 << 10):
+        # without an NVMe tier only the CPU tier's policy plays: the replay used it
+        assert by[("cpu=s3fifo+nvme=lru", cpu, 0)] == by[("s3fifo", cpu, 0)]
+        assert by[("cpu=lru+nvme=s3fifo", cpu, 0)] == by[("lru", cpu, 0)]
+    # with one, the candidate is its own: a Store built with that mapping gives the same figures
+    cand = plan.Candidate("cpu=s3fifo+nvme=lru", "raw", 40 << 10, 400 << 10)
+    direct = plan.replay(list(workload.generate(CHAT, 16, requests=300, seed=0)), plan.load_model(
+        argv[argv.index("--model") + 1], 16)[0], cand, config=StoreConfig(), slot_bytes=512)
+    assert direct.hit_blocks == by[("cpu=s3fifo+nvme=lru", 40 << 10, 400 << 10)]
+
+    for bad, named in (("cpu=s3fifo+tape=lru", "unknown tier 'tape'"), ("cpu=fifo", "policy.cpu: "),
+                       ("cpu=lru+cpu=s3fifo", "named twice"), ("fifo", "unknown policy 'fifo'")):
+        argv[argv.index("--policy") + 1] = bad
+        assert plan.main(argv) == 2
+        assert named in capsys.readouterr().err

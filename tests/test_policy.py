@@ -1,11 +1,21 @@
 """Eviction policies on metadata alone: LRU order, prefix-aware leaf-first, S3-FIFO probation, pinned
-blocks skipped."""
+blocks skipped; one policy per tier (``eviction_policy: {cpu: s3fifo, nvme: lru}``) in a Store and in
+a real daemon, and a bad per-tier key refused naming it."""
 
 from __future__ import annotations
 
+import subprocess
+
+import numpy as np
 import pytest
 
-from kvstore.store.policy import LRUPolicy, PrefixAwarePolicy, S3FIFOPolicy, make_policy
+from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.ops.local_daemon import serve_command
+from kvstore.service.config import ConfigError, load_settings
+from kvstore.store import Store, StoreConfig
+from kvstore.store.policy import LRUPolicy, PrefixAwarePolicy, S3FIFOPolicy, make_policy, make_tier_policies
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.nvme import NvmeTier
 
 
 def never_pinned(_key: bytes) -> bool:
@@ -216,3 +226,125 @@ def test_s3fifo_ghosts_stay_bounded():
             p.remove(p.pick_victim(never_pinned))
     ghosts = sum(p.queue_of(b"%d" % i) == "ghost" for i in range(5000))
     assert 0 < ghosts <= S3FIFOPolicy.MIN_GHOSTS
+
+
+# -- one policy per tier ---------------------------------------------------------------------------
+
+def per_tier_trace(store, ns: bytes, block_bytes: int) -> dict[str, bool]:
+    """Four-block CPU and NVMe tiers, every block its own one-block chain. H is stored and read
+    once, then X1..X7 fill the CPU tier and demote X1..X4 onto NVMe, X1 is read there (no
+    promotion), then X8..X11 push four more blocks down. Whether H is still in the CPU tier shows
+    the CPU tier's policy (S3-FIFO moves a block read during probation to main; LRU and prefix
+    give up H, the least recently used); whether X1 is still on NVMe shows NVMe's (LRU gives X1
+    up on the fourth eviction after its read; S3-FIFO keeps it in main)."""
+    def block(i: int) -> bytes:
+        return ChainHasher().chain([i] * 64, 64)[0]
+
+    payload = np.zeros(block_bytes, dtype=np.uint8)
+    h, xs = block(0), [block(i) for i in range(1, 12)]
+    store.put(ns, [h], [payload])
+    assert store.get(ns, [h]) == [payload.tobytes()]
+    for x in xs[:7]:
+        store.put(ns, [x], [payload])
+    assert store.lookup(ns, xs[:4], lease=False).tiers[:1] == ["nvme"]
+    assert store.get(ns, [xs[0]]) == [payload.tobytes()]
+    for x in xs[7:]:
+        store.put(ns, [x], [payload])
+    return {"h_in_cpu": store.lookup(ns, [h], lease=False).tiers == ["cpu"],
+            "x1_on_nvme": store.lookup(ns, [xs[0]], lease=False).tiers == ["nvme"]}
+
+
+SMALL_LAYOUT = KVLayout(model="test/per-tier", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16",
+                        block_tokens=64, block_bytes=4096)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("lru", {"h_in_cpu": False, "x1_on_nvme": False}),
+    ("prefix", {"h_in_cpu": False, "x1_on_nvme": False}),
+    ("s3fifo", {"h_in_cpu": True, "x1_on_nvme": True}),
+    ({"cpu": "s3fifo", "nvme": "lru"}, {"h_in_cpu": True, "x1_on_nvme": False}),   # no single policy does this
+    ({"cpu": "lru", "nvme": "s3fifo"}, {"h_in_cpu": False, "x1_on_nvme": True}),
+])
+def test_store_builds_each_tiers_own_policy(tmp_path, spec, expected):
+    nvme = NvmeTier(str(tmp_path / "nvme"), 4 * NvmeTier(str(tmp_path / "probe"), 1 << 20).footprint(4096))
+    store = Store([CpuTier(4 * 4096, slot_bytes=4096, shm_dir=str(tmp_path)), nvme],
+                  StoreConfig(eviction_policy=spec, promote_on_hit=False, lease_seconds=0))
+    try:
+        names = {t: s["policy"] for t, s in store.stats()["tiers"].items()}
+        assert names == ({"cpu": spec, "nvme": spec} if isinstance(spec, str) else spec)
+        ns = store.register_namespace(Namespace(SMALL_LAYOUT))
+        assert per_tier_trace(store, ns, SMALL_LAYOUT.block_bytes) == expected
+    finally:
+        store.close()
+
+
+def test_per_tier_policies_unnamed_tiers_and_bad_names():
+    assert [p.name for p in make_tier_policies({"nvme": "lru"}, ["cpu", "nvme"])] == ["prefix", "lru"]
+    assert [p.name for p in make_tier_policies({"gpu": "lru"}, ["cpu"])] == ["prefix"]   # no such tier here
+    assert [p.name for p in make_tier_policies("s3fifo", ["cpu", "nvme"])] == ["s3fifo", "s3fifo"]
+    with pytest.raises(ValueError, match=r"eviction_policy\.nvme: unknown 'fifo'"):
+        make_tier_policies({"cpu": "lru", "nvme": "fifo"}, ["cpu", "nvme"])
+    with pytest.raises(ValueError, match=r"eviction_policy: unknown 'fifo'"):
+        make_tier_policies("fifo", ["cpu"])
+
+
+def test_per_tier_setting_is_validated_naming_the_key():
+    assert load_settings(None, eviction_policy={"cpu": "s3fifo", "nvme": "lru"}).eviction_policy == \
+        {"cpu": "s3fifo", "nvme": "lru"}
+    assert load_settings(None, eviction_policy="lru").eviction_policy == "lru"
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, eviction_policy={"cpu": "s3fifo", "nvme": "fifo"})
+    assert "eviction_policy.nvme:" in str(e.value) and "'lru', 'prefix' or 's3fifo'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, eviction_policy={"tape": "lru"})
+    assert "eviction_policy.tape: unknown key" in str(e.value) and "'cpu', 'nvme'" in str(e.value)
+
+
+DAEMON_LAYOUT = KVLayout(model="test/per-tier-daemon", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                         block_tokens=64, block_bytes=256 * 1024)
+# four 256 KiB blocks in each tier: 4 CPU slots, 4 NVMe files (4 KiB header + the block)
+DAEMON_TIERS = {"cpu_bytes": "1MiB", "nvme_bytes": str(4 * (256 + 4) * 1024)}
+
+
+def test_daemon_runs_the_per_tier_policies_of_its_config(daemon_factory, tmp_path):
+    """The daemon builds each tier's policy from ``eviction_policy: {cpu: s3fifo, nvme: lru}``: its
+    stats name them, and the CPU tier keeps a block read once through a scan of new blocks, which a
+    daemon with ``eviction_policy: lru`` gives up. (A daemon serves an NVMe hit through the CPU
+    arena, so NVMe's own eviction order is checked on a Store above.)"""
+    def hot_block_after_a_scan(c) -> list[str]:
+        ns = c.register_namespace(Namespace(DAEMON_LAYOUT))
+        payload = np.zeros(DAEMON_LAYOUT.block_bytes, dtype=np.uint8)
+        hot, *scan = (ChainHasher().chain([i] * 64, 64)[0] for i in range(8))
+        c.put(ns, [hot], [payload])
+        assert c.get(ns, [hot]) == [payload.tobytes()]
+        for h in scan:                     # 7 blocks never read: the CPU tier holds 4, NVMe the 4 oldest
+            c.put(ns, [h], [payload])
+        return c.lookup(ns, [hot], lease=False).tiers
+
+    config = tmp_path / "kv.yaml"
+    config.write_text("eviction_policy: {cpu: s3fifo, nvme: lru}\n")
+    d = daemon_factory("--config", str(config), **DAEMON_TIERS)
+    with d.client() as c:
+        tiers = c.stats()["tiers"]
+        assert {t: tiers[t]["policy"] for t in ("cpu", "nvme")} == {"cpu": "s3fifo", "nvme": "lru"}
+        assert hot_block_after_a_scan(c) == ["cpu"]
+        tiers = c.stats()["tiers"]
+        assert (tiers["cpu"]["policy_blocks"], tiers["nvme"]["policy_blocks"]) == (4, 4)
+
+    config.write_text("eviction_policy: lru\n")    # a plain name: every tier
+    d = daemon_factory("--config", str(config), **DAEMON_TIERS)
+    with d.client() as c:
+        tiers = c.stats()["tiers"]
+        assert {t: tiers[t]["policy"] for t in ("cpu", "nvme")} == {"cpu": "lru", "nvme": "lru"}
+        assert hot_block_after_a_scan(c) == ["nvme"]
+
+
+@pytest.mark.parametrize("policy, key", [("{cpu: s3fifo, nvme: fifo}", "eviction_policy.nvme"),
+                                         ("{cpu: s3fifo, tape: lru}", "eviction_policy.tape")])
+def test_serve_refuses_a_bad_per_tier_policy_naming_the_key(tmp_path, policy, key):
+    config = tmp_path / "kv.yaml"
+    config.write_text(f"eviction_policy: {policy}\n")
+    r = subprocess.run(serve_command("--config", str(config), "--listen", "127.0.0.1:0", "--nvme-path",
+                                     str(tmp_path / "nvme")), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert key + ":" in r.stderr

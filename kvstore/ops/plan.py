@@ -27,10 +27,10 @@ from kvstore.ops import workload as workloads
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.plan_cost import (CODECS, DEFAULT_BANDWIDTH_GBPS, Codec, CostModel, measure_bandwidth,
                                    parse_bandwidth, recommend)
-from kvstore.ops.plan_replay import Candidate, ReplayResult, TraceClock, ideal_hit_rate, replay, sweep
+from kvstore.ops.plan_replay import (Candidate, ReplayResult, TraceClock, ideal_hit_rate, parse_policy, replay,
+                                     sweep)
 from kvstore.ops.plan_report import gib, plot, render_table, write_markdown
 from kvstore.store import StoreConfig
-from kvstore.store.policy import POLICIES
 from kvstore.units import parse_size, parse_sizes
 
 __all__ = ["CODECS", "Candidate", "Codec", "CostModel", "MODEL_PRESETS", "ReplayResult", "TraceClock",
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default="raw", help=f"codecs to try, comma-separated ({', '.join(CODECS)})")
     p.add_argument("--codec-table", help="JSON {codec: {ratio, decode_gbps}} overriding the built-in table")
     p.add_argument("--policy", default="prefix",
-                   help="eviction policies to try, comma-separated (prefix, lru, s3fifo)")
+                   help="eviction policies to try, comma-separated (prefix, lru, s3fifo); one candidate may "
+                        "set each tier's, as cpu=s3fifo+nvme=lru (a tier not named: prefix)")
     p.add_argument("--write-through", action="store_true", help="put also writes the NVMe tier")
     p.add_argument("--no-promote", action="store_true", help="do not copy NVMe hits up to the CPU tier")
     p.add_argument("--lease-seconds", type=float, default=StoreConfig.lease_seconds,
@@ -173,7 +174,9 @@ def run(args: argparse.Namespace, console=None) -> dict:
             for name, d in json.load(f).items():
                 CODECS[name] = Codec(float(d["ratio"]), float(d.get("decode_gbps", math.inf)))
     codecs = _names(args.codec, CODECS, "codec")
-    policies = _names(args.policy, POLICIES, "policy")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for policy in policies:
+        parse_policy(policy)   # refuses an unknown policy or tier before any replay
     if args.block_tokens < 1:
         raise InvalidArgument("block_tokens", "must be >= 1")
     layout, preset_prefill = load_model(args.model, args.block_tokens, args.dtype)

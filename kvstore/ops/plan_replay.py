@@ -33,6 +33,7 @@ from kvstore.keys import KVLayout, Namespace
 from kvstore.ops import workload as workloads
 from kvstore.ops.plan_cost import CODECS, CostModel, ttft_ms
 from kvstore.store import Store, StoreConfig
+from kvstore.store.policy import POLICIES
 from kvstore.tiers.metadata import MetadataTier
 from kvstore.wire import MAX_BATCH
 
@@ -51,9 +52,36 @@ class TraceClock:
 
 # -- one replay ------------------------------------------------------------------------------------
 
+#: the tiers a candidate has (a policy spec may name each)
+PLAN_TIERS = ("cpu", "nvme")
+
+
+def parse_policy(spec: str) -> str | dict[str, str]:
+    """A candidate's eviction policy as ``StoreConfig.eviction_policy`` takes it: a policy name for
+    every tier (``s3fifo``), or one per tier, ``cpu=s3fifo+nvme=lru`` (a tier not named gets
+    ``prefix``, as with the daemon's ``eviction_policy`` mapping)."""
+    spec = spec.strip()
+    if "=" not in spec:
+        if spec not in POLICIES:
+            raise InvalidArgument("policy", f"unknown policy {spec!r}; one of {sorted(POLICIES)}, or per tier "
+                                            "as cpu=POLICY+nvme=POLICY")
+        return spec
+    per_tier: dict[str, str] = {}
+    for part in spec.split("+"):
+        tier, _, name = (x.strip() for x in part.partition("="))
+        if tier not in PLAN_TIERS:
+            raise InvalidArgument("policy", f"{spec!r}: unknown tier {tier!r}; one of {list(PLAN_TIERS)}")
+        if tier in per_tier:
+            raise InvalidArgument("policy", f"{spec!r}: tier {tier!r} named twice")
+        if name not in POLICIES:
+            raise InvalidArgument(f"policy.{tier}", f"{spec!r}: unknown policy {name!r}; one of {sorted(POLICIES)}")
+        per_tier[tier] = name
+    return per_tier
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    policy: str
+    policy: str          # a policy name, or one per tier: "cpu=s3fifo+nvme=lru" (``parse_policy``)
     codec: str
     cpu_bytes: int
     nvme_bytes: int
@@ -183,7 +211,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     real blocks of the layout into a store whose first tier has the codec (``codecs.cpu``), which
     encodes them as a daemon does (needs tiers that keep bytes).
     """
-    config = dataclasses.replace(config or StoreConfig(), eviction_policy=candidate.policy)
+    config = dataclasses.replace(config or StoreConfig(), eviction_policy=parse_policy(candidate.policy))
     own_tiers = tiers is None
     tiers = list(tiers) if tiers is not None else metadata_tiers(candidate, slot_bytes)
     block_bytes = stored_block_bytes(layout, candidate.codec)

@@ -76,10 +76,14 @@ def render_table(results: list[dict], console) -> None:
     for workload, rows in by_workload.items():
         title = "kvstore plan: replay per candidate" + (f", {workload}" if len(by_workload) > 1 else "")
         table = Table(title=title, box=box.SIMPLE_HEAD)
+        per_tier = any("+" in r["policy"] for r in rows)   # room for "cpu=s3fifo+" on a line
         for col in ("policy", "codec", "cpu", "nvme", "hit", "from cpu", "TTFT p50 ms", "p90", "p99"):
-            table.add_column(col, justify="left" if col in ("policy", "codec") else "right", overflow="fold")
+            table.add_column(col, justify="left" if col in ("policy", "codec") else "right", overflow="fold",
+                             min_width=11 if col == "policy" and per_tier else None)
         for r in rows:
-            table.add_row(r["policy"], r["codec"], gib(r["cpu_bytes"]), gib(r["nvme_bytes"]), f"{r['hit_rate']:.1%}",
+            # a policy per tier ("cpu=s3fifo+nvme=lru") is shown one tier a line
+            table.add_row(r["policy"].replace("+", "+\n"), r["codec"], gib(r["cpu_bytes"]), gib(r["nvme_bytes"]),
+                          f"{r['hit_rate']:.1%}",
                           f"{r['hit_rate_per_tier'].get('cpu', 0):.1%}", f"{r['ttft_ms']['p50']:.0f}",
                           f"{r['ttft_ms']['p90']:.0f}", f"{r['ttft_ms']['p99']:.0f}")
         console.print(table)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import psutil
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SecretStr, Tag, ValidationError,
+                      field_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import KVStoreError
@@ -119,6 +120,16 @@ class RedisTierSettings(BaseModel):
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
+PolicyName = Literal["lru", "prefix", "s3fifo"]
+TierName = Literal["gpu", "cpu", "nvme", "redis"]
+# tags of the two forms of ``eviction_policy``; validation errors drop them from the key they name
+_ONE_POLICY, _PER_TIER = "one policy", "per tier"
+#: one policy for every tier (``s3fifo``), or per tier (``{cpu: s3fifo, nvme: lru}``; tiers not
+#: named get ``prefix``)
+EvictionPolicySetting = Annotated[
+    Union[Annotated[PolicyName, Tag(_ONE_POLICY)], Annotated[dict[TierName, PolicyName], Tag(_PER_TIER)]],
+    Discriminator(lambda v: _PER_TIER if isinstance(v, dict) else _ONE_POLICY)]
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_", env_nested_delimiter="__", extra="forbid",
@@ -137,7 +148,7 @@ class Settings(BaseSettings):
     gpu_bytes: Size = Field(0, ge=0, le=64 * TiB)
     gpu_device: str = "cuda"
 
-    eviction_policy: Literal["lru", "prefix", "s3fifo"] = "prefix"
+    eviction_policy: EvictionPolicySetting = "prefix"
     write_through: bool = False
     promote_on_hit: bool = True
     lease_seconds: float = Field(5.0, gt=0, le=3600)
@@ -267,7 +278,11 @@ def _redacted(loc: tuple) -> tuple[list[str], bool]:
 
 
 def _describe(error: dict) -> str:
+    error = {**error, "loc": tuple(p for p in error["loc"] if p not in (_ONE_POLICY, _PER_TIER))}
     loc, secret = _redacted(error["loc"])
+    if not secret and loc[-1:] == ["[key]"]:   # a mapping's key is what is wrong: name it, not "[key]"
+        loc = loc[:-1]
+        return f"{'.'.join(loc)}: unknown key: {error['msg']}"
     key = ".".join(loc) or "config"
     ctx = error.get("ctx") or {}
     sized = error["loc"] and error["loc"][0] in _SIZE_KEYS

@@ -31,7 +31,7 @@ from kvstore.store.config import StoreConfig
 from kvstore.store.index import BlockIndex, Entry
 from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
-from kvstore.store.policy import make_policy
+from kvstore.store.policy import make_tier_policies
 from kvstore.store.quotas import TenantQuotas
 from kvstore.store.transcoding import StagedBlock, Transcoder
 from kvstore.tiers.base import BlockRecord, Tier
@@ -49,7 +49,7 @@ class Cascade:
         self.namespaces = namespaces
         self.clock = clock
         self.lock = threading.RLock()
-        self.index = BlockIndex([make_policy(config.eviction_policy) for _ in self.tiers])
+        self.index = BlockIndex(make_tier_policies(config.eviction_policy, [t.name for t in self.tiers]))
         self.counters: dict[str, int] = defaultdict(int)
         self.listeners = Listeners()
         self.transcoder = Transcoder(self.tiers, config, namespaces, self.counters)

@@ -7,7 +7,10 @@ import dataclasses
 
 @dataclasses.dataclass
 class StoreConfig:
-    eviction_policy: str = "prefix"
+    #: a policy name (``lru``, ``prefix``, ``s3fifo``) for every tier, or a mapping tier name ->
+    #: policy name (``{"cpu": "s3fifo", "nvme": "lru"}``); tiers a mapping does not name get
+    #: ``prefix``, and names of tiers the store does not have are unused (kvstore.store.policy)
+    eviction_policy: str | dict[str, str] = "prefix"
     write_through: bool = False
     promote_on_hit: bool = True
     lease_seconds: float = 5.0

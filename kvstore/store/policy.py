@@ -12,7 +12,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 IsPinned = Callable[[bytes], bool]
 
@@ -274,9 +274,34 @@ class S3FIFOPolicy(EvictionPolicy):
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy, "s3fifo": S3FIFOPolicy}
 
+#: the policy of a tier that a per-tier ``eviction_policy`` mapping does not name
+DEFAULT_POLICY = "prefix"
 
-def make_policy(name: str) -> EvictionPolicy:
+
+def make_policy(name: str, key: str = "eviction_policy") -> EvictionPolicy:
     try:
         return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"eviction_policy: unknown {name!r}; one of {sorted(POLICIES)}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"{key}: unknown {name!r}; one of {sorted(POLICIES)}") from None
+
+
+def policy_name_for(spec: str | Mapping[str, str], tier: str) -> str:
+    """The policy ``spec`` gives tier ``tier``: a plain name applies to every tier; a mapping
+    (tier name -> policy) names some tiers, and the others get ``DEFAULT_POLICY``."""
+    if isinstance(spec, str):
+        return spec
+    return spec.get(tier, DEFAULT_POLICY)
+
+
+def make_tier_policies(spec: str | Mapping[str, str], tier_names: Sequence[str]) -> list[EvictionPolicy]:
+    """One policy per tier, in ``tier_names`` order. A mapping may name tiers this store does not
+    have (a ``gpu`` entry on a host without a GPU tier): those entries are unused. An unknown
+    policy is refused naming its key (``eviction_policy.nvme``)."""
+    if not isinstance(spec, (str, Mapping)):
+        raise ValueError(f"eviction_policy: a policy name or a mapping of tier -> policy, not {spec!r}")
+    if isinstance(spec, Mapping):
+        for tier, name in spec.items():
+            if name not in POLICIES:
+                raise ValueError(f"eviction_policy.{tier}: unknown {name!r}; one of {sorted(POLICIES)}")
+    return [make_policy(policy_name_for(spec, t), "eviction_policy" if isinstance(spec, str)
+                        else f"eviction_policy.{t}") for t in tier_names]

@@ -335,7 +335,7 @@ class Store:
                 "blocks": sum(1 for e in self._index.values() if e.ready),
                 "leases": len(self._leases),
                 "namespaces": len(self._namespaces),
-                "tiers": {t.name: {**t.stats(), "policy_blocks": len(p), "codec": codecs[t.name]}
+                "tiers": {t.name: {**t.stats(), "policy": p.name, "policy_blocks": len(p), "codec": codecs[t.name]}
                           for t, p in zip(self.tiers, self.policies)},
                 "counters": {**self.counters, **self._namespaces.stats()},
                 "tenants": {tenant: {"namespaces": n, "charged_bytes": quotas.charged.get(tenant, 0),
