@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import select
-import socket
 import sys
 import time
 import traceback
@@ -24,6 +23,8 @@ from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd
+
+from ports import closed_port   # tests/engines/ is sys.path[0]: the script runs as a file
 
 SHAPE = (2, 4, 16, 64)          # an LMCache chunk: kv, layers/tokens..., as bf16
 DTYPE = torch.bfloat16
@@ -135,14 +136,6 @@ def check_isolation(url: str) -> str:
     expect(lookup(a, keys, fp16) == [False] * 3, "lookup with another layout's size hit")
     a.close()
     return "kv_rank, model, salt and size all isolate"
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def check_daemon_down(url: str) -> str:

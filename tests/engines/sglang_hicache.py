@@ -15,13 +15,14 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import sys
 import threading
 import time
 import traceback
 
 import torch
+
+from ports import closed_port   # tests/engines/ is sys.path[0]: the script runs as a file
 
 MODEL = "test-org/tiny-model"
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -279,14 +280,6 @@ def check_mla_one_writer(url: str) -> str:
     expect(backends[1].batch_get_v1(keys, page_indices(12, 4)) == [True] * 4, "rank 1 get")
     expect(page_bytes(pools[1], 12, 4) == page_bytes(pools[0], 0, 4), "rank 1 read other bytes")
     return "rank 0 wrote, ranks 0 and 1 read"
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def check_daemon_down(url: str) -> str:
