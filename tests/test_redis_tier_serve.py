@@ -1,6 +1,7 @@
 """The Redis tier from `kvstore serve`'s configuration (``redis_tier:``), on the real Redis: placed below
-NVMe, blocks demoted into it with the configured codec and TTL, served back byte-exact; a Redis that
-does not answer degrades the daemon instead of stopping it."""
+NVMe, blocks demoted into it with the configured codec and TTL, served back byte-exact, also from a
+real three-shard Redis Cluster (``redis_tier.cluster: true``); a Redis that does not answer degrades
+the daemon instead of stopping it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import textwrap
 
 import numpy as np
 import redis
+
+from test_fleet import redis_cluster  # noqa: F401 - the real three-shard cluster fixture
 
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.ops import admin_cli
@@ -57,6 +60,31 @@ def test_redis_tier_from_config_sits_below_nvme_and_serves_back(daemon_factory, 
     keys = list(r.scan_iter(match=f"{prefix}:blk:*", count=1000))
     assert keys and all(0 < r.pttl(k) <= 120_000 for k in keys)
     assert all(r.strlen(k) < HEADER_BYTES + LAYOUT.block_bytes // 4 for k in keys)
+
+
+def test_redis_cluster_tier_from_config_serves_demoted_blocks_back(daemon_factory, tmp_path, redis_cluster):
+    seed = redis_cluster.replace("redis+cluster://", "redis://")      # cluster: true turns it into the same
+    config = write_config(tmp_path / "kv.yaml", seed, "kvsclt", cluster="true")
+    d = daemon_factory("--config", config, cpu_bytes="4MiB", nvme_bytes="8MiB")
+    assert d.info["tiers"] == ["cpu", "nvme", "redis"]
+    hashes = ChainHasher().chain(list(range(60 * 16)), 16)
+    blocks = [np.random.default_rng([9, i]).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8) for i in range(60)]
+    with d.client() as c:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        for i in range(0, 60, 10):                       # 15 MiB through 12 MiB of local tiers
+            c.put(ns, hashes[i:i + 10], blocks[i:i + 10], parent=hashes[i - 1] if i else None)
+        stats = c.stats()
+        held = stats["tiers"]["redis"]["policy_blocks"]
+        assert held > 0 and stats["blocks"] == 60 and stats["counters"].get("demotion_failures", 0) == 0
+        in_redis = [i for i, t in enumerate(c.lookup(ns, hashes, lease=False).tiers) if t == "redis"]
+        assert in_redis and len(in_redis) <= held
+        assert c.get(ns, hashes) == [b.tobytes() for b in blocks]     # byte-identical, those from the cluster too
+    cluster = redis.RedisCluster.from_url(seed)
+    try:
+        keys = list(cluster.scan_iter(match="kvsclt:blk:*", count=1000, target_nodes=redis.RedisCluster.ALL_NODES))
+        assert len(keys) >= held and all(0 < cluster.pttl(k) <= 120_000 for k in keys)
+    finally:
+        cluster.close()
 
 
 def test_a_redis_that_does_not_answer_degrades_instead_of_stopping_the_daemon(daemon_factory, tmp_path, prefix):
