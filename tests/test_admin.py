@@ -1,5 +1,6 @@
-"""Operator commands against real daemons: `kvstore ns list|drop`, `evict`, `pin`/`unpin`, `prewarm`,
-`top`'s namespaces, and who may run them (a tenant only on its own namespaces)."""
+"""Operator commands against real daemons: `kvstore ns list|drop`, `evict`, `pin`/`unpin`, `prewarm`
+(from NVMe, and from a fleet peer), `top`'s namespaces, and who may run them (a tenant only on its own
+namespaces)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,41 @@ def test_prewarm_moves_nvme_blocks_into_the_cpu_tier(daemon_factory, tmp_path, c
         assert c.get(ns, hashes) == [p.tobytes() for p in payloads(hashes)]
         done = admin_cli.prefix_call(c, "Prewarm", ns, hashes + chain(2, start=777_000))
         assert (done["warmed"], done["stored"], done["skipped"]) == (0, 6, 2)     # already warm; 2 unknown
+
+
+def test_prewarm_brings_a_prefix_from_a_fleet_peer_into_the_cpu_tier(daemon_factory, tmp_path, redis_url, prefix,
+                                                                    capsys):
+    from fleet_util import NS, SECRET, chain as fleet_chain, wait_for, write_fleet_config
+
+    from kvstore.fleet import Directory
+
+    def fleet_daemon(node_id):
+        (tmp_path / node_id).mkdir()
+        config = write_fleet_config(tmp_path / node_id, redis_url, prefix, node_id)
+        return daemon_factory("--config", config, cpu_bytes="16MiB", nvme_bytes="0")
+
+    a, b = fleet_daemon("a"), fleet_daemon("b")
+    hashes, blocks = fleet_chain(6, seed=11)
+    with a.client() as ca:
+        ca.register_namespace(NS)
+        ca.put(NS.id, hashes, blocks)
+    directory = Directory(redis_url, prefix, secret=SECRET)
+    wait_for(lambda: directory.entries(NS.id, "a") == 6, what="a to publish the prefix")
+    with b.client() as cb:
+        cb.register_namespace(NS)
+        assert cb.exists(NS.id, hashes) == [False] * 6 and cb.stats()["blocks"] == 0    # nothing on b yet
+        hashes_file = tmp_path / "prefix.txt"
+        hashes_file.write_text("\n".join(h.hex() for h in hashes))
+        rc, out, err = run(capsys, "prewarm", NS.id.hex(), "--url", b.address, "--hashes-file", str(hashes_file))
+        assert rc == 0, err
+        assert "6 there already" in out and "0 not here or no room" in out and "6 fetched from peers" in out, out
+        stats = cb.stats()
+        assert stats["tiers"]["cpu"]["policy_blocks"] == 6 and stats["fleet"]["counters"]["fetched_blocks"] == 6
+        assert cb.exists(NS.id, hashes) == [True] * 6
+        a.kill()                                        # b now serves the prefix on its own, from RAM
+        assert cb.lookup(NS.id, hashes, lease=False).tiers == ["cpu"] * 6
+        assert cb.get(NS.id, hashes) == [x.tobytes() for x in blocks]
+        assert cb.stats()["fleet"]["counters"]["fetched_blocks"] == 6          # no fetch after the prewarm
 
 
 def test_ns_list_json_and_table_and_top(daemon_factory, capsys):
