@@ -50,10 +50,31 @@ def parse_sizes(text: str, field: str) -> list[int]:
     return sorted({parse_size(s, field) for s in text.split(",") if s.strip()})
 
 
-def format_size(n: int) -> str:
-    """The shortest binary spelling: 4294967296 -> ``4GiB``, 1610612736 -> ``1.50GiB``, 100 -> ``100B``."""
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % (size // 1024 or 1) == 0:
-            v = n / size
-            return f"{v:g}{unit}" if v == int(v) else f"{v:.2f}{unit}"
-    return f"{n}B"
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_size(n: float, style: str = "exact") -> str:
+    """Bytes in binary units, spelled for where they are shown:
+
+    * ``"exact"`` (settings, the planner; reads back through ``parse_size``): the shortest binary
+      spelling, 4294967296 -> ``4GiB``, 1610612736 -> ``1.50GiB``, 100 -> ``100B``.
+    * ``"readable"`` (operator output, rates): one decimal, 786432 -> ``768.0 KiB``, 100 -> ``100 B``.
+    * ``"cell"`` (narrow table cells): about three significant digits and one-letter units,
+      8388608 -> ``8.0M``, 106954752 -> ``102M``, 39117 -> ``38.2K``, 512 -> ``512B``.
+    """
+    if style == "exact":
+        for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+            if n >= size and n % (size // 1024 or 1) == 0:
+                v = n / size
+                return f"{v:g}{unit}" if v == int(v) else f"{v:.2f}{unit}"
+        return f"{n}B"
+    if style not in ("readable", "cell"):
+        raise ValueError(f"format_size: unknown style {style!r}")
+    below = 1024 if style == "readable" else 1000   # a cell stays within three digits
+    for unit in _BINARY_UNITS:
+        if abs(n) < below or unit == _BINARY_UNITS[-1]:
+            break
+        n /= 1024
+    if style == "readable":
+        return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    return f"{n:.0f}{unit[0]}" if unit == "B" or n >= 100 else f"{n:.1f}{unit[0]}"

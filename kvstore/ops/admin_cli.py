@@ -28,6 +28,7 @@ import time
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChainHasher
+from kvstore.units import format_size
 from kvstore.wire import MAX_BATCH
 
 
@@ -145,20 +146,6 @@ def resolve_namespace(client, text: str) -> dict:
 # -- output ------------------------------------------------------------------------------------
 
 
-def _size(n: float) -> str:
-    from kvstore.ops.top import human_bytes
-    return human_bytes(n)
-
-
-def _short_size(n: float) -> str:
-    """Three significant digits in binary units (``8.0M``, ``102M``, ``38.2K``): table cells."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1000 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.0f}T"
-
-
 def _ago(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -193,10 +180,10 @@ def print_namespaces(rows: list[dict], address: str) -> None:
     table.add_column("per tier", no_wrap=True)
     table.add_column("hits", justify="right", no_wrap=True)
     for n in rows:
-        held = f"{n['blocks']:,}\n{_short_size(n['bytes'])}"
+        held = f"{n['blocks']:,}\n{format_size(n['bytes'], 'cell')}"
         if n["pinned_blocks"]:
             held += f"\n{n['pinned_blocks']:,} pin"
-        tiers = "\n".join(f"{t} {_short_size(u['bytes'])}" for t, u in n["tiers"].items() if u["blocks"]) or "-"
+        tiers = "\n".join(f"{t} {format_size(u['bytes'], 'cell')}" for t, u in n["tiers"].items() if u["blocks"]) or "-"
         hits = "-" if n["hit_ratio"] is None else f"{100 * n['hit_ratio']:.1f}%"
         table.add_row(n["namespace_id"][:12], f"{n['model']}\n{_layout_line(n['layout'])}", n["tenant"] or "-",
                       held, tiers, f"{hits}\n{_ago(n['last_used'])}")
@@ -251,7 +238,7 @@ def ns_main(argv: list[str]) -> int:
         freed = drop_namespace(c, bytes.fromhex(ns["namespace_id"]))
         print(json.dumps(freed) if args.json else
               f"dropped namespace {ns['namespace_id']} ({ns['model']}, tenant {ns['tenant'] or '-'}): "
-              f"{freed['blocks']} blocks, {_size(freed['bytes'])} freed")
+              f"{freed['blocks']} blocks, {format_size(freed['bytes'], 'readable')} freed")
         return 0
     return _run("kvstore ns", args, body)
 
@@ -271,7 +258,7 @@ def _prefix_main(method: str, argv: list[str], prefix_required: bool, helptext: 
             raise InvalidArgument("prefix", "give the prefix: --hashes, --hashes-file, --tokens or --tokens-file")
         done = prefix_call(c, method, bytes.fromhex(ns["namespace_id"]), hashes)
         print(json.dumps(done) if args.json else
-              DONE[method].format(ns=ns["namespace_id"][:12], size=_size(done["bytes"]), **done))
+              DONE[method].format(ns=ns["namespace_id"][:12], size=format_size(done["bytes"], "readable"), **done))
         return 0
     return _run(f"kvstore {name}", args, body)
 

@@ -24,20 +24,13 @@ from rich.table import Table
 from rich.text import Text
 
 from kvstore.errors import DaemonUnavailable, KVStoreError
+from kvstore.units import format_size
 
 #: counters shown as per-second rates, in display order (label, counter name, is bytes)
 RATES = [("lookups", "lookups", False), ("puts", "puts", False), ("misses", "misses", False),
          ("bytes in", "bytes_in", True), ("bytes out", "bytes_out", True), ("evictions", "evictions", False),
          ("demotions", "demotions", False), ("promotions", "promotions", False),
          ("corrupt dropped", "corrupt_dropped", False), ("put rejected (full)", "put_rejected_full", False)]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _hits(counters: dict, tiers: list[str]) -> dict[str, int]:
@@ -122,7 +115,8 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
                    + ["blocks", "hits", "hits/s", "corrupt"], left=("tier", ""))
     for t in v["tiers"]:
         rate = v["rates"].get(f"hits_{t['name']}")
-        tiers.add_row(t["name"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
+        tiers.add_row(t["name"], format_size(t["used_bytes"], "readable"),
+                      format_size(t["capacity_bytes"], "readable"),
                       f"{t['occupancy']:.1%}", *([_bar(t["occupancy"])] if bars else []), f"{t['blocks']:,}",
                       f"{t['hits']:,}", "—" if rate is None else f"{rate:,.1f}", str(t["corrupt_dropped"]))
 
@@ -132,8 +126,8 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
     for label, key, is_bytes in RATES:
         r = v["rates"].get(key)
         total = counters.get(key, 0)
-        rates.add_row(label, "—" if r is None else (f"{human_bytes(r)}/s" if is_bytes else f"{r:,.1f}"),
-                      human_bytes(total) if is_bytes else f"{total:,}")
+        rates.add_row(label, "—" if r is None else (f"{format_size(r, 'readable')}/s" if is_bytes else f"{r:,.1f}"),
+                      format_size(total, "readable") if is_bytes else f"{total:,}")
 
     parts = [head, hits, tiers, rates]
     if v["namespace_usage"]:
@@ -141,10 +135,11 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
                     left=("namespace", "model", "tenant"))
         for n in v["namespace_usage"]:
             ns.add_row(str(n.get("id", ""))[:16], str(n.get("model", "")), str(n.get("tenant", "")),
-                       human_bytes(n.get("bytes", 0)), f"{n.get('blocks', 0):,}" if "blocks" in n else "—")
+                       format_size(n.get("bytes", 0), "readable"), f"{n.get('blocks', 0):,}" if "blocks" in n else "—")
         parts.append(ns)
     elif server.get("tenant_bytes") is not None:
-        parts.append(Text(f"tenant {server.get('tenant') or '(default)'}: {human_bytes(server['tenant_bytes'])}"))
+        held = format_size(server["tenant_bytes"], "readable")
+        parts.append(Text(f"tenant {server.get('tenant') or '(default)'}: {held}"))
     return Group(*parts)
 
 
