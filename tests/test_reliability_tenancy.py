@@ -10,7 +10,7 @@ def test_tenancy(tmp_path):
     r = R.run("tenancy", str(tmp_path))
     iso = r["isolation"]
     assert iso["namespace_ids_differ"] and iso["leaked"] == [], iso
-    assert set(iso["refused"].values()) <= {"UnknownNamespace", "PERMISSION_DENIED"}, iso
+    assert set(iso["refused"].values()) <= {"UnknownNamespace", "NOT_FOUND"}, iso   # as if it did not exist
     assert len(iso["refused"]) == 7
     assert iso["victim_blocks_exact"] == iso["victim_blocks"], iso           # the plant attempt changed nothing
     assert iso["bob_sees_tenant"] == "bob"

@@ -47,7 +47,7 @@ def test_tenants_cannot_read_or_probe_each_other(auth_daemon):
     hashes = _chain(4, seed=1)
     blocks = _blocks(4, seed=1)
     with auth_daemon.client(token="alice-secret") as alice, auth_daemon.client(token="bob-secret") as bob:
-        assert alice.active_transport != "shm"  # the shared arena is not offered when auth is on
+        assert alice.active_transport == bob.active_transport == "shm"  # each maps only its own tenant segments
         ns_a = alice.register_namespace(Namespace(LAYOUT, tenant="bob"))  # a claimed tenant is ignored
         assert alice.stats()["server"]["tenant"] == "alice"
         assert alice.put(ns_a, hashes, blocks) == ["stored"] * 4

@@ -110,14 +110,14 @@ def test_stub_imports_its_messages_from_the_package():
     assert "from kvstore.proto import kvstore_pb2" in source
 
 
-def test_shm_with_auth_is_refused_when_tokens_name_several_tenants():
-    """Whoever maps the arena reads and writes every block in it, so sharing it across tenants
-    would void their isolation: refused at start, and the error names the key, not a token."""
-    with pytest.raises(ConfigError, match="shm_with_auth") as e:
-        load_settings(tokens={"tok-alice-secret": "alice", "tok-bob-secret": "bob"}, shm_with_auth=True)
-    assert "tok-alice-secret" not in str(e.value) and "tok-bob-secret" not in str(e.value)
-    one = load_settings(tokens={"tok-a": "team", "tok-b": "team"}, shm_with_auth=True)
-    assert one.shm_with_auth
+def test_shm_with_auth_is_removed_and_refused_by_name():
+    """With tokens set, same-host clients always get shared memory in tenant segments
+    (tests/test_trust_shm_tenants.py): the old switch that shared one arena between tenants is
+    refused by name, and the error names no token."""
+    for value in (True, False):
+        with pytest.raises(ConfigError, match="shm_with_auth") as e:
+            load_settings(tokens={"tok-alice-secret": "alice", "tok-bob-secret": "bob"}, shm_with_auth=value)
+        assert "tok-alice-secret" not in str(e.value) and "tok-bob-secret" not in str(e.value)
 
 
 def test_hash_settings_that_did_nothing_are_gone():

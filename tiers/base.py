@@ -21,6 +21,9 @@ Primitive by primitive:
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
   stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
   deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
+* ``free_bytes_for(namespace_id)`` — room a block of that namespace could take now: ``free_bytes``,
+  except where space is split by owner (the CPU tier's tenant segments). ``assign_owners(fn)``
+  tells such a tier whose each namespace is.
 * ``extents(key)`` — for tiers a same-host client can map: the (offset, length) pieces of the
   payload inside the shared segment, else None.
 * ``drop(key)`` — release the space; idempotent.
@@ -67,6 +70,12 @@ class Tier(ABC):
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
+
+    def free_bytes_for(self, namespace_id: bytes) -> int:
+        return self.free_bytes
+
+    def assign_owners(self, owner_of) -> None:
+        pass
 
     @abstractmethod
     def footprint(self, nbytes: int) -> int: ...

@@ -6,17 +6,28 @@ can map the same file and copy blocks in and out without the bytes crossing a so
 are touched once at start-up: first touch of fresh memory runs at about 1.5 GB/s here, a touched
 page at memcpy speed. When a CUDA device is present the daemon also page-locks *its own* mapping
 (``cudaHostRegister``), so the daemon's copies between this arena and a GPU tier can run as DMA;
-the registration is per process, so a client that maps the segment gets ordinary pageable memory.
+the registration is per process, so a client that maps the segment gets ordinary pageable memory
+(tenant segments, below, are not registered: the daemon's copies to a GPU tier from them are pageable).
 Segments left by dead daemons are swept at start-up (``sweep_stale_segments``).
+
+Tenant segments (``segment_bytes``, the daemon's choice when authentication is on): the arena is
+then no file at all but one sealed ``memfd`` per segment, each holding one tenant's blocks only
+(``SlotTable`` owned segments). Nothing can open them by path; the daemon hands a tenant's
+client the descriptors of that tenant's segments after checking its ticket
+(``kvstore.transport.segment_broker``). Seals forbid shrinking or growing them, so a client
+holding one cannot make the daemon's own mapping fault. A segment that passes to another tenant
+gets fresh memory first (``renew``): a mapping taken earlier keeps only the old pages.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,10 +42,19 @@ class CpuTier(Tier):
     durable = False
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
-                 pretouch: bool = True, segment_name: str | None = None) -> None:
-        self.slots = SlotTable(capacity_bytes, slot_bytes, self.name)
+                 pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None) -> None:
+        self.slots = SlotTable(capacity_bytes, slot_bytes, self.name, segment_bytes=segment_bytes,
+                               on_reassign=self._renew_segment)
         super().__init__(self.slots.capacity_bytes)
         self.stale_segments_removed = sweep_stale_segments(shm_dir)
+        self._owner_of: Callable[[bytes], str | None] = lambda _namespace_id: None
+        self._pretouch = pretouch
+        self.page_locked = False   # this process's mapping is page-locked (cudaHostRegister)
+        if segment_bytes is not None:
+            self.segment_path = None
+            self.arena = SegmentedArena(self.slots.num_segments, self.slots.segment_bytes,
+                                        max(self.capacity_bytes, mmap.PAGESIZE), pretouch)
+            return
         self.segment_name = segment_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.segment_path = os.path.join(shm_dir, self.segment_name)
         size = max(self.capacity_bytes, mmap.PAGESIZE)
@@ -54,14 +74,39 @@ class CpuTier(Tier):
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         if pretouch:
             self.arena[::mmap.PAGESIZE] = 0
-        # this process's mapping is page-locked (cudaHostRegister): a CUDA device is present
-        self.page_locked: bool = _register_with_cuda(self.arena)
+        self.page_locked = _register_with_cuda(self.arena)
+
+    @property
+    def segmented(self) -> bool:
+        """Tenant segments (see the module docstring) rather than one shared file."""
+        return self.slots.owned
+
+    def assign_owners(self, owner_of: Callable[[bytes], str | None]) -> None:
+        """Tell the tier whose a namespace's blocks are (the Store: its tenant)."""
+        self._owner_of = owner_of
+
+    def free_bytes_for(self, namespace_id: bytes) -> int:
+        return self.slots.free_bytes_for(self._owner_of(namespace_id) if self.segmented else None)
+
+    def segment_descriptor(self, s: int, owner: str) -> tuple[int, int] | None:
+        """A new descriptor of segment ``s`` (the caller closes it) and its generation, only if
+        the segment holds ``owner``'s blocks now; None otherwise."""
+        def dup() -> tuple[int, int]:
+            return os.dup(self.arena.descriptor(s)), self.slots.generations[s]
+        return self.slots.if_owned_by(s, owner, dup)  # type: ignore[return-value]
+
+    def generation_at(self, offset: int) -> int:
+        return self.slots.generations[self.slots.segment_of(offset)] if self.segmented else 0
+
+    def _renew_segment(self, s: int) -> None:
+        self.arena.renew(s)
 
     def footprint(self, nbytes: int) -> int:
         return self.slots.footprint(nbytes)
 
     def allocate(self, record: BlockRecord) -> None:
-        self.slots.allocate(record.key, record.stored_size)
+        owner = self._owner_of(record.namespace_id) if self.segmented else None
+        self.slots.allocate(record.key, record.stored_size, owner)
         self.used_bytes += self.slots.footprint(record.stored_size)
 
     def write(self, record: BlockRecord, data) -> None:
@@ -83,14 +128,78 @@ class CpuTier(Tier):
         self.used_bytes -= self.slots.release(key)
 
     def close(self) -> None:
-        try:
-            os.unlink(self.segment_path)
-        except FileNotFoundError:
-            pass
+        if self.segment_path is None:
+            self.arena.close()
+        else:
+            try:
+                os.unlink(self.segment_path)
+            except FileNotFoundError:
+                pass
         self.arena = None  # the mmap closes once no view of it is left
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes}
+        out = {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes}
+        if self.segmented:
+            out["segments"] = self.slots.num_segments
+            out["segment_bytes"] = self.slots.segment_bytes
+        return out
+
+
+class SegmentedArena:
+    """The arena as separately mapped ``memfd`` segments addressed by one offset space: slicing
+    ``[off:off + n]`` (never across a segment: ``SlotTable`` extents do not) gives a view into the
+    segment that holds it, so gather/scatter and views work as on one array."""
+
+    def __init__(self, num_segments: int, segment_bytes: int, nbytes: int, pretouch: bool) -> None:
+        self.nbytes = nbytes
+        self.segment_bytes = segment_bytes
+        self._pretouch = pretouch
+        self._sizes = [min(nbytes, (s + 1) * segment_bytes) - s * segment_bytes for s in range(num_segments)]
+        self._fds: list[int] = []
+        self._arrays: list[np.ndarray] = []
+        for s, size in enumerate(self._sizes):
+            fd, array = self._create(s, size)
+            self._fds.append(fd)
+            self._arrays.append(array)
+
+    def _create(self, s: int, size: int) -> tuple[int, np.ndarray]:
+        fd = os.memfd_create(f"kvstore-cpu-segment-{s}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)   # fail now, not with SIGBUS later, when memory is short
+            # a client holding the descriptor must not shrink it under the daemon's mapping (SIGBUS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            array = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        except OSError as e:
+            os.close(fd)
+            raise TierIOError(f"cpu tier: cannot allocate a {size}-byte segment ({e.strerror}); lower cpu_bytes") from e
+        if self._pretouch:
+            array[::mmap.PAGESIZE] = 0
+        return fd, array
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop = window.start or 0, window.stop
+        s = start // self.segment_bytes
+        base = s * self.segment_bytes
+        if stop - base > self._sizes[s]:
+            raise IndexError(f"arena[{start}:{stop}] crosses segment {s}")
+        return self._arrays[s][start - base:stop - base]
+
+    def descriptor(self, s: int) -> int:
+        """The segment's file descriptor (the daemon keeps ownership; send a copy)."""
+        return self._fds[s]
+
+    def renew(self, s: int) -> None:
+        """Give segment ``s`` fresh memory; mappings of the old one keep the old pages."""
+        fd, array = self._create(s, self._sizes[s])
+        old = self._fds[s]
+        self._fds[s], self._arrays[s] = fd, array
+        os.close(old)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self._arrays = [], []
 
 
 _SEGMENT_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}$")

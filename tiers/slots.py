@@ -2,32 +2,59 @@
 
 The arena is carved into equal slots once; a block takes ``ceil(size / slot_bytes)`` slots.
 There is no per-block malloc and no external fragmentation: any free slot fits any piece.
-Slots handed out together are usually adjacent (the free list is kept so that pops ascend),
+Slots handed out together are usually adjacent (the free lists are kept so that pops ascend),
 so a block is typically one extent and is copied with one memcpy; after churn it may be a few.
+
+Owned segments (``segment_bytes``): the slots may also be grouped into segments of which each
+holds blocks of one owner (a tenant) only, so that a client of that tenant can be handed exactly
+its tenant's segments to map and nothing else. A segment is claimed by an owner when it needs
+room and none of its segments has any; it goes back to the pool when its last block leaves.
+When a segment passes to another owner than its last one, ``on_reassign`` runs first (the CPU
+tier gives the segment fresh memory then, so a client that mapped it earlier sees none of the
+new owner's bytes) and the segment's generation counts up. No extent spans two segments.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from kvstore.buffers import Extent
 from kvstore.errors import BlockTooLarge, TierFull
 
 
 class SlotTable:
-    def __init__(self, arena_bytes: int, slot_bytes: int, tier_name: str) -> None:
+    def __init__(self, arena_bytes: int, slot_bytes: int, tier_name: str, segment_bytes: int | None = None,
+                 on_reassign: Callable[[int], None] | None = None) -> None:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be > 0")
         self.slot_bytes = slot_bytes
         self.num_slots = arena_bytes // slot_bytes
         self.tier_name = tier_name
-        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self.owned = segment_bytes is not None
+        per = max(1, (segment_bytes or 0) // slot_bytes) if self.owned else max(1, self.num_slots)
+        self.segment_slots = per
+        n_segments = max(1, -(-self.num_slots // per))
+        # one free list per segment, each popping in ascending slot order
+        self._free = [list(range(min(self.num_slots, (s + 1) * per) - 1, s * per - 1, -1)) for s in range(n_segments)]
+        self._owner: list[str | None] = [None] * n_segments
+        self._last_owner: list[str | None] = [None] * n_segments
+        self.generations = [1] * n_segments
+        self._on_reassign = on_reassign
         self._blocks: dict[bytes, tuple[list[Extent], int, list[int]]] = {}
         self._lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.slot_bytes
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.segment_slots * self.slot_bytes
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._free)
 
     def slots_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.slot_bytes))
@@ -39,17 +66,46 @@ class SlotTable:
                                 f"({self.capacity_bytes} bytes)")
         return n * self.slot_bytes
 
-    def allocate(self, key: bytes, nbytes: int) -> list[Extent]:
+    def free_bytes_for(self, owner: str | None) -> int:
+        """Bytes a block of ``owner`` could take now: its own segments' free slots and the
+        unclaimed segments (all slots when segments are not owned)."""
+        with self._lock:
+            return self._free_slots_for(owner) * self.slot_bytes
+
+    def _free_slots_for(self, owner: str | None) -> int:
+        if not self.owned:
+            return len(self._free[0])
+        return sum(len(f) for s, f in enumerate(self._free) if self._owner[s] in (owner, None))
+
+    def allocate(self, key: bytes, nbytes: int, owner: str | None = None) -> list[Extent]:
         n = self.slots_for(nbytes)
         with self._lock:
             if key in self._blocks:
                 raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
-            if n > len(self._free):
-                raise TierFull(f"{self.tier_name} tier has {len(self._free)} free slots, needs {n}")
-            slots = [self._free.pop() for _ in range(n)]
-            extents = _coalesce(sorted(slots), self.slot_bytes, nbytes)
+            free = self._free_slots_for(owner)
+            if n > free:
+                raise TierFull(f"{self.tier_name} tier has {free} free slots, needs {n}")
+            slots: list[int] = []
+            own = [s for s in range(self.num_segments) if self._owner[s] == owner and self.owned]
+            for s in own + [s for s in range(self.num_segments) if self._owner[s] is None]:
+                if len(slots) == n:
+                    break
+                if not self._free[s]:
+                    continue
+                if self.owned and self._owner[s] is None:
+                    self._claim(s, owner)
+                take = min(n - len(slots), len(self._free[s]))
+                slots += [self._free[s].pop() for _ in range(take)]
+            extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
             self._blocks[key] = (extents, nbytes, slots)
             return extents
+
+    def _claim(self, s: int, owner: str | None) -> None:
+        if self._last_owner[s] is not None and self._last_owner[s] != owner:
+            if self._on_reassign is not None:
+                self._on_reassign(s)
+            self.generations[s] += 1
+        self._owner[s] = self._last_owner[s] = owner
 
     def lookup(self, key: bytes) -> tuple[list[Extent], int]:
         extents, nbytes, _ = self._blocks[key]
@@ -62,8 +118,33 @@ class SlotTable:
             if entry is None:
                 return 0
             slots = entry[2]
-            self._free.extend(sorted(slots, reverse=True))
+            for slot in sorted(slots, reverse=True):
+                self._free[slot // self.segment_slots].append(slot)
+            if self.owned:
+                for s in {slot // self.segment_slots for slot in slots}:
+                    if len(self._free[s]) == self._segment_size(s):
+                        self._owner[s] = None      # empty: back to the pool (``_last_owner`` kept)
             return len(slots) * self.slot_bytes
+
+    def _segment_size(self, s: int) -> int:
+        return min(self.num_slots, (s + 1) * self.segment_slots) - s * self.segment_slots
+
+    def segment_of(self, offset: int) -> int:
+        return offset // self.segment_bytes
+
+    def owner_of_segment(self, s: int) -> str | None:
+        return self._owner[s] if 0 <= s < self.num_segments else None
+
+    def if_owned_by(self, s: int, owner: str, action: Callable[[], object]) -> object | None:
+        """``action()`` if segment ``s`` belongs to ``owner``, atomically with respect to the
+        segment passing to another owner (which cannot happen while ``action`` runs); else None."""
+        with self._lock:
+            if not self.owned or not 0 <= s < self.num_segments or self._owner[s] != owner:
+                return None
+            return action()
+
+    def segments_of(self, owner: str) -> list[int]:
+        return [s for s, o in enumerate(self._owner) if o == owner]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -72,13 +153,14 @@ class SlotTable:
         return len(self._blocks)
 
 
-def _coalesce(sorted_slots: list[int], slot_bytes: int, nbytes: int) -> list[Extent]:
-    """Turn slot indices into (offset, length) runs covering exactly ``nbytes``."""
+def _coalesce(sorted_slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int) -> list[Extent]:
+    """Turn slot indices into (offset, length) runs covering exactly ``nbytes``; a run never
+    crosses a segment boundary (a client may have mapped one segment and not the next)."""
     extents: list[Extent] = []
     remaining = nbytes
     start = prev = sorted_slots[0]
     for s in sorted_slots[1:] + [None]:
-        if s is not None and s == prev + 1:
+        if s is not None and s == prev + 1 and s % segment_slots != 0:
             prev = s
             continue
         length = min((prev - start + 1) * slot_bytes, remaining)

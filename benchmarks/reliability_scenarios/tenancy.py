@@ -67,7 +67,8 @@ def tenancy(workdir: str, writers: int = 8, block_bytes: int = 16 * KiB) -> dict
         stub = pb_grpc.KVStoreStub(bob.channel)
         meta = (("authorization", "Bearer bob-token"),)
         probes["prepare_load"] = lambda: stub.PrepareLoad(pb.PrepareLoadRequest(namespace_id=ns_a, hashes=hs), metadata=meta)
-        probes["prepare_store"] = lambda: stub.PrepareStore(pb.PrepareStoreRequest(namespace_id=ns_b, hashes=hs), metadata=meta)
+        # same-host leases are offered under auth (in tenant segments), but never on another's namespace
+        probes["prepare_store"] = lambda: stub.PrepareStore(pb.PrepareStoreRequest(namespace_id=ns_a, hashes=hs), metadata=meta)
         for name, call in probes.items():
             try:
                 call()

@@ -21,6 +21,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import chunks, shm
 from kvstore.transport.bulk import BulkChannel
+from kvstore.transport.segments import SegmentMap
 from kvstore.wire import PROTOCOL_VERSION, SERVER_ID_KEY
 
 TRANSPORTS = ("auto", "shm", "bulk", "grpc")
@@ -39,7 +40,7 @@ class Negotiation:
         self.compressed_transfer = compressed_transfer
         self.accept_codecs: tuple[int, ...] = ()   # codecs of this daemon run that we decode ourselves
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
-        self.arena: shm.ArenaMap | None = None
+        self.arena: shm.ArenaMap | SegmentMap | None = None
         self.bulk: BulkChannel | None = None
         self._negotiated = False
         self._lock = threading.Lock()
@@ -93,9 +94,15 @@ class Negotiation:
             bulk = self.bulk
         return bulk
 
-    def _map_arena(self, hs, nonce: bytes) -> shm.ArenaMap | None:
+    def _map_arena(self, hs, nonce: bytes) -> shm.ArenaMap | SegmentMap | None:
         arena = None
-        if self.transport in ("auto", "shm") and hs.arena_path and shm.nonce_is_local(hs.probe_path, nonce):
+        if self.transport in ("auto", "shm") and hs.segment_socket:
+            try:   # auth on: our tenant's segments, by descriptor; reaching the socket proves the host
+                arena = SegmentMap(hs.segment_socket, hs.segment_ticket, hs.tenant, hs.segment_bytes,
+                                   min(self.rpc.timeout_s, 2.0))
+            except OSError:
+                arena = None
+        elif self.transport in ("auto", "shm") and hs.arena_path and shm.nonce_is_local(hs.probe_path, nonce):
             try:
                 arena = shm.ArenaMap(hs.arena_path, hs.arena_bytes, hs.arena_dev, hs.arena_ino)
             except OSError:

@@ -45,7 +45,9 @@ class ShmPath:
                     continue
                 if time.monotonic() > safe_until:
                     raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
-                self.negotiation.arena.copy_in([(e.offset, e.length) for e in blk.extents], src)
+                arena = self.negotiation.arena
+                self._map(arena, blk.extents)
+                arena.copy_in([(e.offset, e.length) for e in blk.extents], src)
         except BaseException:
             try:
                 self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
@@ -68,7 +70,9 @@ class ShmPath:
                 for k, blk in enumerate(lease.blocks):
                     i = start + k
                     extents = [(e.offset, e.length) for e in blk.extents]
-                    self.negotiation.arena.copy_out(extents, sinks[i].buffer(blk.size))
+                    arena = self.negotiation.arena
+                    self._map(arena, blk.extents)
+                    arena.copy_out(extents, sinks[i].buffer(blk.size))
                     got.append((i, blk.size, blk.codec))
             finally:
                 confirmed = self._release(lease, t0)
@@ -80,6 +84,15 @@ class ShmPath:
                 sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]])[0]
             start = stop + 1  # skip past the first miss
         return sizes
+
+    @staticmethod
+    def _map(arena, extents) -> None:
+        """Tenant segments a lease names that this process has not mapped yet (or mapped at
+        another generation) are fetched first; failing to, the call fails like a lost daemon."""
+        try:
+            arena.ensure(extents)
+        except OSError as e:
+            raise errors.DaemonUnavailable(f"shared memory: cannot map the lease's segments ({e})") from None
 
     def _release(self, lease, t0: float) -> bool:
         """Release a load lease; True when the copies made under it are trustworthy.

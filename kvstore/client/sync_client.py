@@ -95,8 +95,9 @@ class Client:
 
     @property
     def mapped_arena(self):
-        """The daemon's arena as this process mapped it (a ``transport.shm.ArenaMap``), or None
-        when data does not move through shared memory."""
+        """The daemon's arena as this process mapped it (a ``transport.shm.ArenaMap``, or with auth
+        on a ``transport.segments.SegmentMap`` of this tenant's segments), or None when data does
+        not move through shared memory."""
         self._negotiation.ensure()
         return self._negotiation.arena
 

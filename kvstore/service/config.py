@@ -165,7 +165,10 @@ class Settings(BaseSettings):
     tls_cert: str | None = None
     tls_key: str | None = None
 
-    shm_with_auth: bool = False  # offer the shared arena with tokens set: only when they name one tenant
+    # with tokens set, each tenant's blocks live in CPU segments of this size that only its clients
+    # can map (kvstore.transport.segments); None: cpu_bytes / 64, between one slot and 256 MiB
+    cpu_segment_bytes: Size | None = Field(None, ge=4 * KiB, le=64 * GiB)
+    shm_with_auth: bool | None = None   # removed: refused by name in model_post_init
     metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
     metrics_host: str = "127.0.0.1"
     metrics_top_n: int = Field(10, ge=1, le=1000)   # per-tenant / per-namespace series kept; the rest is "other"
@@ -193,11 +196,10 @@ class Settings(BaseSettings):
     def model_post_init(self, _: Any) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
-        if self.shm_with_auth and len(set(self.tokens.values())) > 1:
-            # Whoever maps the arena can read and write every block in it: sharing it between
-            # tenants would void tenant isolation, so it is refused rather than documented.
-            raise ValueError("shm_with_auth: the tokens name more than one tenant; the shared arena "
-                             "would let each tenant read and overwrite the others' blocks")
+        if self.shm_with_auth is not None:
+            raise ValueError("shm_with_auth: removed; with tokens set, same-host clients always get "
+                             "shared memory, each tenant's blocks in segments only its clients can map; "
+                             "delete this key")
         unknown = sorted(set(self.admin_tenants) - set(self.tokens.values()))
         if self.tokens and unknown:
             raise ValueError(f"admin_tenants: {unknown} have no token in tokens")
@@ -259,7 +261,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "nvme_bytes", "gpu_bytes", "quotas",
+_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes", "nvme_bytes", "gpu_bytes", "quotas",
               "max_block_bytes", "max_pinned_bytes_per_tenant"}
 
 

@@ -92,13 +92,22 @@ def build_tiers(settings: Settings) -> list:
     if settings.gpu_bytes:
         from kvstore.tiers.gpu import GpuTier
         tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
-    tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir))
+    tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
+                         segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None))
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
     if settings.redis_tier.enabled:
         tiers.append(build_redis_tier(settings))
     return tiers
+
+
+def tenant_segment_bytes(settings: Settings) -> int:
+    """With auth on, the CPU arena is split into segments of one tenant each: many small segments
+    waste less room per tenant, few large ones cost fewer descriptors and mappings."""
+    slot = settings.cpu_slot_bytes
+    wanted = settings.cpu_segment_bytes or min(max(settings.cpu_bytes // 64, slot), 256 * 1024 * 1024)
+    return max(slot, wanted // slot * slot)
 
 
 def build_redis_tier(settings: Settings):
@@ -152,7 +161,7 @@ class Daemon:
                 self.store, listen=settings.listen, workers=settings.workers,
                 max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
                 metrics=self.metrics, shm_dir=settings.shm_dir,
-                offer_shm=not auth.enabled or settings.shm_with_auth,
+                offer_shm=True,
                 bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                 stream_idle_s=max(2 * settings.lease_seconds, 1.0))
         except Exception:
@@ -248,6 +257,8 @@ class Daemon:
         self._stop.set()
         if self.servicer.bulk is not None:
             self.servicer.bulk.close()
+        if self.servicer.segments is not None:
+            self.servicer.segments.close()
         flushed = self.store.flush()
         self.store.expire_leases(now=float("inf"))
         self.metrics.close()

@@ -38,6 +38,7 @@ from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
 from kvstore.transport.bulk_server import BulkServer
+from kvstore.transport.segments import SegmentBroker
 
 METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
 
@@ -121,9 +122,12 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
     auth = auth or Authenticator()
     host = listen.rpartition(":")[0].strip("[]")
     bulk = BulkServer(host) if bulk_channel and not tls_cert else None
+    arena = store.shared_arena()
+    segments = SegmentBroker(shm_dir, arena.descriptor_for) if offer_shm and arena is not None and arena.segmented \
+        else None
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
-                               stream_idle_s=stream_idle_s)
+                               stream_idle_s=stream_idle_s, segments=segments)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:
@@ -161,5 +165,7 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
         server.discard()
         if bulk is not None:
             bulk.close()
+        if segments is not None:
+            segments.close()
         raise
     return server, servicer, HealthStatus(health, server.loop), port

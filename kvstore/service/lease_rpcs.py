@@ -74,19 +74,23 @@ class LeaseRpcs(ServicerBase):
         resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
         codecs = lease.codecs or [RAW_CODEC] * len(lease.extents)
         sizes = lease.sizes or [size] * len(lease.extents)
+        arena = self.store.shared_arena()
+        generation_at = arena.generation_at if arena is not None and arena.segmented else lambda _off: 0
         for ext, codec, stored in zip(lease.extents, codecs, sizes):
             b = resp.blocks.add(present=ext is None and present_none, codec=codec, size=stored)
             for off, length in ext or ():
-                b.extents.add(offset=off, length=length)
+                b.extents.add(offset=off, length=length, generation=generation_at(off))
         return resp
 
     def _require_shared_arena(self) -> None:
-        """The zero-copy RPCs only where the arena is offered: with auth on (and shm_with_auth
-        off) a tenant completing a store it never wrote would publish the previous occupant's
-        bytes of those slots (another tenant's data) as its own block."""
+        """The zero-copy RPCs only where the arena is offered. With auth on it is offered as
+        tenant segments: a lease's slots lie in segments of the caller's tenant only (the store
+        places each tenant's blocks in its own segments, and a segment that changes tenant gets
+        fresh memory), so completing a store one never wrote publishes only zeros or the
+        tenant's own earlier bytes, never another tenant's."""
         if not self.offer_shm:
-            raise PermissionDenied("transport: this daemon does not share its CPU arena with clients "
-                                   "(auth is on); use the gRPC or side-channel transports")
+            raise PermissionDenied("transport: this daemon does not share its CPU arena with clients; "
+                                   "use the gRPC or side-channel transports")
 
     def PrepareStore(self, request, context):
         self._require_shared_arena()

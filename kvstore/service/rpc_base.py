@@ -20,6 +20,7 @@ from kvstore.service.stalls import StallWatch
 from kvstore.store import Store
 from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
+from kvstore.transport.segments import SegmentBroker
 from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
 
 PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
@@ -29,7 +30,7 @@ class ServicerBase:
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
-                 stream_idle_s: float = 30.0) -> None:
+                 stream_idle_s: float = 30.0, segments: SegmentBroker | None = None) -> None:
         self.store = store
         self.auth = auth or Authenticator()
         self.metrics = metrics
@@ -38,6 +39,7 @@ class ServicerBase:
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self.bulk = bulk
+        self.segments = segments   # hands tenant segments' descriptors out (auth on), else None
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
         self.started = time.time()

@@ -40,10 +40,17 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
                                     tenant=tenant, stored_codecs=self.store.stored_codecs())
         arena = self.store.shared_arena()
         if arena is not None and self.offer_shm and request.nonce:
-            resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
-            resp.arena_path = arena.path
-            resp.arena_bytes = arena.nbytes
-            resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
+            if arena.segmented:   # auth on: this tenant's segments, by descriptor (transport.segments)
+                if self.segments is not None:
+                    resp.segment_socket = self.segments.path
+                    resp.segment_ticket = self.segments.ticket_for(tenant)
+                    resp.segment_bytes = arena.segment_bytes
+                    resp.arena_bytes = arena.nbytes
+            else:
+                resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
+                resp.arena_path = arena.path
+                resp.arena_bytes = arena.nbytes
+                resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
             resp.bulk_ticket = self.bulk.ticket_for(tenant)  # opens sessions of this tenant only

@@ -111,7 +111,7 @@ class Cascade:
                 if staged is not None:
                     record = dataclasses.replace(staged.placement(t).record)
                 try:
-                    self.make_room(t, record.stored_size)
+                    self.make_room(t, record.stored_size, namespace_id)
                     self.tiers[t].allocate(record)
                     break
                 except (TierFull, BlockTooLarge) as e:
@@ -160,11 +160,13 @@ class Cascade:
 
     # -- making room -----------------------------------------------------------------------------
 
-    def make_room(self, t: int, nbytes: int) -> None:
-        """Evict from tier ``t`` until ``nbytes`` more fit."""
+    def make_room(self, t: int, nbytes: int, namespace_id: bytes) -> None:
+        """Evict from tier ``t`` until ``nbytes`` more of ``namespace_id`` fit (where the tier
+        splits its room by tenant, evictions go on until one of the tenant's segments has room or
+        a segment empties: the victims are demoted, not lost)."""
         tier = self.tiers[t]
         need = tier.footprint(nbytes)
-        while tier.free_bytes < need:
+        while tier.free_bytes_for(namespace_id) < need:
             victim = self.index.policies[t].pick_victim(self._is_pinned)
             if victim is None:
                 raise TierFull(f"{tier.name} tier is full and every block in it is pinned")
@@ -185,7 +187,7 @@ class Cascade:
 
     def _demote(self, entry: Entry, src: int, dst: int) -> None:
         record = entry.copies[src]
-        self.make_room(dst, record.stored_size)  # first: making room may reuse the scratch buffer
+        self.make_room(dst, record.stored_size, entry.namespace_id)  # first: making room may reuse the scratch buffer
         data = self.read_copy(entry, src)
         # a demoted block was never acknowledged as persisted: its directory entry may wait for
         # the next sync (a crash before then loses it, a miss; it is never torn)
@@ -227,7 +229,7 @@ class Cascade:
         placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, like, data,
                                        downward=downward, decoded=decoded)
         record, data = placed.record, placed.payload
-        self.make_room(t, record.stored_size)
+        self.make_room(t, record.stored_size, entry.namespace_id)
         self.tiers[t].allocate(record)
         try:
             if sync:

@@ -132,7 +132,7 @@ class Leases:
                 if c not in entry.copies:
                     try:
                         src = entry.fastest
-                        cascade.make_room(c, entry.copies[src].stored_size)  # before filling scratch
+                        cascade.make_room(c, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
                         data = cascade.read_copy(entry, src)
                         cascade.store_copy(entry, c, data, entry.copies[src], downward=c > src)
                     except (BlockCorrupt, CodecError):   # a damaged copy, or one that failed its decode

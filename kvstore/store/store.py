@@ -45,6 +45,8 @@ class Store:
         self._namespaces = NamespaceRegistry(getattr(durable, "path") if durable is not None else None,
                                              self.config.max_namespaces_per_tenant)
         self._cascade = Cascade(tiers, self.config, self._namespaces, clock)
+        for tier in tiers:   # a tier that splits its room by tenant (CPU tenant segments) asks whose
+            tier.assign_owners(self._tenant_of_namespace)
         self._leases = Leases(self._cascade)
         self._lock = self._cascade.lock
         self._index = self._cascade.index.entries
@@ -57,6 +59,10 @@ class Store:
         self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
 
     # -- namespaces ------------------------------------------------------------------------------
+
+    def _tenant_of_namespace(self, namespace_id: bytes) -> str | None:
+        ns = self._namespaces.find(namespace_id)
+        return ns.tenant if ns is not None else None
 
     def register_namespace(self, ns: Namespace) -> bytes:
         """Idempotent: the id is a digest of the namespace, so equal layouts get equal ids. Not
@@ -314,7 +320,7 @@ class Store:
                     continue
                 src = entry.fastest
                 try:
-                    cascade.make_room(d, entry.copies[src].stored_size)  # before filling scratch
+                    cascade.make_room(d, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
                     cascade.store_copy(entry, d, cascade.read_copy(entry, src), entry.copies[src], sync=False)
                     written += 1
                 except PLACEMENT_ERRORS:

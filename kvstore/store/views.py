@@ -54,12 +54,17 @@ class PinnedBlock:
 
 
 class SharedArena:
-    """The CPU tier's shared segment as a same-host client maps it."""
+    """The CPU tier's shared memory as a same-host client maps it: one file found by path, or
+    (tenant segments, with authentication on) segments handed out by descriptor to their tenant
+    only (``descriptor_for``)."""
 
     def __init__(self, tier: CpuTier) -> None:
-        self.path: str = tier.segment_path
+        self.path: str | None = tier.segment_path      # None: tenant segments, no path at all
         self.nbytes: int = tier.arena.nbytes           # the mapping's size (at least one page)
         self.capacity_bytes: int = tier.capacity_bytes  # of which the slots cover this much
+        self.segmented: bool = tier.segmented
+        self.segment_bytes: int = tier.slots.segment_bytes if tier.segmented else 0
+        self._tier = tier
         self._arena = tier.arena
 
     @functools.cached_property
@@ -74,6 +79,16 @@ class SharedArena:
     @property
     def st_ino(self) -> int:
         return self._stat.st_ino
+
+    def generation_at(self, offset: int) -> int:
+        """Which memory the segment holding ``offset`` has now (0 without segments): a client
+        whose mapping of that segment is of another generation must map it again."""
+        return self._tier.generation_at(offset)
+
+    def descriptor_for(self, segment: int, tenant: str) -> tuple[int, int] | None:
+        """``(fd, generation)`` of a segment that holds ``tenant``'s blocks (the caller sends and
+        closes the fd), None for any other segment."""
+        return self._tier.segment_descriptor(segment, tenant)
 
     def views(self, extents: Sequence[Extent]) -> list[np.ndarray]:
         """Zero-copy slices of the arena, one per (offset, length) extent (valid while the block

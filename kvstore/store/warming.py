@@ -27,7 +27,7 @@ def warm(cascade: Cascade, entry: Entry) -> str:
     src = entry.fastest
     entry.pins += 1
     try:
-        cascade.make_room(c, entry.raw_size)   # before read_copy: making room may reuse its scratch buffer
+        cascade.make_room(c, entry.raw_size, entry.namespace_id)   # before read_copy: making room may reuse its scratch buffer
         data = cascade.read_copy(entry, src)
         cascade.store_copy(entry, c, data, entry.copies[src])
     except (BlockCorrupt, CodecError):

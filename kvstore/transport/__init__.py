@@ -1,6 +1,8 @@
 """How bulk bytes move between a client and the daemon: the framing both ends share.
 
 * ``shm``    — same host: the client maps the daemon's CPU arena; RPCs carry slot extents only.
+* ``segments`` — same host with auth on: the client maps its tenant's arena segments, whose
+  descriptors the daemon hands over a Unix socket after a ticket check.
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
 

@@ -84,6 +84,9 @@ class ArenaMap:
         self.path = path
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
 
+    def ensure(self, extents) -> None:
+        """Nothing to map: the whole arena is mapped (``segments.SegmentMap`` maps on demand)."""
+
     def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
         """Copy a block's pieces into ``dst`` (flat uint8); returns bytes copied."""
         return gather(self.arena, extents, dst)

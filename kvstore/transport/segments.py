@@ -1,0 +1,303 @@
+"""Same-host zero-copy with authentication on: a tenant's arena segments, handed over by descriptor.
+
+With tokens configured the daemon's CPU arena is one sealed ``memfd`` per segment, each holding
+one tenant's blocks (``kvstore.tiers.cpu``). No path leads to them. A client gets the
+descriptors of its own tenant's segments over a Unix socket beside the old arena path: it sends
+the ticket Handshake gave it (an HMAC of its tenant under a secret of this daemon run) and the
+segment numbers a lease named; the daemon answers with ``SCM_RIGHTS`` descriptors only for
+segments that hold that tenant's blocks at that moment, else refuses the whole request.
+
+Lease extents carry their segment's generation; a segment that passed to another tenant and back
+has a new generation (and new memory), so a client maps it again rather than reading its old
+mapping. Segments of another tenant never reach a client: not by path, not by descriptor.
+
+Both ends live here. The daemon's end (``SegmentBroker``) is one thread on an epoll loop: a
+request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most ``MAX_PENDING`` wait,
+so idle or hostile connections hold no thread and cannot grow anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import hmac
+import logging
+import mmap
+import os
+import re
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvstore.buffers import gather, scatter
+
+log = logging.getLogger("kvstore.transport.segments")
+
+MAGIC = b"KVSG"
+TICKET_BYTES = 32
+MAX_TENANT_BYTES = 256
+MAX_SEGMENTS_PER_REQUEST = 64
+REQUEST_DEADLINE_S = 2.0
+MAX_PENDING = 64
+_HEAD = struct.Struct("!4s32sH")      # magic, ticket, tenant length; then tenant, count (H), segments (I each)
+_REPLY = struct.Struct("!BH")          # status (0 ok), count; then (segment I, generation Q) each
+_ENTRY = struct.Struct("!IQ")
+_MAX_REQUEST = _HEAD.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
+_SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
+
+
+def ticket_for(secret: bytes, tenant: str) -> bytes:
+    return hmac.new(secret, b"segments:" + tenant.encode("utf-8"), hashlib.sha256).digest()
+
+
+def encode_request(ticket: bytes, tenant: str, segments: Sequence[int]) -> bytes:
+    name = tenant.encode("utf-8")
+    return (_HEAD.pack(MAGIC, ticket, len(name)) + name + struct.pack("!H", len(segments))
+            + b"".join(struct.pack("!I", s) for s in segments))
+
+
+def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
+    """``(ticket, tenant, segments)`` once ``data`` is a whole request; None while incomplete.
+    Raises ``ValueError`` for a malformed one."""
+    if len(data) < _HEAD.size:
+        return None
+    magic, ticket, name_len = _HEAD.unpack_from(data)
+    if magic != MAGIC or name_len > MAX_TENANT_BYTES:
+        raise ValueError("bad request head")
+    at = _HEAD.size + name_len
+    if len(data) < at + 2:
+        return None
+    (count,) = struct.unpack_from("!H", data, at)
+    if count > MAX_SEGMENTS_PER_REQUEST:
+        raise ValueError("too many segments")
+    end = at + 2 + 4 * count
+    if len(data) < end:
+        return None
+    if len(data) > end:
+        raise ValueError("trailing bytes")
+    segments = list(struct.unpack_from(f"!{count}I", data, at + 2))
+    return ticket, data[_HEAD.size:at].decode("utf-8", "replace"), segments
+
+
+class SegmentBroker:
+    """Daemon side: hands a tenant's clients the descriptors of that tenant's segments.
+
+    ``descriptor_for(segment, tenant)`` returns ``(fd, generation)`` for a segment holding the
+    tenant's blocks now (a descriptor the broker closes after sending), None otherwise."""
+
+    def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None]) -> None:
+        sweep_stale_sockets(shm_dir)
+        self._secret = secrets.token_bytes(32)
+        self._descriptor_for = descriptor_for
+        self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        os.chmod(self.path, 0o666)   # other users' clients may connect: the ticket is what admits them
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._poller = select.epoll()
+        self._poller.register(self._listener.fileno(), select.EPOLLIN)
+        self._pending: OrderedDict[int, tuple[socket.socket, bytearray, float]] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvstore-segment-broker", daemon=True)
+        self._thread.start()
+
+    def ticket_for(self, tenant: str) -> bytes:
+        return ticket_for(self._secret, tenant)
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                events = self._poller.poll(0.25)
+            except OSError:
+                return
+            for fd, _ in events:
+                try:
+                    if fd == self._listener.fileno():
+                        self._accept()
+                    elif fd in self._pending:
+                        self._advance(fd)
+                except Exception:  # noqa: BLE001 - one bad connection must not stop the broker
+                    log.exception("segment broker: handling a connection failed")
+            now = time.monotonic()
+            while self._pending and next(iter(self._pending.values()))[2] < now:
+                self._end(next(iter(self._pending)), "timed_out")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                time.sleep(0.05)
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._end(next(iter(self._pending)), "pushed_out")
+            self._poller.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self._pending[conn.fileno()] = (conn, bytearray(), time.monotonic() + REQUEST_DEADLINE_S)
+
+    def _advance(self, fd: int) -> None:
+        conn, received, _ = self._pending[fd]
+        try:
+            chunk = conn.recv(_MAX_REQUEST + 1 - len(received))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._end(fd, "abandoned")
+            return
+        received += chunk
+        try:
+            request = _decode_request(bytes(received))
+        except ValueError:
+            self._end(fd, "malformed")
+            return
+        if request is None:
+            if len(received) > _MAX_REQUEST:
+                self._end(fd, "malformed")
+            return
+        self._answer(conn, *request)
+        self._end(fd, None)
+
+    def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
+        if not hmac.compare_digest(ticket, ticket_for(self._secret, tenant)):
+            self._refuse(conn, "refused_ticket")
+            return
+        handed: list[tuple[int, int, int]] = []   # (segment, fd, generation)
+        try:
+            for s in segments:
+                got = self._descriptor_for(s, tenant)
+                if got is None:
+                    self._refuse(conn, "refused_segment")
+                    return
+                handed.append((s, *got))
+            reply = _REPLY.pack(0, len(handed)) + b"".join(_ENTRY.pack(s, g) for s, _, g in handed)
+            with contextlib.suppress(OSError):
+                socket.send_fds(conn, [reply], [fd for _, fd, _ in handed])
+                self.counts["handed"] += len(handed)
+        finally:
+            for _, fd, _ in handed:
+                os.close(fd)
+
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        self.counts[reason] += 1
+        with contextlib.suppress(OSError):
+            conn.send(_REPLY.pack(1, 0))
+
+    def _end(self, fd: int, reason: str | None) -> None:
+        conn, _, _ = self._pending.pop(fd)
+        with contextlib.suppress(OSError, ValueError):
+            self._poller.unregister(fd)
+        conn.close()
+        if reason:
+            self.counts[reason] += 1
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        for fd in list(self._pending):
+            self._end(fd, None)
+        self._listener.close()
+        self._poller.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def sweep_stale_sockets(shm_dir: str) -> None:
+    """Unlink broker sockets left by daemons that died without closing (kill -9)."""
+    for path in glob.glob(os.path.join(shm_dir, "kvstore-*.sock")):
+        m = _SOCKET_NAME.match(os.path.basename(path))
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except PermissionError:
+            pass
+
+
+def request_segments(path: str, ticket: bytes, tenant: str, segments: Sequence[int],
+                     timeout_s: float = 2.0) -> list[tuple[int, int, int]]:
+    """Client side: ``[(segment, fd, generation)]`` for ``segments`` (the caller owns the fds).
+    Raises ``PermissionError`` when the daemon refuses, ``OSError`` when it cannot be reached."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        sock.sendall(encode_request(ticket, tenant, segments))
+        data, fds, _, _ = socket.recv_fds(sock, _REPLY.size + _ENTRY.size * MAX_SEGMENTS_PER_REQUEST,
+                                          MAX_SEGMENTS_PER_REQUEST)
+    try:
+        if len(data) < _REPLY.size:
+            raise OSError("segment broker closed the connection without an answer")
+        status, count = _REPLY.unpack_from(data)
+        if status != 0:
+            raise PermissionError("segment broker refused the request")
+        if count != len(fds) or len(data) < _REPLY.size + count * _ENTRY.size:
+            raise OSError("segment broker answer is malformed")
+        entries = [_ENTRY.unpack_from(data, _REPLY.size + i * _ENTRY.size) for i in range(count)]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return [(s, fd, g) for (s, g), fd in zip(entries, fds)]
+
+
+class SegmentMap:
+    """Client side: the daemon's arena as this tenant's segments, each mapped on first use.
+    Slicing ``[off:off + n]`` and ``copy_in``/``copy_out`` work like ``shm.ArenaMap`` once
+    ``ensure`` has mapped the segments a lease names (at the generations it names)."""
+
+    def __init__(self, path: str, ticket: bytes, tenant: str, segment_bytes: int, timeout_s: float = 2.0) -> None:
+        if segment_bytes <= 0:
+            raise OSError("the daemon announced no segment size")
+        self.path = path
+        self._ticket, self._tenant = ticket, tenant
+        self.segment_bytes = segment_bytes
+        self.timeout_s = timeout_s
+        self._maps: dict[int, tuple[int, np.ndarray]] = {}   # segment -> (generation, its mapping)
+        request_segments(path, ticket, tenant, [], timeout_s)   # reachable, and our ticket is good
+
+    def ensure(self, extents) -> None:
+        """Map (again) every segment an extent of a lease lies in whose generation we lack;
+        ``extents`` have ``offset`` and ``generation`` (``pb.Extent``)."""
+        wanted = {e.offset // self.segment_bytes: e.generation for e in extents}
+        missing = sorted(s for s, g in wanted.items() if self._maps.get(s, (None,))[0] != g)
+        for at in range(0, len(missing), MAX_SEGMENTS_PER_REQUEST):
+            for s, fd, generation in request_segments(self.path, self._ticket, self._tenant,
+                                                      missing[at:at + MAX_SEGMENTS_PER_REQUEST], self.timeout_s):
+                try:
+                    size = os.fstat(fd).st_size
+                    self._maps[s] = (generation, np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8))
+                finally:
+                    os.close(fd)
+                if generation != wanted[s]:
+                    raise OSError(f"segment {s} is at generation {generation}, the lease named {wanted[s]}")
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop = window.start or 0, window.stop
+        s = start // self.segment_bytes
+        base = s * self.segment_bytes
+        return self._maps[s][1][start - base:stop - base]
+
+    def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
+        return gather(self, extents, dst)
+
+    def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
+        return scatter(self, extents, src)
+
+    def close(self) -> None:
+        self._maps = {}   # each mapping closes once no view of it is left
