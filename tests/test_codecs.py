@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.codecs import CODEC_IDS, check_layout, codec_for_id, decode_block, encode_block, get_codec
+from kvstore.codecs import (CODEC_IDS, check_layout, check_payload, codec_for_id, decode_block, encode_block,
+                            get_codec)
 from kvstore.codecs.header import HEADER_BYTES
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.keys import KVLayout
@@ -354,6 +355,30 @@ def test_payload_decoded_with_another_layout_is_refused(encoded):
         decode_block(cid, payload, make_layout(L=4, T=16))
     with pytest.raises(CodecError, match="encoded for"):
         decode_block(cid, payload, make_layout(dtype="float16"))
+
+
+@pytest.mark.parametrize("codec", [c for c in CODEC_IDS if c != "raw"])
+def test_check_payload_refuses_what_decode_refuses_without_decoding(encoded, codec):
+    """``check_payload`` is decode's checks alone (for a client-encoded payload before it is
+    stored): a good payload passes; a flipped byte anywhere, a cut, another codec's label or
+    another layout is a CodecError."""
+    layout, payloads = encoded
+    cid, payload = payloads[codec]
+    check_payload(cid, payload, layout)
+    check_payload(0, np.zeros(layout.block_bytes, np.uint8), layout)
+    for pos in list(range(0, HEADER_BYTES, 7)) + [HEADER_BYTES, len(payload) // 2, len(payload) - 1]:
+        bad = payload.copy()
+        bad[pos] ^= 0x40
+        with pytest.raises(CodecError):
+            check_payload(cid, bad, layout)
+    with pytest.raises(CodecError, match="truncated"):
+        check_payload(cid, payload[:-1], layout)
+    with pytest.raises(CodecError, match="header says codec"):
+        check_payload(cid % 6 + 1, payload, layout)
+    with pytest.raises(CodecError, match="encoded for"):
+        check_payload(cid, payload, make_layout(L=4, T=16))
+    with pytest.raises(CodecError, match="raw block is"):
+        check_payload(0, payload, layout)
 
 
 # --- property: any permutation layout, any small shape -----------------------------------------

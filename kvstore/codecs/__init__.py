@@ -41,8 +41,8 @@ from kvstore.codecs.refusal import REASONS, Refused, reason_of
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-__all__ = ["CODEC_IDS", "Codec", "CodecError", "REASONS", "Refused", "check_layout", "codec_for_id",
-           "compiled_on_cpu", "decode_block", "encode_block", "get_codec", "reason_of", "warm_up"]
+__all__ = ["CODEC_IDS", "Codec", "CodecError", "REASONS", "Refused", "check_layout", "check_payload",
+           "codec_for_id", "compiled_on_cpu", "decode_block", "encode_block", "get_codec", "reason_of", "warm_up"]
 
 _CODECS: tuple[Codec, ...] = (
     RawCodec(),
@@ -142,6 +142,28 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
         dst.copy_(src)
         return dst
     host = (src.cpu() if src.device.type != "cpu" else src).numpy()
+    header = _checked_header(codec, host, layout)
+    codec.decode(header, host[HEADER_BYTES:], layout, dst)
+    return dst
+
+
+def check_payload(codec_id: int, payload, layout: KVLayout) -> None:
+    """Raise ``CodecError`` unless ``payload`` is a whole, intact block of ``layout`` encoded with
+    ``codec_id``: what ``decode_block`` checks before it writes a byte (the header's magic, CRC32
+    and fields, the body's length and xxh3-64, the codec's parameter, the block's shape and dtype),
+    without decoding. A raw (0) payload must be exactly a block. For a payload from elsewhere (a
+    client's own encoding) before it is stored as it is."""
+    codec = codec_for_id(codec_id)
+    src = as_byte_tensor(payload, "payload")
+    if codec.codec_id == 0:
+        if src.numel() != layout.block_bytes:
+            raise CodecError(f"payload: raw block is {src.numel()} bytes; blocks of this layout "
+                             f"are {layout.block_bytes} bytes")
+        return
+    _checked_header(codec, (src.cpu() if src.device.type != "cpu" else src).numpy(), layout)
+
+
+def _checked_header(codec: Codec, host: np.ndarray, layout: KVLayout):
     view = memoryview(host)
     header = parse_header(view)
     if header.codec_id != codec.codec_id:
@@ -152,8 +174,7 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
                          f"{codec.header_param(layout)} for this layout")
     header.check_layout(layout)
     verify_body(header, view[HEADER_BYTES:])
-    codec.decode(header, host[HEADER_BYTES:], layout, dst)
-    return dst
+    return header
 
 
 def warm_up() -> None:
