@@ -244,21 +244,25 @@ class Cascade:
         self.index.track_copy(entry, t)
         self.index.copies_changed(entry)
 
-    def encode_reserved(self, entry: Entry, t: int, data) -> object:
-        """Give a reserved, not yet visible block whose raw bytes ``data`` were written into tier
-        ``t`` in place (a same-host writer's slots) the form tier ``t`` stores: re-allocated
-        smaller when encoded, the rest of its room freed. Returns the payload it now holds. The
-        encoding runs outside the lock: nobody else touches an invisible entry."""
-        placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, entry.copies[t], data)
+    def encode_reserved(self, entry: Entry, t: int, data, like: BlockRecord | None = None) -> object:
+        """Give a reserved, not yet visible block whose bytes ``data`` were written into tier ``t``
+        in place (a same-host writer's slots) the form tier ``t`` stores: re-allocated smaller when
+        encoded, the rest of its room freed. ``like``: what ``data`` is when the writer encoded it
+        itself (codec, size; ``data`` then must not be a view of the slots); None: the raw block.
+        Returns the payload it now holds. The encoding runs outside the lock: nobody else touches
+        an invisible entry."""
+        like = entry.copies[t] if like is None else like
+        placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, like, data)
+        rewrite = placed.record.codec != 0 or like.codec != 0   # the slots do not hold this form yet
         with self.lock:
             if placed.record.codec != 0:
                 self.tiers[t].drop(entry.key)
                 self.tiers[t].allocate(placed.record)   # fits: it is smaller than what was freed
                 entry.copies[t] = placed.record
             self.transcoder.count(t, placed, entry.raw_size)
-        if placed.record.codec != 0:
+        if rewrite:
             try:
-                self.tiers[t].write(placed.record, placed.payload)
+                self.tiers[t].write(entry.copies[t], placed.payload)
             except Exception:
                 with self.lock:
                     self.drop_entry(entry)

@@ -2,7 +2,10 @@
 
 * ``prepare_store`` reserves slots in the CPU arena and returns where to write the raw block; it
   is invisible until ``complete_store`` makes it visible (or ``abort_store`` / lease expiry frees
-  it). With a CPU-tier codec, ``complete_store`` encodes the block into fewer slots first.
+  it). With a CPU-tier codec, ``complete_store`` encodes the block into fewer slots first. A
+  writer may instead write a payload it encoded itself at the start of the slots and name its
+  codec and size at ``complete_store``: checked, then kept as it is where the CPU tier stores that
+  codec (re-allocated into fewer slots), decoded (and re-encoded) where it does not.
 * ``prepare_load`` makes sure the blocks have a CPU copy and pins them under a lease; the client
   copies out of the arena and calls ``complete_load``. A copy encoded with a codec the reader
   decodes (``accept``) is leased as stored (``Lease.codecs`` / ``sizes`` say what each holds);
@@ -24,6 +27,7 @@ from kvstore.buffers import Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.tiers.cpu import CpuTier
 
 
@@ -81,19 +85,32 @@ class Leases:
             raise
         return self._new("store", keys, extents)
 
-    def complete_store(self, lease_id: int) -> list[str]:
+    def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
+        """Make the lease's blocks visible. ``codec``/``sizes``: the writer put payloads it encoded
+        itself at the start of each block's slots (``puts.payload_codecs``); every one is checked
+        (``puts.check_encoded``) before any block is made visible, and a bad one aborts the whole
+        lease (``InvalidArgument`` naming it): nothing is stored, the slots are freed."""
         lease = self._take(lease_id, "store")
         cascade = self._cascade
+        try:
+            encoded = self._client_payloads(lease, codec, sizes)
+        except Exception:
+            self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+            raise
         results = []
         on_durable = []
-        for key, ext in zip(lease.keys, lease.extents):
+        for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
             entry = cascade.index.entries.get(key) if ext is not None else None
             if entry is None or entry.ready:
                 results.append("exists")
                 continue
-            data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
-            payload = data[0] if len(data) == 1 else np.concatenate(data)
-            payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
+            if i in encoded:
+                like, payload = encoded[i]
+                payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
+            else:
+                data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
+                payload = data[0] if len(data) == 1 else np.concatenate(data)
+                payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
             results.append("stored")
             if cascade.publish(entry, payload):
                 on_durable.append(len(results) - 1)
@@ -101,6 +118,30 @@ class Leases:
             for i in on_durable:
                 results[i] = "persisted"
         return results
+
+    def _client_payloads(self, lease: Lease, codec: int, sizes: Sequence[int]) -> dict[int, tuple]:
+        """Block index -> (record, payload) of each reserved block the writer encoded itself, its
+        payload copied out of the slots (they are re-allocated under it) and checked."""
+        if not codec and not sizes:
+            return {}
+        cascade = self._cascade
+        entries = [cascade.index.entries.get(k) if x is not None else None for k, x in zip(lease.keys, lease.extents)]
+        live = [e for e in entries if e is not None and not e.ready]
+        if not live:
+            return {}
+        ns = cascade.namespaces.get(live[0].namespace_id)
+        codecs = payload_codecs(ns, codec, sizes, len(lease.keys)) or []
+        cpu = cascade.tiers[cascade.cpu_index]  # type: ignore[index]
+        out = {}
+        for i, (entry, block_codec) in enumerate(zip(entries, codecs)):
+            if entry is None or entry.ready or not block_codec:
+                continue
+            views = cpu.view(entry.key)  # type: ignore[attr-defined]
+            payload = (views[0] if len(views) == 1 else np.concatenate(views))[:sizes[i]].copy()
+            check_encoded(ns, block_codec, payload, i)
+            out[i] = (dataclasses.replace(entry.copies[cascade.cpu_index], codec=block_codec,  # type: ignore[index]
+                                          stored_size=int(sizes[i]), checksum=0), payload)
+        return out
 
     def abort_store(self, lease_id: int) -> None:
         lease = self._take(lease_id, "store")

@@ -9,11 +9,54 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.buffers import as_bytes
-from kvstore.errors import InvalidArgument, WrongBlockSize
+from kvstore.errors import CodecError, InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
 from kvstore.store.transcoding import StagedBlock
 from kvstore.tiers.base import BlockRecord
+
+
+def payload_codecs(ns: Namespace, codec: int, sizes: Sequence[int], count: int) -> list[int] | None:
+    """Per block, the codec of a put that carries client-encoded payloads (``codec``, each
+    ``sizes[i]`` bytes: shorter than a block = encoded, exactly a block = raw), or None for an
+    all-raw put (``codec`` 0, no sizes). Raises ``InvalidArgument`` naming ``codec`` or ``sizes``:
+    an unknown codec, one that cannot read this namespace's layout (it could not have encoded its
+    blocks), a size count that is not one per block, a size of 0 or above a block."""
+    if not codec:
+        if sizes:
+            raise InvalidArgument("sizes", "payload sizes come only with a codec (codec 0: every block raw)")
+        return None
+    from kvstore import codecs as kvcodecs   # torch: only for puts that carry encoded payloads
+    try:
+        name = kvcodecs.codec_for_id(codec).name
+        kvcodecs.check_layout(codec, ns.layout)
+    except kvcodecs.Refused as e:
+        if e.reason != "no_gain":   # no_gain: every payload would be a block long, i.e. raw
+            raise InvalidArgument("codec", f"codec {codec} ({name}) cannot encode this namespace's "
+                                           f"{ns.layout.layout!r} blocks: {e}") from None
+    except CodecError as e:
+        raise InvalidArgument("codec", str(e)) from None
+    if len(sizes) != count:
+        raise InvalidArgument("sizes", f"{len(sizes)} payload sizes for {count} blocks")
+    for i, size in enumerate(sizes):
+        if not 0 < size <= ns.block_bytes:
+            raise InvalidArgument(f"sizes[{i}]", f"a payload of {size} bytes; it must be 1..{ns.block_bytes} "
+                                                 f"(a block's {ns.block_bytes} bytes: raw)")
+    return [codec if size < ns.block_bytes else 0 for size in sizes]
+
+
+def check_encoded(ns: Namespace, codec: int, payload, index: int) -> None:
+    """Refuse (``InvalidArgument`` naming ``blocks[index]``) an encoded payload from outside the
+    store that is not an intact block of this namespace in ``codec``: its self-describing header
+    (magic, CRC32, codec, parameter, shape and dtype against the layout) and its body's xxh3-64
+    are checked, as ``decode_block`` does before decoding, without decoding. Raw (0): nothing."""
+    if not codec:
+        return
+    from kvstore import codecs as kvcodecs
+    try:
+        kvcodecs.check_payload(codec, payload, ns.layout)
+    except CodecError as e:
+        raise InvalidArgument(f"blocks[{index}]", f"encoded payload refused, nothing stored for it: {e}") from None
 
 
 def checked_payloads(ns: Namespace, payloads: Sequence, codecs: Sequence[int] | None) -> list:

@@ -274,8 +274,8 @@ class Store:
     def prepare_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
         return self._leases.prepare_store(namespace_id, hashes, parent)
 
-    def complete_store(self, lease_id: int) -> list[str]:
-        return self._leases.complete_store(lease_id)
+    def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
+        return self._leases.complete_store(lease_id, codec, sizes)
 
     def abort_store(self, lease_id: int) -> None:
         self._leases.abort_store(lease_id)
