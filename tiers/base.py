@@ -14,10 +14,14 @@ Primitive by primitive:
   ``data``; for a durable tier the bytes have also reached stable storage (fsync) and survive
   a crash. On failure (``TierIOError``) the reservation is released. May run outside the Store
   lock, concurrently with writes and reads of *other* keys.
-* ``write_unsynced(record, data)`` / ``sync()`` — the batched form of ``write``: the payload is
-  complete and fsynced, but a durable tier may leave the *directory entry* unsynced until the next
-  ``sync()``, so a batch pays one directory fsync. A crash before ``sync()`` may lose such a block
-  (a miss), never tear it. Volatile tiers inherit the defaults (``write``; no-op).
+* ``write_unsynced(record, data, durable=True)`` / ``sync()`` — the batched form of ``write``: the
+  payload is complete and fsynced, but a durable tier may leave the *directory entry* unsynced
+  until the next ``sync()``, so a batch pays one directory fsync. A crash before ``sync()`` may
+  lose such a block (a miss), never tear it. ``durable=False`` (demotions: never acknowledged as
+  persisted) skips the payload's fsync too: a crash (power loss) may then tear the file, which its
+  checksum turns into a counted miss; the next ``sync()`` makes it durable with the rest (one
+  filesystem flush for every such write since the last). Volatile tiers inherit the defaults
+  (``write``; no-op).
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
   stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
   deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
@@ -86,7 +90,7 @@ class Tier(ABC):
     @abstractmethod
     def write(self, record: BlockRecord, data: memoryview) -> None: ...
 
-    def write_unsynced(self, record: BlockRecord, data: memoryview) -> None:
+    def write_unsynced(self, record: BlockRecord, data: memoryview, durable: bool = True) -> None:
         self.write(record, data)
 
     def sync(self) -> None:

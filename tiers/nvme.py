@@ -5,7 +5,9 @@ padded to 4 KiB, so the whole file moves with O_DIRECT from one aligned staging 
 back to buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs).
 
 Atomic and durable: a block is written to ``<name>.tmp``, fsynced, renamed, and the directory is
-fsynced once per batch (``write_unsynced`` + ``sync``; ``write`` does both). A crash leaves either no file, a ``.tmp`` (deleted at recovery) or a
+fsynced once per batch (``write_unsynced`` + ``sync``; ``write`` does both). Demotions (never
+acknowledged as persisted) skip the payload's fsync too: the next ``sync()`` flushes them all with
+one ``syncfs`` (group commit), and a crash before then may tear one, which its checksum catches. A crash leaves either no file, a ``.tmp`` (deleted at recovery) or a
 complete file. Every read verifies the payload checksum; a bad or torn file is deleted, counted
 and reported as ``BlockCorrupt`` (the store turns that into a miss). Warm restart: ``recover()``
 rebuilds the index from the headers, so a restarted daemon serves what it had.
@@ -35,7 +37,7 @@ from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
 from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, fsync_dir,
-                                         open_regular, replace_file, unlink_quietly)
+                                         open_regular, replace_file, syncfs, unlink_quietly)
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -118,6 +120,7 @@ class NvmeTier(Tier):
         self.o_direct = use_o_direct and o_direct_supported(self.path)
         self._files: dict[bytes, tuple[BlockRecord, int]] = {}  # key -> (record, footprint)
         self._lock = threading.Lock()
+        self._unflushed = 0   # payloads written without their fsync since the last sync()
         # one page-aligned, touched staging buffer per thread (O_DIRECT needs alignment); an
         # oversized block's is freed after use rather than kept by every thread that wrote one
         self._staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
@@ -152,23 +155,32 @@ class NvmeTier(Tier):
         self.write_unsynced(record, data)
         self.sync()
 
-    def write_unsynced(self, record: BlockRecord, data) -> None:
-        """Write, fsync and rename one reserved block; its directory entry waits for ``sync()``."""
+    def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
+        """Write, fsync and rename one reserved block; its directory entry waits for ``sync()``.
+        ``durable=False``: no fsync of the payload either; ``sync()`` flushes it later."""
         try:
-            self._write_file(record, data)
+            self._write_file(record, data, fsync=durable)
+            if not durable:
+                with self._lock:
+                    self._unflushed += 1
         except OSError as e:
             self.drop(record.key)
             cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
             raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
 
     def sync(self) -> None:
-        """Make every rename so far durable: one directory fsync for a whole batch."""
+        """Make every write so far durable: one filesystem flush if any payload was written
+        without its fsync (``durable=False``), then one directory fsync, for a whole batch."""
+        with self._lock:
+            unflushed, self._unflushed = self._unflushed, 0
         try:
+            if unflushed:
+                syncfs(self.path)
             fsync_dir(self.path)
         except OSError as e:
             raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
 
-    def _write_file(self, record: BlockRecord, data) -> None:
+    def _write_file(self, record: BlockRecord, data, fsync: bool = True) -> None:
         """Header + payload in one pwritev. A page-aligned payload (CPU-arena slots, pooled server
         buffers) goes to disk straight from where it is; anything else is copied once into the
         thread's aligned staging buffer, which O_DIRECT needs."""
@@ -190,7 +202,7 @@ class NvmeTier(Tier):
             arr[HEADER_BYTES + n:] = 0
             pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
         replace_file(self.file_path(record.key), lambda fd: _pwritev_all(fd, pieces),
-                     os.O_DIRECT if self.o_direct else 0)
+                     os.O_DIRECT if self.o_direct else 0, fsync=fsync)
 
     def read_into(self, key: bytes, out) -> int:
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the

@@ -127,10 +127,13 @@ class _FilesPass:
 
 class ODirectWritePass(_FilesPass):
     """One timed pass writing ``files`` new files of ``nbytes`` each with O_DIRECT + fsync per
-    file (buffered where O_DIRECT is refused), the way a durable block store must."""
+    file (buffered where O_DIRECT is refused), the way a durable block store must; with
+    ``fsync=False`` without the fsyncs (what a write-back cache's demotions need, and what
+    LMCache's local disk backend does)."""
 
-    def __init__(self, directory: str, nbytes: int, files: int | None = None) -> None:
+    def __init__(self, directory: str, nbytes: int, files: int | None = None, fsync: bool = True) -> None:
         super().__init__(directory, nbytes, files, "ceiling-w-")
+        self.fsync = fsync
 
     def __call__(self) -> float:
         t = time.perf_counter()
@@ -138,7 +141,8 @@ class ODirectWritePass(_FilesPass):
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flag, 0o600)
             try:
                 os.write(fd, self.buf)
-                os.fsync(fd)
+                if self.fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         return time.perf_counter() - t

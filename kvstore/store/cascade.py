@@ -189,9 +189,11 @@ class Cascade:
         record = entry.copies[src]
         self.make_room(dst, record.stored_size, entry.namespace_id)  # first: making room may reuse the scratch buffer
         data = self.read_copy(entry, src)
-        # a demoted block was never acknowledged as persisted: its directory entry may wait for
-        # the next sync (a crash before then loses it, a miss; it is never torn)
-        self.store_copy(entry, dst, data, record, sync=False, downward=True)
+        # a demoted block was never acknowledged as persisted: neither its payload nor its directory
+        # entry is fsynced now (group commit: the next sync covers it). A crash before then loses
+        # or tears it: a miss, its checksum catches a torn one. Demotions run under the store lock,
+        # so an fsync each here stalled every other call.
+        self.store_copy(entry, dst, data, record, sync=False, downward=True, durable=False)
 
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster tier. ``payload``: its copy's
@@ -222,10 +224,11 @@ class Cascade:
         return out[:tier.read_into(entry.key, out)]
 
     def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True,
-                   downward: bool = False, decoded=None) -> None:
+                   downward: bool = False, decoded=None, durable: bool = True) -> None:
         """Place a copy of ``data`` (a payload encoded as ``like`` says) in tier ``t``, evicting
         there first; ``downward``/``decoded`` as in ``Transcoder.place``. ``sync=False`` leaves a
-        durable tier's directory entry to the caller's ``sync()``."""
+        durable tier's directory entry to the caller's ``sync()``; ``durable=False`` (with it) the
+        payload's fsync too (``Tier.write_unsynced``)."""
         placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, like, data,
                                        downward=downward, decoded=decoded)
         record, data = placed.record, placed.payload
@@ -235,7 +238,7 @@ class Cascade:
             if sync:
                 self.tiers[t].write(record, data)
             else:
-                self.tiers[t].write_unsynced(record, data)
+                self.tiers[t].write_unsynced(record, data, durable=durable)
         except Exception:
             self.tiers[t].drop(record.key)
             raise

@@ -6,11 +6,17 @@ copy that fails its checksum or its decode is dropped (counted) and the next cop
 on a slower tier is promoted, from the payload just read (no second read or decode). A payload
 decoded here is read in place when it is one piece of the CPU arena (the pin holds it), else into
 a buffer of this module's, never the cascade's scratch, which a promotion's demotions reuse.
+
+Several blocks whose fastest copies sit below the CPU tier (NVMe, Redis) are read a few at a
+time (``read_blocks``): each read waits on the disk or the network with the GIL released, so
+their waits overlap instead of adding up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -22,11 +28,62 @@ from kvstore.store.cascade import Cascade
 # another block through the cascade's buffer.
 _payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
+READS_IN_FLIGHT = 4   # slow-tier reads of one call at once (queue depth for NVMe)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="kvstore-slow-read")
+        return _pool
+
+
+# a fresh buffer per read: a payload read on a pool thread must outlive that thread's next read
+_own_payloads = Scratch(trim_above=0, aligned=True)
+
+
+def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
+                accept: Collection[int] = ()) -> list[tuple[int, int] | None]:
+    """``read_block`` for each hash, in order. Blocks found below the CPU tier are read up to
+    ``READS_IN_FLIGHT`` at once when there are several; hits are still counted and promoted in
+    the callers' order (prefix-aware eviction keeps a promoted prefix together)."""
+    slow_from = cascade.cpu_index + 1 if cascade.cpu_index is not None else 0
+    with cascade.lock:
+        slow = [i for i, h in enumerate(hashes)
+                if (e := cascade.index.visible(namespace_id, h)) is not None and e.fastest >= slow_from]
+    if len(slow) < 2:
+        return [read_block(cascade, namespace_id, h, dst, accept) for h, dst in zip(hashes, dsts)]
+    pool = _readers()
+    reads = {i: pool.submit(_read_fastest, cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
+             for i in slow}
+    out = []
+    for i, h in enumerate(hashes):
+        got = reads[i].result() if i in reads else _read_fastest(cascade, namespace_id, h, dsts[i], accept, _payloads)
+        out.append(None if got is None else _deliver(cascade, got))
+    return out
+
 
 def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
                accept: Collection[int] = ()) -> tuple[int, int] | None:
     """Copy one block's fastest copy into ``dst`` (at least a block long): ``(bytes, codec id)``,
     or None for a miss."""
+    got = _read_fastest(cascade, namespace_id, block_hash, dst, accept, _payloads)
+    return None if got is None else _deliver(cascade, got)
+
+
+class _Read:
+    """One copy read into the caller's buffer, its entry still pinned until ``_deliver``."""
+    __slots__ = ("entry", "tier", "n", "codec", "payload", "decoded")
+
+    def __init__(self, entry, tier: int, n: int, codec: int, payload, decoded) -> None:
+        self.entry, self.tier, self.n, self.codec, self.payload, self.decoded = entry, tier, n, codec, payload, decoded
+
+
+def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
+                  accept: Collection[int], payloads: Scratch) -> _Read | None:
     while True:
         with cascade.lock:
             entry = cascade.pin(namespace_id, block_hash)
@@ -40,7 +97,7 @@ def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np
         try:
             codec = record.codec
             if codec != 0 and codec not in accept:
-                payload = cascade.read_copy(entry, t, _payloads)
+                payload = cascade.read_copy(entry, t, payloads)
                 decoded = cascade.transcoder.decode(namespace_id, entry.raw_size, record, payload, out=dst)
                 n, codec = decoded.nbytes, 0
             else:
@@ -51,11 +108,17 @@ def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np
                 cascade.discard_corrupt_copy(entry, t)
                 cascade.unpin(entry)
             continue  # try the next copy, or report a miss
-        with cascade.lock:
-            cascade.counters[f"hits_{tier.name}"] += 1
-            cascade.counters["bytes_out"] += n
-            cascade.index.policies[t].touch(entry.key)
-            if t > 0 and cascade.config.promote_on_hit and not entry.doomed:
-                cascade.promote(entry, t, payload, decoded)
-            cascade.unpin(entry)
-        return n, codec
+        return _Read(entry, t, n, codec, payload, decoded)
+
+
+def _deliver(cascade: Cascade, got: _Read) -> tuple[int, int]:
+    """Count the hit, promote a slower tier's copy from the payload just read, unpin."""
+    entry, t = got.entry, got.tier
+    with cascade.lock:
+        cascade.counters[f"hits_{cascade.tiers[t].name}"] += 1
+        cascade.counters["bytes_out"] += got.n
+        cascade.index.policies[t].touch(entry.key)
+        if t > 0 and cascade.config.promote_on_hit and not entry.doomed:
+            cascade.promote(entry, t, got.payload, got.decoded)
+        cascade.unpin(entry)
+    return got.n, got.codec

@@ -27,7 +27,7 @@ from kvstore.store.leases import Lease, Leases
 from kvstore.store.listeners import StoreListener
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.puts import checked_payloads, put_chain
-from kvstore.store.reads import read_block
+from kvstore.store.reads import read_blocks
 from kvstore.store.recovery import recover
 from kvstore.store.views import BlockState, PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
@@ -207,13 +207,11 @@ class Store:
         ns = self._namespaces.check_batch(namespace_id, hashes)
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
-        got: list[tuple[int, int] | None] = []
-        for h, out in zip(hashes, outs):
-            dst = as_bytes(out)
+        dsts = [as_bytes(out) for out in outs]
+        for dst in dsts:
             if dst.nbytes < ns.block_bytes:
                 raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
-            got.append(read_block(self._cascade, namespace_id, h, dst, accept))
-        return got
+        return read_blocks(self._cascade, namespace_id, hashes, dsts, accept)
 
     def stored_codecs(self) -> list[int]:
         """Ids of the codecs blocks may be stored with here (a reader that decodes them may ask
