@@ -32,10 +32,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_name(device_type: str) -> str:
-    """Names the byte order of a block. CPU pages are the CPU attention kernel's packing
-    (K transposed per head); other devices get their own name, so they never share with CPU."""
-    return "vllm_cpu" if device_type == "cpu" else f"vllm_{device_type}"
+def layout_name(device_type: str, mla: bool = False) -> str:
+    """Names the byte order of a block, precisely enough for a codec to find layers, K/V, tokens,
+    heads and dims (``kvstore.codecs.layout``). CPU pages are the CPU attention kernel's packing
+    (K transposed per head). On GPUs a stored block is each layer's page for it in the attention
+    backend's logical order with the block axis taken out (``PagedBlocks.gather``): FlashAttention
+    ``[2, num_blocks, block_size, heads, head_size]`` and FlashInfer ``[num_blocks, 2, block_size,
+    heads, head_size]`` both give ``layer,kv,token,head,dim``; MLA latent pages ``[num_blocks,
+    block_size, kv_lora_rank + rope_dim]`` give ``layer,token,dim``. The worker checks its tensors
+    have that page shape (``page_shape_matches``) and disables itself otherwise. Different names
+    for CPU and GPU blocks keep them in different namespaces."""
+    if device_type == "cpu":
+        return "vllm_cpu"
+    return "layer,token,dim" if mla else "layer,kv,token,head,dim"
+
+
+def page_shape_matches(layout: "KVLayout", page_shapes: list[tuple[int, ...]]) -> bool:
+    """Whether every layer's page (its tensor with the block axis removed, logical order) has the
+    shape ``layout.layout`` promises; vllm_cpu's packing is checked by size alone (block_bytes)."""
+    if layout.layout == "vllm_cpu":
+        return True
+    want = ((layout.block_tokens, layout.head_dim) if layout.layout == "layer,token,dim" else
+            (2, layout.block_tokens, layout.num_kv_heads, layout.head_dim))
+    return all(tuple(s) == want for s in page_shapes)
 
 
 def is_mla(vllm_config: "VllmConfig", spec: Any) -> bool:
@@ -65,7 +84,7 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", s
     model = settings.model_id or str(vllm_config.model_config.model)
     layout = KVLayout(model=model, num_layers=len(groups[0].layer_names), num_kv_heads=int(spec.num_kv_heads),
                       head_dim=int(spec.head_size), dtype=dtype, block_tokens=int(spec.block_size),
-                      layout=layout_name(vllm_config.device_config.device_type), kv_per_token=1 if mla else 2,
+                      layout=layout_name(vllm_config.device_config.device_type, mla), kv_per_token=1 if mla else 2,
                       tp_rank=tp_rank, tp_size=tp_size,
                       pp_rank=pp_rank, pp_size=int(pc.pipeline_parallel_size),
                       block_bytes=int(spec.page_size_bytes) * len(groups[0].layer_names))

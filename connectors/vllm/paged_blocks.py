@@ -23,6 +23,7 @@ class PagedBlocks:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.block_dims: list[int] = []
         self.page_bytes: list[int] = []
+        self.page_shapes: list[tuple[int, ...]] = []   # each layer's page in logical order (block axis out)
         for name in layer_names:
             t = kv_caches[name]
             dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
@@ -32,6 +33,7 @@ class PagedBlocks:
             self.layers.append(t)
             self.block_dims.append(d)
             self.page_bytes.append(t.numel() // num_blocks * t.element_size())
+            self.page_shapes.append(tuple(t.shape[:d]) + tuple(t.shape[d + 1:]))
         self.offsets = np.cumsum([0] + self.page_bytes).tolist()
         self.block_bytes = self.offsets[-1]
         self.device = self.layers[0].device

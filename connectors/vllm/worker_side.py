@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore.connectors.vllm.identity import page_shape_matches
 from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
@@ -55,6 +56,9 @@ class WorkerSide:
             if paged.block_bytes != self.namespace.block_bytes:
                 raise ValueError(f"KV pages hold {paged.block_bytes} bytes per block, the spec says "
                                  f"{self.namespace.block_bytes}")
+            if not page_shape_matches(self.namespace.layout, paged.page_shapes):
+                raise ValueError(f"KV pages are shaped {paged.page_shapes[0]}, not what layout "
+                                 f"{self.namespace.layout.layout!r} describes (unknown attention backend)")
         except Exception as e:  # noqa: BLE001
             logger.error("kvstore connector disabled on this worker: %s", e)
             self.enabled = False
