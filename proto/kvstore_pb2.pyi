@@ -219,18 +219,20 @@ class StatsResponse(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "codec")
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "codec", "sizes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     block_bytes: int
     codec: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., codec: _Optional[int] = ...) -> None: ...
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -333,26 +335,34 @@ class LeaseResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockSlots, _Mapping]]] = ..., expires_in: _Optional[float] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "codec", "sizes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    codec: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session", "accept_codecs")
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session", "accept_codecs", "codec", "sizes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     block_bytes: int
     session: bytes
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
+    codec: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
     __slots__ = ("sizes", "codecs")

@@ -88,8 +88,10 @@ def test_fuzz_writes(rig, data):
     ns_id = data.draw(namespace_ids(ns))
     hashes = data.draw(hashes_st)
     parent = data.draw(st.binary(max_size=80))
+    sizes = data.draw(st.lists(st.sampled_from([0, 1, 31, 32, 48, 2**40]), max_size=4))   # client-encoded payloads
     header = pb.PutHeader(namespace_id=ns_id, hashes=hashes, parent=parent,
-                          block_bytes=data.draw(st.sampled_from([0, 32, 31, 2**40])), codec=data.draw(st.integers(0, 3)))
+                          block_bytes=data.draw(st.sampled_from([0, 32, 31, 2**40])), codec=data.draw(st.integers(0, 3)),
+                          sizes=sizes)
     datas = data.draw(st.lists(st.binary(max_size=100), max_size=4))
     with_header = data.draw(st.booleans())
     extra_header = data.draw(st.booleans())
@@ -106,10 +108,18 @@ def test_fuzz_writes(rig, data):
     _check(lambda: stub.PrepareStore(pb.PrepareStoreRequest(namespace_id=ns_id, hashes=hashes, parent=parent),
                                      timeout=10))
     _check(lambda: stub.CompleteStore(pb.LeaseRequest(lease_id=data.draw(u64)), timeout=10))
+    try:   # a real lease, completed with fuzzed client-encoded payload fields
+        lease = stub.PrepareStore(pb.PrepareStoreRequest(namespace_id=ns_id, hashes=hashes), timeout=10)
+    except grpc.RpcError:
+        lease = None
+    if lease is not None:
+        _check(lambda: stub.CompleteStore(pb.LeaseRequest(lease_id=lease.lease_id, codec=data.draw(st.integers(0, 7)),
+                                                          sizes=sizes), timeout=10))
     _check(lambda: stub.AbortStore(pb.LeaseRequest(lease_id=data.draw(u64)), timeout=10))
     _check(lambda: stub.Delete(pb.DeleteRequest(namespace_id=ns_id, hashes=hashes), timeout=10))
     _check(lambda: stub.BulkPut(pb.BulkRequest(namespace_id=ns_id, hashes=hashes, block_bytes=data.draw(u64),
-                                               session=data.draw(st.binary(max_size=20))), timeout=10))
+                                               session=data.draw(st.binary(max_size=20)),
+                                               codec=data.draw(st.integers(0, 3)), sizes=sizes), timeout=10))
 
 
 @FUZZ

@@ -66,6 +66,25 @@ def test_put_stream_chunking_round_trips(block_bytes, count, chunk):
     assert all(np.array_equal(b, want) for (_, b), want in zip(got, blocks))
 
 
+@settings(max_examples=60, deadline=None)
+@given(block_bytes=st.integers(1, 300), sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+       cuts=st.lists(st.integers(0, 1800), max_size=8))
+def test_put_stream_of_encoded_payloads_splits_at_their_sizes(block_bytes, sizes, cuts):
+    """Client-encoded payloads (each its own size, none over a block) come back one by one
+    however the stream is cut into messages, even messages spanning several payloads."""
+    sizes = [min(s, block_bytes) for s in sizes]
+    rng = np.random.default_rng(sum(sizes))
+    payloads = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+    stream = np.concatenate(payloads).tobytes()
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    splitter = chunks.BlockSplitter(block_bytes, np.zeros(block_bytes, dtype=np.uint8), sizes)
+    got = []
+    for a, b in zip(bounds, bounds[1:]):
+        got += [(i, x.copy()) for i, x in splitter.feed(stream[a:b])]
+    assert [i for i, _ in got] == list(range(len(sizes)))
+    assert all(np.array_equal(x, want) for (_, x), want in zip(got, payloads))
+
+
 def test_get_messages_cover_a_block_exactly():
     block = np.arange(2500, dtype=np.uint32).view(np.uint8)
     msgs = list(chunks.get_messages(3, block, 0, 4096))

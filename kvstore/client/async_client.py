@@ -41,8 +41,8 @@ class AsyncClient:
     async def exists(self, ns_id, hashes) -> list[bool]:
         return await self._run(self._client.exists, ns_id, hashes)
 
-    async def put(self, ns_id, hashes, blocks, parent=None) -> list[str]:
-        return await self._run(self._client.put, ns_id, hashes, blocks, parent)
+    async def put(self, ns_id, hashes, blocks, parent=None, encode: str | None = None) -> list[str]:
+        return await self._run(self._client.put, ns_id, hashes, blocks, parent, encode)
 
     async def get_into(self, ns_id, hashes, outs) -> list[int | None]:
         return await self._run(self._client.get_into, ns_id, hashes, outs)

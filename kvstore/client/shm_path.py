@@ -24,6 +24,18 @@ from kvstore.wire import UNSTAGED_KEY
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
 
 
+def _leading(extents: list[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
+    """The pieces of ``extents`` that the first ``nbytes`` bytes fill (a payload shorter than its
+    block's slots is written at their start)."""
+    out = []
+    for off, length in extents:
+        if nbytes <= 0:
+            break
+        out.append((off, min(length, nbytes)))
+        nbytes -= length
+    return out
+
+
 class ShmPath:
     """Puts and gets through the mapped arena. ``stream_one`` fetches blocks the arena could not
     stage (present, but no free unpinned slot) over a streaming path instead of missing them."""
@@ -34,7 +46,9 @@ class ShmPath:
         self.stream_one = stream_one
         self._pending: list = []   # background CompleteLoad calls
 
-    def put(self, ns_id: bytes, hashes, arrays, parent: bytes | None, block_bytes: int) -> list[str]:
+    def put(self, ns_id: bytes, hashes, arrays, parent: bytes | None, block_bytes: int, codec: int = 0) -> list[str]:
+        """``codec``: ``arrays`` are payloads this client encoded (a block long: raw); each is
+        written at the start of its block's slots and CompleteStore names their sizes."""
         t0 = time.monotonic()
         lease, _ = self.negotiation.call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
             namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes))
@@ -47,14 +61,16 @@ class ShmPath:
                     raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
                 arena = self.negotiation.arena
                 self._map(arena, blk.extents)
-                arena.copy_in([(e.offset, e.length) for e in blk.extents], src)
+                arena.copy_in(_leading([(e.offset, e.length) for e in blk.extents], src.nbytes), src)
         except BaseException:
             try:
                 self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
             except KVStoreError:
                 pass  # the lease expires on its own
             raise
-        return put_results(self.rpc.call("CompleteStore", pb.LeaseRequest(lease_id=lease.lease_id)))
+        done = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec,
+                               sizes=[a.nbytes for a in arrays] if codec else [])
+        return put_results(self.rpc.call("CompleteStore", done))
 
     def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
         """Each block into its sink (``delivery``); its size, or None for a miss."""

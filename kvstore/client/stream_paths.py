@@ -58,11 +58,13 @@ class BulkPath:
             self.negotiation.reset()
         return err
 
-    def put(self, bulk: BulkChannel, ns_id: bytes, hashes, arrays, parent, block_bytes: int) -> list[str]:
+    def put(self, bulk: BulkChannel, ns_id: bytes, hashes, arrays, parent, block_bytes: int,
+            codec: int = 0) -> list[str]:
+        """``codec``: ``arrays`` are payloads this client encoded (a block long: raw)."""
         req = pb.BulkRequest(namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes,
-                             session=bulk.session)
+                             session=bulk.session, codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
         with bulk.lock:
-            fut = self.rpc.future("BulkPut", req, data_timeout(self.rpc.timeout_s, block_bytes * len(arrays)))
+            fut = self.rpc.future("BulkPut", req, data_timeout(self.rpc.timeout_s, sum(a.nbytes for a in arrays)))
             try:
                 for a in arrays:
                     bulk.send(a)
@@ -117,10 +119,12 @@ class GrpcPath:
         self.negotiation = negotiation
         self.rpc = negotiation.rpc
 
-    def put(self, ns_id: bytes, hashes, arrays, parent, block_bytes: int) -> list[str]:
-        header = pb.PutHeader(namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes)
+    def put(self, ns_id: bytes, hashes, arrays, parent, block_bytes: int, codec: int = 0) -> list[str]:
+        """``codec``: ``arrays`` are payloads this client encoded (a block long: raw)."""
+        header = pb.PutHeader(namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes,
+                              codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
         chunk_bytes = self.negotiation.chunk_bytes
-        resp = self.rpc.call("Put", None, data_timeout(self.rpc.timeout_s, block_bytes * len(arrays)),
+        resp = self.rpc.call("Put", None, data_timeout(self.rpc.timeout_s, sum(a.nbytes for a in arrays)),
                              stream_factory=lambda: chunks.put_messages(header, arrays, chunk_bytes))
         return put_results(resp)
 

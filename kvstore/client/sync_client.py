@@ -3,6 +3,7 @@
     c = Client("127.0.0.1:7373", token=None, timeout_s=5.0, transport="auto")
     ns_id = c.register_namespace(Namespace(layout, cache_salt="..."))
     c.put(ns_id, hashes, blocks)            # bytes / numpy / CPU torch tensors
+    c.put(ns_id, hashes, gpu_blocks, encode="fp8")   # encoded here, on the tensors' device
     sizes = c.get_into(ns_id, hashes, outs)  # None = miss; outs may be CUDA tensors
 
 Requests are checked here (sizes, writable buffers) before anything moves, cut into batches of
@@ -48,6 +49,20 @@ def chain_batches(chains: Sequence[Sequence[bytes]]):
             stop += 1
         yield start, stop
         start = stop
+
+
+def _nbytes(block) -> int:
+    if type(block).__module__.startswith("torch"):
+        return block.numel() * block.element_size()
+    return as_bytes(block).nbytes
+
+
+def _host_bytes(block, index: int) -> np.ndarray:
+    """A block's bytes in host memory (a device tensor is copied back: it is sent raw)."""
+    if type(block).__module__.startswith("torch") and block.device.type != "cpu":
+        import torch
+        return block.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return as_bytes(block, f"blocks[{index}]")
 
 
 class Client:
@@ -172,37 +187,81 @@ class Client:
 
     # -- put -------------------------------------------------------------------------------------
 
-    def put(self, ns_id: bytes, hashes: Sequence[bytes], blocks: Sequence, parent: bytes | None = None) -> list[str]:
-        """Store a chain of blocks; per block "stored", "exists" or "persisted"."""
+    def put(self, ns_id: bytes, hashes: Sequence[bytes], blocks: Sequence, parent: bytes | None = None,
+            encode: str | None = None) -> list[str]:
+        """Store a chain of blocks; per block "stored", "exists" or "persisted".
+
+        ``encode``: a codec name ("fp8", "int4_g64", "zstd", ...; None or "raw": send the blocks
+        as they are). Each block is encoded here, on the device it lives on (a CUDA tensor on its
+        GPU: only the payload crosses PCIe), and only the payload is sent. The daemon checks it
+        against the namespace's layout and keeps it as it is where its tier stores that codec,
+        decoding (and re-encoding) it where the tier keeps another form; it reads back exactly as a
+        block the daemon encoded itself. A block the codec cannot encode (NaN/Inf, a layout it does
+        not read, no gain) is sent raw. The namespace must be registered with this client."""
         if len(blocks) != len(hashes):
             raise InvalidArgument("blocks", f"{len(blocks)} blocks for {len(hashes)} hashes")
-        arrays = [as_bytes(b) for b in blocks]
         want = self._expected(ns_id)
-        for i, a in enumerate(arrays):
-            if want and a.nbytes != want:
-                raise WrongBlockSize(want, a.nbytes, i)
+        if encode is not None and encode != "raw":
+            codec, arrays = self._encoded(ns_id, blocks, encode)
+        else:
+            codec, arrays = 0, [as_bytes(b) for b in blocks]
+            for i, a in enumerate(arrays):
+                if want and a.nbytes != want:
+                    raise WrongBlockSize(want, a.nbytes, i)
+        block_bytes = want or (arrays[0].nbytes if arrays else 0)
         self._negotiation.ensure()
         results: list[str] = []
         for a, b in batches(len(hashes)):
             p = parent if a == 0 else hashes[a - 1]
-            results += self._put_batch(ns_id, list(hashes[a:b]), arrays[a:b], p)
+            results += self._put_batch(ns_id, list(hashes[a:b]), arrays[a:b], p, block_bytes, codec)
         return results
 
-    def _put_batch(self, ns_id, hashes, arrays, parent) -> list[str]:
-        block_bytes = arrays[0].nbytes if arrays else 0
+    def _encoded(self, ns_id: bytes, blocks: Sequence, encode: str) -> tuple[int, list[np.ndarray]]:
+        """(codec id, per block its payload, or the raw block where the codec refused it)."""
+        layout = self._layouts.get(bytes(ns_id))
+        if layout is None:
+            raise InvalidArgument("encode", "needs the namespace's layout: register the namespace with this "
+                                            "client first")
+        from kvstore import codecs
+        try:
+            codec = codecs.get_codec(encode)
+        except errors.CodecError as e:
+            raise InvalidArgument("encode", str(e)) from None
+        try:
+            codecs.check_layout(codec.codec_id, layout)
+            readable = True
+        except codecs.Refused:   # a layout the codec does not read: raw, as the daemon would keep it
+            readable = False
+        arrays = []
+        for i, block in enumerate(blocks):
+            nbytes = _nbytes(block)
+            if nbytes != layout.block_bytes:
+                raise WrongBlockSize(layout.block_bytes, nbytes, i)
+            if readable:
+                try:
+                    payload = codecs.encode_block(codec.codec_id, block, layout)[1]
+                    if payload.nbytes < layout.block_bytes:
+                        arrays.append(payload)
+                        continue
+                except codecs.Refused:   # NaN/Inf: this block goes raw
+                    pass
+            arrays.append(_host_bytes(block, i))
+        return codec.codec_id, arrays
+
+    def _put_batch(self, ns_id, hashes, arrays, parent, block_bytes: int, codec: int = 0) -> list[str]:
         if self._negotiation.arena is not None:
             try:
-                return self._shm.put(ns_id, hashes, arrays, parent, block_bytes)
+                return self._shm.put(ns_id, hashes, arrays, parent, block_bytes, codec)
             except errors.TierFull:
                 pass  # the arena is full of pinned blocks: the streaming paths can land lower down
             except DaemonRestarted:
                 self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
                 if self._negotiation.arena is not None:
-                    return self._shm.put(ns_id, hashes, arrays, parent, block_bytes)
+                    return self._shm.put(ns_id, hashes, arrays, parent, block_bytes, codec)
         bulk = self._negotiation.live_bulk()
         if bulk is not None:
-            return self._bulk.put(bulk, ns_id, hashes, arrays, parent, block_bytes)
-        return self._grpc.put(ns_id, hashes, arrays, parent, block_bytes)
+            return self._bulk.put(bulk, ns_id, hashes, arrays, parent, block_bytes, codec)
+        return self._grpc.put(ns_id, hashes, arrays, parent, block_bytes, codec)
 
     # -- get -------------------------------------------------------------------------------------
 

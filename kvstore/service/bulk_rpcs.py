@@ -15,6 +15,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent
+from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
@@ -73,7 +74,14 @@ class BulkRpcs(ServicerBase):
             self.bulk.drop(sid)  # cannot drain an absurd amount: cut the channel
             raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
                                   "request too large for the side channel")
-        committed = len(request.hashes) * request.block_bytes
+        if request.codec and (len(request.sizes) != len(request.hashes)
+                              or any(size > request.block_bytes for size in request.sizes)):
+            self.bulk.drop(sid)  # what it sends cannot be told from these sizes: cut the channel
+            raise InvalidArgument("sizes", f"{len(request.sizes)} payload sizes for {len(request.hashes)} blocks, "
+                                           f"each at most block_bytes ({request.block_bytes}), are required "
+                                           "with a codec")
+        # client-encoded payloads: the socket carries their sizes' sum
+        committed = sum(request.sizes) if request.codec else len(request.hashes) * request.block_bytes
         with self._transfer(context, sid, session) as (touch, sock):
             received = 0
             results: list[int] = []
@@ -83,14 +91,20 @@ class BulkRpcs(ServicerBase):
                 ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 parent = check_parent(request.parent)
+                codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
                 buf = self.scratch.get(ns.block_bytes)
                 with self.quota_hold(ns, hashes):
                     for i, h in enumerate(hashes):
-                        bulk_transport.recv_exact_into(sock, memoryview(buf))
+                        size = ns.block_bytes if codecs is None else int(request.sizes[i])
+                        bulk_transport.recv_exact_into(sock, memoryview(buf[:size]))
                         touch()
-                        received += ns.block_bytes
+                        received += size
                         p = parent if i == 0 else hashes[i - 1]
-                        results.append(PUT_RESULT[self.store.put(ns.id, [h], [buf], parent=p)[0]])
+                        one = None if codecs is None else codecs[i:i + 1]
+                        if one:
+                            check_encoded(ns, one[0], buf[:size], i)
+                        result = self.store.put(ns.id, [h], [buf[:size]], parent=p, codecs=one)[0]
+                        results.append(PUT_RESULT[result])
             except OSError as e:
                 self.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e

@@ -103,7 +103,8 @@ class LeaseRpcs(ServicerBase):
         return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes)
 
     def CompleteStore(self, request, context):
-        results = self.store.complete_store(self._store_lease(context, request.lease_id))
+        results = self.store.complete_store(self._store_lease(context, request.lease_id), request.codec,
+                                            list(request.sizes))
         return pb.PutResponse(results=[PUT_RESULT[r] for r in results])
 
     def AbortStore(self, request, context):

@@ -13,11 +13,12 @@ import contextlib
 
 import numpy as np
 
-from kvstore.errors import CodecError, InvalidArgument
+from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent
+from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import chunks
 from kvstore.wire import RAW_CODEC
 
@@ -39,11 +40,12 @@ class PutSink:
         self.ns = rpcs.caller_namespace(context, h.namespace_id, h.block_bytes)
         self.hashes = check_hashes(h.hashes)
         self.parent = check_parent(h.parent)
-        if h.codec != RAW_CODEC:
-            raise CodecError(f"codec: payloads must be raw (0) on the wire, got codec {h.codec}")
-        self.expected = len(self.hashes) * self.ns.block_bytes
+        # client-encoded payloads (codec, sizes): each is checked against the layout before it is stored
+        self.codecs = payload_codecs(self.ns, h.codec, h.sizes, len(self.hashes))
+        sizes = list(h.sizes) if self.codecs is not None else None
+        self.expected = sum(sizes) if sizes is not None else len(self.hashes) * self.ns.block_bytes
         # gathers a block split across messages; allocated untouched, so aligned streams never fault it in
-        self.splitter = chunks.BlockSplitter(self.ns.block_bytes, _own_buffer(self.ns.block_bytes))
+        self.splitter = chunks.BlockSplitter(self.ns.block_bytes, _own_buffer(self.ns.block_bytes), sizes)
         self.results: list[int] = []
         self.received = 0
         self._hold = contextlib.ExitStack()
@@ -58,12 +60,16 @@ class PutSink:
     def _store(self, message) -> None:
         self.received += len(message.data)
         if self.received > self.expected:
-            raise InvalidArgument("data", f"the stream carries more than {self.expected} bytes "
-                                          f"({len(self.hashes)} blocks of {self.ns.block_bytes})")
+            raise InvalidArgument("data", f"the stream carries more than the {self.expected} bytes its "
+                                          f"{len(self.hashes)} blocks add up to")
         store, ns, hashes = self.rpcs.store, self.ns, self.hashes
         for i, block in self.splitter.feed(message.data):
             parent = self.parent if i == 0 else hashes[i - 1]
-            self.results.append(PUT_RESULT[store.put(ns.id, [hashes[i]], [block], parent=parent)[0]])
+            codecs = None if self.codecs is None else self.codecs[i:i + 1]
+            if codecs:
+                check_encoded(ns, codecs[0], block, i)
+            result = store.put(ns.id, [hashes[i]], [block], parent=parent, codecs=codecs)[0]
+            self.results.append(PUT_RESULT[result])
 
     def finish(self) -> pb.PutResponse:
         self.close()

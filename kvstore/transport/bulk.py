@@ -16,8 +16,9 @@ Framing (all integers little-endian):
 
 * BulkGet — for each requested block in order the daemon writes ``u64 size`` (0 = miss) and then
   that many payload bytes. ``size == 2**64 - 1`` means the RPC failed: read its status.
-* BulkPut — the client writes ``len(hashes) * block_bytes`` payload bytes after starting the RPC;
-  the daemon reads exactly that many (draining them if it rejects the request).
+* BulkPut — the client writes ``len(hashes) * block_bytes`` payload bytes after starting the RPC
+  (``sum(sizes)`` for payloads it encoded itself: ``BulkRequest.codec``/``sizes``); the daemon
+  reads exactly that many (draining them if it rejects the request).
 
 Between transfers the daemon never writes: a side-channel socket that turns readable while idle
 has been closed by the daemon (or is out of step) and must be replaced. A client that cannot

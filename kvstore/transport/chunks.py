@@ -48,32 +48,40 @@ def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
 
 
 class BlockSplitter:
-    """Server side of Put: cut an incoming byte stream into blocks of ``block_bytes``.
+    """Server side of Put: cut an incoming byte stream into blocks of ``block_bytes`` (or, for a
+    put of client-encoded payloads, ``sizes[i]`` bytes each, none larger than a block).
 
     ``feed`` yields ``(index, block)`` each time a block is complete: a view of the message itself
     when a whole block sits in it at a block boundary (no copy), else a view of one pooled buffer
-    the pieces were gathered in. Either view is only valid until the next ``feed``.
+    the pieces were gathered in. Either view is only valid until the next ``feed``. The caller
+    feeds no more than the sizes add up to.
     """
 
-    def __init__(self, block_bytes: int, buffer: np.ndarray) -> None:
+    def __init__(self, block_bytes: int, buffer: np.ndarray, sizes: Sequence[int] | None = None) -> None:
         self.block_bytes = block_bytes
         self.buf = buffer[:block_bytes]
+        self.sizes = sizes
         self.fill = 0
         self.index = 0
+
+    def _size(self) -> int:
+        return self.block_bytes if self.sizes is None else int(self.sizes[self.index])
 
     def feed(self, data: bytes) -> Iterator[tuple[int, np.ndarray]]:
         src = np.frombuffer(data, dtype=np.uint8)
         pos = 0
-        while self.fill == 0 and len(src) - pos >= self.block_bytes:  # aligned: no copy needed
-            yield self.index, src[pos:pos + self.block_bytes]
+        while self.fill == 0 and pos < len(src) and len(src) - pos >= self._size():  # aligned: no copy
+            size = self._size()
+            yield self.index, src[pos:pos + size]
             self.index += 1
-            pos += self.block_bytes
+            pos += size
         while pos < len(src):
-            take = min(self.block_bytes - self.fill, len(src) - pos)
+            size = self._size()
+            take = min(size - self.fill, len(src) - pos)
             self.buf[self.fill:self.fill + take] = src[pos:pos + take]
             self.fill += take
             pos += take
-            if self.fill == self.block_bytes:
-                yield self.index, self.buf
+            if self.fill == size:
+                yield self.index, self.buf[:size]
                 self.index += 1
                 self.fill = 0
