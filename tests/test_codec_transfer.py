@@ -3,7 +3,7 @@ encoded whatever the transport (shm slots are encoded at CompleteStore), takes t
 of the arena, reads back as the codec's decoded bytes; a client that decodes receives the payload
 as stored over every transport and decodes to exactly what a daemon-decoded get gives; an unknown
 layout stays raw and is counted; fleet peers fetch encoded blocks and verify them against the
-checksum their owner published, with every lossy codec."""
+checksum their owner published, with every tier codec (the lossy ones and zstd)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, hea
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
 SLOT = 4096
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128"]
+TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (codecs.cpu: ...)
 TRANSPORTS = ["shm", "bulk", "grpc"]
 
 
@@ -188,7 +189,7 @@ def fleet_daemon(tmp_path, redis_url: str, prefix: str, node_id: str, codec: str
     return start_local_daemon(workdir, "--config", path, cpu_bytes="16MiB", nvme_bytes="0")
 
 
-@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("codec", TIER_CODECS)
 def test_fleet_peer_fetch_works_with_each_codec(tmp_path, redis_url, prefix, codec):
     d1 = fleet_daemon(tmp_path, redis_url, prefix, "c1", codec)
     d2 = fleet_daemon(tmp_path, redis_url, prefix, "c2", codec)
