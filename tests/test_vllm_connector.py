@@ -125,10 +125,12 @@ def phase1(engines, models, daemon):
 
 @pytest.fixture(scope="module")
 def phase2(engines, models, daemon, phase1):
+    second_job = engines.job("second", models["tiny"], [_gen("A", "B", "C", "D"),
+                                                        {"generate": [PROMPTS["T1"]], "max_tokens": TURN1_ANSWER}],
+                             url=daemon.url)
+    second_job[1]["metrics"] = True   # with vLLM's Prometheus stat logger on
     second, other = engines.run(
-        engines.job("second", models["tiny"], [_gen("A", "B", "C", "D"),
-                                               {"generate": [PROMPTS["T1"]], "max_tokens": TURN1_ANSWER}],
-                    url=daemon.url),
+        second_job,
         engines.job("other", models["other"], [_gen("A", "B")], url=daemon.url))
     return {"second": second, "other": other}
 
@@ -202,6 +204,16 @@ def test_fresh_engine_loads_shared_prefix_from_daemon(phase1, phase2):
     assert step["num_cached_tokens"] == [192, 192, 128, 160]
     w = second["connector"]["worker"]
     assert w["loaded_blocks"] == 6 + 6 + 4 + 5 and w.get("load_failed_blocks", 0) == 0
+
+
+def test_connector_counters_are_vllm_prometheus_series(phase2):
+    """build_prom_metrics: vLLM's own Prometheus logger exports the connector's counters."""
+    second = phase2["second"]
+    metrics, sched, worker = second["metrics"], second["connector"]["scheduler"], second["connector"]["worker"]
+    assert metrics["vllm:kvstore_lookups"] == sched["lookups"] > 0
+    assert metrics["vllm:kvstore_lookup_hit_blocks"] == sched["lookup_hit_blocks"] > 0
+    assert 0 < metrics["vllm:kvstore_loaded_blocks"] <= worker["loaded_blocks"]
+    assert metrics["vllm:kvstore_load_failed_blocks"] == 0
 
 
 def test_blocks_are_stored_under_the_documented_chain_hashes(phase2, daemon):

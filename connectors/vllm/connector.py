@@ -105,6 +105,13 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
         return KVStoreConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The same counters as vLLM Prometheus series (``prom_metrics.SERIES``)."""
+        from kvstore.connectors.vllm.prom_metrics import KVStorePromMetrics
+
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # -- lifetime ---------------------------------------------------------------------------------
 
     def shutdown(self) -> None:

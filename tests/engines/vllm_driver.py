@@ -119,6 +119,8 @@ def main() -> None:
     kwargs = dict(dtype="bfloat16", block_size=32, enforce_eager=True, seed=0, skip_tokenizer_init=True,
                   kv_cache_memory_bytes=64 * 2**20, max_model_len=1024, enable_prefix_caching=False)
     kwargs.update(job.get("engine", {}))
+    if job.get("metrics"):
+        kwargs["disable_log_stats"] = False   # vLLM's Prometheus stat logger, with connector series
     if job.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_transfer_config"])
     t0 = time.perf_counter()
@@ -168,6 +170,8 @@ def main() -> None:
     if scheduler is not None and hasattr(scheduler, "totals"):
         conn["scheduler"] = dict(scheduler.totals)
     result["connector"] = conn
+    if job.get("metrics"):
+        result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvstore" in m.name}
     with open(result_path, "w") as f:
         json.dump(result, f)
     # Stop the engine core process (multiprocess mode), then skip interpreter teardown of engine
