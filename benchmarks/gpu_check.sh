@@ -33,9 +33,11 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # -P: the checkout's kvstore/ must not shadow the installed package (it lacks kvstore.tiers etc.)
 # 1. CUDA tests: GPU tier (device pool), codecs on CUDA (byte-identical to CPU), a client decoding
-#    compressed blocks from a real daemon into CUDA tensors
+#    compressed blocks from a real daemon into CUDA tensors, the vLLM connector's copies (pinned
+#    host buffers, copy stream, per-layer events) and its GPU layout names
 step cuda_tests 240 "$PY" -P -m pytest -q -p no:cacheprovider --rootdir=. \
-  tests/test_codecs_cuda.py tests/test_tiers.py tests/test_codec_transfer.py -k "cuda or gpu"
+  tests/test_codecs_cuda.py tests/test_tiers.py tests/test_codec_transfer.py tests/test_vllm_paged_copies.py \
+  tests/test_vllm_layouts.py -k "cuda or gpu or layout or layer_name or backend"
 # 2. GPU benchmarks: codec encode/decode GB/s on the GPU vs device memcpy
 step bench_codecs 150 "$PY" benchmarks/bench_codecs.py --device cuda --threads 1 --out "$OUT"
 # 3. SGLang end to end (real Engine: generate, flush device cache, regenerate, cached tokens > 0)

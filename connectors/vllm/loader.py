@@ -49,14 +49,15 @@ class LoadJob:
         when None). Never raises: a failure makes every block a load error."""
         n, size = len(self.hashes), self.paged.block_bytes
         try:
-            staging = torch.empty((n, size), dtype=torch.uint8) if staging is None else staging[:n]
+            staging = self.paged.host_buffer(n) if staging is None else staging[:n]
             rows = staging.numpy()
             sizes = handle.get_into(self.hashes, [rows[i] for i in range(n)])
             self.good = [i for i, got in enumerate(sizes) if got == size]
             self.bad = {self.block_ids[i] for i, got in enumerate(sizes) if got != size}
             self._staging = staging
             self._good_ids = [self.block_ids[i] for i in self.good]
-            self._good_rows = staging if len(self.good) == n else staging[self.good]
+            if self._good_ids:   # on CUDA: one DMA to the device now, placed layer by layer later
+                self._good_rows = self.paged.to_device(staging, None if len(self.good) == n else self.good)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: load failed: %s", e)
             self.good, self.bad = [], set(self.block_ids)

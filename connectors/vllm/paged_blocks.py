@@ -3,9 +3,18 @@
 vLLM keeps one KV tensor per layer with the block index on one of its dimensions; kvstore stores a
 block as every layer's page for it, back to back. Contiguous layers with the block index first
 move with one ``index_select`` / ``index_copy_`` each; any other arrangement takes a slower path.
+
+On CUDA the host side of every copy is page-locked memory (``host_buffer``: DMA, never a pageable
+bounce) and the copies run as non-blocking transfers on a stream of their own: a gather waits for
+the compute stream's work so far, then for its own copy to land (the caller reads the bytes next);
+a scatter records one event per layer, and ``wait_layer`` makes the compute stream wait for it
+before that layer's attention runs, so loading layer i+1 overlaps computing layer i. On the CPU
+(CI, vLLM's CPU build) the same calls are plain synchronous copies.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -38,6 +47,45 @@ class PagedBlocks:
         self.block_bytes = self.offsets[-1]
         self.device = self.layers[0].device
         self._fast = [d == 0 and t.is_contiguous() for t, d in zip(self.layers, self.block_dims)]
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._layer_events: dict[int, torch.cuda.Event] = {}
+        self._events_lock = threading.Lock()
+
+    def host_buffer(self, rows: int) -> torch.Tensor:
+        """uint8 [rows, block_bytes] on the host: page-locked when the KV cache is on CUDA."""
+        return torch.empty((rows, self.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+
+    def wait_layer(self, i: int) -> None:
+        """Make the compute stream wait until layer ``i``'s last scatter has landed (CUDA; a no-op
+        on the CPU, where scatters are synchronous)."""
+        with self._events_lock:
+            event = self._layer_events.pop(i, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_all_layers(self) -> None:
+        with self._events_lock:
+            layers = list(self._layer_events)
+        for i in layers:
+            self.wait_layer(i)
+
+    def settle(self) -> None:
+        """Wait until every copy queued so far has finished (CUDA), so a reused host buffer can
+        be written again; a no-op on the CPU."""
+        if self.cuda:
+            self._stream.synchronize()
+
+    def to_device(self, rows: torch.Tensor, keep: list[int] | None = None) -> torch.Tensor:
+        """Blocks fetched into ``rows`` (a ``host_buffer``), as the source of ``scatter_layer``:
+        on CUDA one non-blocking DMA of the whole buffer on the copy stream (then ``keep``'s rows
+        picked out on the device); on the CPU ``rows`` itself (or ``rows[keep]``). The host
+        buffer must stay untouched until the scatters are waited for."""
+        if not self.cuda:
+            return rows if keep is None else rows[keep]
+        with torch.cuda.stream(self._stream):
+            on_device = rows.to(self.device, non_blocking=True)
+            return on_device if keep is None else on_device[torch.tensor(keep, device=self.device)]
 
     def _as_pages(self, i: int) -> torch.Tensor:
         """Layer ``i`` as uint8 [num_blocks, page_bytes] (a view; fast path only)."""
@@ -45,7 +93,18 @@ class PagedBlocks:
         return t.view(torch.uint8).view(t.shape[0], -1)
 
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` into ``out`` (uint8 [n, block_bytes], on the CPU)."""
+        """Copy blocks ``block_ids`` into ``out`` (uint8 [n, block_bytes], on the host; from
+        ``host_buffer`` on CUDA). Returns once the bytes are in ``out``."""
+        if not self.cuda:
+            self._gather(block_ids, out)
+            return
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))   # the pages as computed so far
+        with torch.cuda.stream(stream):
+            self._gather(block_ids, out)
+        stream.synchronize()
+
+    def _gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for i, t in enumerate(self.layers):
             a, b = self.offsets[i], self.offsets[i + 1]
@@ -54,7 +113,7 @@ class PagedBlocks:
             else:
                 d = self.block_dims[i]
                 pages = t.index_select(d, idx).movedim(d, 0).contiguous().view(torch.uint8).view(len(block_ids), -1)
-            out[:, a:b].copy_(pages)
+            out[:, a:b].copy_(pages, non_blocking=self.cuda)
 
     def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
         """Copy ``src`` (uint8 [n, block_bytes]) into blocks ``block_ids`` of every layer."""
@@ -64,12 +123,27 @@ class PagedBlocks:
 
     def scatter_layer(self, i: int, block_ids: list[int], src: torch.Tensor, idx: torch.Tensor | None = None) -> None:
         """Copy layer ``i``'s slice of ``src`` (uint8 [n, block_bytes]) into its pages ``block_ids``:
-        a block's layer ``i`` is the fixed byte range ``offsets[i]:offsets[i + 1]`` of it."""
+        a block's layer ``i`` is the fixed byte range ``offsets[i]:offsets[i + 1]`` of it. On CUDA
+        it returns once the copy is queued; ``wait_layer(i)`` orders the compute stream after it,
+        and ``src`` must stay untouched until then (the loader keeps it until the step ends)."""
+        if not self.cuda:
+            self._scatter_layer(i, block_ids, src, idx)
+            return
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))   # nobody reads those pages any more
+        with torch.cuda.stream(stream):
+            self._scatter_layer(i, block_ids, src, idx)
+            event = torch.cuda.Event()
+            event.record(stream)
+        with self._events_lock:
+            self._layer_events[i] = event
+
+    def _scatter_layer(self, i: int, block_ids: list[int], src: torch.Tensor, idx: torch.Tensor | None) -> None:
         if idx is None:
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         t = self.layers[i]
         a, b = self.offsets[i], self.offsets[i + 1]
-        pages = src[:, a:b].to(self.device)
+        pages = src[:, a:b].to(self.device, non_blocking=self.cuda)
         if self._fast[i]:
             self._as_pages(i).index_copy_(0, idx, pages)
         else:

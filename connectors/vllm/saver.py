@@ -79,7 +79,7 @@ class SaveQueue:
             blocks = None
             t0 = time.perf_counter()
             try:
-                blocks = torch.empty((len(block_ids), self.paged.block_bytes), dtype=torch.uint8)
+                blocks = self.paged.host_buffer(len(block_ids))   # page-locked on CUDA
                 self.paged.gather(block_ids, blocks)
             except Exception as e:  # noqa: BLE001
                 logger.warning("kvstore connector: copying blocks of %s out failed: %s", req_id, e)

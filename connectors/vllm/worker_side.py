@@ -78,7 +78,7 @@ class WorkerSide:
         """A reused CPU buffer of ``n`` blocks (grown on demand, never shrunk)."""
         need = n * self._paged.block_bytes
         if self._staging.numel() < need:
-            self._staging = torch.empty(need, dtype=torch.uint8)
+            self._staging = self._paged.host_buffer(n).view(-1)   # page-locked on CUDA
         return self._staging[:need].view(n, self._paged.block_bytes)
 
     # -- loads ------------------------------------------------------------------------------------
@@ -114,6 +114,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         job.fetch(self._load_link, self._staging_rows(len(job.hashes)))
         job.scatter()
+        self._paged.wait_all_layers()   # CUDA: the forward pass runs after the pages landed
+        self._paged.settle()            # and the reused staging buffer is free for the next step
         job.release()
         self._load_errors |= job.bad
         self._add_stat("loaded_blocks", len(job.good))
@@ -129,8 +131,10 @@ class WorkerSide:
         i = self._paged.layer_index.get(layer_name)
         if i is None:
             job.scatter()
+            self._paged.wait_all_layers()
         else:
             job.scatter_layer(i)
+            self._paged.wait_layer(i)
         self._add_stat("layer_wait_seconds", time.perf_counter() - t0)
 
     def _finish_layer_job(self) -> None:
@@ -191,6 +195,8 @@ class WorkerSide:
                 if job.asynchronous:
                     self._load_errors |= job.bad
                     recving.update(job.req_ids)
+            if recving and self._paged is not None:
+                self._paged.wait_all_layers()   # CUDA: later steps' compute runs after those pages landed
         for t in self._failed_async:
             self._load_errors |= set(t.block_ids)
             recving.add(t.req_id)
