@@ -4,7 +4,7 @@ The arena is a file in ``shm_dir`` (``/dev/shm`` by default) mapped once, so a s
 can map the same file and copy blocks in and out without the bytes crossing a socket (see
 ``kvstore.transport.shm``; the Store describes the segment through ``Store.shared_arena``). Pages
 are touched once at start-up: first touch of fresh memory runs at about 1.5 GB/s here, a touched
-page at memcpy speed. When a CUDA device is present the daemon also page-locks *its own* mapping
+page at memcpy speed. With a GPU tier configured (and a CUDA device present) the daemon also page-locks *its own* mapping
 (``cudaHostRegister``), so the daemon's copies between this arena and a GPU tier can run as DMA;
 the registration is per process, so a client that maps the segment gets ordinary pageable memory
 (tenant segments, below, are not registered: the daemon's copies to a GPU tier from them are pageable).
@@ -42,7 +42,10 @@ class CpuTier(Tier):
     durable = False
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
-                 pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None) -> None:
+                 pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None,
+                 page_lock: bool = True) -> None:
+        """``page_lock``: page-lock the arena when a CUDA device is present (the daemon asks for it
+        only with a GPU tier: without one, the registration would create a CUDA context for nothing)."""
         self.slots = SlotTable(capacity_bytes, slot_bytes, self.name, segment_bytes=segment_bytes,
                                on_reassign=self._renew_segment)
         super().__init__(self.slots.capacity_bytes)
@@ -74,7 +77,7 @@ class CpuTier(Tier):
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         if pretouch:
             self.arena[::mmap.PAGESIZE] = 0
-        self.page_locked = _register_with_cuda(self.arena)
+        self.page_locked = page_lock and _register_with_cuda(self.arena)
 
     @property
     def segmented(self) -> bool:

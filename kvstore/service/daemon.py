@@ -93,7 +93,8 @@ def build_tiers(settings: Settings) -> list:
         from kvstore.tiers.gpu import GpuTier
         tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
     tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
-                         segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None))
+                         segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
+                         page_lock=bool(settings.gpu_bytes)))   # no CUDA context without a GPU tier
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
