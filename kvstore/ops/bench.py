@@ -40,7 +40,7 @@ def _median_time(fn: Callable[[], None], reps: int, setup: Callable[[], None] | 
     return statistics.median(times)
 
 
-def _service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, tag: str,
+def service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, tag: str,
                   ceiling) -> dict:
     """Put and get ``count`` blocks ``reps`` times, each pass right after one ``ceiling`` pass."""
     from kvstore.keys import ChainHasher
@@ -161,7 +161,7 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             try:
                 for t, c in clients.items():
                     ns_id = c.register_namespace(Namespace(layout, cache_salt="bench"))
-                    row[t] = _service_gbps(c, ns_id, size, count, reps, tag=t, ceiling=memcpy if t == "shm" else tcp)
+                    row[t] = service_gbps(c, ns_id, size, count, reps, tag=t, ceiling=memcpy if t == "shm" else tcp)
                 row["memcpy_gbps"] = memcpy.bytes / statistics.median(memcpy() for _ in range(3)) / GB
                 row["tcp_gbps"] = tcp.bytes / statistics.median(tcp() for _ in range(3)) / GB
             finally:
