@@ -68,16 +68,24 @@ class MemcpyPass:
     Without ``working_set`` the same two buffers are copied over and over, so blocks that fit the
     CPU caches are measured at cache speed ("hot"). With ``working_set`` each copy goes to the next
     ``nbytes`` of a ``working_set``-byte destination (from a pool of 8 sources): the memory traffic
-    of a store filling its arena, the fair ceiling for a tier of that size. Calling the object runs
-    one pass and returns its seconds, so a benchmark can interleave it with the code it judges."""
+    of a store filling its arena, the fair ceiling for a tier of that size. ``cold_sources``: the
+    sources too span ``working_set`` bytes (a buffer of their own), so neither side of a copy is in
+    the caches: the ceiling for reading blocks out of an arena larger than the caches. Calling the
+    object runs one pass and returns its seconds, so a benchmark can interleave it with the code it
+    judges."""
 
-    def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None) -> None:
+    def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None,
+                 cold_sources: bool = False) -> None:
         if working_set is None:
             self.srcs = [np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]]
             slots = 1
         else:
-            self.srcs = [np.frombuffer(touched_buffer(nbytes, fill=i), dtype=np.uint8)[:nbytes] for i in range(8)]
             slots = max(1, working_set // nbytes)
+            if cold_sources:
+                src = np.frombuffer(touched_buffer(slots * nbytes, fill=1), dtype=np.uint8)
+                self.srcs = [src[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
+            else:
+                self.srcs = [np.frombuffer(touched_buffer(nbytes, fill=i), dtype=np.uint8)[:nbytes] for i in range(8)]
         dst = np.frombuffer(touched_buffer(slots * nbytes, fill=0), dtype=np.uint8)
         self.dsts = [dst[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
         self.count = count or max(_iters_for(nbytes), slots)
