@@ -21,6 +21,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import chunks, shm
 from kvstore.transport.bulk import BulkChannel
+from kvstore.transport.local_lookup import LocalLookup
 from kvstore.transport.segments import SegmentMap
 from kvstore.wire import PROTOCOL_VERSION, SERVER_ID_KEY
 
@@ -42,6 +43,7 @@ class Negotiation:
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
         self.arena: shm.ArenaMap | SegmentMap | None = None
         self.bulk: BulkChannel | None = None
+        self.lookups: LocalLookup | None = None   # same-host Lookup over the daemon's Unix socket
         self._negotiated = False
         self._lock = threading.Lock()
         rpc.on_unreachable = self.reset
@@ -65,6 +67,7 @@ class Negotiation:
             if self.chunk_bytes is None:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)
+            self.lookups = self._local_lookups(hs)
             self.accept_codecs = self._decodable(hs.stored_codecs)
             if self.arena is None and self.transport in ("auto", "bulk") and hs.bulk_port:
                 try:
@@ -112,10 +115,28 @@ class Negotiation:
                                                "reachable from this process (another host, or no CPU tier)")
         return arena
 
+    def _local_lookups(self, hs) -> LocalLookup | None:
+        if not hs.lookup_socket:
+            return None
+        try:
+            return LocalLookup(hs.lookup_socket, hs.lookup_ticket, hs.tenant, min(self.rpc.timeout_s, 2.0))
+        except OSError:   # not on the daemon's host (or its socket is gone): lookups stay on gRPC
+            return None
+
+    def drop_local_lookups(self) -> None:
+        """The lookup connection broke: later lookups go over gRPC until the next negotiation."""
+        with self._lock:
+            if self.lookups is not None:
+                self.lookups.close()
+                self.lookups = None
+
     def reset(self) -> None:
         """Forget the negotiated transport (the daemon may have restarted with a new arena)."""
         with self._lock:
             self._negotiated = False
+            if self.lookups is not None:
+                self.lookups.close()
+                self.lookups = None
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None

@@ -30,6 +30,7 @@ from kvstore.client.stream_paths import BulkPath, GrpcPath
 from kvstore.errors import InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.transport.local_lookup import LocalLookupError
 from kvstore.wire import MAX_BATCH, MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, Lookup
 
 
@@ -146,13 +147,31 @@ class Client:
         return ns_id
 
     def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
-        """Leading blocks of the chain present in the daemon (pinned for the lease time)."""
+        """Leading blocks of the chain present in the daemon (pinned for the lease time). On the
+        daemon's host this goes over its Unix socket (``transport.local_lookup``), else gRPC."""
+        self._negotiation.ensure()
+        local = self._negotiation.lookups
+        if local is not None and hashes:
+            try:
+                return self._lookup_with(lambda h: local.lookup(ns_id, h, lease), hashes)
+            except LocalLookupError:
+                pass   # refused: the RPC below raises the same error with its gRPC status
+            except (OSError, ValueError):
+                self._negotiation.drop_local_lookups()
+
+        def rpc(h):
+            r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=h, no_lease=not lease))
+            return r.num_hit, list(r.tiers)
+        return self._lookup_with(rpc, hashes)
+
+    @staticmethod
+    def _lookup_with(ask, hashes: Sequence[bytes]) -> Lookup:
         hit, tiers = 0, []
         for a, b in batches(len(hashes)):
-            r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=hashes[a:b], no_lease=not lease))
-            hit += r.num_hit
-            tiers += list(r.tiers)
-            if r.num_hit < b - a:
+            n, t = ask(list(hashes[a:b]))
+            hit += n
+            tiers += t
+            if n < b - a:
                 break
         return Lookup(hit, tiers)
 

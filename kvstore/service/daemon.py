@@ -260,6 +260,8 @@ class Daemon:
             self.servicer.bulk.close()
         if self.servicer.segments is not None:
             self.servicer.segments.close()
+        if self.servicer.local_lookups is not None:
+            self.servicer.local_lookups.close()
         flushed = self.store.flush()
         self.store.expire_leases(now=float("inf"))
         self.metrics.close()

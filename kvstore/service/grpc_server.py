@@ -38,6 +38,7 @@ from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
 from kvstore.transport.bulk_server import BulkServer
+from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
 
 METHOD_NAMES = [m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
@@ -128,6 +129,8 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
                                stream_idle_s=stream_idle_s, segments=segments)
+    if offer_shm:   # a same-host client's scheduler asks here instead of over gRPC
+        servicer.local_lookups = LocalLookupServer(shm_dir, servicer.local_lookup)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:
@@ -167,5 +170,7 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
             bulk.close()
         if segments is not None:
             segments.close()
+        if servicer.local_lookups is not None:
+            servicer.local_lookups.close()
         raise
     return server, servicer, HealthStatus(health, server.loop), port

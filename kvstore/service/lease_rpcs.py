@@ -99,6 +99,7 @@ class LeaseRpcs(ServicerBase):
         parent = check_parent(request.parent)
         with self.quota_hold(ns, hashes):
             lease = self.store.prepare_store(ns.id, hashes, parent)
+        self.moved("in", "shm", ns.block_bytes * sum(ext is not None for ext in lease.extents))   # slots to fill
         self.identify(context)
         return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes)
 
@@ -117,6 +118,7 @@ class LeaseRpcs(ServicerBase):
         hashes = check_hashes(request.hashes)
         lease = self.store.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
         stop = len(lease.extents)
+        self.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # bytes leased out
         self.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
         return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes)
 

@@ -20,6 +20,7 @@ from kvstore.service.stalls import StallWatch
 from kvstore.store import Store
 from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
+from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
 from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
 
@@ -30,7 +31,8 @@ class ServicerBase:
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
-                 stream_idle_s: float = 30.0, segments: SegmentBroker | None = None) -> None:
+                 stream_idle_s: float = 30.0, segments: SegmentBroker | None = None,
+                 local_lookups: LocalLookupServer | None = None) -> None:
         self.store = store
         self.auth = auth or Authenticator()
         self.metrics = metrics
@@ -40,6 +42,7 @@ class ServicerBase:
         self.max_message_bytes = max_message_bytes
         self.bulk = bulk
         self.segments = segments   # hands tenant segments' descriptors out (auth on), else None
+        self.local_lookups = local_lookups   # same-host Lookup over a Unix socket, else None
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
         self.started = time.time()
@@ -72,7 +75,10 @@ class ServicerBase:
 
     def caller_namespace(self, context, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
         """The caller's namespace, or NOT_FOUND (also for another tenant's: no probing)."""
-        tenant = self.tenant_of(context)
+        return self.tenant_namespace(self.tenant_of(context), namespace_id, block_bytes)
+
+    def tenant_namespace(self, tenant: str, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
+        """``tenant``'s namespace, or NOT_FOUND (also for another tenant's)."""
         if len(namespace_id) != 16:
             raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
         try:

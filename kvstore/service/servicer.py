@@ -54,7 +54,21 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
             resp.bulk_ticket = self.bulk.ticket_for(tenant)  # opens sessions of this tenant only
+        if self.local_lookups is not None and self.fleet is None and request.nonce:
+            resp.lookup_socket = self.local_lookups.path
+            resp.lookup_ticket = self.local_lookups.ticket_for(tenant)
         return resp
+
+    def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:
+        """Lookup for a same-host client over the Unix socket (``transport.local_lookup``): the
+        same checks and answer as the RPC, local blocks only (not offered in fleet mode)."""
+        ns = self.tenant_namespace(tenant, namespace_id)
+        hashes = check_hashes(hashes, allow_empty=True)
+        if not hashes:
+            return 0, []
+        found = self.store.lookup(ns.id, hashes, lease=lease)
+        self.record_lookup(ns.id, len(hashes), found.num_hit)
+        return found.num_hit, list(found.tiers)
 
     def RegisterNamespace(self, request, context):
         check_string(request.cache_salt, "cache_salt")
