@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Scheduler-path lookups: a 128-block chain looked up by a same-host client, over the daemon's
+Unix socket and over gRPC, on an idle daemon and while it serves a 64-client load; writes
+benchmarks/results/lookup.{json,md}.
+
+    .venv/bin/python benchmarks/bench_lookup.py [--lookups 2000] [--clients 64]
+
+An engine's scheduler asks once per request, hit or miss, before it schedules anything, so this
+latency is paid by every request. The load: ``--clients`` threads in a separate process, each with
+its own client getting 1 MiB blocks over shared memory in a loop. Goal (issue 14): p50 <= 100 us
+and p99 <= 500 us under that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.ops.machine import machine_facts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOOKUP = KVLayout(model="bench/lookup", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8", block_tokens=16,
+                  block_bytes=4096)
+LOAD = KVLayout(model="bench/lookup-load", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8", block_tokens=16,
+                block_bytes=1 << 20)
+LOAD_SCRIPT = """
+import sys, threading, time, numpy as np
+from kvstore.client import Client
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+url, clients, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+lay = KVLayout(model="bench/lookup-load", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8", block_tokens=16,
+               block_bytes=1 << 20)
+with Client(url) as c:
+    ns = c.register_namespace(Namespace(lay))
+    hs = ChainHasher(seed=99).chain(np.arange(8 * 16), 16)
+    c.put(ns, hs, [np.ones(1 << 20, np.uint8)] * 8)
+stop = time.monotonic() + seconds
+done = [0]
+def work():
+    with Client(url, timeout_s=30) as c:
+        c.register_namespace(Namespace(lay))
+        out = [np.empty(1 << 20, np.uint8) for _ in range(2)]
+        while time.monotonic() < stop:
+            c.get_into(ns, hs[:2], out)
+            done[0] += 1
+threads = [threading.Thread(target=work) for _ in range(clients)]
+print("ready", flush=True)
+for t in threads: t.start()
+for t in threads: t.join()
+print("gets", done[0], flush=True)
+"""
+
+
+def percentiles(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"p50_us": round(s[len(s) // 2] * 1e6, 1), "p99_us": round(s[int(len(s) * 0.99)] * 1e6, 1),
+            "mean_us": round(statistics.fmean(s) * 1e6, 1)}
+
+
+def timed(client: Client, ns: bytes, hashes: list[bytes], n: int) -> dict:
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        assert client.lookup(ns, hashes).num_hit == len(hashes)
+        lat.append(time.perf_counter() - t)
+    return percentiles(lat)
+
+
+def run(lookups: int, clients: int) -> dict:
+    workdir = tempfile.mkdtemp(prefix="kvstore-lookup-")
+    d = start_local_daemon(workdir, "--log-level", "WARNING", cpu_bytes="256MiB", nvme_bytes="0")
+    report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128}
+    try:
+        local, remote = Client(d.address), Client(d.address, transport="grpc")
+        ns = local.register_namespace(Namespace(LOOKUP))
+        remote.register_namespace(Namespace(LOOKUP))
+        hashes = ChainHasher(seed=1).chain(np.arange(128 * 16), 16)
+        local.put(ns, hashes, [np.zeros(4096, np.uint8)] * 128)
+        local.lookup(ns, hashes)
+        report["over"] = {"unix socket": local._negotiation.lookups is not None}
+        report["idle"] = {"unix socket": timed(local, ns, hashes, lookups), "grpc": timed(remote, ns, hashes, lookups // 4)}
+        load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "60"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert load.stdout.readline().strip() == "ready"
+            time.sleep(3)   # every load client connected and copying
+            report["loaded"] = {"unix socket": timed(local, ns, hashes, lookups),
+                                "grpc": timed(remote, ns, hashes, lookups // 4)}
+        finally:
+            load.terminate()
+            load.wait(30)
+        local.close()
+        remote.close()
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    out = ["# Scheduler-path lookups (benchmarks/bench_lookup.py)", "",
+           f"Machine: {m['cpu_model']}, {m['cores']} cores, kernel {m['kernel']}, Python {m['python']}; 1-min load "
+           f"average at start {m['load_avg_1m']:.1f}. A 128-block chain, every block present, looked up by a "
+           f"same-host client {r['lookups']} times (gRPC: a quarter as many); *under load*: {r['clients']} client "
+           "threads in another process getting 1 MiB blocks over shared memory meanwhile.", "",
+           "| daemon | path | p50 us | p99 us | mean us |", "|---|---|---|---|---|"]
+    for state in ("idle", "loaded"):
+        for path, v in r[state].items():
+            out.append(f"| {state} | {path} | {v['p50_us']} | {v['p99_us']} | {v['mean_us']} |")
+    lo = r["loaded"]["unix socket"]
+    out += ["", f"Goal (issue 14): p50 <= 100 us and p99 <= 500 us under load: p50 {lo['p50_us']} us "
+                f"({'met' if lo['p50_us'] <= 100 else 'missed'}), p99 {lo['p99_us']} us "
+                f"({'met' if lo['p99_us'] <= 500 else 'missed'})."]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "lookup"))
+    a = ap.parse_args()
+    report = run(a.lookups, a.clients)
+    with open(a.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(a.out + ".md", "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
