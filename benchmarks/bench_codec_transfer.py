@@ -17,7 +17,6 @@ INT4 g64 >= 1.8x. Daemon and client share the machine's cores (and other tenants
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOALS = {"fp8": 1.5, "int4_g64": 1.8}
@@ -157,11 +157,7 @@ def main() -> int:
             print(f"{codec}: raw {r['raw_equivalent_gbps']['raw']:.2f} GB/s, compressed "
                   f"{r['raw_equivalent_gbps']['compressed']:.2f} GB/s ({r['vs_raw']['compressed']:.2f}x), "
                   f"daemon decodes {r['raw_equivalent_gbps']['daemon_decodes']:.2f} GB/s", file=sys.stderr)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    write_report(args.out, report, markdown)
     return 0
 
 

@@ -14,7 +14,6 @@ and p99 <= 500 us under that load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,6 +28,7 @@ from kvstore.client import Client
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOKUP = KVLayout(model="bench/lookup", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8", block_tokens=16,
@@ -134,11 +134,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "lookup"))
     a = ap.parse_args()
     report = run(a.lookups, a.clients)
-    with open(a.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    write_report(a.out, report, markdown)
     return 0
 
 

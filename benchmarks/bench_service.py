@@ -17,10 +17,10 @@ glibc malloc settings `kvstore serve` uses, so client and daemon are tuned alike
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -98,11 +98,7 @@ def main() -> int:
                 "bulk_put_vs_tcp": worst("bulk_put_vs_tcp"),
                 "lookups_per_s": report.get("lookups", {}).get("batched_per_s", 0.0)}
     report["goals"] = {k: {"target": GOALS[k], "measured": v, "met": v >= GOALS[k]} for k, v in measured.items()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
+    write_report(args.out, report, markdown, echo=False)
     print(format_report(report))
     print(f"\nwrote {args.out}.json and {args.out}.md")
     return 0

@@ -15,7 +15,6 @@ kvstore.ops.bench.service_gbps. Goal (issue 17): auth on no longer costs the shm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ from kvstore.ops.ceilings import MemcpyPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.units import parse_size
+from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,11 +95,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "shm_auth"))
     a = ap.parse_args()
     report = run([parse_size(s) for s in a.sizes.split(",")], parse_size(a.total), a.reps)
-    with open(a.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    write_report(a.out, report, markdown)
     return 0
 
 

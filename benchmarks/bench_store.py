@@ -29,6 +29,7 @@ from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
+from kvstore.ops.report import write_report
 
 MIB = 1 << 20
 GOALS = {"cpu": 0.7, "nvme": 0.8, "hash_gtok_s": 0.5}
@@ -227,12 +228,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["goals"] = goals(results)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(results, f, indent=2)
-    with open(out + ".md", "w") as f:
-        f.write(markdown(results))
-    print(markdown(results))
+    write_report(out, results, markdown)
 
 
 def goals(r: dict) -> dict[str, bool]:

@@ -40,6 +40,7 @@ from bench_vllm_ttft import run as run_vllm_jobs
 from kvstore.ops.engines import engine_python, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import write_report
 
 BLOCK = 32
 # vLLM-CPU picks its OpenMP threads by whether a KV connector is configured: without one it binds 1
@@ -174,12 +175,7 @@ def main() -> None:
         "loadavg": {"start": load_start, "end": os.getloadavg()}, "duration_s": round(time.time() - t_start),
         "machine": machine_facts(work), "notes": notes,
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(render_markdown(result))
+    write_report(a.out, result, render_markdown)
 
 
 def render_markdown(r: dict) -> str:

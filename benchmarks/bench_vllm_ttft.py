@@ -41,6 +41,7 @@ import time
 from kvstore.ops.engines import engine_python, engine_venv, run_engine_jobs, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -262,12 +263,7 @@ def main() -> None:
         "loadavg": {"start": load_start, "end": os.getloadavg()},
         "machine": machine_facts(nvme_dir), "notes": notes,
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(render_markdown(result))
+    write_report(a.out, result, render_markdown)
 
 
 def render_markdown(r: dict) -> str:

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
 
 from kvstore.client import NamespaceHandle
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
