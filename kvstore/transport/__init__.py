@@ -3,6 +3,8 @@
 * ``shm``    — same host: the client maps the daemon's CPU arena; RPCs carry slot extents only.
 * ``segments`` — same host with auth on: the client maps its tenant's arena segments, whose
   descriptors the daemon hands over a Unix socket after a ticket check.
+* ``local_lookup`` — same host: Lookup over a Unix socket instead of gRPC (the scheduler path).
+* ``unix_server`` — the daemon end both Unix-socket services share (one epoll thread, bounded).
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
 

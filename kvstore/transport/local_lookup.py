@@ -5,8 +5,8 @@ An engine's scheduler asks once per request, hit or miss, and waits for the answ
 schedules anything; over gRPC that costs a round trip of several hundred microseconds in Python.
 Here a same-host client keeps one Unix-socket connection open (path and ticket from Handshake,
 the ticket an HMAC of its tenant under a secret of this daemon run, as for the side channel) and
-sends length-prefixed requests; the daemon answers each on one epoll thread, straight from the
-store's index.
+sends length-prefixed requests; the daemon answers each on one epoll thread
+(``unix_server.UnixServer``), straight from the store's index.
 
 Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``;
 request ``u32 length`` then ``u8 lease, u8 namespace length, namespace, u16 count, u8 hash length,
@@ -22,18 +22,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import logging
-import os
 import secrets
-import select
 import socket
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
-log = logging.getLogger("kvstore.transport.local_lookup")
+from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVLK"
 TICKET_BYTES = 32
@@ -69,112 +65,48 @@ def _decode_lookup(body: bytes) -> tuple[bool, bytes, list[bytes]]:
     return bool(lease), namespace_id, [body[at + i * width:at + (i + 1) * width] for i in range(count)]
 
 
-class _Conn:
-    __slots__ = ("sock", "buf", "tenant", "deadline", "out")
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.buf, self.tenant, self.deadline, self.out = sock, bytearray(), None, deadline, b""
-
-
-class LocalLookupServer:
+class LocalLookupServer(UnixServer):
     """Daemon side. ``handler(tenant, namespace_id, hashes, lease)`` returns ``(hits, tiers)`` or
     raises; it runs on this server's one thread, so it must be quick (an index lookup)."""
 
     def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]]) -> None:
         self._secret = secrets.token_bytes(32)
         self._handler = handler
-        self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        os.chmod(self.path, 0o666)   # other users' clients may connect: the ticket is what admits them
-        self._listener.listen(128)
-        self._listener.setblocking(False)
-        self._poller = select.epoll()
-        self._poller.register(self._listener.fileno(), select.EPOLLIN)
-        self._conns: OrderedDict[int, _Conn] = OrderedDict()
-        self.counts: Counter[str] = Counter()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvstore-local-lookup", daemon=True)
-        self._thread.start()
+        super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
 
     def ticket_for(self, tenant: str) -> bytes:
         return ticket_for(self._secret, tenant)
 
-    def _loop(self) -> None:
-        next_sweep = time.monotonic() + 1.0
-        while not self._closed.is_set():
-            try:
-                events = self._poller.poll(0.25)
-            except OSError:
-                return
-            for fd, mask in events:
-                try:
-                    if fd == self._listener.fileno():
-                        self._accept()
-                    elif fd in self._conns:
-                        self._readable(fd, mask)
-                except Exception:  # noqa: BLE001 - one bad connection must not stop the service
-                    log.exception("local lookup: handling a connection failed")
-                    self._close(fd, "failed")
-            now = time.monotonic()
-            if now >= next_sweep:
-                next_sweep = now + 1.0
-                for fd in [fd for fd, c in self._conns.items() if c.deadline < now]:
-                    self._close(fd, "timed_out")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                time.sleep(0.05)
-                return
-            sock.setblocking(False)
-            if len(self._conns) >= MAX_CONNECTIONS:
-                self._close(next(iter(self._conns)), "pushed_out")
-            self._poller.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
-            self._conns[sock.fileno()] = _Conn(sock, time.monotonic() + GREETING_DEADLINE_S)
-
-    def _readable(self, fd: int, mask: int) -> None:
-        conn = self._conns[fd]
-        try:
-            chunk = conn.sock.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(fd, "closed")
-            return
-        conn.buf += chunk
-        self._conns.move_to_end(fd)
+    def received(self, fd: int, conn: Connection) -> None:
         if conn.tenant is None and not self._greet(fd, conn):
             return
         while len(conn.buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(conn.buf)
             if n > MAX_FRAME:
-                self._close(fd, "oversized")
+                self.end(fd, "oversized")
                 return
             if len(conn.buf) < _LEN.size + n:
                 return
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
-            if not self._send(fd, conn, self._answer(conn.tenant, body)):
+            conn.deadline = time.monotonic() + IDLE_S
+            try:
+                conn.sock.sendall(self._answer(conn.tenant, body))   # a few hundred bytes: a stalled peer only
+            except OSError:
+                self.end(fd, "stalled")   # a client that does not read its answers is dropped
                 return
 
-    def _greet(self, fd: int, conn: _Conn) -> bool:
+    def _greet(self, fd: int, conn: Connection) -> bool:
         if len(conn.buf) < _HEAD.size:
             return False
         magic, ticket, name_len = _HEAD.unpack_from(conn.buf)
         if magic != MAGIC or name_len > 256:
-            self._close(fd, "refused")
+            self.end(fd, "refused")
             return False
         if len(conn.buf) < _HEAD.size + name_len:
             return False
         tenant = bytes(conn.buf[_HEAD.size:_HEAD.size + name_len]).decode("utf-8", "replace")
         if not hmac.compare_digest(ticket, ticket_for(self._secret, tenant)):
-            self._close(fd, "refused")
+            self.end(fd, "refused")
             return False
         conn.tenant, conn.buf = tenant, conn.buf[_HEAD.size + name_len:]
         conn.deadline = time.monotonic() + IDLE_S
@@ -190,34 +122,6 @@ class LocalLookupServer:
         except Exception as e:  # noqa: BLE001 - the error goes back to the caller, by class
             rest = _ANSWER.pack(1, 0) + f"{type(e).__name__}:{e}".encode("utf-8", "replace")[:4096]
         return _LEN.pack(len(rest)) + rest
-
-    def _send(self, fd: int, conn: _Conn, frame: bytes) -> bool:
-        conn.deadline = time.monotonic() + IDLE_S
-        try:
-            conn.sock.sendall(frame)   # a few hundred bytes into a socket buffer: blocks only on a stalled peer
-            return True
-        except (BlockingIOError, OSError):
-            self._close(fd, "stalled")   # a client that does not read its answers is dropped
-            return False
-
-    def _close(self, fd: int, reason: str) -> None:
-        conn = self._conns.pop(fd, None)
-        if conn is None:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            self._poller.unregister(fd)
-        conn.sock.close()
-        self.counts[reason] += 1
-
-    def close(self) -> None:
-        self._closed.set()
-        self._thread.join(2)
-        for fd in list(self._conns):
-            self._close(fd, "shutdown")
-        self._listener.close()
-        self._poller.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
 
 
 class LocalLookupError(Exception):

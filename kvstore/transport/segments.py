@@ -11,7 +11,7 @@ Lease extents carry their segment's generation; a segment that passed to another
 has a new generation (and new memory), so a client maps it again rather than reading its old
 mapping. Segments of another tenant never reach a client: not by path, not by descriptor.
 
-Both ends live here. The daemon's end (``SegmentBroker``) is one thread on an epoll loop: a
+Both ends live here. The daemon's end (``SegmentBroker``) is a ``unix_server.UnixServer``: a
 request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most ``MAX_PENDING`` wait,
 so idle or hostile connections hold no thread and cannot grow anything.
 """
@@ -19,27 +19,19 @@ so idle or hostile connections hold no thread and cannot grow anything.
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import hmac
-import logging
 import mmap
 import os
-import re
 import secrets
-import select
 import socket
 import struct
-import threading
-import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvstore.buffers import gather, scatter
-
-log = logging.getLogger("kvstore.transport.segments")
+from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVSG"
 TICKET_BYTES = 32
@@ -51,7 +43,6 @@ _HEAD = struct.Struct("!4s32sH")      # magic, ticket, tenant length; then tenan
 _REPLY = struct.Struct("!BH")          # status (0 ok), count; then (segment I, generation Q) each
 _ENTRY = struct.Struct("!IQ")
 _MAX_REQUEST = _HEAD.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
-_SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
 
 
 def ticket_for(secret: bytes, tenant: str) -> bytes:
@@ -87,89 +78,33 @@ def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
     return ticket, data[_HEAD.size:at].decode("utf-8", "replace"), segments
 
 
-class SegmentBroker:
+class SegmentBroker(UnixServer):
     """Daemon side: hands a tenant's clients the descriptors of that tenant's segments.
 
     ``descriptor_for(segment, tenant)`` returns ``(fd, generation)`` for a segment holding the
-    tenant's blocks now (a descriptor the broker closes after sending), None otherwise."""
+    tenant's blocks now (a descriptor the broker closes after sending), None otherwise. One
+    request per connection, answered and closed."""
 
     def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None]) -> None:
-        sweep_stale_sockets(shm_dir)
         self._secret = secrets.token_bytes(32)
         self._descriptor_for = descriptor_for
-        self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        os.chmod(self.path, 0o666)   # other users' clients may connect: the ticket is what admits them
-        self._listener.listen(128)
-        self._listener.setblocking(False)
-        self._poller = select.epoll()
-        self._poller.register(self._listener.fileno(), select.EPOLLIN)
-        self._pending: OrderedDict[int, tuple[socket.socket, bytearray, float]] = OrderedDict()
-        self.counts: Counter[str] = Counter()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvstore-segment-broker", daemon=True)
-        self._thread.start()
+        super().__init__(shm_dir, "segment-broker", MAX_PENDING, REQUEST_DEADLINE_S, _MAX_REQUEST + 1)
 
     def ticket_for(self, tenant: str) -> bytes:
         return ticket_for(self._secret, tenant)
 
-    def _loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                events = self._poller.poll(0.25)
-            except OSError:
-                return
-            for fd, _ in events:
-                try:
-                    if fd == self._listener.fileno():
-                        self._accept()
-                    elif fd in self._pending:
-                        self._advance(fd)
-                except Exception:  # noqa: BLE001 - one bad connection must not stop the broker
-                    log.exception("segment broker: handling a connection failed")
-            now = time.monotonic()
-            while self._pending and next(iter(self._pending.values()))[2] < now:
-                self._end(next(iter(self._pending)), "timed_out")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                time.sleep(0.05)
-                return
-            conn.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
-                self._end(next(iter(self._pending)), "pushed_out")
-            self._poller.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
-            self._pending[conn.fileno()] = (conn, bytearray(), time.monotonic() + REQUEST_DEADLINE_S)
-
-    def _advance(self, fd: int) -> None:
-        conn, received, _ = self._pending[fd]
+    def received(self, fd: int, conn: Connection) -> None:
         try:
-            chunk = conn.recv(_MAX_REQUEST + 1 - len(received))
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._end(fd, "abandoned")
-            return
-        received += chunk
-        try:
-            request = _decode_request(bytes(received))
+            request = _decode_request(bytes(conn.buf))
         except ValueError:
-            self._end(fd, "malformed")
+            self.end(fd, "malformed")
             return
         if request is None:
-            if len(received) > _MAX_REQUEST:
-                self._end(fd, "malformed")
+            if len(conn.buf) > _MAX_REQUEST:
+                self.end(fd, "malformed")
             return
-        self._answer(conn, *request)
-        self._end(fd, None)
+        self._answer(conn.sock, *request)
+        self.end(fd, None)
 
     def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
         if not hmac.compare_digest(ticket, ticket_for(self._secret, tenant)):
@@ -195,39 +130,6 @@ class SegmentBroker:
         self.counts[reason] += 1
         with contextlib.suppress(OSError):
             conn.send(_REPLY.pack(1, 0))
-
-    def _end(self, fd: int, reason: str | None) -> None:
-        conn, _, _ = self._pending.pop(fd)
-        with contextlib.suppress(OSError, ValueError):
-            self._poller.unregister(fd)
-        conn.close()
-        if reason:
-            self.counts[reason] += 1
-
-    def close(self) -> None:
-        self._closed.set()
-        self._thread.join(2)
-        for fd in list(self._pending):
-            self._end(fd, None)
-        self._listener.close()
-        self._poller.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def sweep_stale_sockets(shm_dir: str) -> None:
-    """Unlink broker sockets left by daemons that died without closing (kill -9)."""
-    for path in glob.glob(os.path.join(shm_dir, "kvstore-*.sock")):
-        m = _SOCKET_NAME.match(os.path.basename(path))
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        except PermissionError:
-            pass
 
 
 def request_segments(path: str, ticket: bytes, tenant: str, segments: Sequence[int],

@@ -1,0 +1,144 @@
+"""The daemon end of a same-host Unix-socket service: one epoll thread, bounded connections.
+
+Used by the segment broker (``segments``) and the lookup service (``local_lookup``). The socket
+lives in ``shm_dir`` beside the arena (a path every same-host client, even in another container
+sharing that directory, can reach), mode 0666: what admits a client is the ticket it sends, not
+who it is. Nothing grows with idle or hostile connections: every connection has a deadline (the
+subclass moves it), at most ``max_connections`` are open (a new one pushes the least recently
+active out), and one thread serves them all. Sockets left by daemons that died are swept at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import re
+import secrets
+import select
+import socket
+import threading
+import time
+from collections import Counter, OrderedDict
+
+log = logging.getLogger("kvstore.transport.unix_server")
+
+_SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
+
+
+class Connection:
+    __slots__ = ("sock", "buf", "deadline", "tenant")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.buf, self.deadline, self.tenant = sock, bytearray(), deadline, None
+
+
+class UnixServer:
+    """Subclasses implement ``received(fd, conn)``: called with ``conn.buf`` grown by new bytes
+    (it consumes what it can, answers on ``conn.sock``, may ``end(fd, reason)``)."""
+
+    def __init__(self, shm_dir: str, name: str, max_connections: int, first_deadline_s: float,
+                 max_read: int = 1 << 16) -> None:
+        sweep_stale_sockets(shm_dir)
+        self.max_connections, self.first_deadline_s, self.max_read = max_connections, first_deadline_s, max_read
+        self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        os.chmod(self.path, 0o666)
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._poller = select.epoll()
+        self._poller.register(self._listener.fileno(), select.EPOLLIN)
+        self.conns: OrderedDict[int, Connection] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"kvstore-{name}", daemon=True)
+        self._thread.start()
+
+    def received(self, fd: int, conn: Connection) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                events = self._poller.poll(0.25)
+            except OSError:
+                return
+            for fd, _ in events:
+                try:
+                    if fd == self._listener.fileno():
+                        self._accept()
+                    elif fd in self.conns:
+                        self._readable(fd)
+                except Exception:  # noqa: BLE001 - one bad connection must not stop the service
+                    log.exception("%s: handling a connection failed", self._thread.name)
+                    self.end(fd, "failed")
+            now = time.monotonic()
+            for fd in [fd for fd, c in self.conns.items() if c.deadline < now]:
+                self.end(fd, "timed_out")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:   # e.g. out of descriptors: back off instead of spinning on the listener
+                time.sleep(0.05)
+                return
+            sock.setblocking(False)
+            if len(self.conns) >= self.max_connections:
+                self.end(next(iter(self.conns)), "pushed_out")
+            self._poller.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self.conns[sock.fileno()] = Connection(sock, time.monotonic() + self.first_deadline_s)
+
+    def _readable(self, fd: int) -> None:
+        conn = self.conns[fd]
+        try:
+            chunk = conn.sock.recv(self.max_read)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.end(fd, "closed")
+            return
+        conn.buf += chunk
+        self.conns.move_to_end(fd)
+        self.received(fd, conn)
+
+    def end(self, fd: int, reason: str | None) -> None:
+        conn = self.conns.pop(fd, None)
+        if conn is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._poller.unregister(fd)
+        conn.sock.close()
+        if reason:
+            self.counts[reason] += 1
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        for fd in list(self.conns):
+            self.end(fd, None)
+        self._listener.close()
+        self._poller.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def sweep_stale_sockets(shm_dir: str) -> None:
+    """Unlink service sockets left by daemons that died without closing (kill -9)."""
+    for path in glob.glob(os.path.join(shm_dir, "kvstore-*.sock")):
+        m = _SOCKET_NAME.match(os.path.basename(path))
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except PermissionError:
+            pass
