@@ -10,7 +10,8 @@ memcpy ceilings with the same threads, measured in the same run: one block copie
 destination of 256 MiB each, larger than the caches — which codec speeds are quoted against.
 Then the effect on a tier: blocks that fit in a fixed CPU budget, and the time to read one block
 from disk (O_DIRECT, measured here) plus decode, against reading it raw — which is what decides
-whether a codec pays for itself on the NVMe tier.
+whether a codec pays for itself on the NVMe tier. That is an estimate (a disk ceiling plus the
+kernel's decode time); ``bench_nvme_codecs.py`` measures it through a real Store and NvmeTier.
 """
 
 from __future__ import annotations
