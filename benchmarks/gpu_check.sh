@@ -36,7 +36,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 #    compressed blocks from a real daemon into CUDA tensors, the vLLM connector's copies (pinned
 #    host buffers, copy stream, per-layer events) and its GPU layout names
 step cuda_tests 240 "$PY" -P -m pytest -q -p no:cacheprovider --rootdir=. \
-  tests/test_codecs_cuda.py tests/test_tiers.py tests/test_codec_transfer.py tests/test_vllm_paged_copies.py \
+  tests/test_codecs_cuda.py tests/test_tiers.py tests/test_codec_transfer.py tests/test_vllm_paged_copies.py tests/test_client_encoded_puts.py \
   tests/test_vllm_layouts.py -k "cuda or gpu or layout or layer_name or backend"
 # 2. GPU benchmarks: codec encode/decode GB/s on the GPU vs device memcpy
 step bench_codecs 150 "$PY" benchmarks/bench_codecs.py --device cuda --threads 1 --out "$OUT"
