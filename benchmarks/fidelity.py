@@ -213,6 +213,9 @@ def machine() -> dict:
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# Codec fidelity", "", "Produced by `python benchmarks/fidelity.py`. Machine: "
              + ", ".join(f"{k}={v}" for k, v in result["machine"].items()), "",
+             "In a real engine (vLLM CPU generating from FP8 and INT4 g64 blocks loaded from kvstore, on a random "
+             "and on a trained tiny Llama): [fidelity_engine.md](fidelity_engine.md) "
+             "(`python benchmarks/bench_fidelity_engine.py`).", "",
              f"Shapes: {Q_HEADS} query heads / {KV_HEADS} KV heads (GQA), head_dim {HEAD_DIM}, "
              f"{LAYERS} layers, {N_QUERIES} queries after the context attending to all of it. "
              "`outliers` = keys with 4 outlier channels per head (10-50x, biased, RoPE applied), "

@@ -10,13 +10,17 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
                  enable_prefix_caching, ...},
       "kv_transfer_config": {...} | null,
       "steps": [{"generate": [[token ids], ...], "max_tokens": 8, "timed": false,
-                 "lose_after_lookup": false},  # fault injection, see lose_blocks_after_lookup()
+                 "lose_after_lookup": false,   # fault injection, see lose_blocks_after_lookup()
+                 "logprobs": null},            # N: also the first generated token's top-N logprobs
+                                               # (-1: all of the vocabulary; the engine needs
+                                               # "max_logprobs" >= N, or -1)
                 {"serve": [[token ids], ...], "max_tokens": 16},  # all arrive at once; per-request
                                             # TTFT and inter-token latency (see serve())
                 {"drain": true},            # wait until the kvstore connector's saves reached the daemon
                 {"kill": PID},              # SIGKILL a process (the daemon) between steps
                 {"sleep": SECONDS}]}
-RESULT: {"steps": [{"outputs": [[ids]], "num_cached_tokens": [n], "seconds": [s]}, ...],
+RESULT: {"steps": [{"outputs": [[ids]], "num_cached_tokens": [n], "seconds": [s],
+                    "first_logprobs": [{token id: logprob}] (with "logprobs")}, ...],
          "connector": {"namespace": {...}, "namespace_id": hex, "worker": {totals}, "scheduler": {totals}}}
 
 Greedy sampling (temperature 0, ignore_eos) so outputs are a deterministic function of the KV.
@@ -131,7 +135,8 @@ def main() -> None:
     for step in job["steps"]:
         out: dict = {}
         if "generate" in step:
-            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                    logprobs=step.get("logprobs"))
             prompts = [TokensPrompt(prompt_token_ids=p) for p in step["generate"]]
             undo = lose_blocks_after_lookup(scheduler) if step.get("lose_after_lookup") else None
             if step.get("timed"):
@@ -148,6 +153,8 @@ def main() -> None:
                 undo()
             out = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                    "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": secs}
+            if step.get("logprobs") is not None:
+                out["first_logprobs"] = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
         elif "serve" in step:
             out = serve(llm, step["serve"], step.get("max_tokens", 16), f"serve{len(result['steps'])}")
         elif "drain" in step:
