@@ -28,6 +28,7 @@ from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpir
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
 from kvstore.store.puts import check_encoded, payload_codecs
+from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
 
 
@@ -109,7 +110,12 @@ class Leases:
                 payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
             else:
                 data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
-                payload = data[0] if len(data) == 1 else np.concatenate(data)
+                if len(data) == 1:
+                    payload = data[0]
+                elif self._needs_bytes(entry):
+                    payload = np.concatenate(data)
+                else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
+                    payload = None
                 payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
             results.append("stored")
             if cascade.publish(entry, payload):
@@ -118,6 +124,13 @@ class Leases:
             for i in on_durable:
                 results[i] = "persisted"
         return results
+
+    def _needs_bytes(self, entry) -> bool:
+        """Whether completing ``entry`` reads its bytes: to encode them for a CPU-tier codec, or to
+        write them through to the durable tier."""
+        cascade = self._cascade
+        return (cascade.transcoder.codec_for(cascade.cpu_index, entry.namespace_id) != RAW
+                or (cascade.config.write_through and cascade.durable_index is not None))
 
     def _client_payloads(self, lease: Lease, codec: int, sizes: Sequence[int]) -> dict[int, tuple]:
         """Block index -> (record, payload) of each reserved block the writer encoded itself, its
