@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# run as a script: its own directory is sys.path[0], so the sibling benchmark imports as a module
 from bench_codecs import block_layout, disk_read_gbps, realistic_block  # noqa: E402
 
 CPU_BLOCKS = 2   # the CPU tier holds this many blocks; everything else is demoted to NVMe
