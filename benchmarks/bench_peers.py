@@ -34,12 +34,10 @@ A peer that cannot be set up is reported as not run, with the reason.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +57,7 @@ from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 from kvstore.units import format_size, parse_size
+from peers.driver_common import die_with_parent, free_port  # benchmarks/ is sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -229,15 +228,7 @@ def _own_group_dies_with_us() -> None:
     """preexec_fn of every server and driver started here: its own process group (killed whole on
     timeout), and SIGKILL when this process dies, however it dies (PR_SET_PDEATHSIG)."""
     os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    die_with_parent()
 
 
 class RedisServer:

@@ -25,12 +25,9 @@ Fresh keys every disk pass, removed afterwards. Bounded waits everywhere.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
-import mmap
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,30 +37,10 @@ import time
 
 import numpy as np
 
+from driver_common import die_with_parent, free_port, touched  # run as a script: its folder is sys.path[0]
+
 BIN = os.path.dirname(sys.executable)
-PR_SET_PDEATHSIG = 1
 WAIT_S = 300.0
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-
-def touched(nbytes: int, random: bool) -> np.ndarray:
-    """A caller buffer like every other path's in bench_peers.py: an anonymous mmap (4 KiB pages,
-    as kvstore.ops.ceilings.touched_buffer and the memcpy ceiling use; numpy's own large arrays
-    would get transparent huge pages, which copy about 1.4x faster here), every page touched."""
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    arr[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8) if random else 0
-    return arr
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -86,7 +63,7 @@ def measure_server(job: dict, workdir: str) -> dict:
     port = free_port()
     log = open(os.path.join(workdir, "lmcache-server.log"), "wb")
     proc = subprocess.Popen([os.path.join(BIN, "lmcache_server"), "127.0.0.1", str(port), "cpu"], stdout=log,
-                            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     log.close()
     sock = None
     try:

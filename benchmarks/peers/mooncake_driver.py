@@ -19,11 +19,8 @@ removed (force: past the read lease) before the next. Standard library, numpy an
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -32,33 +29,13 @@ import time
 
 import numpy as np
 
+from driver_common import die_with_parent, free_port, touched  # run as a script: its folder is sys.path[0]
+
 BIN = os.path.dirname(sys.executable)
-PR_SET_PDEATHSIG = 1
 # keys per batch_put_from / batch_get_into call: one call of 4096 64 KiB slices overflows the TCP
 # transport's lane queue here ("queue-full rejection", put error -800); 2048 did not, 1024 leaves room
 # (64, 256, 1024 and 2048 keys per call measured within noise of each other)
 BATCH_KEYS = 1024
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-
-def touched(nbytes: int, random: bool) -> np.ndarray:
-    """A caller buffer like every other path's in bench_peers.py: an anonymous mmap (4 KiB pages,
-    as kvstore.ops.ceilings.touched_buffer and the memcpy ceiling use; numpy's own large arrays
-    would get transparent huge pages, which copy about 1.4x faster here), every page touched."""
-    arr = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    arr[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8) if random else 0
-    return arr
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
@@ -111,7 +88,7 @@ class Servers:
 
     def _start(self, name: str, cmd: list[str], port: int) -> None:
         log = open(os.path.join(self.workdir, f"mooncake-{name}.log"), "wb")
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         log.close()
         self.procs.append((name, p))
         wait_port(port, p, name)
