@@ -7,13 +7,16 @@
 # connectors/requirements/<engine>.sh (extra steps, run with $VENV set), then kvstore itself is
 # installed into it without dependencies. The directory name carries a hash of both files, so a
 # change of pins builds a fresh venv and an unchanged one is reused across CI runs.
+# KVSTORE_VENV_PINS=DIR reads the pins from DIR instead, and KVSTORE_VENV_WITHOUT_KVSTORE=1 leaves
+# kvstore out (benchmarks/peers/peer-venv.sh builds the peers' venvs this way).
 set -euo pipefail
 engine=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
-req="$root/connectors/requirements/$engine.txt"
-post="$root/connectors/requirements/$engine.sh"
-[ -f "$req" ] || { echo "no pins for engine '$engine' ($req)" >&2; exit 2; }
-key=$(cat "$req" "$post" 2>/dev/null | sha256sum | cut -c1-16)
+pins=${KVSTORE_VENV_PINS:-$root/connectors/requirements}
+req="$pins/$engine.txt"
+post="$pins/$engine.sh"
+[ -f "$req" ] || { echo "no pins for '$engine' ($req)" >&2; exit 2; }
+key=$({ cat "$req"; [ ! -f "$post" ] || cat "$post"; } | sha256sum | cut -c1-16)
 cache=${KVSTORE_VENV_CACHE:-$HOME/.cache/kvstore/venvs}
 venv="$cache/$engine-$key"
 mkdir -p "$cache"
@@ -29,5 +32,7 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # kvstore itself (editable, so the venv always runs this checkout's code)
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+if [ "${KVSTORE_VENV_WITHOUT_KVSTORE:-0}" != 1 ]; then
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+fi
 echo "$venv"
