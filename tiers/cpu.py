@@ -14,7 +14,7 @@ Tenant segments (``segment_bytes``, the daemon's choice when authentication is o
 then no file at all but one sealed ``memfd`` per segment, each holding one tenant's blocks only
 (``SlotTable`` owned segments). Nothing can open them by path; the daemon hands a tenant's
 client the descriptors of that tenant's segments after checking its ticket
-(``kvstore.transport.segment_broker``). Seals forbid shrinking or growing them, so a client
+(``kvstore.transport.segments``). Seals forbid shrinking or growing them, so a client
 holding one cannot make the daemon's own mapping fault. A segment that passes to another tenant
 gets fresh memory first (``renew``): a mapping taken earlier keeps only the old pages.
 """
@@ -51,7 +51,6 @@ class CpuTier(Tier):
         super().__init__(self.slots.capacity_bytes)
         self.stale_segments_removed = sweep_stale_segments(shm_dir)
         self._owner_of: Callable[[bytes], str | None] = lambda _namespace_id: None
-        self._pretouch = pretouch
         self.page_locked = False   # this process's mapping is page-locked (cudaHostRegister)
         if segment_bytes is not None:
             self.segment_path = None

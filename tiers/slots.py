@@ -132,9 +132,6 @@ class SlotTable:
     def segment_of(self, offset: int) -> int:
         return offset // self.segment_bytes
 
-    def owner_of_segment(self, s: int) -> str | None:
-        return self._owner[s] if 0 <= s < self.num_segments else None
-
     def if_owned_by(self, s: int, owner: str, action: Callable[[], object]) -> object | None:
         """``action()`` if segment ``s`` belongs to ``owner``, atomically with respect to the
         segment passing to another owner (which cannot happen while ``action`` runs); else None."""
@@ -142,9 +139,6 @@ class SlotTable:
             if not self.owned or not 0 <= s < self.num_segments or self._owner[s] != owner:
                 return None
             return action()
-
-    def segments_of(self, owner: str) -> list[int]:
-        return [s for s, o in enumerate(self._owner) if o == owner]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks

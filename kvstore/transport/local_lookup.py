@@ -20,9 +20,6 @@ used goes first), a frame over ``MAX_FRAME`` closes its connection.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
-import secrets
 import socket
 import struct
 import threading
@@ -32,7 +29,6 @@ from collections.abc import Callable, Sequence
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVLK"
-TICKET_BYTES = 32
 GREETING_DEADLINE_S = 2.0
 IDLE_S = 300.0
 MAX_CONNECTIONS = 256
@@ -40,10 +36,6 @@ MAX_FRAME = 1 << 20          # 8192 hashes of 64 bytes and then some
 _LEN = struct.Struct("!I")
 _HEAD = struct.Struct("!4s32sH")
 _ANSWER = struct.Struct("!BI")
-
-
-def ticket_for(secret: bytes, tenant: str) -> bytes:
-    return hmac.new(secret, b"lookup:" + tenant.encode("utf-8"), hashlib.sha256).digest()
 
 
 def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], lease: bool) -> bytes:
@@ -70,12 +62,8 @@ class LocalLookupServer(UnixServer):
     raises; it runs on this server's one thread, so it must be quick (an index lookup)."""
 
     def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]]) -> None:
-        self._secret = secrets.token_bytes(32)
         self._handler = handler
         super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
-
-    def ticket_for(self, tenant: str) -> bytes:
-        return ticket_for(self._secret, tenant)
 
     def received(self, fd: int, conn: Connection) -> None:
         if conn.tenant is None and not self._greet(fd, conn):
@@ -105,7 +93,7 @@ class LocalLookupServer(UnixServer):
         if len(conn.buf) < _HEAD.size + name_len:
             return False
         tenant = bytes(conn.buf[_HEAD.size:_HEAD.size + name_len]).decode("utf-8", "replace")
-        if not hmac.compare_digest(ticket, ticket_for(self._secret, tenant)):
+        if not self.ticket_admits(ticket, tenant):
             self.end(fd, "refused")
             return False
         conn.tenant, conn.buf = tenant, conn.buf[_HEAD.size + name_len:]

@@ -19,11 +19,8 @@ so idle or hostile connections hold no thread and cannot grow anything.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import mmap
 import os
-import secrets
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -34,7 +31,6 @@ from kvstore.buffers import gather, scatter
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVSG"
-TICKET_BYTES = 32
 MAX_TENANT_BYTES = 256
 MAX_SEGMENTS_PER_REQUEST = 64
 REQUEST_DEADLINE_S = 2.0
@@ -43,10 +39,6 @@ _HEAD = struct.Struct("!4s32sH")      # magic, ticket, tenant length; then tenan
 _REPLY = struct.Struct("!BH")          # status (0 ok), count; then (segment I, generation Q) each
 _ENTRY = struct.Struct("!IQ")
 _MAX_REQUEST = _HEAD.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
-
-
-def ticket_for(secret: bytes, tenant: str) -> bytes:
-    return hmac.new(secret, b"segments:" + tenant.encode("utf-8"), hashlib.sha256).digest()
 
 
 def encode_request(ticket: bytes, tenant: str, segments: Sequence[int]) -> bytes:
@@ -86,12 +78,8 @@ class SegmentBroker(UnixServer):
     request per connection, answered and closed."""
 
     def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None]) -> None:
-        self._secret = secrets.token_bytes(32)
         self._descriptor_for = descriptor_for
         super().__init__(shm_dir, "segment-broker", MAX_PENDING, REQUEST_DEADLINE_S, _MAX_REQUEST + 1)
-
-    def ticket_for(self, tenant: str) -> bytes:
-        return ticket_for(self._secret, tenant)
 
     def received(self, fd: int, conn: Connection) -> None:
         try:
@@ -107,7 +95,7 @@ class SegmentBroker(UnixServer):
         self.end(fd, None)
 
     def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
-        if not hmac.compare_digest(ticket, ticket_for(self._secret, tenant)):
+        if not self.ticket_admits(ticket, tenant):
             self._refuse(conn, "refused_ticket")
             return
         handed: list[tuple[int, int, int]] = []   # (segment, fd, generation)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -36,11 +38,16 @@ class Connection:
 
 class UnixServer:
     """Subclasses implement ``received(fd, conn)``: called with ``conn.buf`` grown by new bytes
-    (it consumes what it can, answers on ``conn.sock``, may ``end(fd, reason)``)."""
+    (it consumes what it can, answers on ``conn.sock``, may ``end(fd, reason)``).
+
+    Tickets: Handshake hands a caller ``ticket_for(its tenant)``, an HMAC of the tenant under a
+    secret of this daemon run and of this service (``name``), which the client presents here."""
 
     def __init__(self, shm_dir: str, name: str, max_connections: int, first_deadline_s: float,
                  max_read: int = 1 << 16) -> None:
         sweep_stale_sockets(shm_dir)
+        self._secret = secrets.token_bytes(32)
+        self._purpose = name.encode() + b":"
         self.max_connections, self.first_deadline_s, self.max_read = max_connections, first_deadline_s, max_read
         self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -58,6 +65,12 @@ class UnixServer:
 
     def received(self, fd: int, conn: Connection) -> None:
         raise NotImplementedError
+
+    def ticket_for(self, tenant: str) -> bytes:
+        return hmac.new(self._secret, self._purpose + tenant.encode("utf-8"), hashlib.sha256).digest()
+
+    def ticket_admits(self, ticket: bytes, tenant: str) -> bool:
+        return hmac.compare_digest(ticket, self.ticket_for(tenant))
 
     def _loop(self) -> None:
         while not self._closed.is_set():
