@@ -276,3 +276,37 @@ def test_daemon_refuses_a_loose_or_foreign_directory_naming_path_and_mode(tmp_pa
         start_daemon(tmp_path / "daemon", nvme_path=str(d_path), timeout=60).stop()
     msg = str(e.value)
     assert "cannot start" in msg and "nvme tier" in msg and str(d_path) in msg and want in msg, msg
+
+
+@pytest.mark.parametrize("plant", ["directory", "fifo", "symlink"])
+def test_a_block_file_replaced_while_serving_is_a_counted_miss_not_a_hang_or_an_error(tmp_path, plant):
+    """A directory, FIFO or symlink put under a stored block's name while the daemon runs: reading
+    it is a miss (counted as corrupt), never a hang on the FIFO nor an OSError out of get; the
+    other blocks of the same batch are still served (their reads run several at once) and no
+    block is left pinned."""
+    from kvstore.keys import block_key
+    from kvstore.store import Store, StoreConfig
+
+    tier = NvmeTier(_private_dir(tmp_path / "nvme"), 64 << 20)
+    store = Store([tier], StoreConfig())
+    ns = store.register_namespace(Namespace(LAYOUT))
+    hashes = ChainHasher().chain(np.arange(6 * 16), 16)
+    blocks = [_payload(i, LAYOUT.block_bytes) for i in range(6)]
+    store.put(ns, hashes, blocks)
+    planted = hashes[2]
+    path = tier.file_path(block_key(ns, planted))
+    os.unlink(path)
+    {"directory": lambda: os.mkdir(path), "fifo": lambda: os.mkfifo(path),
+     "symlink": lambda: os.symlink(_victim(tmp_path), path)}[plant]()
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(store.get(ns, hashes)), daemon=True)
+    reader.start()
+    reader.join(20)
+    assert not reader.is_alive(), "the read hung on the planted file"
+    assert got, "get raised instead of reporting a miss"
+    expected = [b.tobytes() for b in blocks]
+    expected[2] = None
+    assert got[0] == expected
+    assert tier.corrupt_dropped == 1
+    assert all(s.pins == 0 for s in store.block_states())
+    store.close()

@@ -17,7 +17,8 @@ ours and private (an empty loose one is tightened to 0700, a loose one with entr
 block, temp and probe files are created 0600 with ``O_EXCL|O_NOFOLLOW``, so a symlink planted
 under one of their names is replaced, never written through; recovery never follows a symlink or
 waits on a FIFO named ``*.kvb``: it skips it, leaves it there and counts it
-(``recovery_skipped_not_regular``).
+(``recovery_skipped_not_regular``); a read finding one under a stored block's name drops the
+block as corrupt (a counted miss).
 """
 
 from __future__ import annotations
@@ -130,9 +131,6 @@ class NvmeTier(Tier):
     def file_path(self, key: bytes) -> str:
         return os.path.join(self.path, key.hex() + SUFFIX)
 
-    def _open(self, path: str, flags: int) -> int:
-        return os.open(path, flags | (os.O_DIRECT if self.o_direct else 0), 0o600)
-
     # -- contract --------------------------------------------------------------------------------
 
     def footprint(self, nbytes: int) -> int:
@@ -215,14 +213,12 @@ class NvmeTier(Tier):
         direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
         stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
         path = self.file_path(key)
-        try:
-            fd = self._open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:   # a directory, FIFO or symlink planted under the block's name is a miss, never a hang
+            fd = open_regular(path, os.O_DIRECT if self.o_direct else 0)
         except FileNotFoundError:
             self._corrupt(key, "file vanished")
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            self._corrupt(key, "replaced by a symlink")
+        except NotRegularFile as e:
+            self._corrupt(key, f"replaced by a {e.kind}")
         try:
             if direct:
                 got = os.preadv(fd, [memoryview(stage)[:HEADER_BYTES], memoryview(dst[:n])], 0)

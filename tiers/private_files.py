@@ -126,8 +126,9 @@ def remove_leftover(path: str) -> None:
     os.unlink(path)
 
 
-def open_regular(path: str) -> int:
-    """Open an existing regular file read-only; ``NotRegularFile`` for anything else.
+def open_regular(path: str, extra_flags: int = 0) -> int:
+    """Open an existing regular file read-only (``extra_flags``: e.g. O_DIRECT); ``NotRegularFile``
+    for anything else.
 
     ``lstat`` first, so a device or FIFO is never even opened (opening some devices has side
     effects); then ``O_NOFOLLOW|O_NONBLOCK`` and ``fstat``, so a swap in between is caught too."""
@@ -135,7 +136,7 @@ def open_regular(path: str) -> int:
     if not stat.S_ISREG(mode):
         raise NotRegularFile(path, file_kind(mode))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | extra_flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise NotRegularFile(path, "symlink") from None

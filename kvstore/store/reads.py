@@ -60,9 +60,18 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     reads = {i: pool.submit(_read_fastest, cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
              for i in slow}
     out = []
-    for i, h in enumerate(hashes):
-        got = reads[i].result() if i in reads else _read_fastest(cascade, namespace_id, h, dsts[i], accept, _payloads)
-        out.append(None if got is None else _deliver(cascade, got))
+    try:
+        for i, h in enumerate(hashes):
+            got = reads.pop(i).result() if i in reads else _read_fastest(cascade, namespace_id, h, dsts[i], accept,
+                                                                          _payloads)
+            out.append(None if got is None else _deliver(cascade, got))
+    except BaseException:
+        for f in reads.values():   # reads still in flight keep their pins until delivered: release them
+            got = None if f.exception() is not None else f.result()
+            if got is not None:
+                with cascade.lock:
+                    cascade.unpin(got.entry)
+        raise
     return out
 
 
@@ -108,6 +117,10 @@ def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst:
                 cascade.discard_corrupt_copy(entry, t)
                 cascade.unpin(entry)
             continue  # try the next copy, or report a miss
+        except BaseException:
+            with cascade.lock:   # any other failure: the block stays stored, but not pinned for good
+                cascade.unpin(entry)
+            raise
         return _Read(entry, t, n, codec, payload, decoded)
 
 
