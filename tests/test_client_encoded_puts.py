@@ -8,16 +8,19 @@ stored; a tier that keeps another form decodes it."""
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 import numpy as np
 import pytest
 import torch
+import codec_blocks
 
 from kvstore import codecs
 from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.codecs import CODEC_IDS, decode_block, encode_block
 from kvstore.errors import InvalidArgument
-from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.keys import KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import chunks
@@ -28,14 +31,8 @@ TRANSPORTS = ["shm", "bulk", "grpc"]
 TENANT = "t"
 
 
-def kv_block(seed: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.block_bytes // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().copy()
-
-
-def chain(n: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
-    hashes = ChainHasher(seed=seed).chain(np.arange(n * LAYOUT.block_tokens) + seed * 7919, LAYOUT.block_tokens)
-    return hashes, [kv_block(1000 * seed + i) for i in range(n)]
+kv_block = functools.partial(codec_blocks.kv_block, LAYOUT)
+chain = functools.partial(codec_blocks.chain, LAYOUT)
 
 
 def decoded(codec: str, raw: np.ndarray) -> bytes:

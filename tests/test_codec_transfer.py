@@ -7,14 +7,17 @@ checksum their owner published, with every tier codec (the lossy ones and zstd).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
+import codec_blocks
 from fleet_util import SECRET, wait_for, write_fleet_config
 
 from kvstore.codecs import CODEC_IDS, decode_block, encode_block
 from kvstore.fleet import Directory
-from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.keys import KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 
 LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
@@ -25,14 +28,8 @@ TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (co
 TRANSPORTS = ["shm", "bulk", "grpc"]
 
 
-def kv_block(seed: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYOUT.block_bytes // 2, generator=g).to(torch.bfloat16).view(torch.uint8).numpy().copy()
-
-
-def chain(n: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
-    hashes = ChainHasher(seed=seed).chain(np.arange(n * LAYOUT.block_tokens) + seed * 7919, LAYOUT.block_tokens)
-    return hashes, [kv_block(1000 * seed + i) for i in range(n)]
+kv_block = functools.partial(codec_blocks.kv_block, LAYOUT)
+chain = functools.partial(codec_blocks.chain, LAYOUT)
 
 
 def stored_form(codec: str, raw: np.ndarray) -> tuple[np.ndarray, bytes]:
