@@ -47,13 +47,15 @@ def layout_name(device_type: str, mla: bool = False) -> str:
     return "layer,token,dim" if mla else "layer,kv,token,head,dim"
 
 
-def page_shape_matches(layout: "KVLayout", page_shapes: list[tuple[int, ...]]) -> bool:
+def page_shape_matches(layout: "KVLayout", page_shapes: list[tuple[int, ...]], blocks_per_chunk: int = 1) -> bool:
     """Whether every layer's page (its tensor with the block axis removed, logical order) has the
-    shape ``layout.layout`` promises; vllm_cpu's packing is checked by size alone (block_bytes)."""
+    shape ``layout.layout`` promises for one vLLM block (a stored block holds ``blocks_per_chunk``
+    of them, ``chunks``); vllm_cpu's packing is checked by size alone (block_bytes)."""
     if layout.layout == "vllm_cpu":
         return True
-    want = ((layout.block_tokens, layout.head_dim) if layout.layout == "layer,token,dim" else
-            (2, layout.block_tokens, layout.num_kv_heads, layout.head_dim))
+    tokens = layout.block_tokens // blocks_per_chunk
+    want = ((tokens, layout.head_dim) if layout.layout == "layer,token,dim" else
+            (2, tokens, layout.num_kv_heads, layout.head_dim))
     return all(tuple(s) == want for s in page_shapes)
 
 

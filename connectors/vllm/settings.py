@@ -12,6 +12,8 @@ from typing import Any
 
 LOAD_MODES = ("sync", "async", "layer")
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
+#: a chunk of 1024 blocks of 16 tokens is already a 16k-token prompt: beyond that only misses grow
+MAX_BLOCKS_PER_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,8 @@ class ConnectorSettings:
     save_decode: bool = True
     load_mode: str = "sync"
     max_pending_saves: int = 64
+    # vLLM blocks per kvstore block (1: one each). Default by measurement: docs/tuning.md.
+    blocks_per_chunk: int = 1
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -56,4 +60,7 @@ class ConnectorSettings:
         for name, choices in (("load_mode", LOAD_MODES), ("hash_algorithm", HASH_ALGORITHMS)):
             if name in out and out[name] not in choices:
                 raise ValueError(f"kv_connector_extra_config.{name}: {out[name]!r} is not one of {list(choices)}")
+        if not 1 <= out.get("blocks_per_chunk", 1) <= MAX_BLOCKS_PER_CHUNK:
+            raise ValueError(f"kv_connector_extra_config.blocks_per_chunk: {out['blocks_per_chunk']!r} is not "
+                             f"in [1, {MAX_BLOCKS_PER_CHUNK}] (vLLM blocks per kvstore block)")
         return cls(**out)
