@@ -135,6 +135,7 @@ class Cascade:
             entry.ready = True
             self.index.link(entry)
             self.listeners.added(entry.namespace_id, entry.block_hash)
+            self.listeners.moved(entry.namespace_id, entry.block_hash, t)
             self.index.namespace_bytes[entry.namespace_id] += entry.raw_size
             self.counters["puts"] += 1
             self.counters["bytes_in"] += entry.raw_size
@@ -245,7 +246,12 @@ class Cascade:
         entry.copies[t] = record
         self.transcoder.count(t, placed, entry.raw_size)
         self.index.track_copy(entry, t)
+        self._copies_changed(entry)
+
+    def _copies_changed(self, entry: Entry) -> None:
         self.index.copies_changed(entry)
+        if entry.visible:
+            self.listeners.moved(entry.namespace_id, entry.block_hash, entry.fastest)
 
     def encode_reserved(self, entry: Entry, t: int, data, like: BlockRecord | None = None) -> object:
         """Give a reserved, not yet visible block whose bytes ``data`` were written into tier ``t``
@@ -277,7 +283,7 @@ class Cascade:
         self.index.policies[t].remove(entry.key)
         del entry.copies[t]
         if entry.copies:
-            self.index.copies_changed(entry)
+            self._copies_changed(entry)
         else:
             self._forget(entry)
 
@@ -288,7 +294,7 @@ class Cascade:
         self.index.policies[t].remove(entry.key)
         entry.copies.pop(t, None)
         if entry.copies:
-            self.index.copies_changed(entry)
+            self._copies_changed(entry)
         else:
             self._forget(entry)
 
@@ -298,9 +304,12 @@ class Cascade:
         self._forget(entry)
 
     def doom(self, entry: Entry) -> None:
-        """Delete a pinned block: invisible and uncounted now, freed on its last unpin."""
+        """Delete a pinned block: invisible, uncounted and announced as removed now, freed on its
+        last unpin."""
         entry.doomed = True
         self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+        if entry.ready:
+            self.listeners.removed(entry.namespace_id, entry.block_hash)
         entry.ready = False
         self._uncharge(entry)
 
@@ -314,7 +323,7 @@ class Cascade:
         if index.entries.get(entry.key) is entry:
             index.unlink(entry)
             del index.entries[entry.key]
-            if entry.ready or entry.doomed:  # only blocks that were announced as added
+            if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by doom)
                 self.listeners.removed(entry.namespace_id, entry.block_hash)
             if entry.ready:
                 index.namespace_bytes[entry.namespace_id] -= entry.raw_size

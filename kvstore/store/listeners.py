@@ -1,7 +1,10 @@
-"""Who hears about blocks appearing in and leaving the store (the fleet publishes from this).
+"""Who hears about blocks appearing in, moving between tiers of, and leaving the store (the fleet
+publishes from this; the same-host lookup index mirrors it).
 
 Events are sent with the store lock held, in the order the index changes, so a listener sees a
-block's "added" before its "removed". That is also why a listener must only enqueue, never block.
+block's "added" (followed by a "moved" naming the tier it landed in) before its "removed". That is also why a listener must only enqueue
+or do a few memory writes, never block. A block is "removed" once it stops being served (deleted
+while pinned counts: it is freed later, silently).
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ class StoreListener:
 
     def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
         pass
+
+    def block_moved(self, namespace_id: bytes, block_hash: bytes, fastest_tier: int) -> None:
+        """A served block's fastest copy is now in tier ``fastest_tier`` (an index into the
+        store's tiers): it was promoted, demoted, or lost a copy."""
 
 
 class Listeners:
@@ -38,3 +45,7 @@ class Listeners:
     def removed(self, namespace_id: bytes, block_hash: bytes) -> None:
         for listener in self._registered:
             listener.blocks_removed(namespace_id, [block_hash])
+
+    def moved(self, namespace_id: bytes, block_hash: bytes, fastest_tier: int) -> None:
+        for listener in self._registered:
+            listener.block_moved(namespace_id, block_hash, fastest_tier)

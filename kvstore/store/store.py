@@ -124,6 +124,30 @@ class Store:
             self._cascade.listeners.add(listener)
             return self._cascade.index.held_blocks()
 
+    def held_blocks(self) -> dict[bytes, list[bytes]]:
+        """Every served block's hash, by namespace (a snapshot: ``replay`` it to be exact)."""
+        with self._lock:
+            return self._cascade.index.held_blocks()
+
+    def replay(self, listener: StoreListener, namespace_id: bytes, hashes: Sequence[bytes]) -> None:
+        """Tell ``listener`` where each of ``hashes`` stands now, under the store lock so in order
+        with live events: ``block_moved`` (fastest tier) for a served block, ``blocks_removed``
+        for any other. Replaying ``subscribe``'s snapshot in batches makes a mirror exact without
+        holding the lock for the whole snapshot."""
+        with self._lock:
+            gone = []
+            for h in hashes:
+                entry = self._cascade.index.visible(namespace_id, h)
+                if entry is None:
+                    gone.append(h)
+                else:
+                    listener.block_moved(namespace_id, h, entry.fastest)
+            if gone:
+                listener.blocks_removed(namespace_id, gone)
+
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
     def unsubscribe(self, listener: StoreListener) -> None:
         with self._lock:
             self._cascade.listeners.remove(listener)
