@@ -84,25 +84,30 @@ def run(lookups: int, clients: int) -> dict:
     report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128}
     try:
         local, remote = Client(d.address), Client(d.address, transport="grpc")
+        socket_only = Client(d.address, lookup_index=False)
         ns = local.register_namespace(Namespace(LOOKUP))
         remote.register_namespace(Namespace(LOOKUP))
+        socket_only.register_namespace(Namespace(LOOKUP))
         hashes = ChainHasher(seed=1).chain(np.arange(128 * 16), 16)
         local.put(ns, hashes, [np.zeros(4096, np.uint8)] * 128)
         local.lookup(ns, hashes)
-        report["over"] = {"unix socket": local._negotiation.lookups is not None}
-        report["idle"] = {"unix socket": timed(local, ns, hashes, lookups), "grpc": timed(remote, ns, hashes, lookups // 4)}
+        socket_only.lookup(ns, hashes)
+        time.sleep(0.5)   # the index fills in the background
+        paths = {"mapped index": local, "unix socket": socket_only}
+        report["idle"] = {name: timed(c, ns, hashes, lookups) for name, c in paths.items()}
+        report["idle"]["grpc"] = timed(remote, ns, hashes, lookups // 4)
         load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "60"],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert load.stdout.readline().strip() == "ready"
             time.sleep(3)   # every load client connected and copying
-            report["loaded"] = {"unix socket": timed(local, ns, hashes, lookups),
-                                "grpc": timed(remote, ns, hashes, lookups // 4)}
+            report["loaded"] = {name: timed(c, ns, hashes, lookups) for name, c in paths.items()}
+            report["loaded"]["grpc"] = timed(remote, ns, hashes, lookups // 4)
         finally:
             load.terminate()
             load.wait(30)
-        local.close()
-        remote.close()
+        for c in (local, socket_only, remote):
+            c.close()
     finally:
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -120,7 +125,7 @@ def markdown(r: dict) -> str:
     for state in ("idle", "loaded"):
         for path, v in r[state].items():
             out.append(f"| {state} | {path} | {v['p50_us']} | {v['p99_us']} | {v['mean_us']} |")
-    lo = r["loaded"]["unix socket"]
+    lo = r["loaded"]["mapped index"]
     out += ["", f"Goal (issue 14): p50 <= 100 us and p99 <= 500 us under load: p50 {lo['p50_us']} us "
                 f"({'met' if lo['p50_us'] <= 100 else 'missed'}), p99 {lo['p99_us']} us "
                 f"({'met' if lo['p99_us'] <= 500 else 'missed'})."]

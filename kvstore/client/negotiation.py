@@ -32,13 +32,14 @@ class Negotiation:
     """The negotiated transport: a mapped arena (shm), a side channel (bulk), or neither (gRPC)."""
 
     def __init__(self, rpc: RpcChannel, transport: str, chunk_bytes: int | None,
-                 compressed_transfer: bool = True) -> None:
+                 compressed_transfer: bool = True, lookup_index: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument("transport", f"one of {TRANSPORTS}, got {transport!r}")
         self.rpc = rpc
         self.transport = transport
         self.chunk_bytes = chunk_bytes
         self.compressed_transfer = compressed_transfer
+        self.lookup_index = lookup_index
         self.accept_codecs: tuple[int, ...] = ()   # codecs of this daemon run that we decode ourselves
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
         self.arena: shm.ArenaMap | SegmentMap | None = None
@@ -119,7 +120,8 @@ class Negotiation:
         if not hs.lookup_socket:
             return None
         try:
-            return LocalLookup(hs.lookup_socket, hs.lookup_ticket, hs.tenant, min(self.rpc.timeout_s, 2.0))
+            return LocalLookup(hs.lookup_socket, hs.lookup_ticket, hs.tenant, min(self.rpc.timeout_s, 2.0),
+                               use_index=self.lookup_index)
         except OSError:   # not on the daemon's host (or its socket is gone): lookups stay on gRPC
             return None
 

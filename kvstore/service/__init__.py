@@ -15,6 +15,7 @@ on worker threads, errors as statuses), ``stalls`` (cutting callers that stop ma
 ``servicer`` (the KVStore service and its control RPCs) with ``stream_rpcs`` (Put, Get),
 ``lease_rpcs`` (same-host zero copy), ``bulk_rpcs`` (the side channel), ``block_reads`` and
 ``rpc_base``, ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
+``lookup_indexes`` (the per-tenant lookup tables same-host clients map, kept in step with the store);
 ``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /
 fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``), ``reload`` (SIGHUP, ``kvstore
 reload``), and ``server`` (the old import names).

@@ -168,6 +168,9 @@ class Settings(BaseSettings):
     # with tokens set, each tenant's blocks live in CPU segments of this size that only its clients
     # can map (kvstore.transport.segments); None: cpu_bytes / 64, between one slot and 256 MiB
     cpu_segment_bytes: Size | None = Field(None, ge=4 * KiB, le=64 * GiB)
+    # slots of each tenant's same-host lookup index (kvstore.transport.lookup_index; 24 bytes each,
+    # it indexes up to half as many blocks, past that lookups ask the daemon); 0: no index
+    lookup_index_slots: int = Field(1 << 18, ge=0, le=1 << 28)
     shm_with_auth: bool | None = None   # removed: refused by name in model_post_init
     metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
     metrics_host: str = "127.0.0.1"
@@ -183,6 +186,13 @@ class Settings(BaseSettings):
         host, _, port = v.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ValueError(f"{v!r} is not HOST:PORT (port 0..65535)")
+        return v
+
+    @field_validator("lookup_index_slots")
+    @classmethod
+    def _check_lookup_index_slots(cls, v: int) -> int:
+        if v and (v < 8 or v & (v - 1)):
+            raise ValueError(f"{v} is not 0 or a power of two >= 8")
         return v
 
     @field_validator("quotas")

@@ -164,7 +164,7 @@ class Daemon:
                 metrics=self.metrics, shm_dir=settings.shm_dir,
                 offer_shm=True,
                 bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-                stream_idle_s=max(2 * settings.lease_seconds, 1.0))
+                stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)
         except Exception:
             self.store.close()
             raise

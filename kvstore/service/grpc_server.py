@@ -34,6 +34,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.auth import Authenticator
 from kvstore.service.calls import CallBridge
 from kvstore.service.interceptors import AuthInterceptor
+from kvstore.service.lookup_indexes import LookupIndexes
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
@@ -115,7 +116,8 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
 def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
                  chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
-                 tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0):
+                 tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0,
+                 lookup_index_slots: int = 1 << 18):
     """A ready-to-start gRPC server with the KVStore service, health and reflection.
 
     Returns ``(server, servicer, health, port)``: a ``GrpcServer``, the ``KVStoreServicer``, a
@@ -130,7 +132,9 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
                                stream_idle_s=stream_idle_s, segments=segments)
     if offer_shm:   # a same-host client's scheduler asks here instead of over gRPC
-        servicer.local_lookups = LocalLookupServer(shm_dir, servicer.local_lookup)
+        servicer.local_lookups = LocalLookupServer(
+            shm_dir, servicer.local_lookup, servicer.local_lookup_told,
+            LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots))
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:

@@ -70,6 +70,14 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
         self.record_lookup(ns.id, len(hashes), found.num_hit)
         return found.num_hit, list(found.tiers)
 
+    def local_lookup_told(self, tenant: str, namespace_id: bytes, hit: list[bytes], asked: int, lease: bool) -> None:
+        """A same-host client answered a lookup from its mapped index (``transport.lookup_index``):
+        pin what it found, as the lookup would have, and count the lookup."""
+        ns = self.tenant_namespace(tenant, namespace_id)
+        hit = check_hashes(hit, allow_empty=True)
+        found = self.store.lookup(ns.id, hit, lease=True).num_hit if hit and lease else len(hit)
+        self.record_lookup(ns.id, max(asked, len(hit)), found)
+
     def RegisterNamespace(self, request, context):
         check_string(request.cache_salt, "cache_salt")
         check_string(request.tenant, "tenant")

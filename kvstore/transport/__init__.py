@@ -4,6 +4,8 @@
 * ``segments`` — same host with auth on: the client maps its tenant's arena segments, whose
   descriptors the daemon hands over a Unix socket after a ticket check.
 * ``local_lookup`` — same host: Lookup over a Unix socket instead of gRPC (the scheduler path).
+* ``lookup_index`` — same host: the daemon's read-only table of served blocks, mapped by clients,
+  which answer lookups from it without a round trip (and tell the socket service afterwards).
 * ``unix_server`` — the daemon end both Unix-socket services share (one epoll thread, bounded).
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.

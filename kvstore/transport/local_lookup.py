@@ -8,11 +8,20 @@ the ticket an HMAC of its tenant under a secret of this daemon run, as for the s
 sends length-prefixed requests; the daemon answers each on one epoll thread
 (``unix_server.UnixServer``), straight from the store's index.
 
+Where the daemon offers one, the client also maps its tenant's lookup index
+(``transport.lookup_index``) and answers from it without a round trip; it then only *tells* the
+daemon (a frame with no answer, sent without waiting) so the blocks are pinned under a lease and the
+lookup is counted. It asks over the socket when the index cannot say, and the first time it names
+a namespace (so an unknown one is refused by name, not answered "0 hits").
+
 Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``;
-request ``u32 length`` then ``u8 lease, u8 namespace length, namespace, u16 count, u8 hash length,
+request ``u32 length`` then ``u8 op, u8 namespace length, namespace, u16 count, u8 hash length,
 hashes``; answer ``u32 length`` then ``u8 status, u32 hits``, then the hits' tier names joined by
-commas. Status 0 is an answer; any other is the error the handler raised, by name, after it (the
-client raises the same class). Nothing grows with idle or hostile connections: a greeting must
+commas. Ops: ``LOOKUP`` / ``LOOKUP_LEASE`` are answered; ``TOLD`` / ``TOLD_LEASE`` (a lookup the
+client answered from the index: the hashes it found, then ``u16`` how many it asked about) are not; ``INDEX`` (no namespace, no hashes) is answered with the
+index's descriptor attached (``SCM_RIGHTS``), status 1 when there is none. Status 0 is an answer;
+any other is the error the handler raised, by name, after it (the client raises the same class).
+Nothing grows with idle or hostile connections: a greeting must
 arrive within ``GREETING_DEADLINE_S``, at most ``MAX_CONNECTIONS`` stay open (the least recently
 used goes first), a frame over ``MAX_FRAME`` closes its connection.
 """
@@ -20,12 +29,15 @@ used goes first), a frame over ``MAX_FRAME`` closes its connection.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from kvstore.transport.lookup_index import IndexReader
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVLK"
@@ -36,33 +48,55 @@ MAX_FRAME = 1 << 20          # 8192 hashes of 64 bytes and then some
 _LEN = struct.Struct("!I")
 _HEAD = struct.Struct("!4s32sH")
 _ANSWER = struct.Struct("!BI")
+LOOKUP, LOOKUP_LEASE, TOLD, TOLD_LEASE, INDEX = range(5)
 
 
-def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], lease: bool) -> bytes:
+class IndexProvider(Protocol):
+    """What the server needs of the daemon's lookup indexes (``service.lookup_indexes``)."""
+
+    def descriptor_for(self, tenant: str) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int) -> bytes:
     width = len(hashes[0]) if hashes else 0
     if any(len(h) != width for h in hashes) or width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
         raise ValueError("hashes of one width (at most 255 bytes), at most 65535 of them")
-    body = (bytes([int(lease), len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
+    body = (bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
             + b"".join(hashes))
     return _LEN.pack(len(body)) + body
 
 
-def _decode_lookup(body: bytes) -> tuple[bool, bytes, list[bytes]]:
-    lease, ns_len = body[0], body[1]
+def encode_told(namespace_id: bytes, hit: Sequence[bytes], asked: int, lease: bool) -> bytes:
+    """A lookup the client answered from the index: the hashes it found (pinned with ``lease``)
+    and how many it asked about (for the daemon's counts)."""
+    frame = encode_lookup(namespace_id, hit, TOLD_LEASE if lease else TOLD)
+    return _LEN.pack(len(frame) - _LEN.size + 2) + frame[_LEN.size:] + struct.pack("!H", min(asked, 0xFFFF))
+
+
+def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
+    op, ns_len = body[0], body[1]
     namespace_id = body[2:2 + ns_len]
     count, width = struct.unpack_from("!HB", body, 2 + ns_len)
     at = 5 + ns_len
-    if len(body) != at + count * width:
+    if len(body) != at + count * width + (2 if op in (TOLD, TOLD_LEASE) else 0):
         raise ValueError("frame size does not match its count")
-    return bool(lease), namespace_id, [body[at + i * width:at + (i + 1) * width] for i in range(count)]
+    return op, namespace_id, [body[at + i * width:at + (i + 1) * width] for i in range(count)]
 
 
 class LocalLookupServer(UnixServer):
     """Daemon side. ``handler(tenant, namespace_id, hashes, lease)`` returns ``(hits, tiers)`` or
-    raises; it runs on this server's one thread, so it must be quick (an index lookup)."""
+    raises; ``told(tenant, namespace_id, hit_hashes, asked, lease)`` takes note of a lookup the
+    client answered itself (pins ``hit_hashes`` with ``lease``, counts it). Both run on this
+    server's one thread, so they must be quick (an index lookup). ``indexes`` hands out
+    lookup-index descriptors (None: no index is offered); this server closes it."""
 
-    def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]]) -> None:
-        self._handler = handler
+    def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]],
+                 told: Callable[[str, bytes, list[bytes], int, bool], None] | None = None,
+                 indexes: IndexProvider | None = None) -> None:
+        self._handler, self._told = handler, told
+        self._indexes = indexes if told is not None else None
         super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
 
     def received(self, fd: int, conn: Connection) -> None:
@@ -78,7 +112,7 @@ class LocalLookupServer(UnixServer):
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
             conn.deadline = time.monotonic() + IDLE_S
             try:
-                conn.sock.sendall(self._answer(conn.tenant, body))   # a few hundred bytes: a stalled peer only
+                self._serve(conn, body)
             except OSError:
                 self.end(fd, "stalled")   # a client that does not read its answers is dropped
                 return
@@ -101,15 +135,50 @@ class LocalLookupServer(UnixServer):
         self.counts["sessions"] += 1
         return True
 
+    def _serve(self, conn: Connection, body: bytes) -> None:
+        op = body[0] if body else LOOKUP
+        if op == INDEX:
+            fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
+            if fd is None:
+                conn.sock.sendall(_frame(_ANSWER.pack(1, 0)))
+                return
+            try:
+                socket.send_fds(conn.sock, [_frame(_ANSWER.pack(0, 0))], [fd])
+                self.counts["indexes_handed"] += 1
+            finally:
+                os.close(fd)
+            return
+        if op in (TOLD, TOLD_LEASE):   # answered from the index already: pin and count, no reply
+            try:
+                _, namespace_id, hashes = _decode_lookup(body)
+                (asked,) = struct.unpack_from("!H", body, len(body) - 2)
+                self._told(conn.tenant, namespace_id, hashes, asked, op == TOLD_LEASE)
+                self.counts["told"] += 1
+            except Exception:  # noqa: BLE001 - nobody waits for this answer
+                self.counts["told_refused"] += 1
+            return
+        conn.sock.sendall(self._answer(conn.tenant, body))   # a few hundred bytes: a stalled peer only
+
     def _answer(self, tenant: str, body: bytes) -> bytes:
         try:
-            lease, namespace_id, hashes = _decode_lookup(body)
-            hits, tiers = self._handler(tenant, namespace_id, hashes, lease)
+            op, namespace_id, hashes = _decode_lookup(body)
+            if op not in (LOOKUP, LOOKUP_LEASE):
+                raise ValueError(f"unknown lookup op {op}")
+            hits, tiers = self._handler(tenant, namespace_id, hashes, op == LOOKUP_LEASE)
             rest = _ANSWER.pack(0, hits) + ",".join(tiers).encode()
             self.counts["lookups"] += 1
         except Exception as e:  # noqa: BLE001 - the error goes back to the caller, by class
             rest = _ANSWER.pack(1, 0) + f"{type(e).__name__}:{e}".encode("utf-8", "replace")[:4096]
-        return _LEN.pack(len(rest)) + rest
+        return _frame(rest)
+
+    def close(self) -> None:
+        super().close()
+        if self._indexes is not None:
+            self._indexes.close()
+
+
+def _frame(rest: bytes) -> bytes:
+    return _LEN.pack(len(rest)) + rest
 
 
 class LocalLookupError(Exception):
@@ -121,24 +190,47 @@ class LocalLookupError(Exception):
 
 
 class LocalLookup:
-    """Client side: one connection, one request at a time (a lock serialises callers)."""
+    """Client side: one connection, one request at a time (a lock serialises callers), and the
+    daemon's lookup index when it offers one (``use_index``)."""
 
-    def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float = 2.0, use_index: bool = True) -> None:
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.index: IndexReader | None = None
+        self.told_dropped = 0             # index answers the daemon was too busy to hear of
+        self._known: set[bytes] = set()   # namespaces the daemon answered for over the socket
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
             name = tenant.encode("utf-8")
             self._sock.sendall(_HEAD.pack(MAGIC, ticket, len(name)) + name)
+            if use_index:
+                self.index = self._map_index()
         except OSError:
             self._sock.close()
             raise
 
+    def _map_index(self) -> IndexReader | None:
+        self._sock.sendall(encode_lookup(b"", [], INDEX))
+        data, fds, _, _ = socket.recv_fds(self._sock, _LEN.size + _ANSWER.size, 1)
+        try:
+            if len(data) < _LEN.size + _ANSWER.size:
+                data += self._recv(_LEN.size + _ANSWER.size - len(data))
+            status, _ = _ANSWER.unpack_from(data, _LEN.size)
+            return IndexReader(fds[0]) if status == 0 and fds else None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> tuple[int, list[str]]:
         """``(hits, tiers)``; ``LocalLookupError`` for the daemon's refusal, OSError when the
         connection is gone (the caller falls back to gRPC)."""
-        frame = encode_lookup(namespace_id, hashes, lease)
+        if self.index is not None and namespace_id in self._known:
+            got = self.index.leading_hits(namespace_id, hashes)
+            if got is not None:
+                self._tell(encode_told(namespace_id, hashes[:got[0]], len(hashes), lease))
+                return got
+        frame = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
         with self._lock:
             self._sock.sendall(frame)
             (n,) = _LEN.unpack(self._recv(_LEN.size))
@@ -148,7 +240,21 @@ class LocalLookup:
         if status != 0:
             kind, _, message = rest.partition(":")
             raise LocalLookupError(kind, message)
+        self._known.add(bytes(namespace_id))
         return hits, rest.split(",") if rest else []
+
+    def _tell(self, frame: bytes) -> None:
+        """Send a frame nobody answers without waiting on a busy daemon; finish a partial write
+        (the stream must stay framed). OSError: the daemon is gone, so the index answer that
+        prompted this is not trusted either."""
+        with self._lock:
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self.told_dropped += 1   # the daemon is behind: this lookup goes unpinned and uncounted
+                return
+            if sent < len(frame):
+                self._sock.sendall(frame[sent:])
 
     def _recv(self, n: int) -> bytes:
         buf = bytearray()
@@ -160,5 +266,8 @@ class LocalLookup:
         return bytes(buf)
 
     def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         with contextlib.suppress(OSError):
             self._sock.close()

@@ -1,0 +1,273 @@
+"""The same-host lookup index: a read-only hash table of the blocks a daemon serves, mapped by its
+clients, so a scheduler's "how much of this chain is cached?" costs no round trip at all.
+
+Over the Unix socket (``local_lookup``) a lookup is a round trip to a Python thread that competes
+for the daemon's GIL with every transfer: a few hundred microseconds idle, over a millisecond under
+load. Here the daemon keeps, per tenant, a table of ``(namespace, block) -> fastest tier`` in a
+sealed ``memfd`` (``F_SEAL_FUTURE_WRITE``: only the daemon's own mapping can write it; a client gets
+the descriptor and can map it read-only, nothing more) and a client probes it with a few numpy
+operations. Answers are advisory: a stale or forged hit only makes a later get miss, which the
+caller already treats as "recompute"; bytes are never taken from here.
+
+Layout (native-endian ``u64`` words): a 4 KiB header — magic, a sequence counter (odd while the
+daemon writes: readers retry, a seqlock), the slot count (a power of two), flags (``INCOMPLETE``:
+some served block is not in the table, so a miss here proves nothing and readers ask the daemon;
+``CLOSED``: the daemon stopped keeping it; ``LOADING``: not yet filled with what the daemon
+already held), the probe bound, then tier names — and then
+``slots x (key_lo, key_hi, meta)``. The key is the block hash's first 16 bytes XOR the 16-byte
+namespace id (chain hashes are uniform, so the low word places the slot); ``meta`` is 0 for an
+empty slot, else 1 + the fastest tier's index. Linear probing, at most ``MAX_PROBE`` slots from
+home, deletion by backward shift (no tombstones), so a probe ends at the first empty slot.
+
+The seqlock relies on x86-64's ordering of stores (TSO); the daemon offers the index only there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+from collections.abc import Sequence
+
+import numpy as np
+
+MAGIC = 0x4B564C4958000001          # "KVLIX", version 1
+HEADER_BYTES = 4096
+SLOT_WORDS = 3
+MAX_PROBE = 32
+MAX_TIERS = 16
+TIER_NAME_BYTES = 32
+MIN_HASH_BYTES = 16                 # hashes narrower than a key cannot be told apart here
+INCOMPLETE, CLOSED, LOADING = 1, 2, 4
+_MAGIC, _SEQ, _SLOTS, _FLAGS, _LIVE, _PROBE = range(6)
+_NAMES_AT = 512
+_F_SEAL_FUTURE_WRITE = 0x0010       # Linux 5.1; not in Python's fcntl module yet
+_RETRIES = 16
+
+
+def supported() -> bool:
+    """Whether this host's memory ordering lets readers trust the seqlock (x86-64 only)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def key_of(namespace_id: bytes, block_hash: bytes) -> tuple[int, int]:
+    lo = int.from_bytes(block_hash[:8], "little") ^ int.from_bytes(namespace_id[:8], "little")
+    hi = int.from_bytes(block_hash[8:16], "little") ^ int.from_bytes(namespace_id[8:16], "little")
+    return lo, hi
+
+
+class IndexTable:
+    """Daemon side: one tenant's table. Callers serialise writes (the store lock, or this table's
+    users' own lock); readers never block it."""
+
+    def __init__(self, slots: int, tier_names: Sequence[str]) -> None:
+        if slots < 8 or slots & (slots - 1):
+            raise ValueError(f"lookup index slots must be a power of two >= 8, got {slots}")
+        if len(tier_names) > MAX_TIERS:
+            raise ValueError(f"at most {MAX_TIERS} tiers")
+        self.slots, self.mask = slots, slots - 1
+        self.nbytes = HEADER_BYTES + slots * SLOT_WORDS * 8
+        self.fd = os.memfd_create("kvstore-lookup-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+            import fcntl
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._w = memoryview(self._map).cast("Q")          # word access, cheaper than numpy scalars
+        for i, name in enumerate(tier_names):
+            raw = name.encode()[:TIER_NAME_BYTES]
+            at = _NAMES_AT + i * TIER_NAME_BYTES
+            self._map[at:at + len(raw)] = raw
+        self._w[_SLOTS], self._w[_PROBE], self._w[_MAGIC] = slots, MAX_PROBE, MAGIC
+        self._overflow: dict[tuple[int, int], int] = {}    # served blocks that found no slot
+        self.live = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every block put here has a slot (else readers ask the daemon, see ``INCOMPLETE``)."""
+        return not self._overflow
+
+    def descriptor(self) -> int:
+        """A new descriptor of the table for one client (the caller closes it after sending)."""
+        return os.dup(self.fd)
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def put(self, key: tuple[int, int], tier: int) -> None:
+        """Record (or move) a served block."""
+        w, base = self._w, HEADER_BYTES // 8
+        lo, hi = key
+        i = lo & self.mask
+        for _ in range(MAX_PROBE):
+            at = base + i * SLOT_WORDS
+            meta = w[at + 2]
+            if meta == 0:
+                self._begin()
+                w[at], w[at + 1], w[at + 2] = lo, hi, tier + 1
+                self.live += 1
+                w[_LIVE] = self.live
+                self._end()
+                self._placed(key)
+                return
+            if w[at] == lo and w[at + 1] == hi:
+                if meta != tier + 1:
+                    self._begin()
+                    w[at + 2] = tier + 1
+                    self._end()
+                return
+            i = (i + 1) & self.mask
+        self._overflow[key] = tier
+        self.set_flag(INCOMPLETE, True)
+
+    def _placed(self, key: tuple[int, int]) -> None:
+        if self._overflow and self._overflow.pop(key, None) is not None and not self._overflow:
+            self.set_flag(INCOMPLETE, False)
+
+    def remove(self, key: tuple[int, int]) -> None:
+        """Forget a block that is no longer served (absent: nothing to do)."""
+        w, base, mask = self._w, HEADER_BYTES // 8, self.mask
+        lo, hi = key
+        i = lo & mask
+        for _ in range(MAX_PROBE):
+            at = base + i * SLOT_WORDS
+            if w[at + 2] == 0:
+                break
+            if w[at] == lo and w[at + 1] == hi:
+                self._begin()
+                self._shift_back(i)
+                self.live -= 1
+                w[_LIVE] = self.live
+                self._end()
+                self._refill()
+                return
+            i = (i + 1) & mask
+        if self._overflow.pop(key, None) is not None and not self._overflow:
+            self.set_flag(INCOMPLETE, False)
+
+    def _shift_back(self, hole: int) -> None:
+        """Empty slot ``hole`` and pull later entries of its run back, so probes still end at the
+        first empty slot (every entry moves closer to its home, never past it)."""
+        w, base, mask = self._w, HEADER_BYTES // 8, self.mask
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            at = base + j * SLOT_WORDS
+            if w[at + 2] == 0:
+                break
+            home = w[at] & mask
+            if (j - home) & mask >= (j - hole) & mask:   # home at or before the hole: may move there
+                dst = base + hole * SLOT_WORDS
+                w[dst], w[dst + 1], w[dst + 2] = w[at], w[at + 1], w[at + 2]
+                hole = j
+        dst = base + hole * SLOT_WORDS
+        w[dst + 2] = 0
+        w[dst] = w[dst + 1] = 0
+
+    def _refill(self) -> None:
+        """A slot freed up: give it to a block that found none, if any."""
+        if not self._overflow:
+            return
+        key, tier = next(iter(self._overflow.items()))
+        self.put(key, tier)   # placed: leaves the overflow (and clears INCOMPLETE with the last)
+
+    def set_flag(self, flag: int, on: bool) -> None:
+        self._begin()
+        self._w[_FLAGS] = (self._w[_FLAGS] | flag) if on else (self._w[_FLAGS] & ~flag)
+        self._end()
+
+    def _begin(self) -> None:
+        self._w[_SEQ] += 1      # odd: readers retry
+
+    def _end(self) -> None:
+        self._w[_SEQ] += 1
+
+    def close(self) -> None:
+        """Tell readers the table is no longer kept (they ask the daemon), then let it go."""
+        self.set_flag(CLOSED, True)
+        self._w.release()
+        try:
+            self._map.close()
+        except BufferError:   # a view is still alive somewhere: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+class IndexReader:
+    """Client side: a table mapped read-only. ``leading_hits`` answers or returns None, and the
+    caller asks the daemon instead."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            raise OSError("lookup index is smaller than its header")
+        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        words = np.frombuffer(self._map, dtype=np.uint64)
+        self._head = words[:HEADER_BYTES // 8]
+        slots = int(self._head[_SLOTS])
+        if int(self._head[_MAGIC]) != MAGIC or slots & (slots - 1) or HEADER_BYTES + slots * SLOT_WORDS * 8 > size:
+            raise OSError("not a lookup index this client understands")
+        self._mask, self._probe = np.uint64(slots - 1), min(int(self._head[_PROBE]), MAX_PROBE)
+        self._slots = words[HEADER_BYTES // 8:HEADER_BYTES // 8 + slots * SLOT_WORDS].reshape(slots, SLOT_WORDS)
+        raw = bytes(self._map[_NAMES_AT:_NAMES_AT + MAX_TIERS * TIER_NAME_BYTES])
+        self._tiers = np.array([raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+                                for i in range(MAX_TIERS)], dtype=object)
+
+    def leading_hits(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]] | None:
+        """``(leading blocks served, their fastest tiers)``, or None when the table cannot say
+        (it is incomplete or closed, a write kept racing, or a hash is too narrow to key)."""
+        if not hashes:
+            return 0, []
+        widths = set(map(len, hashes))
+        if len(namespace_id) != 16 or min(widths) < MIN_HASH_BYTES:
+            return None
+        raw = b"".join(hashes) if widths == {16} else b"".join([h[:16] for h in hashes])
+        keys = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
+        keys = keys ^ np.frombuffer(namespace_id, dtype=np.uint64)
+        head = self._head
+        for _ in range(_RETRIES):
+            seq = int(head[_SEQ])
+            if seq & 1:
+                continue
+            if int(head[_FLAGS]):
+                return None
+            meta = self._probe_all(keys[:, 0], keys[:, 1])
+            if int(head[_SEQ]) == seq:
+                break
+        else:
+            return None
+        absent = np.flatnonzero(meta == 0)
+        n = int(absent[0]) if absent.size else len(hashes)
+        return n, self._tiers[(meta[:n] - np.uint64(1)).astype(np.intp)].tolist()
+
+    def _probe_all(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Each key's meta (0: absent), probing only keys before the first known absence."""
+        meta = np.zeros(len(lo), dtype=np.uint64)
+        pos = lo & self._mask
+        todo = np.arange(len(lo))
+        for _ in range(self._probe):
+            got = self._slots[pos[todo]]
+            hit = (got[:, 0] == lo[todo]) & (got[:, 1] == hi[todo]) & (got[:, 2] != 0)
+            meta[todo[hit]] = got[hit, 2]
+            empty = got[:, 2] == 0
+            if empty.any():
+                first_absent = todo[empty][0]
+                todo = todo[~hit & ~empty & (todo < first_absent)]
+            else:
+                todo = todo[~hit]
+            if not todo.size:
+                break
+            pos[todo] = (pos[todo] + np.uint64(1)) & self._mask
+        if todo.size:   # ran past the probe bound: the daemon never places a block that far
+            meta[todo] = 0
+        return meta
+
+    def close(self) -> None:
+        self._head = self._slots = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass

@@ -1,0 +1,203 @@
+"""The same-host lookup index (issue #14, scheduler-path lookups): a table the daemon keeps in a
+sealed memfd and its clients map read-only. Checked against a model on a real mapping, against the
+socket's answers on real daemons as blocks arrive, move between tiers and leave, and as an attacker
+would use it: write through the descriptor, read another tenant's blocks, trust a dead daemon's."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+
+from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.errors import DaemonUnavailable, UnknownNamespace
+from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.transport import lookup_index as LI
+
+pytestmark = pytest.mark.skipif(not LI.supported(), reason="the index is offered on x86-64 only")
+
+LAYOUT = KVLayout(model="test/lookup-index", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+                  block_tokens=16, block_bytes=4096)
+BIG = KVLayout(model="test/lookup-index-big", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+               block_tokens=16, block_bytes=1 << 20)
+NS = bytes(range(16))
+
+
+def chain(n: int, seed: int) -> list[bytes]:
+    return ChainHasher(seed=seed).chain(np.arange(n * 16), 16)
+
+
+def settled(client, ns: bytes, hashes: list[bytes]):
+    """The index's answer once the daemon has applied what came before (events reach the table
+    under the store lock, so it is current as soon as the call that changed it returned; the
+    retry covers the background fill of a fresh table only)."""
+    local = client._negotiation.lookups
+    for _ in range(200):
+        got = local.index.leading_hits(ns, hashes)
+        if got is not None:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("the index never answered")
+
+
+# -- the table, on a real mapping --------------------------------------------------------------
+
+def test_the_table_answers_as_a_model_does_through_inserts_moves_removals_and_overflow():
+    """64 slots and keys aimed at 4 homes: long runs, wrap-around, backward shifts, overflow."""
+    table = LI.IndexTable(64, ["cpu", "nvme"])
+    reader = LI.IndexReader(table.descriptor())
+    rng = random.Random(7)
+    model: dict[bytes, int] = {}
+    pool = []
+    for i in range(120):
+        home = rng.choice([0, 1, 62, 63])
+        h = (home | (i << 8)).to_bytes(8, "little") + rng.randbytes(8)
+        pool.append(bytes(a ^ b for a, b in zip(h, NS)))   # so that key_of(NS, h) has that home
+    try:
+        for step in range(4000):
+            h = rng.choice(pool)
+            if rng.random() < 0.55:
+                tier = rng.randrange(2)
+                table.put(LI.key_of(NS, h), tier)
+                model[h] = tier
+            else:
+                table.remove(LI.key_of(NS, h))
+                model.pop(h, None)
+            if step % 50 == 0:
+                probe = rng.sample(pool, 12)
+                got = reader.leading_hits(NS, probe)
+                if not table.complete:
+                    assert got is None       # a miss would prove nothing: the reader asks the daemon
+                    continue
+                n = next((i for i, p in enumerate(probe) if p not in model), len(probe))
+                assert got == (n, [["cpu", "nvme"][model[p]] for p in probe[:n]])
+        for h in list(model):
+            table.remove(LI.key_of(NS, h))
+        assert reader.leading_hits(NS, pool[:5]) == (0, [])
+    finally:
+        reader.close()
+        table.close()
+
+
+def test_a_client_cannot_write_the_table_through_its_descriptor():
+    table = LI.IndexTable(64, ["cpu"])
+    fd = table.descriptor()
+    try:
+        size = os.fstat(fd).st_size
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, size)                      # a shared writable mapping
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"\xff" * 8, 8)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        private = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)   # copy-on-write: the client's own pages
+        private[LI.HEADER_BYTES:LI.HEADER_BYTES + 8] = b"\xff" * 8
+        private.close()
+        reader = LI.IndexReader(os.dup(fd))
+        assert reader.leading_hits(NS, [b"\xff" * 16]) == (0, [])
+        reader.close()
+    finally:
+        os.close(fd)
+        table.close()
+
+
+def test_a_closed_table_answers_nothing():
+    table = LI.IndexTable(64, ["cpu"])
+    reader = LI.IndexReader(table.descriptor())
+    h = os.urandom(16)
+    table.put(LI.key_of(NS, h), 0)
+    assert reader.leading_hits(NS, [h]) == (1, ["cpu"])
+    table.close()
+    assert reader.leading_hits(NS, [h]) is None
+    assert reader.leading_hits(NS, [b"short"]) is None   # too narrow to key: the daemon is asked
+    reader.close()
+
+
+# -- against real daemons ------------------------------------------------------------------------
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = start_local_daemon(tmp_path / "d", "--token", "alice-token=alice", "--token", "bob-token=bob",
+                           "--shm-dir", str(tmp_path), cpu_bytes="16MiB", nvme_bytes="64MiB")
+    yield d
+    if d.alive():
+        d.stop()
+
+
+def test_index_answers_are_the_socket_s_as_blocks_arrive_move_and_leave(daemon):
+    a, b = chain(12, seed=1), chain(12, seed=2)
+    with daemon.client(token="alice-token") as fast, daemon.client(token="alice-token", lookup_index=False) as slow:
+        ns = fast.register_namespace(Namespace(LAYOUT))
+        slow.register_namespace(Namespace(LAYOUT))
+        slow.put(ns, a[:8], [np.zeros(4096, np.uint8)] * 8)     # before any table: filled from the store
+        assert fast.lookup(ns, a) == slow.lookup(ns, a)          # the first names the namespace: socket
+        assert fast._negotiation.lookups.index is not None and slow._negotiation.lookups.index is None
+        assert settled(fast, ns, a) == (8, ["cpu"] * 8)
+        fast.put(ns, b, [np.ones(4096, np.uint8)] * 12)
+        fast.delete(ns, a[3:4])
+        for probe in (a, b, b[4:], a[:3], [a[0]] + b):
+            want = slow.lookup(ns, probe, lease=False)
+            assert settled(fast, ns, probe) == (want.num_hit, want.tiers)
+            assert fast.lookup(ns, probe, lease=False) == slow.lookup(ns, probe, lease=False)
+        big = fast.register_namespace(Namespace(BIG))            # fill the CPU tier: blocks move to NVMe
+        c = chain(24, seed=3)
+        for i in range(24):
+            fast.put(big, c[i:i + 1], [np.full(1 << 20, i, np.uint8)], parent=c[i - 1] if i else None)
+        moved = slow.lookup(big, c, lease=False)
+        assert moved.num_hit == 24 and "nvme" in moved.tiers and "cpu" in moved.tiers
+        assert fast.lookup(big, c, lease=False) == moved
+        fast.get(big, c[:1])                                     # promoted back
+        assert fast.lookup(big, c[:1], lease=False).tiers == slow.lookup(big, c[:1], lease=False).tiers
+
+
+def test_a_lookup_answered_from_the_index_still_pins_its_blocks(daemon):
+    """The lease is what keeps a looked-up block in the CPU tier until the worker loads it."""
+    with daemon.client(token="alice-token") as c:
+        ns = c.register_namespace(Namespace(BIG))
+        kept, others = chain(4, seed=5), chain(4, seed=6)
+        for h in (kept, others):
+            c.put(ns, h, [np.zeros(1 << 20, np.uint8)] * 4)
+        c.lookup(ns, kept[:1], lease=False)                      # names the namespace over the socket
+        got = c.lookup(ns, kept)
+        assert (got.num_hit, got.tiers) == c._negotiation.lookups.index.leading_hits(ns, kept)   # from the index
+        time.sleep(0.2)                                          # the daemon hears of it (no answer awaited)
+        more = chain(12, seed=7)
+        c.put(ns, more, [np.ones(1 << 20, np.uint8)] * 12)       # the CPU tier must give up 8+ blocks
+        assert c.lookup(ns, kept, lease=False).tiers == ["cpu"] * 4
+        assert "nvme" in c.lookup(ns, others, lease=False).tiers
+
+
+def test_a_tenant_s_index_holds_only_its_own_blocks(daemon):
+    with daemon.client(token="alice-token") as alice, daemon.client(token="bob-token") as bob:
+        ns_a = alice.register_namespace(Namespace(LAYOUT))
+        ns_b = bob.register_namespace(Namespace(LAYOUT))
+        alice.put(ns_a, chain(20, seed=8), [np.zeros(4096, np.uint8)] * 20)
+        bob.put(ns_b, chain(3, seed=9), [np.zeros(4096, np.uint8)] * 3)
+        for c, ns, n in ((alice, ns_a, 20), (bob, ns_b, 3)):
+            c.lookup(ns, chain(1, seed=0))
+            settled(c, ns, chain(1, seed=0))
+            slots = c._negotiation.lookups.index._slots
+            assert int(np.count_nonzero(slots[:, 2])) == n       # every live slot is this tenant's
+        with pytest.raises(UnknownNamespace):                    # the other's namespace: refused by name
+            bob.lookup(ns_a, chain(20, seed=8))
+        with pytest.raises(UnknownNamespace):                    # ... every time, not "0 hits" from the index
+            bob.lookup(ns_a, chain(20, seed=8))
+
+
+def test_a_dead_daemon_s_index_is_not_trusted(daemon):
+    hashes = chain(4, seed=10)
+    c = daemon.client(token="alice-token", timeout_s=2.0)
+    try:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
+        c.lookup(ns, hashes)
+        assert settled(c, ns, hashes)[0] == 4
+        daemon.kill()
+        with pytest.raises(DaemonUnavailable):
+            c.lookup(ns, hashes)
+    finally:
+        c.close()
