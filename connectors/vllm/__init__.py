@@ -34,6 +34,10 @@ transposed inside a page, so the layout is treated as opaque and named in the na
 rank (``identity``): differently shaped or sharded workers never share blocks; MLA's latent KV is
 stored once, rank-free.
 
+With ``blocks_per_chunk`` N > 1 one kvstore block is a *chunk* of N consecutive vLLM blocks,
+repacked into the byte order its layout name describes for N x block_size tokens (``chunks``);
+hashes, lookups and saves then go by whole chunks (docs/vllm.md, "Chunks").
+
 Failure model: the daemon being down, slow or missing a block is a *miss*. Lookups that fail count
 as zero hits; a load that fails reports its vLLM block ids through
 ``get_block_ids_with_load_errors`` and the connector sets ``kv_load_failure_policy="recompute"``,

@@ -15,6 +15,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvstore.client import CircuitBreaker, NamespaceHandle
+from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.identity import checked_hasher, namespace_for
 from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorStats
@@ -46,7 +47,9 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
             except Exception:  # noqa: BLE001 - a frozen config: say so, keep going
                 logger.warning("kvstore connector: set kv_load_failure_policy='recompute' in the "
                                "kv_transfer_config, or failed loads will fail requests")
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_size = int(vllm_config.cache_config.block_size)        # vLLM's
+        self.chunk_blocks = self.settings.blocks_per_chunk                # vLLM blocks per kvstore block
+        self.chunk_tokens = self.chunk_blocks * self.block_size
         self.hasher = checked_hasher(self.settings)
         self._stats = KVStoreConnectorStats()      # since vLLM last collected them
         self.totals: dict[str, int | float] = {}    # since start (tests, benchmarks, shutdown log)
@@ -63,6 +66,7 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
                                   for ns in lookup_namespaces(vllm_config, kv_cache_config, self.settings)]
         # worker side
         self._paged: PagedBlocks | None = None
+        self._packing: ChunkPacking | None = None
         self._load_link: NamespaceHandle | None = None
         self._loader: BackgroundLoader | None = None
         self._saver: SaveQueue | None = None

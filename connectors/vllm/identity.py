@@ -66,7 +66,9 @@ def is_mla(vllm_config: "VllmConfig", spec: Any) -> bool:
 
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", settings: ConnectorSettings,
                   tp_rank: int = 0, pp_rank: int = 0) -> Namespace | None:
-    """The namespace a worker with these ranks stores into; None if this model is unsupported."""
+    """The namespace a worker with these ranks stores into; None if this model is unsupported.
+    With ``blocks_per_chunk`` N a stored block is N vLLM blocks: ``block_tokens`` and
+    ``block_bytes`` say so, so each N has its own namespace (N = 1 is the namespace as before)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         logger.warning("kvstore connector: %d KV cache groups (hybrid model); disabled", len(groups))
@@ -84,12 +86,13 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", s
     mla = is_mla(vllm_config, spec)
     tp_rank, tp_size = (0, 1) if mla else (tp_rank, int(pc.tensor_parallel_size))
     model = settings.model_id or str(vllm_config.model_config.model)
+    n = settings.blocks_per_chunk   # a stored block is a chunk of n vLLM blocks (``chunks``)
     layout = KVLayout(model=model, num_layers=len(groups[0].layer_names), num_kv_heads=int(spec.num_kv_heads),
-                      head_dim=int(spec.head_size), dtype=dtype, block_tokens=int(spec.block_size),
+                      head_dim=int(spec.head_size), dtype=dtype, block_tokens=n * int(spec.block_size),
                       layout=layout_name(vllm_config.device_config.device_type, mla), kv_per_token=1 if mla else 2,
                       tp_rank=tp_rank, tp_size=tp_size,
                       pp_rank=pp_rank, pp_size=int(pc.pipeline_parallel_size),
-                      block_bytes=int(spec.page_size_bytes) * len(groups[0].layer_names))
+                      block_bytes=n * int(spec.page_size_bytes) * len(groups[0].layer_names))
     return Namespace(layout, cache_salt=settings.cache_salt)
 
 

@@ -4,7 +4,9 @@ A ``LoadJob`` is a set of blocks to bring in: it fetches every block into a stag
 own (one ``get_into``; a shared-memory copy on the same host), notes which arrived whole, and
 scatters those into the paged cache — all layers at once, or one layer at a time when the forward
 pass asks for it (``scatter_layer``). A block that did not arrive whole is a *load error*: its
-vLLM block id goes back to vLLM, which recomputes from there.
+vLLM block id goes back to vLLM, which recomputes from there. With ``blocks_per_chunk`` N > 1 a
+stored block is a chunk: it is unpacked into its N vLLM blocks (``chunks.ChunkPacking``) and those
+the plan names (not -1) are placed; a chunk that did not arrive whole makes all of them errors.
 
 ``BackgroundLoader`` runs jobs on one thread, in order, so loads overlap the engine's forward
 passes; finished jobs are collected by the worker (``take_finished``) at the end of each step.
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from kvstore.client import NamespaceHandle
+from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.metadata import BlockTransfer
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 
@@ -30,13 +33,18 @@ logger = logging.getLogger("kvstore.connectors.vllm")
 class LoadJob:
     """Blocks of one or more requests to bring in from the daemon."""
 
-    def __init__(self, transfers: list[BlockTransfer], paged: PagedBlocks, asynchronous: bool = False) -> None:
+    def __init__(self, transfers: list[BlockTransfer], paged: PagedBlocks, asynchronous: bool = False,
+                 packing: ChunkPacking | None = None) -> None:
         self.asynchronous = asynchronous   # lands between steps: reported through get_finished
         self.req_ids = [t.req_id for t in transfers]
-        self.block_ids = [b for t in transfers for b in t.block_ids]
+        self.slots = [b for t in transfers for b in t.block_ids]     # N per hash, -1: not placed
+        self.block_ids = [b for b in self.slots if b >= 0]            # the vLLM blocks to place
+        self.num_local = len(self.slots) - len(self.block_ids)       # ... and those vLLM computed
         self.hashes = [h for t in transfers for h in t.hashes]
         self.paged = paged
-        self.good: list[int] = []          # positions (in block_ids) that arrived whole
+        self.packing = packing
+        self.n = packing.n if packing is not None else 1
+        self.good: list[int] = []          # positions (in hashes) that arrived whole
         self.bad: set[int] = set()         # vLLM block ids to recompute
         self.done = threading.Event()
         self._staging: torch.Tensor | None = None
@@ -45,19 +53,29 @@ class LoadJob:
         self._layers_placed: set[int] = set()
 
     def fetch(self, handle: NamespaceHandle, staging: torch.Tensor | None = None) -> None:
-        """Copy the blocks from the daemon into ``staging`` (uint8 [n, block_bytes]; a new buffer
-        when None). Never raises: a failure makes every block a load error."""
-        n, size = len(self.hashes), self.paged.block_bytes
+        """Copy the blocks from the daemon into ``staging`` (uint8 [hashes x N, vLLM block bytes];
+        a new buffer when None). Never raises: a failure makes every block a load error."""
+        n, per = len(self.hashes), self.n
+        size = per * self.paged.block_bytes
         try:
-            staging = self.paged.host_buffer(n) if staging is None else staging[:n]
-            rows = staging.numpy()
+            staging = self.paged.host_buffer(n * per) if staging is None else staging[:n * per]
+            chunks = staging.view(n, size)
+            rows = chunks.numpy()
             sizes = handle.get_into(self.hashes, [rows[i] for i in range(n)])
             self.good = [i for i, got in enumerate(sizes) if got == size]
-            self.bad = {self.block_ids[i] for i, got in enumerate(sizes) if got != size}
+            slots = self.slots
+            self.bad = {b for i, got in enumerate(sizes) if got != size for b in slots[i * per:(i + 1) * per] if b >= 0}
+            if per > 1 and self.good:   # unpack the chunks that arrived into their vLLM blocks
+                arrived = chunks if len(self.good) == n else chunks[self.good]
+                staging = self.packing.to_blocks(arrived, self.paged.host_buffer(len(self.good) * per))
+                slots = [b for i in self.good for b in slots[i * per:(i + 1) * per]]
+                keep = [j for j, b in enumerate(slots) if b >= 0]
+            else:
+                keep = [i for i in self.good if slots[i] >= 0]
             self._staging = staging
-            self._good_ids = [self.block_ids[i] for i in self.good]
+            self._good_ids = [slots[j] for j in keep]
             if self._good_ids:   # on CUDA: one DMA to the device now, placed layer by layer later
-                self._good_rows = self.paged.to_device(staging, None if len(self.good) == n else self.good)
+                self._good_rows = self.paged.to_device(staging, None if len(keep) == staging.shape[0] else keep)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: load failed: %s", e)
             self.good, self.bad = [], set(self.block_ids)
@@ -82,6 +100,12 @@ class LoadJob:
             logger.warning("kvstore connector: placing loaded blocks failed: %s", e)
             self.bad |= set(self.block_ids)
             self.good, self._good_ids = [], []
+
+    def add_stats(self, stats_add: Callable[[str, int | float], None]) -> None:
+        """Counted in kvstore blocks (chunks), plus vLLM blocks of them not placed."""
+        stats_add("loaded_blocks", len(self.good))
+        stats_add("load_failed_blocks", len(self.hashes) - len(self.good))
+        stats_add("load_local_blocks", self.num_local)
 
     @property
     def layers_placed(self) -> frozenset[int]:
@@ -119,8 +143,7 @@ class BackgroundLoader:
             if place_all:
                 job.scatter()
                 job.release()
-            self.stats_add("loaded_blocks", len(job.good))
-            self.stats_add("load_failed_blocks", len(job.bad))
+            job.add_stats(self.stats_add)
             self.stats_add("load_seconds", time.perf_counter() - t0)
             with self._lock:
                 self._finished.append(job)

@@ -14,7 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 @dataclasses.dataclass
 class BlockTransfer:
-    """Blocks of one request to move: vLLM block ids and the kvstore hashes, index-aligned."""
+    """Blocks of one request to move: kvstore hashes and, for each, the ``blocks_per_chunk`` vLLM
+    block ids it holds, in order (``block_ids[i*N:(i+1)*N]`` for ``hashes[i]``; N = 1: aligned).
+    A load marks with -1 the vLLM blocks of a chunk it must not place: vLLM's own prefix cache
+    computed them already (they may be shared with running requests)."""
 
     req_id: str
     block_ids: list[int]

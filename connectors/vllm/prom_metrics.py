@@ -22,6 +22,8 @@ SERIES: dict[str, tuple[str, str]] = {
     "load_planned_blocks": ("vllm:kvstore_load_planned_blocks", "Blocks scheduled to load from kvstore"),
     "loaded_blocks": ("vllm:kvstore_loaded_blocks", "Blocks loaded from kvstore into the KV cache"),
     "load_failed_blocks": ("vllm:kvstore_load_failed_blocks", "Blocks whose load failed (recomputed)"),
+    "load_local_blocks": ("vllm:kvstore_load_local_blocks",
+                          "vLLM blocks of loaded chunks that vLLM's prefix cache held already (not placed)"),
     "load_seconds": ("vllm:kvstore_load_seconds", "Seconds spent loading blocks from kvstore"),
     "layer_wait_seconds": ("vllm:kvstore_layer_wait_seconds", "Seconds the forward pass waited for a layer"),
     "saved_blocks": ("vllm:kvstore_saved_blocks", "Blocks saved to kvstore"),

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 
 from kvstore.client import NamespaceHandle
+from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 
 logger = logging.getLogger("kvstore.connectors.vllm")
@@ -31,9 +32,10 @@ class SaveQueue:
     """Gathers and sends saved blocks on background threads; drops work when full or down."""
 
     def __init__(self, handle: NamespaceHandle, paged: PagedBlocks, max_pending: int,
-                 stats_add: Callable[[str, int | float], None]) -> None:
+                 stats_add: Callable[[str, int | float], None], packing: ChunkPacking | None = None) -> None:
         self.handle = handle
         self.paged = paged
+        self.packing = packing   # N vLLM blocks per stored block: gathered, then repacked as one
         self.stats_add = stats_add
         self._to_gather: queue.Queue = queue.Queue()
         self._to_send: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
@@ -80,6 +82,8 @@ class SaveQueue:
             try:
                 blocks = self.paged.host_buffer(len(block_ids))   # page-locked on CUDA
                 self.paged.gather(block_ids, blocks)
+                if self.packing is not None:
+                    blocks = self.packing.to_chunks(blocks)       # [hashes, chunk bytes]
             except Exception as e:  # noqa: BLE001
                 logger.warning("kvstore connector: copying blocks of %s out failed: %s", req_id, e)
                 blocks = None

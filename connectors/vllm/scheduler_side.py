@@ -11,6 +11,11 @@ Saves cover every block that becomes full: prompt blocks as prefill computes the
 — so the next turn of a conversation (prompt + answer + new message) hits through the answer.
 Workers copy saved blocks out in the background, so a finished request that had saves keeps its
 blocks (``request_finished`` answers ``True``) until the workers report it through ``get_finished``.
+
+With ``blocks_per_chunk`` N > 1 every kvstore block is a *chunk* of N consecutive vLLM blocks
+(``chunk_tokens`` = N x block size): hashes chain chunk to chunk, lookups count whole chunks, only
+full chunks are saved, and a load whose first chunk vLLM's own prefix cache has partly computed
+fetches the chunk but places only the vLLM blocks still needed (the others are -1 in the plan).
 """
 
 from __future__ import annotations
@@ -38,18 +43,19 @@ class RequestState:
     """Scheduler-side bookkeeping for one live request."""
 
     request: "Request"
-    hashes: list[bytes]             # chain hashes of its full blocks known so far (prompt, then generated)
-    num_hit: int                    # leading blocks the daemon holds (one lookup per request)
+    hashes: list[bytes]             # chain hashes of its full chunks known so far (prompt, then generated)
+    num_hit: int                    # leading chunks the daemon holds (one lookup per request)
     cacheable: bool = True          # False: the prompt cannot be keyed, nothing of it is saved
     match_start: int = 0            # num_computed_tokens when the hit was offered
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    num_stored: int = 0             # leading blocks known to be in the daemon or queued for saving
+    block_ids: list[int] = dataclasses.field(default_factory=list)   # vLLM's, N per chunk
+    num_stored: int = 0             # leading chunks known to be in the daemon or queued for saving
     saved_any: bool = False         # a save went to the workers: its blocks are freed after they report
 
 
 class SchedulerSide:
     """Scheduler-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``:
-    ``_requests``, ``_pending_loads``, ``_lookup_links``, ``hasher``, ``block_size``, ``settings``)."""
+    ``_requests``, ``_pending_loads``, ``_lookup_links``, ``hasher``, ``block_size`` (vLLM's),
+    ``chunk_blocks`` (N), ``chunk_tokens``, ``settings``). A chunk of N = 1 is one vLLM block."""
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -67,13 +73,13 @@ class SchedulerSide:
             state = self._requests[request.request_id] = self._new_state(request)
         state.match_start = num_computed_tokens
         # At least one token must be computed by vLLM to produce logits.
-        loadable_end = min(state.num_hit * self.block_size, request.num_tokens - 1)
+        loadable_end = min(state.num_hit * self.chunk_tokens, request.num_tokens - 1)
         return max(0, loadable_end - num_computed_tokens)
 
     def _new_state(self, request: "Request") -> RequestState:
         cacheable = bool(request.prompt_token_ids)
         try:
-            hashes = prompt_block_hashes(self.hasher, request, self.block_size)
+            hashes = prompt_block_hashes(self.hasher, request, self.chunk_tokens)
         except Exception as e:  # noqa: BLE001 - an extra key kvstore cannot encode: no caching
             logger.info("kvstore connector: request %s not cacheable (%s)", request.request_id, e)
             hashes, cacheable = [], False
@@ -81,7 +87,7 @@ class SchedulerSide:
         return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=num_hit)
 
     def _lookup(self, hashes: list[bytes]) -> int:
-        """Leading blocks that every rank's namespace holds (each lookup pins its blocks)."""
+        """Leading chunks that every rank's namespace holds (each lookup pins its blocks)."""
         t0 = time.perf_counter()
         num_hit = hits_on_every_rank(self._lookup_links, hashes)
         self._add_stat("lookups")
@@ -99,12 +105,17 @@ class SchedulerSide:
             return
         if num_external_tokens <= 0:
             return
-        first = state.match_start // self.block_size
-        end = -(-(state.match_start + num_external_tokens) // self.block_size)
-        end = min(end, len(state.hashes), len(state.block_ids))
+        n = self.chunk_blocks
+        first = state.match_start // self.chunk_tokens
+        end = -(-(state.match_start + num_external_tokens) // self.chunk_tokens)
+        end = min(end, len(state.hashes), -(-len(state.block_ids) // n))
         if end > first:
+            # vLLM blocks its prefix cache computed (before match_start) stay as they are
+            computed = state.match_start // self.block_size
+            ids = [b if j >= computed else -1 for j, b in enumerate(state.block_ids[:end * n])]
+            ids += [-1] * (end * n - len(ids))
             self._pending_loads[request.request_id] = BlockTransfer(
-                request.request_id, state.block_ids[first:end], state.hashes[first:end],
+                request.request_id, ids[first * n:], state.hashes[first:end],
                 asynchronous=self.settings.load_mode == "async")
             self._add_stat("load_planned_blocks", end - first)
 
@@ -137,22 +148,22 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, state: RequestState, computed: int) -> None:
-        """Save the blocks that are full once this step's forward has run."""
+        """Save the chunks that are full once this step's forward has run."""
         if not state.cacheable:
             return
-        request = state.request
-        end = min(computed, request.num_tokens) // self.block_size
+        request, n = state.request, self.chunk_blocks
+        end = min(computed, request.num_tokens) // self.chunk_tokens
         if not self.settings.save_decode:
-            end = min(end, len(request.prompt_token_ids) // self.block_size)
-        end = min(end, len(state.block_ids))
+            end = min(end, len(request.prompt_token_ids) // self.chunk_tokens)
+        end = min(end, len(state.block_ids) // n)
         start = state.num_stored
         if end <= start:
             return
         if end > len(state.hashes):  # blocks filled by generated tokens: continue the chain
             known = len(state.hashes)
-            state.hashes += block_hashes(self.hasher, request, self.block_size, known, end,
+            state.hashes += block_hashes(self.hasher, request, self.chunk_tokens, known, end,
                                          state.hashes[-1] if known else None)
-        meta.saves.append(BlockTransfer(req_id, state.block_ids[start:end], state.hashes[start:end],
+        meta.saves.append(BlockTransfer(req_id, state.block_ids[start * n:end * n], state.hashes[start:end],
                                         parent=state.hashes[start - 1] if start else None))
         state.num_stored = end
         state.saved_any = True
@@ -163,11 +174,12 @@ class SchedulerSide:
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return
+        n = self.chunk_blocks
         for state in self._requests.values():
-            for i, block_id in enumerate(state.block_ids[:max(state.num_stored, state.num_hit)]):
-                if block_id in bad:
-                    state.num_hit = min(state.num_hit, i)
-                    state.num_stored = min(state.num_stored, i)
+            for i, block_id in enumerate(state.block_ids[:max(state.num_stored, state.num_hit) * n]):
+                if block_id in bad:   # its whole chunk is lost
+                    state.num_hit = min(state.num_hit, i // n)
+                    state.num_stored = min(state.num_stored, i // n)
                     break
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -12,6 +12,9 @@ Loads, by the metadata's ``load_mode``:
 * ``async``: each request's blocks are fetched and placed on the loader thread while vLLM runs
   other requests; ``get_finished`` reports the request once they are in place.
 
+With ``blocks_per_chunk`` N > 1 a stored block is a chunk of N vLLM blocks: loads unpack it into
+the vLLM blocks the plan names, saves gather N blocks and pack them as one (``chunks``).
+
 A block that did not arrive whole is reported through ``get_block_ids_with_load_errors`` (for an
 async load, in the same step that reports the request finished), and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``); nothing raised here reaches vLLM.
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.identity import page_shape_matches
 from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
@@ -53,26 +57,28 @@ class WorkerSide:
         try:
             group = self._kv_cache_config.kv_cache_groups[0]
             paged = PagedBlocks(kv_caches, list(group.layer_names), int(self._kv_cache_config.num_blocks))
-            if paged.block_bytes != self.namespace.block_bytes:
+            n = self.chunk_blocks
+            if n * paged.block_bytes != self.namespace.block_bytes:
                 raise ValueError(f"KV pages hold {paged.block_bytes} bytes per block, the spec says "
-                                 f"{self.namespace.block_bytes}")
-            if not page_shape_matches(self.namespace.layout, paged.page_shapes):
+                                 f"{self.namespace.block_bytes // n}")
+            if not page_shape_matches(self.namespace.layout, paged.page_shapes, n):
                 raise ValueError(f"KV pages are shaped {paged.page_shapes[0]}, not what layout "
                                  f"{self.namespace.layout.layout!r} describes (unknown attention backend)")
+            packing = ChunkPacking(self.namespace.layout, paged.page_bytes, paged.page_shapes, n) if n > 1 else None
         except Exception as e:  # noqa: BLE001
             logger.error("kvstore connector disabled on this worker: %s", e)
             self.enabled = False
             return
-        self._paged = paged
+        self._paged, self._packing = paged, packing
         self._load_link = self._daemon_handle(self.settings.timeout_s, "load")
         if self.settings.load_mode != "sync":
             self._loader = BackgroundLoader(self._load_link, self._add_stat)
         if self.settings.save and is_writer(self.namespace, self.tp_rank):
             self._saver = SaveQueue(self._daemon_handle(self.settings.timeout_s, "save"), paged,
-                                    self.settings.max_pending_saves, self._add_stat)
-        logger.info("kvstore connector: %d layers, %d bytes per block, namespace %s (%s), loads %s",
-                    len(paged.layers), paged.block_bytes, self.namespace.id.hex(), self.namespace.layout.layout,
-                    self.settings.load_mode)
+                                    self.settings.max_pending_saves, self._add_stat, packing)
+        logger.info("kvstore connector: %d layers, %d bytes per block (%d vLLM blocks), namespace %s (%s), "
+                    "loads %s", len(paged.layers), self.namespace.block_bytes, n, self.namespace.id.hex(),
+                    self.namespace.layout.layout, self.settings.load_mode)
 
     def _staging_rows(self, n: int) -> torch.Tensor:
         """A reused CPU buffer of ``n`` blocks (grown on demand, never shrunk)."""
@@ -94,7 +100,8 @@ class WorkerSide:
             if not t.asynchronous:
                 continue
             if self._paged is not None and self._loader is not None:
-                self._loader.submit(LoadJob([t], self._paged, asynchronous=True), place_all=True)
+                self._loader.submit(LoadJob([t], self._paged, asynchronous=True, packing=self._packing),
+                                    place_all=True)
             else:  # disabled worker: reported finished with every block to recompute
                 self._failed_async.append(t)
 
@@ -104,22 +111,21 @@ class WorkerSide:
         if not in_step:
             return
         if self._paged is None:  # disabled worker: whatever was planned is recomputed
-            self._load_errors |= {b for t in in_step for b in t.block_ids}
+            self._load_errors |= {b for t in in_step for b in t.block_ids if b >= 0}
             return
-        job = LoadJob(in_step, self._paged)
+        job = LoadJob(in_step, self._paged, packing=self._packing)
         if meta.load_mode == "layer" and self._loader is not None and not self._layer_hooks_missing:
             self._layer_job = job
             self._loader.submit(job, place_all=False)
             return
         t0 = time.perf_counter()
-        job.fetch(self._load_link, self._staging_rows(len(job.hashes)))
+        job.fetch(self._load_link, self._staging_rows(len(job.hashes) * self.chunk_blocks))
         job.scatter()
         self._paged.wait_all_layers()   # CUDA: the forward pass runs after the pages landed
         self._paged.settle()            # and the reused staging buffer is free for the next step
         job.release()
         self._load_errors |= job.bad
-        self._add_stat("loaded_blocks", len(job.good))
-        self._add_stat("load_failed_blocks", len(job.bad))
+        job.add_stats(self._add_stat)
         self._add_stat("load_seconds", time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -198,7 +204,7 @@ class WorkerSide:
             if recving and self._paged is not None:
                 self._paged.wait_all_layers()   # CUDA: later steps' compute runs after those pages landed
         for t in self._failed_async:
-            self._load_errors |= set(t.block_ids)
+            self._load_errors |= {b for b in t.block_ids if b >= 0}
             recving.add(t.req_id)
         self._failed_async = []
         self._finishing |= finished_req_ids & self._saving_reqs
