@@ -8,6 +8,8 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import DaemonUnavailable, UnknownNamespace
 from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import lookup_index as LI
 
 pytestmark = pytest.mark.skipif(not LI.supported(), reason="the index is offered on x86-64 only")
@@ -201,3 +204,41 @@ def test_a_dead_daemon_s_index_is_not_trusted(daemon):
             c.lookup(ns, hashes)
     finally:
         c.close()
+
+
+ROGUE_TELLER = """
+import socket, struct, sys
+from kvstore.transport import local_lookup as L
+path, ticket, tenant, ns, h = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4]), bytes.fromhex(sys.argv[5])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect(path)
+name = tenant.encode()
+s.sendall(L._HEAD.pack(L.MAGIC, ticket, len(name)) + name)
+def frame(body): return struct.pack("!I", len(body)) + body
+junk = [frame(bytes([L.TOLD_LEASE, 16]) + ns + struct.pack("!HB", 500, 16) + h),    # claims 500 hashes, has 1
+        frame(bytes([L.TOLD_LEASE, 16]) + b"\\0" * 16 + struct.pack("!HB", 1, 16) + h + b"\\0\\1"),  # unknown namespace
+        frame(bytes([L.TOLD, 16]) + ns + struct.pack("!HB", 1, 16) + h),            # no "asked" count
+        frame(bytes([9, 16]) + ns + struct.pack("!HB", 1, 16) + h)]                  # unknown op: answered
+s.sendall(b"".join(junk) + L.encode_lookup(ns, [h], L.LOOKUP))
+def answer():
+    n = struct.unpack("!I", s.recv(4))[0]
+    body = b""
+    while len(body) < n: body += s.recv(n - len(body))
+    return body
+print(answer()[0], struct.unpack("!BI", answer()[:5]))
+"""
+
+
+def test_malformed_or_foreign_tells_are_dropped_and_the_connection_keeps_answering(daemon):
+    hashes = chain(2, seed=11)
+    with daemon.client(token="alice-token") as alice:
+        ns = alice.register_namespace(Namespace(LAYOUT))
+        alice.put(ns, hashes, [np.zeros(4096, np.uint8)] * 2)
+        hs = alice.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        r = subprocess.run([sys.executable, "-c", ROGUE_TELLER, hs.lookup_socket, hs.lookup_ticket.hex(), "alice",
+                            ns.hex(), hashes[0].hex()], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[0] == "1"                    # the unknown op: an error answer
+        assert r.stdout.strip().endswith("(0, 1)")           # then the good lookup: one hit
+        assert alice.lookup(ns, hashes).num_hit == 2         # and everyone else is still served
