@@ -47,6 +47,10 @@ class PagedBlocks:
         self.block_bytes = self.offsets[-1]
         self.device = self.layers[0].device
         self._fast = [d == 0 and t.is_contiguous() for t, d in zip(self.layers, self.block_dims)]
+        # the fast path moves pages as the widest words that divide them: index_select /
+        # index_copy_ move one element at a time, and bytes were ~6x slower than 8-byte words
+        self._word = next(dt for dt in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                          if all(p % dt.itemsize == 0 for p in self.page_bytes))
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._layer_events: dict[int, torch.cuda.Event] = {}
@@ -88,9 +92,9 @@ class PagedBlocks:
             return on_device if keep is None else on_device[torch.tensor(keep, device=self.device)]
 
     def _as_pages(self, i: int) -> torch.Tensor:
-        """Layer ``i`` as uint8 [num_blocks, page_bytes] (a view; fast path only)."""
+        """Layer ``i`` as [num_blocks, page words] of ``_word`` (a view; fast path only)."""
         t = self.layers[i]
-        return t.view(torch.uint8).view(t.shape[0], -1)
+        return t.view(torch.uint8).view(t.shape[0], -1).view(self._word)
 
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` into ``out`` (uint8 [n, block_bytes], on the host; from
@@ -113,7 +117,7 @@ class PagedBlocks:
             else:
                 d = self.block_dims[i]
                 pages = t.index_select(d, idx).movedim(d, 0).contiguous().view(torch.uint8).view(len(block_ids), -1)
-            out[:, a:b].copy_(pages, non_blocking=self.cuda)
+            out[:, a:b].view(pages.dtype).copy_(pages, non_blocking=self.cuda)
 
     def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
         """Copy ``src`` (uint8 [n, block_bytes]) into blocks ``block_ids`` of every layer."""
@@ -126,13 +130,18 @@ class PagedBlocks:
         a block's layer ``i`` is the fixed byte range ``offsets[i]:offsets[i + 1]`` of it. On CUDA
         it returns once the copy is queued; ``wait_layer(i)`` orders the compute stream after it,
         and ``src`` must stay untouched until then (the loader keeps it until the step ends)."""
+        self.write_layer(i, lambda: self._scatter_layer(i, block_ids, src, idx))
+
+    def write_layer(self, i: int, copy) -> None:
+        """Run ``copy`` (it writes pages of layer ``i``): inline on the CPU; on CUDA queued on the
+        copy stream after the compute so far, with layer ``i``'s event recorded for ``wait_layer``."""
         if not self.cuda:
-            self._scatter_layer(i, block_ids, src, idx)
+            copy()
             return
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))   # nobody reads those pages any more
         with torch.cuda.stream(stream):
-            self._scatter_layer(i, block_ids, src, idx)
+            copy()
             event = torch.cuda.Event()
             event.record(stream)
         with self._events_lock:
@@ -145,7 +154,7 @@ class PagedBlocks:
         a, b = self.offsets[i], self.offsets[i + 1]
         pages = src[:, a:b].to(self.device, non_blocking=self.cuda)
         if self._fast[i]:
-            self._as_pages(i).index_copy_(0, idx, pages)
+            self._as_pages(i).index_copy_(0, idx, pages.view(self._word))
         else:
             d = self.block_dims[i]
             shape = list(t.shape)
