@@ -63,6 +63,31 @@ def test_a_chunk_is_one_block_of_n_times_the_tokens_in_its_layout(kind):
     assert torch.equal(packing.to_blocks(chunks), blocks)   # and back, byte for byte
 
 
+@pytest.mark.parametrize("kind", ["flash_attn", "flashinfer", "mla", "cpu"])
+def test_loads_place_each_layer_straight_out_of_the_chunks(kind):
+    """What a load does: no unpacked copy, each layer placed from the fetched chunks; a block the
+    plan marks -1 (vLLM's own cache holds it) and every block not named stay untouched."""
+    kv = caches(kind, torch.Generator().manual_seed(14))
+    paged = PagedBlocks(kv, list(kv), NB)
+    lay = layout_for(kind, N * BS, N * paged.block_bytes)
+    packing = ChunkPacking(lay, paged.page_bytes, paged.page_shapes, N)
+    blocks = paged.host_buffer(len(PICK))
+    paged.gather(PICK, blocks)
+    chunks = packing.to_chunks(blocks)
+    dst = {k: torch.zeros_like(v) for k, v in kv.items()}
+    into = PagedBlocks(dst, list(dst), NB)
+    slots = [-1, 2, 7, 0]                     # chunk 0 -> (kept, block 2); chunk 1 -> blocks 7 and 0
+    plan = packing.placement(slots, len(chunks), into.device)
+    for i in range(LAYERS):
+        packing.place_layer(into, i, chunks, plan)
+    back = into.host_buffer(3)
+    into.gather([2, 7, 0], back)
+    assert torch.equal(back, blocks[1:])       # source blocks 1, 3, 6 landed in 2, 7, 0
+    others = into.host_buffer(NB - 3)
+    into.gather([b for b in range(NB) if b not in (2, 7, 0)], others)
+    assert not others.any()
+
+
 @pytest.mark.parametrize("kind", ["flash_attn", "cpu"])
 @pytest.mark.parametrize("codec", ["fp8", "int4_g64"])
 def test_a_chunk_round_trips_through_a_tier_codec(kind, codec):

@@ -17,6 +17,10 @@ A chunk of N blocks of T tokens is therefore byte-identical to one block of N x 
 FP8 / INT4 tier codecs (``kvstore.codecs.layout``) find K, V, tokens, heads and dims in it as they
 do in a block. With N = 1 both directions are the identity (no copy): today's blocks, namespaces
 and bytes are unchanged.
+
+Saves gather N blocks and repack them (``to_chunks``, on the saver's thread). Loads place each
+layer straight out of the fetched chunks (``place_layer``: one ``index_copy_`` per position in the
+chunk from a strided view), so a chunked load costs no more copies than a block load.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class ChunkPacking:
         self.block_bytes = sum(self.page_bytes)
         self.chunk_bytes = self.n * self.block_bytes
         self._offsets = [sum(self.page_bytes[:i]) for i in range(len(self.page_bytes))]
+        self.cpu_layout = layout.layout == "vllm_cpu"
+        self._heads, self._dim = layout.num_kv_heads, layout.head_dim
         esize = DTYPE_SIZES[layout.dtype]
         tokens = layout.block_tokens // self.n     # vLLM's block size
         if layout.layout == "vllm_cpu":
@@ -65,6 +71,7 @@ class ChunkPacking:
             if len(outer) != 1:
                 raise ValueError("layers differ in their pages' shapes before the token axis")
             self._outer = outer.pop()
+            self._token_axis = k
             runs = [p // self._outer for p in self.page_bytes]
             self._pairs = self._axes_pairs
         # copy with the widest element that divides every run and offset: fewer, larger moves
@@ -127,3 +134,55 @@ class ChunkPacking:
             for s, d in self._pairs(src, dst):
                 s.copy_(d)
         return out
+
+    def placement(self, slots: list[int], num_chunks: int, device: torch.device) -> list:
+        """The index tensors ``place_layer`` needs for chunks whose vLLM blocks are ``slots`` (N
+        per chunk, in order; -1: leave that block alone), made once per load: for each position j
+        in a chunk, which chunks' block j to place (None: all) and where."""
+        n, plan = self.n, []
+        for j in range(n):
+            rows = [r for r in range(num_chunks) if slots[r * n + j] >= 0]
+            if rows:
+                idx = torch.tensor([slots[r * n + j] for r in rows], dtype=torch.long, device=device)
+                sel = None if len(rows) == num_chunks else torch.tensor(rows, dtype=torch.long, device=device)
+                plan.append((j, sel, idx))
+        return plan
+
+    def place_layer(self, paged, i: int, chunks: torch.Tensor, plan: list) -> None:
+        """Copy layer ``i`` of ``chunks`` (uint8 [C, chunk_bytes], on the KV cache's device) into
+        the vLLM blocks ``plan`` (``placement``) names, through ``paged.write_layer`` (the copy
+        stream on CUDA): one ``index_copy_`` per position in the chunk, from a strided view."""
+        if plan:
+            paged.write_layer(i, lambda: self._place(paged, i, chunks, plan))
+
+    def _place(self, paged, i: int, chunks: torch.Tensor, plan: list) -> None:
+        n, off, size = self.n, self._offsets[i], self.page_bytes[i]
+        region = chunks[:, n * off:n * (off + size)]                     # [C, N*page] bytes
+        targets = self._targets(paged, i, region)
+        for j, sel, idx in plan:
+            for dim, dst, src in targets:
+                # position j of each chunk (of the selected ones: a position partly kept)
+                part = (src if sel is None else src.index_select(0, sel)).select(1, j)
+                dst.index_copy_(dim, idx, part.movedim(0, dim) if dim else part)
+
+    def _targets(self, paged, i: int, region: torch.Tensor) -> list:
+        """(block dim, layer-tensor view, chunk-side view [C, N, ...] with each position's part in
+        the shape of that view with the block dim first) triples for layer ``i``."""
+        t, n = paged.layers[i], self.n
+        if self.cpu_layout:
+            if not paged._fast[i]:
+                raise ValueError("vllm_cpu chunks need contiguous pages with the block index first")
+            h, dim = self._heads, self._dim
+            pages = paged._as_pages(i).view(torch.uint8).view(self._dtype).unflatten(-1, (h, 2, -1))  # [NB, H, 2, D*T]
+            src = region.view(self._dtype).unflatten(-1, (h, 2, -1))                # [C, H, 2, N*D*T]
+            trun = pages.shape[-1] // dim
+            k_dst = pages[:, :, 0].unflatten(-1, (dim, trun))                        # [NB, H, D, T]
+            k_src = src[:, :, 0].unflatten(-1, (dim, n, trun)).permute(0, 3, 1, 2, 4)  # [C, N, H, D, T]
+            v_src = src[:, :, 1].unflatten(-1, (n, -1)).transpose(1, 2)              # [C, N, H, T*D]
+            return [(0, k_dst, k_src), (0, pages[:, :, 1], v_src)]
+        if paged._fast[i]:   # pages [NB, outer, run] in words; each chunk is [outer, N, run]
+            pages = paged._as_pages(i).view(torch.uint8).view(self._dtype).unflatten(-1, (self._outer, -1))
+            return [(0, pages, region.view(self._dtype).unflatten(-1, (self._outer, n, -1)).transpose(1, 2))]
+        d, shape, k = paged.block_dims[i], paged.page_shapes[i], self._token_axis
+        src = region.view(t.dtype).unflatten(-1, (*shape[:k], n, *shape[k:])).movedim(1 + k, 1)
+        return [(d, t, src)]

@@ -5,8 +5,9 @@ own (one ``get_into``; a shared-memory copy on the same host), notes which arriv
 scatters those into the paged cache — all layers at once, or one layer at a time when the forward
 pass asks for it (``scatter_layer``). A block that did not arrive whole is a *load error*: its
 vLLM block id goes back to vLLM, which recomputes from there. With ``blocks_per_chunk`` N > 1 a
-stored block is a chunk: it is unpacked into its N vLLM blocks (``chunks.ChunkPacking``) and those
-the plan names (not -1) are placed; a chunk that did not arrive whole makes all of them errors.
+stored block is a chunk: each layer of the vLLM blocks the plan names (not -1) is placed straight
+out of it (``chunks.ChunkPacking.place_layer``); a chunk that did not arrive whole makes all of
+them errors.
 
 ``BackgroundLoader`` runs jobs on one thread, in order, so loads overlap the engine's forward
 passes; finished jobs are collected by the worker (``take_finished``) at the end of each step.
@@ -49,6 +50,8 @@ class LoadJob:
         self.done = threading.Event()
         self._staging: torch.Tensor | None = None
         self._good_ids: list[int] = []
+        self._good_slots: list[int] = []
+        self._plan: list = []              # chunks: index tensors for placing them (``placement``)
         self._good_rows: torch.Tensor | None = None
         self._layers_placed: set[int] = set()
 
@@ -65,17 +68,14 @@ class LoadJob:
             self.good = [i for i, got in enumerate(sizes) if got == size]
             slots = self.slots
             self.bad = {b for i, got in enumerate(sizes) if got != size for b in slots[i * per:(i + 1) * per] if b >= 0}
-            if per > 1 and self.good:   # unpack the chunks that arrived into their vLLM blocks
-                arrived = chunks if len(self.good) == n else chunks[self.good]
-                staging = self.packing.to_blocks(arrived, self.paged.host_buffer(len(self.good) * per))
-                slots = [b for i in self.good for b in slots[i * per:(i + 1) * per]]
-                keep = [j for j, b in enumerate(slots) if b >= 0]
-            else:
-                keep = [i for i in self.good if slots[i] >= 0]
             self._staging = staging
-            self._good_ids = [slots[j] for j in keep]
+            self._good_slots = [b for i in self.good for b in slots[i * per:(i + 1) * per]]
+            self._good_ids = [b for b in self._good_slots if b >= 0]
             if self._good_ids:   # on CUDA: one DMA to the device now, placed layer by layer later
-                self._good_rows = self.paged.to_device(staging, None if len(keep) == staging.shape[0] else keep)
+                keep = self.good if per > 1 else [i for i in self.good if slots[i] >= 0]
+                self._good_rows = self.paged.to_device(chunks, None if len(keep) == n else keep)
+                if self.packing is not None:
+                    self._plan = self.packing.placement(self._good_slots, len(self.good), self.paged.device)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: load failed: %s", e)
             self.good, self.bad = [], set(self.block_ids)
@@ -95,7 +95,10 @@ class LoadJob:
         if not self._good_ids:
             return
         try:
-            self.paged.scatter_layer(i, self._good_ids, self._good_rows)
+            if self.packing is not None:   # chunks: each layer straight out of the fetched chunks
+                self.packing.place_layer(self.paged, i, self._good_rows, self._plan)
+            else:
+                self.paged.scatter_layer(i, self._good_ids, self._good_rows)
         except Exception as e:  # noqa: BLE001 - the engine must never see a connector failure
             logger.warning("kvstore connector: placing loaded blocks failed: %s", e)
             self.bad |= set(self.block_ids)
