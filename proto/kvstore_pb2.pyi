@@ -253,18 +253,22 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs", "range_offset", "range_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
+    RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
     chunk_bytes: int
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
+    range_offset: int
+    range_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ...) -> None: ...
 
 class GetChunk(_message.Message):
     __slots__ = ("index", "hit", "codec", "size", "offset", "data")
@@ -349,7 +353,7 @@ class LeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session", "accept_codecs", "codec", "sizes")
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "session", "accept_codecs", "codec", "sizes", "range_offset", "range_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +362,8 @@ class BulkRequest(_message.Message):
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
@@ -366,7 +372,9 @@ class BulkRequest(_message.Message):
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
     codec: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    range_offset: int
+    range_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., codec: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
     __slots__ = ("sizes", "codecs")

@@ -36,6 +36,17 @@ def _leading(extents: list[tuple[int, int]], nbytes: int) -> list[tuple[int, int
     return out
 
 
+def _window(extents: list[tuple[int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """The pieces of ``extents`` that hold bytes [offset, offset + nbytes) of their block."""
+    out, at = [], 0
+    for off, length in extents:
+        lo, hi = max(offset, at), min(offset + nbytes, at + length)
+        if lo < hi:
+            out.append((off + lo - at, hi - lo))
+        at += length
+    return out
+
+
 class ShmPath:
     """Puts and gets through the mapped arena. ``stream_one`` fetches blocks the arena could not
     stage (present, but no free unpinned slot) over a streaming path instead of missing them."""
@@ -72,8 +83,10 @@ class ShmPath:
                                sizes=[a.nbytes for a in arrays] if codec else [])
         return put_results(self.rpc.call("CompleteStore", done))
 
-    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
-        """Each block into its sink (``delivery``); its size, or None for a miss."""
+    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
+            byte_range: tuple[int, int] | None = None) -> list[int | None]:
+        """Each block into its sink (``delivery``); its size, or None for a miss. ``byte_range``:
+        only those bytes of each (raw) block are copied out (``accept`` must then be empty)."""
         sizes: list[int | None] = [None] * len(hashes)
         start = 0
         while start < len(hashes):
@@ -86,10 +99,13 @@ class ShmPath:
                 for k, blk in enumerate(lease.blocks):
                     i = start + k
                     extents = [(e.offset, e.length) for e in blk.extents]
+                    size = blk.size
+                    if byte_range is not None:
+                        extents, size = _window(extents, *byte_range), byte_range[1]
                     arena = self.negotiation.arena
                     self._map(arena, blk.extents)
-                    arena.copy_out(extents, sinks[i].buffer(blk.size))
-                    got.append((i, blk.size, blk.codec))
+                    arena.copy_out(extents, sinks[i].buffer(size))
+                    got.append((i, size, blk.codec))
             finally:
                 confirmed = self._release(lease, t0)
             if confirmed:
@@ -97,7 +113,7 @@ class ShmPath:
                     sizes[i] = sinks[i].finish(size, codec)
             stop = start + len(lease.blocks)
             if meta.get(UNSTAGED_KEY) and stop < len(hashes):
-                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]])[0]
+                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
             start = stop + 1  # skip past the first miss
         return sizes
 

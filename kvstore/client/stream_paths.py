@@ -76,9 +76,11 @@ class BulkPath:
                 self.negotiation.reset()
                 raise DaemonUnavailable(f"side channel failed: {e}") from None
 
-    def get(self, bulk: BulkChannel, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
+    def get(self, bulk: BulkChannel, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
+            byte_range: tuple[int, int] | None = None) -> list[int | None]:
+        offset, length = byte_range or (0, 0)
         req = pb.BulkRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes, session=bulk.session,
-                             accept_codecs=accept)
+                             accept_codecs=accept, range_offset=offset, range_bytes=length)
         timeout = data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks))
         sizes: list[int | None] = []
         early = self._early_decode(block_bytes, accept)
@@ -128,10 +130,13 @@ class GrpcPath:
                              stream_factory=lambda: chunks.put_messages(header, arrays, chunk_bytes))
         return put_results(resp)
 
-    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=()) -> list[int | None]:
+    def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
+            byte_range: tuple[int, int] | None = None) -> list[int | None]:
         sizes: list[int | None] = [None] * len(hashes)
+        offset, length = byte_range or (0, 0)
         req = pb.GetRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes,
-                            chunk_bytes=self.negotiation.chunk_bytes or 0, accept_codecs=accept)
+                            chunk_bytes=self.negotiation.chunk_bytes or 0, accept_codecs=accept,
+                            range_offset=offset, range_bytes=length)
         stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks)))
         landing: dict[int, np.ndarray] = {}
         try:

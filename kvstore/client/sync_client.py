@@ -286,14 +286,28 @@ class Client:
 
     # -- get -------------------------------------------------------------------------------------
 
-    def get_into(self, ns_id: bytes, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
+    def get_into(self, ns_id: bytes, hashes: Sequence[bytes], outs: Sequence,
+                 byte_range: tuple[int, int] | None = None) -> list[int | None]:
         """Copy each block into the writable buffer ``outs[i]`` (bytes-like, numpy, or a torch
-        tensor on any device); its size, or None for a miss."""
+        tensor on any device); its size, or None for a miss. ``byte_range`` (offset, length):
+        only those bytes of each block (one layer's slice of it, say), which then are all that
+        crosses the wire; ``outs[i]`` need only hold ``length`` bytes."""
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
         want, layout = self._expected(ns_id), self._layouts.get(bytes(ns_id))
+        if byte_range is not None:
+            byte_range = self._checked_range(byte_range, want)
+            want, layout = byte_range[1], None   # raw bytes of the block: the daemon decodes
         sinks = [IntoBuffer(o, i, want, layout, self._landing) for i, o in enumerate(outs)]
-        return self._get_sinks(ns_id, hashes, sinks)
+        return self._get_sinks(ns_id, hashes, sinks, byte_range)
+
+    @staticmethod
+    def _checked_range(byte_range: tuple[int, int], block_bytes: int) -> tuple[int, int]:
+        offset, length = (int(x) for x in byte_range)
+        if offset < 0 or length <= 0 or (block_bytes and offset + length > block_bytes):
+            raise InvalidArgument("byte_range", f"({offset}, {length}) is not a non-empty range inside a "
+                                                f"{block_bytes}-byte block")
+        return offset, length
 
     def get_payloads(self, ns_id: bytes, hashes: Sequence[bytes]) -> list[tuple[int, np.ndarray] | None]:
         """Each block as the daemon stores it: ``(codec id, payload)`` (codec 0: the block itself),
@@ -305,11 +319,12 @@ class Client:
         sizes = self._get_sinks(ns_id, hashes, sinks)
         return [None if n is None else (s.codec, s.payload) for s, n in zip(sinks, sizes)]
 
-    def _get_sinks(self, ns_id: bytes, hashes: Sequence[bytes], sinks: list) -> list[int | None]:
+    def _get_sinks(self, ns_id: bytes, hashes: Sequence[bytes], sinks: list,
+                   byte_range: tuple[int, int] | None = None) -> list[int | None]:
         self._negotiation.ensure()
         sizes: list[int | None] = []
         for a, b in batches(len(hashes)):
-            sizes += self._get_batch(ns_id, list(hashes[a:b]), sinks[a:b])
+            sizes += self._get_batch(ns_id, list(hashes[a:b]), sinks[a:b], byte_range)
         return sizes
 
     def _accept(self, ns_id: bytes) -> tuple[int, ...]:
@@ -324,23 +339,25 @@ class Client:
         sizes = self.get_into(ns_id, hashes, outs)
         return [None if n is None else o[:n].tobytes() for o, n in zip(outs, sizes)]
 
-    def _get_batch(self, ns_id, hashes, sinks) -> list[int | None]:
+    def _get_batch(self, ns_id, hashes, sinks, byte_range=None) -> list[int | None]:
         block_bytes = self._expected(ns_id)
+        accept = self._accept(ns_id) if byte_range is None else ()
         if self._negotiation.arena is not None:
             try:
-                return self._shm.get(ns_id, hashes, sinks, block_bytes, self._accept(ns_id))
+                return self._shm.get(ns_id, hashes, sinks, block_bytes, accept, byte_range)
             except DaemonRestarted:
                 self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
                 if self._negotiation.arena is not None:
-                    return self._shm.get(ns_id, hashes, sinks, block_bytes, self._accept(ns_id))
-        return self._get_streamed(ns_id, hashes, sinks)
+                    return self._shm.get(ns_id, hashes, sinks, block_bytes, accept, byte_range)
+        return self._get_streamed(ns_id, hashes, sinks, byte_range)
 
-    def _get_streamed(self, ns_id, hashes, sinks) -> list[int | None]:
+    def _get_streamed(self, ns_id, hashes, sinks, byte_range=None) -> list[int | None]:
         """A get over the side channel when there is one, else over gRPC chunks."""
         bulk = self._negotiation.live_bulk()
+        accept = self._accept(ns_id) if byte_range is None else ()
         if bulk is not None:
-            return self._bulk.get(bulk, ns_id, hashes, sinks, self._expected(ns_id), self._accept(ns_id))
-        return self._grpc.get(ns_id, hashes, sinks, self._expected(ns_id), self._accept(ns_id))
+            return self._bulk.get(bulk, ns_id, hashes, sinks, self._expected(ns_id), accept, byte_range)
+        return self._grpc.get(ns_id, hashes, sinks, self._expected(ns_id), accept, byte_range)
 
     # -- lifetime --------------------------------------------------------------------------------
 

@@ -24,8 +24,10 @@ Payload = tuple[np.ndarray, int] | None
 
 
 def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
-                  accept: Collection[int] = ()) -> Iterator[Payload]:
-    """Each block as one view of the CPU arena while it is pinned, with its codec id.
+                  accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Payload]:
+    """Each block as one view of the CPU arena while it is pinned, with its codec id; with
+    ``byte_range`` (offset, length) only those bytes of each block, decoded first where it is
+    stored encoded (``accept`` is then ignored: a range of an encoded payload is no one's bytes).
 
     Blocks are pinned a window at a time (at most ``PIN_WINDOW_BYTES`` or an eighth of the arena)
     under a store lease; if sending a block outlived the lease, its slots may have been reused
@@ -35,21 +37,24 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
     ``buffer(nbytes)``, asked once per call and reused (a fresh buffer of a large block would page
     fault at a fraction of the decode's speed), whose view is valid until the next block. Close the
     generator (``contextlib.closing``) so an early exit unpins its window."""
+    if byte_range is not None:
+        accept = ()
+    cut = (lambda views: _window(views, *byte_range)) if byte_range is not None else \
+        (lambda views: views[0] if len(views) == 1 else np.concatenate(views))
     buffer = _reused(buffer)
     arena = store.shared_arena()
     window = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
     start = 0
     while start < len(hashes):
         if arena is None:  # no arena: copy through the buffer
-            yield _copied(store, ns, hashes[start], buffer, accept)
+            yield _cut(_copied(store, ns, hashes[start], buffer, accept), cut)
             start += 1
             continue
         asked = len(hashes[start:start + window])
         lease = store.prepare_load(ns.id, hashes[start:start + window], accept)
         try:
             for extents, codec in zip(lease.extents, lease.codecs):
-                views = arena.views(extents)
-                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
+                yield cut(arena.views(extents)), codec
                 if time.monotonic() >= lease.expires:
                     raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
                                        "for this link); retry")
@@ -65,8 +70,23 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
             # Read the latter through the buffer: a false miss would make an engine recompute a
             # block that is sitting on NVMe.
             h = hashes[start]
-            yield _copied(store, ns, h, buffer, accept) if store.contains(ns.id, [h])[0] else None
+            yield _cut(_copied(store, ns, h, buffer, accept), cut) if store.contains(ns.id, [h])[0] else None
             start += 1
+
+
+def _cut(payload: Payload, cut: Callable[[list[np.ndarray]], np.ndarray]) -> Payload:
+    return None if payload is None else (cut([payload[0]]), payload[1])
+
+
+def _window(views: list[np.ndarray], offset: int, nbytes: int) -> np.ndarray:
+    """Bytes [offset, offset + nbytes) of a block held as ``views`` (one view where they allow)."""
+    parts, at = [], 0
+    for v in views:
+        lo, hi = max(offset, at), min(offset + nbytes, at + v.nbytes)
+        if lo < hi:
+            parts.append(v[lo - at:hi - at])
+        at += v.nbytes
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:

@@ -14,7 +14,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
-from kvstore.service.validation import check_hashes, check_parent
+from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
@@ -44,8 +44,9 @@ class BulkRpcs(ServicerBase):
                 ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 accept = accepted_codecs(self.store, request.accept_codecs)
+                byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
                 sizes, codecs = [], []
-                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get, accept)
+                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get, accept, byte_range)
                 with contextlib.closing(blocks):  # unpin on any exit
                     for block in blocks:
                         payload, codec = (None, 0) if block is None else block

@@ -17,7 +17,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
-from kvstore.service.validation import check_hashes, check_parent
+from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import chunks
 from kvstore.wire import RAW_CODEC
@@ -94,10 +94,11 @@ class StreamRpcs(ServicerBase):
         chunk = request.chunk_bytes or self.chunk_bytes
         chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
         accept = accepted_codecs(self.store, request.accept_codecs)
+        byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
         sent = 0
         # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
         # out meanwhile ends the stream with an error (the client then trusts none of it).
-        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept)) as blocks:
+        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept, byte_range)) as blocks:
             for i, block in enumerate(blocks):
                 payload, codec = (None, RAW_CODEC) if block is None else block
                 sent += 0 if payload is None else payload.nbytes

@@ -54,6 +54,19 @@ def check_hashes(hashes, field: str = "hashes", allow_empty: bool = False) -> li
     return out
 
 
+def check_range(offset: int, nbytes: int, block_bytes: int) -> tuple[int, int] | None:
+    """A get's byte range within each block (``range_offset``, ``range_bytes``), or None for the
+    whole block."""
+    if not nbytes:
+        if offset:
+            raise InvalidArgument("range_bytes", "a range_offset needs a range_bytes (0 = the whole block)")
+        return None
+    if offset + nbytes > block_bytes:
+        raise InvalidArgument("range_bytes", f"bytes [{offset}, {offset + nbytes}) run past the end of a "
+                                             f"{block_bytes}-byte block")
+    return int(offset), int(nbytes)
+
+
 def check_parent(parent: bytes) -> bytes | None:
     if not parent:
         return None
