@@ -5,12 +5,15 @@ only on NVMe are decoded / read first, and a range outside the block is refused 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
 
 from codec_blocks import chain as kv_chain
 from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.client import AsyncClient, NamespaceHandle
 from kvstore.errors import InvalidArgument
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
@@ -97,3 +100,20 @@ def test_a_range_outside_the_block_is_refused_by_name(daemon):
                                                  range_offset=offset, range_bytes=length)))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert refused.value.details().startswith("range_bytes: ")
+
+
+def test_the_connectors_handle_and_the_async_client_pass_ranges_on(daemon):
+    hashes, data = blocks(2, seed=13)
+    handle = NamespaceHandle(Namespace(LAYOUT), url=daemon.address)
+    assert handle.put(hashes, data)
+    outs = [np.zeros(LAYER, np.uint8) for _ in hashes]
+    assert handle.get_into(hashes, outs, byte_range=(LAYER, LAYER)) == [LAYER] * 2
+    assert np.array_equal(outs[1], data[1][LAYER:2 * LAYER])
+
+    async def over_async():
+        async with AsyncClient(daemon.address) as c:
+            ns = await c.register_namespace(Namespace(LAYOUT))
+            got = [np.zeros(100, np.uint8)]
+            assert await c.get_into(ns, hashes[:1], got, byte_range=(7, 100)) == [100]
+            return got[0]
+    assert np.array_equal(asyncio.run(over_async()), data[0][7:107])

@@ -44,8 +44,8 @@ class AsyncClient:
     async def put(self, ns_id, hashes, blocks, parent=None, encode: str | None = None) -> list[str]:
         return await self._run(self._client.put, ns_id, hashes, blocks, parent, encode)
 
-    async def get_into(self, ns_id, hashes, outs) -> list[int | None]:
-        return await self._run(self._client.get_into, ns_id, hashes, outs)
+    async def get_into(self, ns_id, hashes, outs, byte_range: tuple[int, int] | None = None) -> list[int | None]:
+        return await self._run(self._client.get_into, ns_id, hashes, outs, byte_range)
 
     async def get(self, ns_id, hashes) -> list[bytes | None]:
         return await self._run(self._client.get, ns_id, hashes)

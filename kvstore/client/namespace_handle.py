@@ -142,10 +142,12 @@ class NamespaceHandle:
     def exists(self, hashes: Sequence[bytes]) -> list[bool]:
         return self.call(lambda c, ns: c.exists(ns, hashes), "exists", default=[False] * len(hashes))
 
-    def get_into(self, hashes: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Each block's size copied into ``outs[i]``, None for a miss (every block when the daemon fails;
-        a buffer may then hold part of a block: use only those reported)."""
-        return self.call(lambda c, ns: c.get_into(ns, hashes, outs), "get", default=[None] * len(hashes))
+    def get_into(self, hashes: Sequence[bytes], outs: Sequence,
+                 byte_range: tuple[int, int] | None = None) -> list[int | None]:
+        """Each block's size copied into ``outs[i]`` (only ``byte_range`` of it when given: see
+        ``Client.get_into``), None for a miss (every block when the daemon fails; a buffer may then
+        hold part of a block: use only those reported)."""
+        return self.call(lambda c, ns: c.get_into(ns, hashes, outs, byte_range), "get", default=[None] * len(hashes))
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence, parent: bytes | None = None) -> bool:
         """True when the daemon holds every block afterwards."""
