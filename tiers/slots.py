@@ -82,6 +82,20 @@ class SlotTable:
         with self._lock:
             if key in self._blocks:
                 raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
+            if not self.owned:   # one pool: the next ``n`` slots off its free list (ascending pops)
+                free = self._free[0]
+                if n > len(free):
+                    raise TierFull(f"{self.tier_name} tier has {len(free)} free slots, needs {n}")
+                if n == 1:
+                    slot = free.pop()
+                    slots, extents = [slot], ([(slot * self.slot_bytes, nbytes)] if nbytes > 0 else [])
+                else:
+                    slots = free[-n:]
+                    del free[-n:]
+                    slots.reverse()   # the order n pops would have taken them in
+                    extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
+                self._blocks[key] = (extents, nbytes, slots)
+                return extents
             free = self._free_slots_for(owner)
             if n > free:
                 raise TierFull(f"{self.tier_name} tier has {free} free slots, needs {n}")

@@ -125,6 +125,41 @@ class Cascade:
             self.index.entries[key] = entry
             return entry
 
+    def reserve_run(self, ns, hashes: Sequence[bytes], parents: Sequence, start: int, t: int,
+                    limit: int) -> list[Entry | None]:
+        """``reserve`` for raw blocks ``start``.. (at most ``limit``) of ``ns`` in tier ``t`` under one
+        lock acquisition: per block its invisible entry, or None where it is present (or being
+        written). Stops before the first block that needs more than free room (eviction, a slower
+        tier) or whose tenant's quota might refuse it: ``reserve`` takes that one. Charged alike."""
+        tier, quotas, entries = self.tiers[t], self.quotas, self.index.entries
+        nbytes, nsid, tenant = ns.block_bytes, ns.id, ns.tenant
+        quota = quotas.limits.get(tenant)
+        try:
+            need = tier.footprint(nbytes)
+        except BlockTooLarge:
+            return []
+        run: list[Entry | None] = []
+        with self.lock:
+            for k in range(start, min(len(hashes), start + limit)):
+                h = hashes[k]
+                key = nsid + h
+                if key in entries:
+                    run.append(None)
+                    continue
+                if (quota is not None and quotas.charged[tenant] + nbytes > quota) or tier.free_bytes_for(nsid) < need:
+                    break
+                record = BlockRecord(nsid, h, parents[k], nbytes, nbytes)
+                try:
+                    tier.allocate(record)
+                except (TierFull, BlockTooLarge):
+                    break
+                quotas.charge(tenant, nbytes)
+                entry = Entry(nsid, h, parents[k], nbytes, charged_to=tenant)
+                entry.copies[t] = record
+                entries[key] = entry
+                run.append(entry)
+        return run
+
     def publish(self, entry: Entry, data) -> bool:
         """Make a written entry visible; write through to the durable tier if configured. Returns
         whether it has a durable copy, which the caller reports as "persisted" after

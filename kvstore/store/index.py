@@ -17,9 +17,10 @@ from kvstore.store.policy import EvictionPolicy
 from kvstore.tiers.base import BlockRecord
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
-    """The index's view of one block: where its copies are and who holds it."""
+    """The index's view of one block: where its copies are and who holds it. Slotted, with its
+    key made once: hot paths read ``key`` several times per block."""
 
     namespace_id: bytes
     block_hash: bytes
@@ -34,10 +35,10 @@ class Entry:
     linked: bool = False         # listed in its parent's ``children``
     charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
     held: bool = False           # in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted
+    key: bytes = dataclasses.field(init=False, repr=False, compare=False)   # block_key(namespace, hash)
 
-    @property
-    def key(self) -> bytes:
-        return block_key(self.namespace_id, self.block_hash)
+    def __post_init__(self) -> None:
+        self.key = block_key(self.namespace_id, self.block_hash)
 
     @property
     def fastest(self) -> int:

@@ -27,7 +27,7 @@ from kvstore.buffers import Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
-from kvstore.store.puts import check_encoded, payload_codecs
+from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs
 from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
 
@@ -73,14 +73,17 @@ class Leases:
         keys, extents = [], []
         parents = [parent] + list(hashes[:-1])
         try:
-            for h, p in zip(hashes, parents):
-                entry = self._cascade.reserve(namespace_id, h, p, ns.block_bytes, c, only_this_tier=True)
-                if entry is None:
+            i = 0
+            while i < len(hashes):
+                # blocks that fit without evicting: a run per lock acquisition; any other, one by one
+                run = self._cascade.reserve_run(ns, hashes, parents, i, c, RUN_BLOCKS)
+                if not run:
+                    run = [self._cascade.reserve(namespace_id, hashes[i], parents[i], ns.block_bytes, c,
+                                                 only_this_tier=True)]
+                for h, entry in zip(hashes[i:i + len(run)], run):
                     keys.append(block_key(namespace_id, h))
-                    extents.append(None)
-                    continue
-                keys.append(entry.key)
-                extents.append(cpu.extents(entry.key))
+                    extents.append(None if entry is None else cpu.extents(entry.key))
+                i += len(run)
         except Exception:
             self._release_reservations([k for k, x in zip(keys, extents) if x is not None])
             raise
@@ -100,6 +103,7 @@ class Leases:
             raise
         results = []
         on_durable = []
+        kept_raw = None
         for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
             entry = cascade.index.entries.get(key) if ext is not None else None
             if entry is None or entry.ready:
@@ -116,7 +120,10 @@ class Leases:
                     payload = np.concatenate(data)
                 else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
                     payload = None
-                payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
+                if kept_raw is None:
+                    kept_raw = cascade.transcoder.configured(cascade.cpu_index) == RAW  # type: ignore[arg-type]
+                if not kept_raw:   # a raw CPU tier keeps the slots as written: nothing to encode or tally
+                    payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
             results.append("stored")
             if cascade.publish(entry, payload):
                 on_durable.append(len(results) - 1)
@@ -172,45 +179,66 @@ class Leases:
     def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes], accept: Collection[int] = ()) -> Lease:
         """Pin the leading present blocks with a CPU copy each (promoting from NVMe if needed)
         and return their arena extents; stops at the first block it cannot stage that way (absent,
-        no room, or encoded with a codec not in ``accept``)."""
+        no room, or encoded with a codec not in ``accept``). Blocks already in the arena are taken
+        a run at a time under one lock acquisition; a staging (a slower tier's read) ends a run,
+        so other callers get the lock between disk reads as before."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
         keys, extents, codecs, sizes = [], [], [], []
-        for h in hashes:
+        touch = cascade.index.policies[c].touch
+        i, stopped = 0, False
+        while i < len(hashes) and not stopped:
             with cascade.lock:
-                entry = cascade.pin(namespace_id, h)
-                if entry is None:
-                    cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
-                    break
-                if c not in entry.copies:
-                    try:
-                        src = entry.fastest
-                        cascade.make_room(c, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
-                        data = cascade.read_copy(entry, src)
-                        cascade.store_copy(entry, c, data, entry.copies[src], downward=c > src)
-                    except (BlockCorrupt, CodecError):   # a damaged copy, or one that failed its decode
-                        cascade.discard_corrupt_copy(entry, src)
-                        cascade.unpin(entry)
+                hits = 0
+                while i < len(hashes):
+                    entry = cascade.pin(namespace_id, hashes[i])
+                    i += 1
+                    if entry is None:
+                        cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
+                        stopped = True
                         break
-                    except PLACEMENT_ERRORS:
-                        cascade.unpin(entry)
+                    staged = c not in entry.copies
+                    if staged and not self._stage(entry, c):
+                        stopped = True
                         break
-                record = entry.copies[c]
-                if record.codec != 0 and record.codec not in accept:
-                    # an encoded arena copy is not the block's bytes to a reader that cannot decode
-                    # it; the server reads such blocks for it through get_into instead
-                    cascade.unpin(entry)
-                    break
-                cascade.index.policies[c].touch(entry.key)
-                cascade.counters["hits_cpu"] += 1
-                keys.append(entry.key)
-                extents.append(cpu.extents(entry.key))
-                codecs.append(record.codec)
-                sizes.append(record.stored_size)
+                    record = entry.copies[c]
+                    if record.codec != 0 and record.codec not in accept:
+                        # an encoded arena copy is not the block's bytes to a reader that cannot decode
+                        # it; the server reads such blocks for it through get_into instead
+                        cascade.unpin(entry)
+                        stopped = True
+                        break
+                    touch(entry.key)
+                    hits += 1
+                    keys.append(entry.key)
+                    extents.append(cpu.extents(entry.key))
+                    codecs.append(record.codec)
+                    sizes.append(record.stored_size)
+                    if staged:
+                        break   # let other callers in after a disk read
+                cascade.counters["hits_cpu"] += hits
         lease = self._new("load", keys, extents)
         lease.codecs, lease.sizes = codecs, sizes
         return lease
+
+    def _stage(self, entry, c: int) -> bool:
+        """Give a pinned block a copy in the CPU tier ``c`` from its fastest copy; False (the
+        block unpinned) when it cannot: a damaged copy (dropped), or no room."""
+        cascade = self._cascade
+        try:
+            src = entry.fastest
+            cascade.make_room(c, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
+            data = cascade.read_copy(entry, src)
+            cascade.store_copy(entry, c, data, entry.copies[src], downward=c > src)
+            return True
+        except (BlockCorrupt, CodecError):   # a damaged copy, or one that failed its decode
+            cascade.discard_corrupt_copy(entry, src)
+            cascade.unpin(entry)
+            return False
+        except PLACEMENT_ERRORS:
+            cascade.unpin(entry)
+            return False
 
     def complete_load(self, lease_id: int) -> None:
         lease = self._take(lease_id, "load")

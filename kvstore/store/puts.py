@@ -12,7 +12,7 @@ from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError, InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
-from kvstore.store.transcoding import StagedBlock
+from kvstore.store.transcoding import RAW, StagedBlock
 from kvstore.tiers.base import BlockRecord
 
 
@@ -75,43 +75,88 @@ def checked_payloads(ns: Namespace, payloads: Sequence, codecs: Sequence[int] | 
     return arrays
 
 
+#: blocks reserved under one lock acquisition by ``Cascade.reserve_run`` (bounds how long it holds the lock)
+RUN_BLOCKS = 512
+
+
 def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: Sequence,
               parent: bytes | None, codecs: Sequence[int] | None = None) -> list[str]:
     """Store ``arrays[i]`` (encoded with ``codecs[i]``; None: all raw) under ``hashes[i]``, whose
     parent is ``hashes[i-1]`` (the first's is ``parent``). Per block "stored", "exists" or
-    "persisted". Raises ``StoreFull`` if a block fits nowhere; blocks before it stay."""
+    "persisted". Raises ``StoreFull`` if a block fits nowhere; blocks before it stay.
+
+    Raw blocks that fit the first tier without evicting are taken a run at a time
+    (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
+    publish it, in order); any other block (eviction, a codec, a quota near its limit, another
+    tier) goes through ``_put_one``, as every block did before."""
     results: list[str] = []
     on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
     parents = [parent] + list(hashes[:-1])
+    raw_first = cascade.transcoder.configured(0) == RAW and (codecs is None or not any(codecs))
+    i = 0
     try:
-        for i, (h, p, data) in enumerate(zip(hashes, parents, arrays)):
-            if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
-                results.append("exists")
+        while i < len(hashes):
+            run = cascade.reserve_run(ns, hashes, parents, i, 0, RUN_BLOCKS) if raw_first else []
+            if run:
+                _write_run(cascade, run, arrays, i, results, on_durable)
+                i += len(run)
                 continue
-            codec = 0 if codecs is None else int(codecs[i])
-            staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec),
-                                 data)
-            staged.placement(0)  # encode for the first tier tried before the lock is taken
-            entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
-            if entry is None:
-                results.append("exists")
-                continue
-            t = entry.fastest
-            placed = staged.placement(t)
-            try:
-                cascade.tiers[t].write_unsynced(entry.copies[t], placed.payload)
-            except Exception:
-                with cascade.lock:
-                    cascade.drop_entry(entry)
-                raise
-            with cascade.lock:
-                cascade.transcoder.count(t, placed, entry.raw_size)
-            results.append("stored")
-            if cascade.publish(entry, placed.payload):
-                on_durable.append(len(results) - 1)
+            results.append(_put_one(cascade, ns, hashes[i], parents[i], arrays[i],
+                                    0 if codecs is None else int(codecs[i]), on_durable, len(results)))
+            i += 1
     finally:
         # blocks written before a failure stay; one directory sync covers the whole batch
         if on_durable and cascade.sync_durable():
-            for i in on_durable:
-                results[i] = "persisted"
+            for k in on_durable:
+                results[k] = "persisted"
     return results
+
+
+def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, results: list[str],
+               on_durable: list[int]) -> None:
+    """Copy a reserved run's payloads into the first tier outside the lock, then publish them in
+    order under one acquisition. A failed copy publishes the blocks before it, drops the rest."""
+    tier = cascade.tiers[0]
+    written = 0
+    try:
+        for entry, data in zip(run, arrays[start:start + len(run)]):
+            if entry is not None:
+                tier.write_unsynced(entry.copies[0], data)
+            written += 1
+    finally:
+        with cascade.lock:
+            for k, entry in enumerate(run):
+                if entry is None:
+                    if k < written:
+                        results.append("exists")
+                elif k >= written:
+                    cascade.drop_entry(entry)
+                else:
+                    results.append("stored")
+                    if cascade.publish(entry, arrays[start + k]):
+                        on_durable.append(len(results) - 1)
+
+
+def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,
+             on_durable: list[int], at: int) -> str:
+    """One block through ``Cascade.reserve`` (eviction, codecs, fall-through to slower tiers)."""
+    if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
+        return "exists"
+    staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec), data)
+    staged.placement(0)  # encode for the first tier tried before the lock is taken
+    entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
+    if entry is None:
+        return "exists"
+    t = entry.fastest
+    placed = staged.placement(t)
+    try:
+        cascade.tiers[t].write_unsynced(entry.copies[t], placed.payload)
+    except Exception:
+        with cascade.lock:
+            cascade.drop_entry(entry)
+        raise
+    with cascade.lock:
+        cascade.transcoder.count(t, placed, entry.raw_size)
+    if cascade.publish(entry, placed.payload):
+        on_durable.append(at)
+    return "stored"

@@ -51,6 +51,9 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     ``READS_IN_FLIGHT`` at once when there are several; hits are still counted and promoted in
     the callers' order (prefix-aware eviction keeps a promoted prefix together)."""
     slow_from = cascade.cpu_index + 1 if cascade.cpu_index is not None else 0
+    resident = _read_resident(cascade, namespace_id, hashes, dsts, accept, slow_from)
+    if resident is not None:
+        return resident
     with cascade.lock:
         slow = [i for i, h in enumerate(hashes)
                 if (e := cascade.index.visible(namespace_id, h)) is not None and e.fastest >= slow_from]
@@ -73,6 +76,89 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
                     cascade.unpin(got.entry)
         raise
     return out
+
+
+def _read_resident(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
+                   accept: Collection[int], slow_from: int) -> list[tuple[int, int] | None] | None:
+    """The common batch, with two lock acquisitions instead of three per block: every block
+    absent, or with its fastest copy in RAM (a tier before ``slow_from``) in a form the reader
+    takes as it is (raw, or a codec in ``accept``). All are pinned at once, copied outside the
+    lock, then counted, touched, promoted and unpinned in the callers' order at once, as
+    ``_deliver`` does one by one. None (nothing pinned) when some block needs the per-block path:
+    a slower tier's read, or a decode. A copy that fails its check is dropped and its block read
+    again through ``read_block`` (the next copy, or a miss)."""
+    entries = cascade.index.entries
+    with cascade.lock:
+        plan: list[tuple[object, int] | None] = []
+        for h in hashes:
+            entry = entries.get(namespace_id + h)
+            if entry is None or not entry.visible:
+                plan.append(None)
+                continue
+            t = entry.fastest
+            codec = entry.copies[t].codec
+            if t >= slow_from or (codec != 0 and codec not in accept):
+                return None
+            plan.append((entry, t, codec))
+        misses = 0
+        for p in plan:
+            if p is None:
+                misses += 1
+            else:
+                p[0].pins += 1
+        if misses:
+            cascade.counters["misses"] += misses
+    out: list[tuple[int, int] | None] = [None] * len(hashes)
+    sizes = [0] * len(hashes)
+    retry: set[int] = set()
+    tiers = cascade.tiers
+    try:
+        for i, p in enumerate(plan):
+            if p is None:
+                continue
+            entry, t, _ = p
+            try:
+                sizes[i] = tiers[t].read_into(entry.key, dsts[i])
+            except (BlockCorrupt, CodecError):
+                with cascade.lock:
+                    cascade.discard_corrupt_copy(entry, t)
+                    cascade.unpin(entry)
+                retry.add(i)
+    except BaseException:
+        with cascade.lock:   # nothing is delivered yet: every block stays stored, none pinned for good
+            for k, p in enumerate(plan):
+                if p is not None and k not in retry:
+                    cascade.unpin(p[0])
+        raise
+    start = 0
+    for k in sorted(retry) + [len(plan)]:
+        _deliver_run(cascade, plan, sizes, dsts, accept, start, k, out)
+        if k < len(plan):
+            out[k] = read_block(cascade, namespace_id, hashes[k], dsts[k], accept)
+        start = k + 1
+    return out
+
+
+def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: int, out: list) -> None:
+    """``_deliver`` for the pinned reads ``plan[start:stop]`` under one lock acquisition."""
+    if start >= stop:
+        return
+    counters, policies, tiers = cascade.counters, cascade.index.policies, cascade.tiers
+    promote = cascade.config.promote_on_hit
+    with cascade.lock:
+        for i in range(start, stop):
+            p = plan[i]
+            if p is None:
+                continue
+            entry, t, codec = p
+            n = sizes[i]
+            counters[f"hits_{tiers[t].name}"] += 1
+            counters["bytes_out"] += n
+            policies[t].touch(entry.key)
+            if t > 0 and promote and not entry.doomed:
+                cascade.promote(entry, t, dsts[i][:n], None)
+            cascade.unpin(entry)
+            out[i] = (n, codec)
 
 
 def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,

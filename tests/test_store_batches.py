@@ -1,0 +1,230 @@
+"""Batched per-call work in the store (issue 14): a put reserves and publishes runs of raw blocks
+under one lock acquisition each (``Cascade.reserve_run``), a get of RAM-resident blocks pins and
+delivers them at once (``reads._read_resident``), and a lease answer may come as a ``BlockTable``.
+Each must behave exactly as the block-by-block path it shortcuts: same results, same listener
+events in the same order, same eviction order, same counters, pins and quota charges."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import pytest
+
+from kvstore.errors import BlockCorrupt, QuotaExceeded, StoreFull
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.store import Store, StoreConfig, StoreListener, reads
+from kvstore.store.cascade import Cascade
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
+
+SLOT = 64 * 1024
+BLOCK = 2 * SLOT
+
+
+def layout(tenant_block: int = BLOCK) -> KVLayout:
+    return KVLayout(model="test/batches", num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                    block_tokens=16, block_bytes=tenant_block)
+
+
+def data(h: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return ChainHasher().chain(list(range(start, start + 16 * n)), 16)
+
+
+class Events(StoreListener):
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def blocks_added(self, namespace_id, block_hashes):
+        self.log.append(("added", list(block_hashes)))
+
+    def blocks_removed(self, namespace_id, block_hashes):
+        self.log.append(("removed", list(block_hashes)))
+
+    def block_moved(self, namespace_id, block_hash, fastest_tier):
+        self.log.append(("moved", block_hash, fastest_tier))
+
+
+def make_store(tmp_path, name: str, cpu_blocks: int = 8, nvme_blocks: int = 64, **config) -> tuple[Store, bytes]:
+    tiers = [CpuTier(cpu_blocks * BLOCK, slot_bytes=SLOT)]
+    if nvme_blocks:
+        tiers.append(NvmeTier(str(tmp_path / name), nvme_blocks * (HEADER_BYTES + BLOCK)))
+    store = Store(tiers, StoreConfig(**config))
+    return store, store.register_namespace(Namespace(layout(), tenant="t"))
+
+
+@contextlib.contextmanager
+def block_by_block(monkeypatch):
+    """The store as it was before batching: every put block through ``reserve``, every get block
+    through ``read_block``."""
+    with monkeypatch.context() as m:
+        m.setattr(Cascade, "reserve_run", lambda self, *a, **k: [])
+        m.setattr(reads, "_read_resident", lambda *a, **k: None)
+        yield
+
+
+def run_workload(store: Store, ns: bytes, seed: int) -> list:
+    """A random mix of puts (chains longer than the CPU tier among them), gets, lookups, deletes
+    and two-phase operations; returns everything each call answered."""
+    rng = random.Random(seed)
+    chains = [chain(rng.randint(1, 14), start=1000 * k) for k in range(6)]
+    out: list = []
+    outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(16)]
+    for step in range(60):
+        c = rng.choice(chains)
+        a = rng.randrange(len(c))
+        part = c[a:a + rng.randint(1, len(c))]
+        parent = c[a - 1] if a else None
+        op = rng.choice(["put", "put", "get", "get", "lookup", "delete", "two_phase_store", "two_phase_load"])
+        if op == "put":
+            out.append(store.put(ns, part, [data(h) for h in part], parent=parent))
+        elif op == "get":
+            got = store.get_into(ns, part, outs[:len(part)])
+            out.append(got)
+            for h, n, o in zip(part, got, outs):
+                if n is not None:
+                    assert np.array_equal(o[:n], data(h)), "a wrong byte was served"
+        elif op == "lookup":
+            r = store.lookup(ns, part, lease=False)
+            out.append((r.num_hit, r.tiers))
+        elif op == "delete":
+            out.append(store.delete(ns, part))
+        elif op == "two_phase_store":
+            try:
+                lease = store.prepare_store(ns, part, parent)
+            except StoreFull:
+                out.append("full")
+                continue
+            arena = store.shared_arena()
+            for h, ext in zip(part, lease.extents):
+                if ext is not None:
+                    views = arena.views(ext)
+                    pos = 0
+                    for v in views:
+                        v[:] = data(h)[pos:pos + v.nbytes]
+                        pos += v.nbytes
+            out.append(store.complete_store(lease.id))
+        else:
+            lease = store.prepare_load(ns, part)
+            out.append([len(e) for e in lease.extents])
+            store.complete_load(lease.id)
+    out.append(sorted((s.block_hash, s.tiers, s.pins, s.visible) for s in store.block_states()))
+    out.append(store.tenant_bytes("t"))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix", "s3fifo"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_batched_paths_answer_and_notify_exactly_as_block_by_block(tmp_path, monkeypatch, policy, seed):
+    batched, ns_a = make_store(tmp_path, "a", eviction_policy=policy)
+    single, ns_b = make_store(tmp_path, "b", eviction_policy=policy)
+    ev_a, ev_b = Events(), Events()
+    batched.subscribe(ev_a)
+    single.subscribe(ev_b)
+    try:
+        got_a = run_workload(batched, ns_a, seed)
+        with block_by_block(monkeypatch):
+            got_b = run_workload(single, ns_b, seed)
+        assert got_a == got_b
+        assert ev_a.log == ev_b.log
+        counters_a, counters_b = batched.stats()["counters"], single.stats()["counters"]
+        assert counters_a == counters_b
+    finally:
+        batched.close()
+        single.close()
+
+
+def test_every_added_block_is_followed_by_its_tier_before_the_next(tmp_path):
+    store, ns = make_store(tmp_path, "ev", cpu_blocks=64, nvme_blocks=0)
+    ev = Events()
+    store.subscribe(ev)
+    hashes = chain(10)
+    assert store.put(ns, hashes, [data(h) for h in hashes]) == ["stored"] * 10
+    assert ev.log == [e for h in hashes for e in (("added", [h]), ("moved", h, 0))]
+    store.close()
+
+
+def test_quota_reached_inside_a_batch_keeps_the_blocks_before_it(tmp_path):
+    store, ns = make_store(tmp_path, "q", cpu_blocks=64, nvme_blocks=0, tenant_quotas={"t": 5 * BLOCK})
+    hashes = chain(8)
+    with pytest.raises(QuotaExceeded):
+        store.put(ns, hashes, [data(h) for h in hashes])
+    assert store.contains(ns, hashes) == [True] * 5 + [False] * 3
+    assert store.tenant_bytes("t") == 5 * BLOCK
+    assert store.stats()["counters"]["put_rejected_quota"] == 1
+    store.close()
+
+
+def test_a_copy_failing_inside_a_run_publishes_the_blocks_before_and_frees_the_rest(tmp_path, monkeypatch):
+    store, ns = make_store(tmp_path, "w", cpu_blocks=64, nvme_blocks=0)
+    ev = Events()
+    store.subscribe(ev)
+    writes = []
+    real = CpuTier.write
+
+    def failing(self, record, payload):
+        writes.append(record.block_hash)
+        if len(writes) == 3:
+            raise OSError("disk on fire")
+        real(self, record, payload)
+
+    monkeypatch.setattr(CpuTier, "write", failing)
+    hashes = chain(6)
+    with pytest.raises(OSError):
+        store.put(ns, hashes, [data(h) for h in hashes])
+    assert store.contains(ns, hashes) == [True, True] + [False] * 4
+    assert [s.block_hash for s in store.block_states()] == hashes[:2]
+    assert store.tenant_bytes("t") == 2 * BLOCK
+    assert store.tiers[0].used_bytes == 2 * BLOCK
+    assert [e[0] for e in ev.log] == ["added", "moved"] * 2
+    store.close()
+
+
+def test_a_corrupt_copy_in_a_batched_get_is_dropped_and_the_next_copy_served(tmp_path, monkeypatch):
+    store, ns = make_store(tmp_path, "c", write_through=True)
+    hashes = chain(4)
+    assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 4
+    real = CpuTier.read_into
+    bad = store.namespace(ns).id + hashes[2]
+
+    def corrupt(self, key, out):
+        if key == bad:
+            raise BlockCorrupt("flipped bit")
+        return real(self, key, out)
+
+    monkeypatch.setattr(CpuTier, "read_into", corrupt)
+    outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes]
+    assert store.get_into(ns, hashes, outs) == [BLOCK] * 4
+    for h, o in zip(hashes, outs):
+        assert np.array_equal(o, data(h))
+    counters = store.stats()["counters"]
+    assert counters["corrupt_dropped"] == 1
+    assert (counters["hits_cpu"], counters["hits_nvme"]) == (3, 1)
+    assert all(s.pins == 0 for s in store.block_states())
+    store.close()
+
+
+def test_a_failed_read_in_a_batched_get_leaves_nothing_pinned(tmp_path, monkeypatch):
+    store, ns = make_store(tmp_path, "f", nvme_blocks=0)
+    hashes = chain(4)
+    store.put(ns, hashes, [data(h) for h in hashes])
+    real = CpuTier.read_into
+    calls = []
+
+    def failing(self, key, out):
+        calls.append(key)
+        if len(calls) == 3:
+            raise OSError("gone")
+        return real(self, key, out)
+
+    monkeypatch.setattr(CpuTier, "read_into", failing)
+    with pytest.raises(OSError):
+        store.get_into(ns, hashes, [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes])
+    assert all(s.pins == 0 and s.visible for s in store.block_states())
+    assert store.stats()["counters"].get("hits_cpu", 0) == 0
+    store.close()
