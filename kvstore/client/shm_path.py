@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 
@@ -47,6 +48,45 @@ def _window(extents: list[tuple[int, int]], offset: int, nbytes: int) -> list[tu
     return out
 
 
+class _Extent(NamedTuple):
+    """An extent as ``ArenaMap.ensure`` / ``SegmentMap.ensure`` read it (like ``pb.Extent``)."""
+    offset: int
+    length: int
+    generation: int
+
+
+class _Slots(NamedTuple):
+    """One block of a lease: its (offset, length) pieces, stored bytes, codec, already present."""
+    extents: list[tuple[int, int]]
+    size: int
+    codec: int
+    present: bool
+
+
+def lease_slots(lease) -> tuple[list[_Slots], list[_Extent]]:
+    """Each block of a ``pb.LeaseResponse`` and every extent it names (to map them once), from its
+    ``table`` (asked for: parallel arrays read a field at a time) or, from a daemon that predates
+    it, its ``blocks`` messages."""
+    if not lease.HasField("table"):
+        blocks = [_Slots([(e.offset, e.length) for e in b.extents], b.size, b.codec, b.present) for b in lease.blocks]
+        return blocks, [_Extent(e.offset, e.length, e.generation) for b in lease.blocks for e in b.extents]
+    t = lease.table
+    counts, offsets, lengths, sizes = list(t.extent_counts), list(t.offsets), list(t.lengths), list(t.sizes)
+    n = len(counts)
+    codecs = list(t.codecs) or [0] * n
+    present = list(t.present) or [False] * n
+    if not (len(sizes) == len(codecs) == len(present) == n and sum(counts) == len(offsets) == len(lengths)):
+        raise errors.DaemonUnavailable("shared memory: the daemon's lease table is inconsistent")
+    pieces = list(zip(offsets, lengths))
+    blocks, at = [], 0
+    for k in range(n):
+        c = counts[k]
+        blocks.append(_Slots(pieces[at:at + c], sizes[k], codecs[k], present[k]))
+        at += c
+    generations = list(t.generations) or [0] * len(offsets)
+    return blocks, [_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations)]
+
+
 class ShmPath:
     """Puts and gets through the mapped arena. ``stream_one`` fetches blocks the arena could not
     stage (present, but no free unpinned slot) over a streaming path instead of missing them."""
@@ -62,17 +102,18 @@ class ShmPath:
         written at the start of its block's slots and CompleteStore names their sizes."""
         t0 = time.monotonic()
         lease, _ = self.negotiation.call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
-            namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes))
+            namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes, table=True))
         safe_until = t0 + STORE_LEASE_SAFETY * lease.expires_in
         try:
-            for blk, src in zip(lease.blocks, arrays):
+            blocks, pieces = lease_slots(lease)
+            arena = self.negotiation.arena
+            self._map(arena, pieces)
+            for blk, src in zip(blocks, arrays):
                 if blk.present:
                     continue
                 if time.monotonic() > safe_until:
                     raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
-                arena = self.negotiation.arena
-                self._map(arena, blk.extents)
-                arena.copy_in(_leading([(e.offset, e.length) for e in blk.extents], src.nbytes), src)
+                arena.copy_in(_leading(blk.extents, src.nbytes), src)
         except BaseException:
             try:
                 self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
@@ -93,17 +134,18 @@ class ShmPath:
             self.settle()  # our previous pins are released before we pin more (small arenas)
             t0 = time.monotonic()
             lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
-                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept))
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept,
+                table=True))
             got = []
+            blocks: list[_Slots] = []
             try:
-                for k, blk in enumerate(lease.blocks):
-                    i = start + k
-                    extents = [(e.offset, e.length) for e in blk.extents]
-                    size = blk.size
+                blocks, pieces = lease_slots(lease)
+                arena = self.negotiation.arena
+                self._map(arena, pieces)
+                for i, blk in enumerate(blocks, start):
+                    extents, size = blk.extents, blk.size
                     if byte_range is not None:
                         extents, size = _window(extents, *byte_range), byte_range[1]
-                    arena = self.negotiation.arena
-                    self._map(arena, blk.extents)
                     arena.copy_out(extents, sinks[i].buffer(size))
                     got.append((i, size, blk.codec))
             finally:
@@ -111,7 +153,7 @@ class ShmPath:
             if confirmed:
                 for i, size, codec in got:
                     sizes[i] = sinks[i].finish(size, codec)
-            stop = start + len(lease.blocks)
+            stop = start + len(blocks)
             if meta.get(UNSTAGED_KEY) and stop < len(hashes):
                 sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
             start = stop + 1  # skip past the first miss

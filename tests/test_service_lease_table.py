@@ -1,0 +1,100 @@
+"""A lease answered as a ``BlockTable`` (the client asks with ``table``; issue 14) says exactly
+what the per-block ``BlockSlots`` messages say: the same extents, sizes, codecs, present flags
+and segment generations, read back by the client's ``lease_slots``; a daemon that predates it
+answers with ``blocks``, which the same reader takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.client.shm_path import lease_slots
+from kvstore.errors import DaemonUnavailable
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.lease_rpcs import LeaseRpcs
+from kvstore.store import Store, StoreConfig
+from kvstore.store.leases import Lease
+from kvstore.tiers.cpu import CpuTier
+
+SLOT = 64 * 1024
+BLOCK = 2 * SLOT
+
+
+class _Answering:
+    """What ``LeaseRpcs._lease_response`` reads of its servicer: the store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+
+def answer(store: Store, lease: Lease, present_none: bool, table: bool) -> pb.LeaseResponse:
+    resp = LeaseRpcs._lease_response(_Answering(store), lease, 7, present_none, BLOCK, table)
+    return pb.LeaseResponse.FromString(resp.SerializeToString())   # as the client receives it
+
+
+def make(segment_bytes: int | None = None) -> tuple[Store, bytes]:
+    store = Store([CpuTier(64 * BLOCK, slot_bytes=SLOT, segment_bytes=segment_bytes)], StoreConfig())
+    layout = KVLayout(model="test/table", num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                      block_tokens=16, block_bytes=BLOCK)
+    return store, store.register_namespace(Namespace(layout, tenant="a"))
+
+
+def churned(store: Store, ns: bytes) -> list[bytes]:
+    """Blocks of ``ns``, and one-slot blocks of another namespace of the tenant put and every other
+    one deleted, so the free slots lie apart and ``ns``'s next blocks take two extents each."""
+    small = store.register_namespace(Namespace(KVLayout(model="test/table", num_layers=1, num_kv_heads=1,
+                                                        head_dim=64, dtype="uint8", block_tokens=16,
+                                                        block_bytes=SLOT), tenant="a"))
+    hashes = ChainHasher().chain(list(range(16 * 8)), 16)
+    store.put(ns, hashes, [np.full(BLOCK, i, dtype=np.uint8) for i in range(8)])
+    singles = ChainHasher(seed=3).chain(list(range(16 * 32)), 16)
+    store.put(small, singles, [np.zeros(SLOT, dtype=np.uint8)] * 32)
+    store.delete(small, singles[::2])
+    return hashes
+
+
+@pytest.mark.parametrize("segment_bytes", [None, 8 * SLOT])
+def test_store_and_load_leases_read_the_same_from_a_table_as_from_blocks(segment_bytes):
+    store, ns = make(segment_bytes)
+    try:
+        old = churned(store, ns)
+        fresh = ChainHasher(seed=9).chain(list(range(16 * 6)), 16)
+        hashes = [old[1], old[3]] + fresh + [old[5]]     # some present already
+        lease = store.prepare_store(ns, hashes)
+        assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
+        as_blocks, as_table = answer(store, lease, True, False), answer(store, lease, True, True)
+        assert not as_blocks.HasField("table") and not as_table.blocks
+        assert lease_slots(as_table) == lease_slots(as_blocks)
+        blocks, pieces = lease_slots(as_table)
+        assert [b.present for b in blocks] == [e is None for e in lease.extents]
+        assert [b.extents for b in blocks if not b.present] == [list(e) for e in lease.extents if e is not None]
+        if segment_bytes:
+            assert {p.generation for p in pieces} >= {1}
+        store.complete_store(lease.id)
+
+        load = store.prepare_load(ns, hashes)
+        load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
+        load.sizes = [BLOCK, 1234] + load.sizes[2:]
+        got_blocks, got_table = lease_slots(answer(store, load, False, False)), lease_slots(answer(store, load, False, True))
+        assert got_table == got_blocks
+        assert [(b.codec, b.size) for b in got_table[0][:2]] == [(0, BLOCK), (3, 1234)]
+        store.complete_load(load.id)
+    finally:
+        store.close()
+
+
+def test_an_empty_load_lease_is_no_blocks_either_way():
+    store, ns = make()
+    try:
+        lease = store.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
+        for table in (False, True):
+            assert lease_slots(answer(store, lease, False, table)) == ([], [])
+    finally:
+        store.close()
+
+
+def test_an_inconsistent_table_is_refused_like_a_lost_daemon():
+    resp = pb.LeaseResponse(lease_id=1, table=pb.BlockTable(extent_counts=[2], offsets=[0], lengths=[10], sizes=[10]))
+    with pytest.raises(DaemonUnavailable):
+        lease_slots(resp)
