@@ -228,3 +228,22 @@ def test_a_failed_read_in_a_batched_get_leaves_nothing_pinned(tmp_path, monkeypa
     assert all(s.pins == 0 and s.visible for s in store.block_states())
     assert store.stats()["counters"].get("hits_cpu", 0) == 0
     store.close()
+
+
+def test_a_put_onto_a_disk_first_tier_publishes_each_block_before_writing_the_next(tmp_path, monkeypatch):
+    """Runs are for memory tiers only: on NVMe a run would leave its first blocks invisible for as
+    long as the rest take to write and fsync."""
+    store = Store([NvmeTier(str(tmp_path / "only"), 16 * (HEADER_BYTES + BLOCK))], StoreConfig())
+    ns = store.register_namespace(Namespace(layout(), tenant="t"))
+    hashes = chain(4)
+    seen = []
+    real = NvmeTier.write_unsynced
+
+    def write(self, record, payload, durable=True):
+        seen.append(store.contains(ns, hashes))
+        real(self, record, payload, durable)
+
+    monkeypatch.setattr(NvmeTier, "write_unsynced", write)
+    assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 4
+    assert seen == [[k < i for k in range(4)] for i in range(4)]
+    store.close()

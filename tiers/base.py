@@ -45,9 +45,10 @@ from collections.abc import Iterator
 from kvstore.keys import block_key
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class BlockRecord:
-    """What a tier keeps beside a payload: enough to rebuild the index after a restart."""
+    """What a tier keeps beside a payload: enough to rebuild the index after a restart. Slotted:
+    one is made per block stored, and the index holds one per copy."""
 
     namespace_id: bytes
     block_hash: bytes

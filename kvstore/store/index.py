@@ -78,7 +78,7 @@ class BlockIndex:
     def parent(self, entry: Entry) -> Entry | None:
         if entry.parent_hash is None:
             return None
-        return self.entries.get(block_key(entry.namespace_id, entry.parent_hash))
+        return self.entries.get(entry.namespace_id + entry.parent_hash)   # block_key, inlined: hot
 
     def link(self, entry: Entry) -> None:
         """List a newly visible block in its parent (a parent with children is not a leaf)."""
@@ -101,14 +101,16 @@ class BlockIndex:
         """What the prefix-aware policy of tier ``t`` needs: how many children have a copy in tier
         ``t`` or faster, and whether the parent has none there (the prefix is broken in ``t``)."""
         kids = 0
-        for child_key in entry.children:
-            child = self.entries.get(child_key)
-            if child is not None and child.copies and child.fastest <= t:
-                kids += 1
+        if entry.children:
+            entries = self.entries
+            for child_key in entry.children:
+                child = entries.get(child_key)
+                if child is not None and child.copies and min(child.copies) <= t:
+                    kids += 1
         if entry.parent_hash is None:
             return kids, False
-        parent = self.parent(entry)
-        return kids, parent is None or not parent.copies or parent.fastest > t
+        parent = self.entries.get(entry.namespace_id + entry.parent_hash)
+        return kids, parent is None or not parent.copies or min(parent.copies) > t
 
     def track_copy(self, entry: Entry, t: int) -> None:
         """Tell tier ``t``'s policy about the copy ``entry`` now has there."""

@@ -27,7 +27,7 @@ from kvstore.buffers import Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
-from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs
+from kvstore.store.puts import check_encoded, payload_codecs, run_limit
 from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
 
@@ -76,7 +76,7 @@ class Leases:
             i = 0
             while i < len(hashes):
                 # blocks that fit without evicting: a run per lock acquisition; any other, one by one
-                run = self._cascade.reserve_run(ns, hashes, parents, i, c, RUN_BLOCKS)
+                run = self._cascade.reserve_run(ns, hashes, parents, i, c, run_limit(ns.block_bytes))
                 if not run:
                     run = [self._cascade.reserve(namespace_id, hashes[i], parents[i], ns.block_bytes, c,
                                                  only_this_tier=True)]

@@ -75,8 +75,14 @@ def checked_payloads(ns: Namespace, payloads: Sequence, codecs: Sequence[int] | 
     return arrays
 
 
-#: blocks reserved under one lock acquisition by ``Cascade.reserve_run`` (bounds how long it holds the lock)
+#: at most this many blocks, and this many bytes, per run of ``Cascade.reserve_run``: bounds how long
+#: it holds the lock, and how long a put's first block of a run stays invisible while the rest is copied
 RUN_BLOCKS = 512
+RUN_BYTES = 32 << 20
+
+
+def run_limit(block_bytes: int) -> int:
+    return max(1, min(RUN_BLOCKS, RUN_BYTES // max(block_bytes, 1)))
 
 
 def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: Sequence,
@@ -85,18 +91,21 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     parent is ``hashes[i-1]`` (the first's is ``parent``). Per block "stored", "exists" or
     "persisted". Raises ``StoreFull`` if a block fits nowhere; blocks before it stay.
 
-    Raw blocks that fit the first tier without evicting are taken a run at a time
+    Raw blocks that fit the first tier without evicting, where that tier is memory (GPU or CPU:
+    a copy takes microseconds, so a run is invisible only briefly), are taken a run at a time
     (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
     publish it, in order); any other block (eviction, a codec, a quota near its limit, another
-    tier) goes through ``_put_one``, as every block did before."""
+    tier, a disk or network first tier) goes through ``_put_one``, as every block did before."""
     results: list[str] = []
     on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
     parents = [parent] + list(hashes[:-1])
-    raw_first = cascade.transcoder.configured(0) == RAW and (codecs is None or not any(codecs))
+    runs = (cascade.cpu_index is not None and cascade.transcoder.configured(0) == RAW
+            and (codecs is None or not any(codecs)))   # tier 0 is then the CPU tier or a GPU tier before it
+    limit = run_limit(ns.block_bytes)
     i = 0
     try:
         while i < len(hashes):
-            run = cascade.reserve_run(ns, hashes, parents, i, 0, RUN_BLOCKS) if raw_first else []
+            run = cascade.reserve_run(ns, hashes, parents, i, 0, limit) if runs else []
             if run:
                 _write_run(cascade, run, arrays, i, results, on_durable)
                 i += len(run)
