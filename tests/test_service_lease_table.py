@@ -28,6 +28,11 @@ class _Answering:
         self.store = store
 
 
+def slots(resp: pb.LeaseResponse) -> tuple[list, list]:
+    blocks, pieces = lease_slots(resp)
+    return blocks, list(pieces)
+
+
 def answer(store: Store, lease: Lease, present_none: bool, table: bool) -> pb.LeaseResponse:
     resp = LeaseRpcs._lease_response(_Answering(store), lease, 7, present_none, BLOCK, table)
     return pb.LeaseResponse.FromString(resp.SerializeToString())   # as the client receives it
@@ -65,8 +70,8 @@ def test_store_and_load_leases_read_the_same_from_a_table_as_from_blocks(segment
         assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
         as_blocks, as_table = answer(store, lease, True, False), answer(store, lease, True, True)
         assert not as_blocks.HasField("table") and not as_table.blocks
-        assert lease_slots(as_table) == lease_slots(as_blocks)
-        blocks, pieces = lease_slots(as_table)
+        assert slots(as_table) == slots(as_blocks)
+        blocks, pieces = slots(as_table)
         assert [b.present for b in blocks] == [e is None for e in lease.extents]
         assert [b.extents for b in blocks if not b.present] == [list(e) for e in lease.extents if e is not None]
         if segment_bytes:
@@ -76,7 +81,7 @@ def test_store_and_load_leases_read_the_same_from_a_table_as_from_blocks(segment
         load = store.prepare_load(ns, hashes)
         load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
         load.sizes = [BLOCK, 1234] + load.sizes[2:]
-        got_blocks, got_table = lease_slots(answer(store, load, False, False)), lease_slots(answer(store, load, False, True))
+        got_blocks, got_table = slots(answer(store, load, False, False)), slots(answer(store, load, False, True))
         assert got_table == got_blocks
         assert [(b.codec, b.size) for b in got_table[0][:2]] == [(0, BLOCK), (3, 1234)]
         store.complete_load(load.id)
@@ -89,7 +94,7 @@ def test_an_empty_load_lease_is_no_blocks_either_way():
     try:
         lease = store.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
         for table in (False, True):
-            assert lease_slots(answer(store, lease, False, table)) == ([], [])
+            assert slots(answer(store, lease, False, table)) == ([], [])
     finally:
         store.close()
 
@@ -98,3 +103,31 @@ def test_an_inconsistent_table_is_refused_like_a_lost_daemon():
     resp = pb.LeaseResponse(lease_id=1, table=pb.BlockTable(extent_counts=[2], offsets=[0], lengths=[10], sizes=[10]))
     with pytest.raises(DaemonUnavailable):
         lease_slots(resp)
+
+
+def test_a_lease_of_one_extent_blocks_reads_the_same_either_way():
+    store, ns = make()
+    try:
+        hashes = ChainHasher().chain(list(range(16 * 5)), 16)
+        store.put(ns, hashes[:2], [np.ones(BLOCK, dtype=np.uint8)] * 2)
+        lease = store.prepare_store(ns, hashes)
+        assert all(e is None or len(e) == 1 for e in lease.extents)
+        assert slots(answer(store, lease, True, True)) == slots(answer(store, lease, True, False))
+        store.abort_store(lease.id)
+    finally:
+        store.close()
+
+
+def test_present_blocks_beside_a_two_extent_block_read_the_same_either_way():
+    """Extent counts 0 and 2 add up to one per block: not the one-extent-each case."""
+    store, ns = make()
+    try:
+        churned(store, ns)
+        hashes = ChainHasher(seed=11).chain(list(range(16 * 2)), 16)
+        store.put(ns, hashes[:1], [np.ones(BLOCK, dtype=np.uint8)])
+        lease = store.prepare_store(ns, hashes)
+        assert [0 if e is None else len(e) for e in lease.extents] == [0, 2]
+        assert slots(answer(store, lease, True, True)) == slots(answer(store, lease, True, False))
+        store.abort_store(lease.id)
+    finally:
+        store.close()

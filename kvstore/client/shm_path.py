@@ -10,7 +10,7 @@ store stops writing and aborts when its lease is close to expiry.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import grpc
@@ -63,13 +63,13 @@ class _Slots(NamedTuple):
     present: bool
 
 
-def lease_slots(lease) -> tuple[list[_Slots], list[_Extent]]:
-    """Each block of a ``pb.LeaseResponse`` and every extent it names (to map them once), from its
-    ``table`` (asked for: parallel arrays read a field at a time) or, from a daemon that predates
-    it, its ``blocks`` messages."""
+def lease_slots(lease) -> tuple[list[_Slots], Iterator[_Extent]]:
+    """Each block of a ``pb.LeaseResponse``, and every extent it names (made as they are read: a
+    whole mapped arena reads none), from its ``table`` (asked for: parallel arrays read a field at
+    a time) or, from a daemon that predates it, its ``blocks`` messages."""
     if not lease.HasField("table"):
         blocks = [_Slots([(e.offset, e.length) for e in b.extents], b.size, b.codec, b.present) for b in lease.blocks]
-        return blocks, [_Extent(e.offset, e.length, e.generation) for b in lease.blocks for e in b.extents]
+        return blocks, (_Extent(e.offset, e.length, e.generation) for b in lease.blocks for e in b.extents)
     t = lease.table
     counts, offsets, lengths, sizes = list(t.extent_counts), list(t.offsets), list(t.lengths), list(t.sizes)
     n = len(counts)
@@ -78,13 +78,16 @@ def lease_slots(lease) -> tuple[list[_Slots], list[_Extent]]:
     if not (len(sizes) == len(codecs) == len(present) == n and sum(counts) == len(offsets) == len(lengths)):
         raise errors.DaemonUnavailable("shared memory: the daemon's lease table is inconsistent")
     pieces = list(zip(offsets, lengths))
-    blocks, at = [], 0
-    for k in range(n):
-        c = counts[k]
-        blocks.append(_Slots(pieces[at:at + c], sizes[k], codecs[k], present[k]))
-        at += c
+    if counts.count(1) == n:   # one extent each (the usual case): no slicing
+        blocks = [_Slots([p], s, c, pr) for p, s, c, pr in zip(pieces, sizes, codecs, present)]
+    else:
+        blocks, at = [], 0
+        for k in range(n):
+            c = counts[k]
+            blocks.append(_Slots(pieces[at:at + c], sizes[k], codecs[k], present[k]))
+            at += c
     generations = list(t.generations) or [0] * len(offsets)
-    return blocks, [_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations)]
+    return blocks, (_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations))
 
 
 class ShmPath:
