@@ -247,3 +247,28 @@ def test_a_put_onto_a_disk_first_tier_publishes_each_block_before_writing_the_ne
     assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 4
     assert seen == [[k < i for k in range(4)] for i in range(4)]
     store.close()
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_completed_store_lease_writes_through_what_the_writer_put_in_the_slots(tmp_path, write_through):
+    """complete_store reads the slots only when something needs their bytes (write-through here)."""
+    store, ns = make_store(tmp_path, "wt", write_through=write_through)
+    hashes = chain(3)
+    lease = store.prepare_store(ns, hashes)
+    arena = store.shared_arena()
+    for h, ext in zip(hashes, lease.extents):
+        pos = 0
+        for v in arena.views(ext):
+            v[:] = data(h)[pos:pos + v.nbytes]
+            pos += v.nbytes
+    assert store.complete_store(lease.id) == ["persisted" if write_through else "stored"] * 3
+    assert [s.tiers for s in store.block_states()] == [(0, 1) if write_through else (0,)] * 3
+    if write_through:   # the NVMe copy holds the bytes the writer put in the slots
+        out = np.zeros(BLOCK, dtype=np.uint8)
+        for h in hashes:
+            assert store.tiers[1].read_into(store.namespace(ns).id + h, out) == BLOCK
+            assert np.array_equal(out, data(h))
+    outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes]
+    assert store.get_into(ns, hashes, outs) == [BLOCK] * 3
+    assert all(np.array_equal(o, data(h)) for h, o in zip(hashes, outs))
+    store.close()

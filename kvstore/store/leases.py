@@ -103,7 +103,7 @@ class Leases:
             raise
         results = []
         on_durable = []
-        kept_raw = None
+        kept_raw, unread = None, False
         for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
             entry = cascade.index.entries.get(key) if ext is not None else None
             if entry is None or entry.ready:
@@ -113,17 +113,21 @@ class Leases:
                 like, payload = encoded[i]
                 payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
             else:
-                data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
-                if len(data) == 1:
-                    payload = data[0]
-                elif self._needs_bytes(entry):
-                    payload = np.concatenate(data)
-                else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
-                    payload = None
-                if kept_raw is None:
+                if kept_raw is None:   # one namespace per lease: decided once
                     kept_raw = cascade.transcoder.configured(cascade.cpu_index) == RAW  # type: ignore[arg-type]
-                if not kept_raw:   # a raw CPU tier keeps the slots as written: nothing to encode or tally
-                    payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
+                    unread = kept_raw and not self._needs_bytes(entry)
+                if unread:   # a raw CPU tier keeps the slots as written, and nothing reads them now
+                    payload = None
+                else:
+                    data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
+                    if len(data) == 1:
+                        payload = data[0]
+                    elif self._needs_bytes(entry):
+                        payload = np.concatenate(data)
+                    else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
+                        payload = None
+                    if not kept_raw:   # encode for the CPU tier's codec (and tally it)
+                        payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
             results.append("stored")
             if cascade.publish(entry, payload):
                 on_durable.append(len(results) - 1)
