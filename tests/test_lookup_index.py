@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import DaemonUnavailable, UnknownNamespace
-from kvstore.ops.local_daemon import start_local_daemon
+from kvstore.ops.local_daemon import kill_until_released, start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import lookup_index as LI
 
@@ -199,7 +200,8 @@ def test_a_dead_daemon_s_index_is_not_trusted(daemon):
         c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
         c.lookup(ns, hashes)
         assert settled(c, ns, hashes)[0] == 4
-        daemon.kill()
+        kill_until_released(daemon.pid)          # dead, not yet reaped: its sockets gone, its table intact
+        assert c._negotiation.lookups.index.leading_hits(ns, hashes)[0] == 4   # the table would still say so
         with pytest.raises(DaemonUnavailable):
             c.lookup(ns, hashes)
     finally:
@@ -242,3 +244,26 @@ def test_malformed_or_foreign_tells_are_dropped_and_the_connection_keeps_answeri
         assert r.stdout.split()[0] == "1"                    # the unknown op: an error answer
         assert r.stdout.strip().endswith("(0, 1)")           # then the good lookup: one hit
         assert alice.lookup(ns, hashes).num_hit == 2         # and everyone else is still served
+
+
+def test_a_hung_daemon_s_index_goes_stale_and_lookups_stop_hitting(daemon):
+    """A daemon that stops (SIGSTOP: hung, not dead) stops stamping its tables; after STALE_NS a
+    client no longer answers from one, and asks the daemon, which does not answer: a miss."""
+    hashes = chain(4, seed=12)
+    c = daemon.client(token="alice-token", timeout_s=1.0)
+    try:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
+        c.lookup(ns, hashes)
+        assert settled(c, ns, hashes)[0] == 4
+        index = c._negotiation.lookups.index
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            time.sleep(LI.STALE_NS / 1e9 + 0.3)
+            assert index.leading_hits(ns, hashes) is None
+            with pytest.raises(DaemonUnavailable):
+                c.lookup(ns, hashes)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    finally:
+        c.close()

@@ -70,7 +70,36 @@ class LocalDaemon:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL, and return once the daemon's sockets are released (``kill_until_released``)."""
+        if self.proc.poll() is None:
+            kill_until_released(self.pid)
         self.stop(signal.SIGKILL)
+
+
+def kill_until_released(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL ``pid`` and return once its sockets are released, so what runs next meets a dead
+    daemon rather than a dying one: a killed process drops its descriptors first and the kernel
+    frees its sockets a moment later (a worker's tick), and until then a peer can still send to
+    them (Linux: reads /proc)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            sockets.add(link[8:-1])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = set()
+        for table in ("unix", "tcp", "tcp6"):
+            with open(f"/proc/net/{table}") as f:
+                next(f)
+                live |= {line.split()[6 if table == "unix" else 9] for line in f}
+        if not sockets & live:
+            return
+        time.sleep(0.01)
 
 
 def serve_command(*args: str) -> list[str]:

@@ -7,7 +7,8 @@ namespace anyway, and one table serves them all. Tables are created on demand (a
 clients never ask keeps none) and bounded in number (``MAX_TABLES``): a tenant past the bound gets
 no table and its lookups go over the socket, as from a client that cannot map one.
 
-A new table starts ``LOADING`` (readers ask the daemon) and is filled from the store's snapshot on
+A thread stamps every table each ``BEAT_S`` (its heartbeat), so clients stop trusting the tables of
+a daemon that hangs. A new table starts ``LOADING`` (readers ask the daemon) and is filled from the store's snapshot on
 a thread of its own, batch by batch under the store lock (``Store.replay``), while live events
 already reach it: once filled it is exact.
 """
@@ -18,7 +19,7 @@ import logging
 import threading
 
 from kvstore.store import Store, StoreListener
-from kvstore.transport.lookup_index import LOADING, MIN_HASH_BYTES, IndexTable, key_of, supported
+from kvstore.transport.lookup_index import BEAT_S, LOADING, MIN_HASH_BYTES, IndexTable, key_of, supported
 
 log = logging.getLogger("kvstore.service.lookup_indexes")
 
@@ -37,8 +38,16 @@ class LookupIndexes(StoreListener):
         self._route: dict[bytes, IndexTable | None] = {}   # namespace id -> its tenant's table
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()
         if self.enabled:
             store.subscribe(self)
+            threading.Thread(target=self._beat, name="kvstore-lookup-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            with self._lock:
+                for table in self._tables.values():
+                    table.beat()
 
     def descriptor_for(self, tenant: str) -> int | None:
         """A descriptor of ``tenant``'s table for one client (created on first use), or None."""
@@ -109,6 +118,7 @@ class LookupIndexes(StoreListener):
                         table.remove(key_of(namespace_id, h))
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             tables, self._tables = list(self._tables.values()), {}

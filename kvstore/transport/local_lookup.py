@@ -226,10 +226,11 @@ class LocalLookup:
         """``(hits, tiers)``; ``LocalLookupError`` for the daemon's refusal, OSError when the
         connection is gone (the caller falls back to gRPC)."""
         if self.index is not None and namespace_id in self._known:
-            got = self.index.leading_hits(namespace_id, hashes)
-            if got is not None:
-                self._tell(encode_told(namespace_id, hashes[:got[0]], len(hashes), lease))
-                return got
+            with self._lock:
+                got = self.index.leading_hits(namespace_id, hashes)
+                if got is not None:
+                    self._tell(encode_told(namespace_id, hashes[:got[0]], len(hashes), lease))
+                    return got
         frame = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
         with self._lock:
             self._sock.sendall(frame)
@@ -245,16 +246,16 @@ class LocalLookup:
 
     def _tell(self, frame: bytes) -> None:
         """Send a frame nobody answers without waiting on a busy daemon; finish a partial write
-        (the stream must stay framed). OSError: the daemon is gone, so the index answer that
-        prompted this is not trusted either."""
-        with self._lock:
-            try:
-                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                self.told_dropped += 1   # the daemon is behind: this lookup goes unpinned and uncounted
-                return
-            if sent < len(frame):
-                self._sock.sendall(frame[sent:])
+        (the stream must stay framed). OSError (EPIPE once the daemon's end is released): the
+        daemon is gone, so the index answer that prompted this is not trusted either. A hung
+        daemon is caught by the table's heartbeat instead. Caller holds ``_lock``."""
+        try:
+            sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            self.told_dropped += 1   # the daemon is behind: this lookup goes unpinned and uncounted
+            return
+        if sent < len(frame):
+            self._sock.sendall(frame[sent:])
 
     def _recv(self, n: int) -> bytes:
         buf = bytearray()

@@ -13,7 +13,9 @@ Layout (native-endian ``u64`` words): a 4 KiB header — magic, a sequence count
 daemon writes: readers retry, a seqlock), the slot count (a power of two), flags (``INCOMPLETE``:
 some served block is not in the table, so a miss here proves nothing and readers ask the daemon;
 ``CLOSED``: the daemon stopped keeping it; ``LOADING``: not yet filled with what the daemon
-already held), the probe bound, then tier names — and then
+already held), the probe bound, a heartbeat (``CLOCK_MONOTONIC`` ns, host-wide: a daemon that
+hangs or dies without closing stops stamping it, and a table silent for ``STALE_NS`` is not
+trusted), then tier names — and then
 ``slots x (key_lo, key_hi, meta)``. The key is the block hash's first 16 bytes XOR the 16-byte
 namespace id (chain hashes are uniform, so the low word places the slot); ``meta`` is 0 for an
 empty slot, else 1 + the fastest tier's index. Linear probing, at most ``MAX_PROBE`` slots from
@@ -27,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,7 +42,9 @@ MAX_TIERS = 16
 TIER_NAME_BYTES = 32
 MIN_HASH_BYTES = 16                 # hashes narrower than a key cannot be told apart here
 INCOMPLETE, CLOSED, LOADING = 1, 2, 4
-_MAGIC, _SEQ, _SLOTS, _FLAGS, _LIVE, _PROBE = range(6)
+_MAGIC, _SEQ, _SLOTS, _FLAGS, _LIVE, _PROBE, _BEAT = range(7)
+BEAT_S = 0.1                        # the daemon stamps the table this often ...
+STALE_NS = 1_000_000_000            # ... and readers stop trusting a table not stamped for this long
 _NAMES_AT = 512
 _F_SEAL_FUTURE_WRITE = 0x0010       # Linux 5.1; not in Python's fcntl module yet
 _RETRIES = 16
@@ -83,6 +88,7 @@ class IndexTable:
             at = _NAMES_AT + i * TIER_NAME_BYTES
             self._map[at:at + len(raw)] = raw
         self._w[_SLOTS], self._w[_PROBE], self._w[_MAGIC] = slots, MAX_PROBE, MAGIC
+        self.beat()
         self._overflow: dict[tuple[int, int], int] = {}    # served blocks that found no slot
         self.live = 0
 
@@ -174,6 +180,10 @@ class IndexTable:
         key, tier = next(iter(self._overflow.items()))
         self.put(key, tier)   # placed: leaves the overflow (and clears INCOMPLETE with the last)
 
+    def beat(self) -> None:
+        """Stamp the table as kept up to date now (one word: readers need no seqlock for it)."""
+        self._w[_BEAT] = time.monotonic_ns()
+
     def set_flag(self, flag: int, on: bool) -> None:
         self._begin()
         self._w[_FLAGS] = (self._w[_FLAGS] | flag) if on else (self._w[_FLAGS] & ~flag)
@@ -218,7 +228,7 @@ class IndexReader:
 
     def leading_hits(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]] | None:
         """``(leading blocks served, their fastest tiers)``, or None when the table cannot say
-        (it is incomplete or closed, a write kept racing, or a hash is too narrow to key)."""
+        (it is incomplete, closed or stale, a write kept racing, or a hash is too narrow to key)."""
         if not hashes:
             return 0, []
         widths = set(map(len, hashes))
@@ -232,7 +242,7 @@ class IndexReader:
             seq = int(head[_SEQ])
             if seq & 1:
                 continue
-            if int(head[_FLAGS]):
+            if int(head[_FLAGS]) or time.monotonic_ns() - int(head[_BEAT]) > STALE_NS:
                 return None
             meta = self._probe_all(keys[:, 0], keys[:, 1])
             if int(head[_SEQ]) == seq:

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
+
+from kvstore.ops.local_daemon import kill_until_released
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,7 +162,7 @@ def main() -> None:
             if worker is not None and hasattr(worker, "drain_saves"):
                 worker.drain_saves()
         elif "kill" in step:
-            os.kill(int(step["kill"]), signal.SIGKILL)
+            kill_until_released(int(step["kill"]))
         elif "sleep" in step:
             time.sleep(float(step["sleep"]))
         result["steps"].append(out)
