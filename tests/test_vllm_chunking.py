@@ -6,7 +6,8 @@ Two phases of two engines each, run in parallel within a phase (engine starts ar
 1. ``baseline`` (no connector) || ``first`` (chunks, ``sync``, prefix caching off): computes and
    saves A (3 full chunks), R (170 tokens: 5 full vLLM blocks but 2 full chunks), E, and turn 1
    of a conversation whose answer fills a chunk during decode; then loads A and R back.
-2. ``layer`` (fresh engine, prefix caching off): A and R hit from the daemon, turn 2 (turn 1 +
+2. ``layer`` (fresh engine, prefix caching off, loading over the side channel as from another
+   host, so a layer group at a time): A and R hit from the daemon, turn 2 (turn 1 +
    answer + a new message) hits through the answer || ``async`` (prefix caching ON): Q shares
    A's first vLLM block only, so when A comes vLLM's own cache has computed half of A's first
    chunk: the chunk is fetched and only its second block placed; then E's chunks vanish between
@@ -75,7 +76,7 @@ def runs(tmp_path_factory):
         turn2 = P["T1"] + first["steps"][1]["outputs"][0] + P["new"]
         layer, async_ = vllm_runner.run_jobs(python, work, [
             ("layer", _job(model, [_gen("A", "R"), {"generate": [turn2], "max_tokens": MAX_TOKENS}],
-                           url=daemon.url, load_mode="layer")),
+                           url=daemon.url, load_mode="layer", transport="bulk")),   # as from another host
             ("async", _job(model, [_gen("Q"), _gen("A"), _gen("E", lose_after_lookup=True)], url=daemon.url,
                            prefix_caching=True, load_mode="async"))], timeout_s=600)
         with daemon.client() as c:
@@ -133,6 +134,7 @@ def test_fresh_engine_in_layer_mode_hits_the_chunks_and_the_answer(runs):
     # turn 2: turn 1's prompt and answer up to the last full chunk (192 tokens) came from the daemon
     assert layer["steps"][1]["num_cached_tokens"] == [(150 + TURN1_ANSWER - 1) // CHUNK * CHUNK]
     assert layer["connector"]["worker"]["layer_wait_seconds"] > 0
+    assert layer["connector"]["worker"]["load_ranged_gets"] >= 2   # layer 0, then layer 1: by layers
 
 
 def test_a_chunk_partly_in_vllms_cache_places_only_the_missing_blocks(runs):

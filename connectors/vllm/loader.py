@@ -9,6 +9,13 @@ stored block is a chunk: each layer of the vLLM blocks the plan names (not -1) i
 out of it (``chunks.ChunkPacking.place_layer``); a chunk that did not arrive whole makes all of
 them errors.
 
+A layer-wise load from a remote daemon (``fetch_by_layers``) fetches byte ranges of the blocks a
+group of layers at a time — layer 0 alone, then 2, 4, 8... layers (a block's layers are
+consecutive byte ranges of it, a chunk's too) — so the forward pass places and runs layer 0 while
+the rest is still on the wire, for a handful of round trips rather than one per layer. Every layer
+of every planned block is placed; a block that missed any range is a load error, recomputed by
+vLLM with whatever was placed in its pages overwritten.
+
 ``BackgroundLoader`` runs jobs on one thread, in order, so loads overlap the engine's forward
 passes; finished jobs are collected by the worker (``take_finished``) at the end of each step.
 """
@@ -54,6 +61,57 @@ class LoadJob:
         self._plan: list = []              # chunks: index tensors for placing them (``placement``)
         self._good_rows: torch.Tensor | None = None
         self._layers_placed: set[int] = set()
+        self._fetched = [threading.Event() for _ in paged.layers]   # by_layers: layer i is in
+        self.by_layers = False
+        self.ranged_gets = 0               # by_layers: one per group of layers
+
+    def wait_fetched(self, layer: int) -> None:
+        """Until layer ``layer``'s bytes are in (the whole job, unless fetched by layers)."""
+        (self._fetched[layer] if self.by_layers else self.done).wait()
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """Layers [a, b) fetched together: 0 alone, then groups twice as large each time."""
+        groups, a, size = [], 0, 1
+        while a < len(self.paged.layers):
+            groups.append((a, min(a + size, len(self.paged.layers))))
+            a, size = a + size, size * 2
+        return groups
+
+    def fetch_by_layers(self, handle: NamespaceHandle) -> None:
+        """``fetch``, a group of layers at a time (``layer_groups``), each group's byte range of
+        every block with one ranged get; ``wait_fetched(i)`` returns as soon as layer i's group is
+        in. Never raises: a failure makes every block a load error (the layers still unfetched are
+        released to the waiters and placed from whatever the buffer holds)."""
+        per, offsets = self.n, self.paged.offsets
+        keep = list(range(len(self.hashes))) if per > 1 else [i for i, b in enumerate(self.slots) if b >= 0]
+        hashes, size = [self.hashes[i] for i in keep], per * self.paged.block_bytes
+        missing: set[int] = set(keep)
+        try:
+            staging = self.paged.host_buffer(len(keep) * per)
+            rows = staging.view(len(keep), size)
+            host = rows.numpy()
+            self._staging, self.good, self._good_ids = staging, list(keep), list(self.block_ids)
+            if self.packing is not None:
+                self._plan = self.packing.placement(self.slots, len(keep), self.paged.device)
+            missing = set()
+            for a, b in self.layer_groups():
+                lo, hi = per * offsets[a], per * offsets[b]
+                got = handle.get_into(hashes, [host[k][lo:hi] for k in range(len(keep))], byte_range=(lo, hi - lo))
+                self.ranged_gets += 1
+                missing |= {keep[k] for k, n in enumerate(got) if n != hi - lo}
+                self._good_rows = self.paged.to_device_columns(rows, lo, hi, self._good_rows)
+                for layer in range(a, b):
+                    self._fetched[layer].set()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvstore connector: load failed: %s", e)
+            missing = set(keep)
+        finally:
+            for event in self._fetched:
+                event.set()
+        self.good = [i for i in keep if i not in missing]
+        self.bad = {b for i in missing for b in self.slots[i * per:(i + 1) * per] if b >= 0}
+        if not self.good:
+            self._good_ids = []
 
     def fetch(self, handle: NamespaceHandle, staging: torch.Tensor | None = None) -> None:
         """Copy the blocks from the daemon into ``staging`` (uint8 [hashes x N, vLLM block bytes];
@@ -109,6 +167,8 @@ class LoadJob:
         stats_add("loaded_blocks", len(self.good))
         stats_add("load_failed_blocks", len(self.hashes) - len(self.good))
         stats_add("load_local_blocks", self.num_local)
+        if self.ranged_gets:
+            stats_add("load_ranged_gets", self.ranged_gets)
 
     @property
     def layers_placed(self) -> frozenset[int]:
@@ -142,7 +202,10 @@ class BackgroundLoader:
                 return
             job, place_all = item
             t0 = time.perf_counter()
-            job.fetch(self.handle)
+            if job.by_layers:
+                job.fetch_by_layers(self.handle)
+            else:
+                job.fetch(self.handle)
             if place_all:
                 job.scatter()
                 job.release()

@@ -91,6 +91,19 @@ class PagedBlocks:
             on_device = rows.to(self.device, non_blocking=True)
             return on_device if keep is None else on_device[torch.tensor(keep, device=self.device)]
 
+    def to_device_columns(self, rows: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes ``[lo, hi)`` of every row of ``rows`` (a ``host_buffer``) into ``out`` (allocated
+        like ``rows`` on the device when None), for rows that arrive a range at a time (layer-wise
+        loads from a remote daemon): on CUDA a non-blocking copy on the copy stream, ordered before
+        the scatters that read it; on the CPU ``rows`` itself."""
+        if not self.cuda:
+            return rows
+        with torch.cuda.stream(self._stream):
+            if out is None:
+                out = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
+            out[:, lo:hi].copy_(rows[:, lo:hi], non_blocking=True)
+        return out
+
     def _as_pages(self, i: int) -> torch.Tensor:
         """Layer ``i`` as [num_blocks, page words] of ``_word`` (a view; fast path only)."""
         t = self.layers[i]

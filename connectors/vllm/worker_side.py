@@ -115,6 +115,7 @@ class WorkerSide:
             return
         job = LoadJob(in_step, self._paged, packing=self._packing)
         if meta.load_mode == "layer" and self._loader is not None and not self._layer_hooks_missing:
+            job.by_layers = self._remote_loads()
             self._layer_job = job
             self._loader.submit(job, place_all=False)
             return
@@ -133,12 +134,13 @@ class WorkerSide:
         if job is None:
             return
         t0 = time.perf_counter()
-        job.done.wait()
         i = self._paged.layer_index.get(layer_name)
         if i is None:
+            job.done.wait()
             job.scatter()
             self._paged.wait_all_layers()
         else:
+            job.wait_fetched(i)
             job.scatter_layer(i)
             self._paged.wait_layer(i)
         self._add_stat("layer_wait_seconds", time.perf_counter() - t0)
@@ -158,6 +160,14 @@ class WorkerSide:
             job.bad |= set(job.block_ids)
         job.release()
         self._load_errors |= job.bad
+
+    def _remote_loads(self) -> bool:
+        """Whether loads cross a network (side channel or gRPC), where fetching a layer group at a
+        time lets layer 0 start early; over shared memory one copy of everything is quicker."""
+        try:
+            return self._load_link.client.active_transport != "shm"
+        except Exception:  # noqa: BLE001 - the daemon is away: the fetch fails either way
+            return False
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # full blocks are copied out after the step, off the forward path (the saver)
