@@ -57,3 +57,34 @@ def test_a_gather_sees_what_the_compute_stream_wrote_before_it(device):
     paged.gather([4], staging)
     assert torch.equal(staging[0].view(torch.bfloat16), torch.full((LAYERS * 2 * BS * H * D,), 1.5,
                                                                   dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_arrive_a_layer_range_at_a_time_are_placed_per_layer(device):
+    """Layer-wise loads from a remote daemon: each group of layers' byte range of the rows lands
+    in the host buffer, goes to the device (``to_device_columns``) and is placed before the next
+    group has arrived."""
+    src_kv = caches(device, seed=3)
+    names = list(src_kv)
+    src = PagedBlocks(src_kv, names, NB)
+    full = src.host_buffer(2)
+    src.gather([4, 7], full)
+    dst_kv = caches(device, seed=None)
+    dst = PagedBlocks(dst_kv, names, NB)
+    arriving = dst.host_buffer(2)
+    arriving.zero_()
+    rows = None
+    for a, b in ((0, 1), (1, 3)):                         # layer 0, then layers 1 and 2
+        lo, hi = dst.offsets[a], dst.offsets[b]
+        arriving[:, lo:hi] = full[:, lo:hi]                # what the ranged get wrote
+        rows = dst.to_device_columns(arriving, lo, hi, rows)
+        for i in range(a, b):
+            dst.scatter_layer(i, [0, 5], rows)
+            dst.wait_layer(i)
+    dst.settle()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert rows.device.type == "cuda"
+    for name in names:
+        assert torch.equal(dst_kv[name][:, 0], src_kv[name][:, 4])
+        assert torch.equal(dst_kv[name][:, 5], src_kv[name][:, 7])
