@@ -86,10 +86,25 @@ def test_put_stream_of_encoded_payloads_splits_at_their_sizes(block_bytes, sizes
 
 
 def test_get_messages_cover_a_block_exactly():
+    """Encoded here, not by protobuf: what any protobuf reader parses as GetChunk messages."""
     block = np.arange(2500, dtype=np.uint32).view(np.uint8)
-    msgs = list(chunks.get_messages(3, block, 0, 4096))
+    msgs = [pb.GetChunk.FromString(m) for m in chunks.get_messages(3, block, 7, 4096)]
     assert [m.offset for m in msgs] == [0, 4096, 8192]
     assert b"".join(m.data for m in msgs) == block.tobytes()
-    assert all(m.index == 3 and m.hit and m.size == block.nbytes for m in msgs)
-    (miss,) = chunks.get_messages(4, None)
+    assert all(m.index == 3 and m.hit and m.codec == 7 and m.size == block.nbytes for m in msgs)
+    assert chunks.get_messages(3, block, 7, 4096).__next__() == pb.GetChunk(
+        index=3, hit=True, codec=7, size=block.nbytes, offset=0, data=block[:4096].tobytes()).SerializeToString()
+    (miss,) = (pb.GetChunk.FromString(m) for m in chunks.get_messages(4, None))
     assert miss.index == 4 and not miss.hit
+    (empty,) = (pb.GetChunk.FromString(m) for m in chunks.get_messages(5, np.zeros(0, np.uint8)))
+    assert empty.hit and empty.size == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 70_000), chunk=st.integers(1, 40_000), index=st.integers(0, 2**32 - 1))
+def test_encoded_get_chunks_parse_back_at_any_size(size, chunk, index):
+    """Data lengths whose varint takes 1 to 3 bytes, indexes up to the field's 32 bits."""
+    block = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    msgs = [pb.GetChunk.FromString(m) for m in chunks.get_messages(index, block, 0, chunk)]
+    assert b"".join(m.data for m in msgs) == block.tobytes()
+    assert all(m.index == index and m.size == size for m in msgs)

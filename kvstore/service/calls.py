@@ -134,7 +134,7 @@ def _take(responses, budget: int) -> list:
     batch, size = [], 0
     for response in responses:
         batch.append(response)
-        size += response.ByteSize()
+        size += len(response) if isinstance(response, bytes) else response.ByteSize()
         if size >= budget:
             break
     return batch
@@ -143,6 +143,13 @@ def _take(responses, budget: int) -> list:
 def _feed(sink, messages: list) -> None:
     for message in messages:
         sink.feed(message)
+
+
+def _encoded_or(serialize: Callable) -> Callable:
+    """Responses a body encoded itself (bytes: ``chunks.get_messages``) go out as they are."""
+    def out(response) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+    return out
 
 
 class CallBridge:
@@ -169,7 +176,7 @@ class CallBridge:
         make = grpc.stream_unary_rpc_method_handler
         if method.server_streaming:
             make = grpc.stream_stream_rpc_method_handler
-        return make(handle, request_deserializer=parse, response_serializer=serialize)
+        return make(handle, request_deserializer=parse, response_serializer=_encoded_or(serialize))
 
     async def _serve(self, name: str, context, work: Callable):
         """Run ``work(call)``; answer its failure with the status it stands for."""

@@ -32,19 +32,36 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
         yield pb.PutChunk(header=header)
 
 
+_GET_CHUNK_DATA = 6   # GetChunk.data's field number
+
+
 def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.GetChunk]:
-    """One block of a Get answer (a miss is a single chunk with hit=False)."""
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """One block of a Get answer, each chunk as an encoded ``GetChunk`` (a miss is a single chunk
+    with hit=False). Encoded here, not by gRPC: the small fields go through protobuf and the data
+    is appended as field 6 in one copy out of the block, where building a message and serializing
+    it would copy it three times (and serialize on the event loop)."""
     if block is None:
-        yield pb.GetChunk(index=index, hit=False)
+        yield pb.GetChunk(index=index, hit=False).SerializeToString()
         return
     size = block.nbytes
     if size == 0:
-        yield pb.GetChunk(index=index, hit=True, codec=codec, size=0)
+        yield pb.GetChunk(index=index, hit=True, codec=codec, size=0).SerializeToString()
         return
+    flat = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
     for off in range(0, size, chunk_bytes):
-        yield pb.GetChunk(index=index, hit=True, codec=codec, size=size, offset=off,
-                          data=block[off:off + chunk_bytes].tobytes())
+        data = flat[off:off + chunk_bytes]
+        head = pb.GetChunk(index=index, hit=True, codec=codec, size=size, offset=off).SerializeToString()
+        yield b"".join((head, _varint(_GET_CHUNK_DATA << 3 | 2), _varint(len(data)), data))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 class BlockSplitter:
