@@ -112,11 +112,11 @@ class CpuTier(Tier):
         self.used_bytes += self.slots.footprint(record.stored_size)
 
     def write(self, record: BlockRecord, data) -> None:
-        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes(data))
+        scatter(self.arena, self.slots.lookup(record.key)[0], _flat(data))
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
-        gather(self.arena, extents, as_bytes(out))
+        gather(self.arena, extents, _flat(out))
         return nbytes
 
     def view(self, key: bytes) -> list[np.ndarray]:
@@ -145,6 +145,14 @@ class CpuTier(Tier):
             out["segments"] = self.slots.num_segments
             out["segment_bytes"] = self.slots.segment_bytes
         return out
+
+
+def _flat(buf) -> np.ndarray:
+    """``as_bytes(buf)``, skipped for what the store hands a tier per block: a flat, contiguous
+    uint8 array already."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        return buf
+    return as_bytes(buf)
 
 
 class SegmentedArena:

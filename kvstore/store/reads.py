@@ -145,6 +145,8 @@ def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: 
         return
     counters, policies, tiers = cascade.counters, cascade.index.policies, cascade.tiers
     promote = cascade.config.promote_on_hit
+    hits = [0] * len(tiers)
+    nbytes = 0
     with cascade.lock:
         for i in range(start, stop):
             p = plan[i]
@@ -152,13 +154,18 @@ def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: 
                 continue
             entry, t, codec = p
             n = sizes[i]
-            counters[f"hits_{tiers[t].name}"] += 1
-            counters["bytes_out"] += n
+            hits[t] += 1
+            nbytes += n
             policies[t].touch(entry.key)
             if t > 0 and promote and not entry.doomed:
                 cascade.promote(entry, t, dsts[i][:n], None)
             cascade.unpin(entry)
             out[i] = (n, codec)
+        for t, k in enumerate(hits):   # counted once per run: the same totals, under the same lock
+            if k:
+                counters[f"hits_{tiers[t].name}"] += k
+        if any(hits):
+            counters["bytes_out"] += nbytes
 
 
 def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
