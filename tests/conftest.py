@@ -1,6 +1,7 @@
 """Shared fixtures. ``daemon_factory`` starts real daemon subprocesses (tests/daemon_util.py, i.e.
 kvstore.ops.local_daemon) and stops every one it started at teardown; ``kv_daemon`` is one shared
-default daemon per module. tests/ and tests/engines/ go on sys.path so test modules import their
+default daemon per module; ``two_tenant_daemon`` one with tokens for tenants alice and bob and
+its shm_dir (sockets, arena) in the test's own directory. tests/ and tests/engines/ go on sys.path so test modules import their
 helpers (daemon_util, redis_util, venvs, vllm_runner) by plain name."""
 
 from __future__ import annotations
@@ -37,3 +38,12 @@ def kv_daemon(tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("kvd"), "--metrics-port", "0")
     yield d
     d.kill()
+
+
+@pytest.fixture
+def two_tenant_daemon(tmp_path):
+    d = start_daemon(tmp_path / "d", "--token", "alice-token=alice", "--token", "bob-token=bob",
+                     "--shm-dir", str(tmp_path), cpu_bytes="16MiB", nvme_bytes="64MiB")
+    yield d
+    if d.alive():
+        d.stop()

@@ -16,7 +16,6 @@ import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import DaemonUnavailable, UnknownNamespace
-from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
 
 LAYOUT = KVLayout(model="test/local-lookup", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
@@ -24,12 +23,8 @@ LAYOUT = KVLayout(model="test/local-lookup", num_layers=1, num_kv_heads=1, head_
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    d = start_local_daemon(tmp_path / "d", "--token", "alice-token=alice", "--token", "bob-token=bob",
-                           "--shm-dir", str(tmp_path), cpu_bytes="16MiB", nvme_bytes="64MiB")
-    yield d
-    if d.alive():
-        d.stop()
+def daemon(two_tenant_daemon):
+    return two_tenant_daemon
 
 
 def chain(n: int, seed: int) -> list[bytes]:

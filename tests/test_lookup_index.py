@@ -18,7 +18,7 @@ import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import DaemonUnavailable, UnknownNamespace
-from kvstore.ops.local_daemon import kill_until_released, start_local_daemon
+from kvstore.ops.local_daemon import kill_until_released
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import lookup_index as LI
 
@@ -124,12 +124,8 @@ def test_a_closed_table_answers_nothing():
 # -- against real daemons ------------------------------------------------------------------------
 
 @pytest.fixture
-def daemon(tmp_path):
-    d = start_local_daemon(tmp_path / "d", "--token", "alice-token=alice", "--token", "bob-token=bob",
-                           "--shm-dir", str(tmp_path), cpu_bytes="16MiB", nvme_bytes="64MiB")
-    yield d
-    if d.alive():
-        d.stop()
+def daemon(two_tenant_daemon):
+    return two_tenant_daemon
 
 
 def test_index_answers_are_the_socket_s_as_blocks_arrive_move_and_leave(daemon):
@@ -192,14 +188,20 @@ def test_a_tenant_s_index_holds_only_its_own_blocks(daemon):
             bob.lookup(ns_a, chain(20, seed=8))
 
 
+def indexed(daemon, seed: int, timeout_s: float):
+    """A client whose index answers for 4 stored blocks: (client, namespace id, hashes)."""
+    hashes = chain(4, seed=seed)
+    c = daemon.client(token="alice-token", timeout_s=timeout_s)
+    ns = c.register_namespace(Namespace(LAYOUT))
+    c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
+    c.lookup(ns, hashes)
+    assert settled(c, ns, hashes)[0] == 4
+    return c, ns, hashes
+
+
 def test_a_dead_daemon_s_index_is_not_trusted(daemon):
-    hashes = chain(4, seed=10)
-    c = daemon.client(token="alice-token", timeout_s=2.0)
+    c, ns, hashes = indexed(daemon, seed=10, timeout_s=2.0)
     try:
-        ns = c.register_namespace(Namespace(LAYOUT))
-        c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
-        c.lookup(ns, hashes)
-        assert settled(c, ns, hashes)[0] == 4
         kill_until_released(daemon.pid)          # dead, not yet reaped: its sockets gone, its table intact
         assert c._negotiation.lookups.index.leading_hits(ns, hashes)[0] == 4   # the table would still say so
         with pytest.raises(DaemonUnavailable):
@@ -249,13 +251,8 @@ def test_malformed_or_foreign_tells_are_dropped_and_the_connection_keeps_answeri
 def test_a_hung_daemon_s_index_goes_stale_and_lookups_stop_hitting(daemon):
     """A daemon that stops (SIGSTOP: hung, not dead) stops stamping its tables; after STALE_NS a
     client no longer answers from one, and asks the daemon, which does not answer: a miss."""
-    hashes = chain(4, seed=12)
-    c = daemon.client(token="alice-token", timeout_s=1.0)
+    c, ns, hashes = indexed(daemon, seed=12, timeout_s=1.0)
     try:
-        ns = c.register_namespace(Namespace(LAYOUT))
-        c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4)
-        c.lookup(ns, hashes)
-        assert settled(c, ns, hashes)[0] == 4
         index = c._negotiation.lookups.index
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
