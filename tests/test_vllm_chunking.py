@@ -16,10 +16,8 @@ Two phases of two engines each, run in parallel within a phase (engine starts ar
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -158,10 +156,7 @@ def test_a_chunk_that_never_arrives_is_recomputed_block_by_block(runs):
 def test_a_missing_chunk_fails_all_its_blocks_an_arrived_one_places_only_the_planned(daemon_factory):
     """LoadJob against a real daemon (no engine): chunk 1 arrived, chunk 2 did not."""
     d = daemon_factory()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines", "vllm_chunk_loads.py")
-    proc = subprocess.run([vllm_runner.vllm_python(), script, d.url], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r, _ = vllm_runner.run_script("vllm_chunk_loads.py", d.url)
     assert r["good"] == [0] and r["bad"] == [6, 7]       # both vLLM blocks of the missing chunk
     assert r["placed_block_5"] and r["untouched_written"] == []   # the -1 block was left alone
     assert r["stats"] == {"loaded_blocks": 1, "load_failed_blocks": 1, "load_local_blocks": 1}

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-import json
 import random
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -395,10 +393,7 @@ def test_a_failed_placement_is_a_load_error_not_an_engine_crash(daemon_factory):
     storage was released, as vLLM's sleep mode does): the job reports every block as a load
     error, so vLLM recomputes, and nothing is raised into the step."""
     d = daemon_factory()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines", "vllm_placement_failure.py")
-    proc = subprocess.run([vllm_runner.vllm_python(), script, d.url], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r, stderr = vllm_runner.run_script("vllm_placement_failure.py", d.url)
     assert r["fetched"] == [0, 1]                      # the daemon delivered both blocks
     assert r["bad"] == [0, 1] and r["good"] == []      # ... and both are reported for recompute
-    assert "placing loaded blocks failed" in proc.stderr
+    assert "placing loaded blocks failed" in stderr

@@ -7,9 +7,7 @@ plan marks -1 untouched."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines"))
@@ -18,10 +16,7 @@ import vllm_runner  # noqa: E402
 
 def test_layer_groups_arrive_and_a_block_lost_between_them_is_a_load_error(daemon_factory):
     d = daemon_factory()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines", "vllm_layer_fetch.py")
-    proc = subprocess.run([vllm_runner.vllm_python(), script, d.url], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r, _ = vllm_runner.run_script("vllm_layer_fetch.py", d.url)
     blocks, deleted, chunks = r["blocks"], r["deleted"], r["chunks"]
     assert blocks["ranged_gets"] == 2 and blocks["bad"] == [] and blocks["good"] == [0, 2]
     assert blocks["placed"] == {"3": True, "5": True} and blocks["written_elsewhere"] == []

@@ -2,11 +2,14 @@
 
     python = vllm_python()                      # KVSTORE_VENV_VLLM, else scripts/engine-venv.sh vllm
     results = run_jobs(python, workdir, [("name", job_dict), ...])   # in parallel; raises on failure
+    result, stderr = run_script("vllm_chunk_loads.py", daemon_url)    # a tests/engines script, one JSON line
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 
 from kvstore.ops.engines import run_engine_jobs, vllm_kv_transfer_config
 
@@ -30,3 +33,11 @@ def run_jobs(python: str, workdir: str, jobs: list[tuple[str, dict]], timeout_s:
     """Run each job in its own engine process, all at once; return their results in order."""
     return run_engine_jobs(python, DRIVER, workdir, jobs, timeout_s,
                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO})
+
+
+def run_script(name: str, *args: str, timeout_s: float = 300) -> tuple[dict, str]:
+    """Run tests/engines/``name`` in the vLLM venv; its last stdout line (JSON) and its stderr."""
+    proc = subprocess.run([vllm_python(), os.path.join(HERE, name), *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
