@@ -69,19 +69,35 @@ def percentiles(samples: list[float]) -> dict:
             "mean_us": round(statistics.fmean(s) * 1e6, 1)}
 
 
-def timed(client: Client, ns: bytes, hashes: list[bytes], n: int) -> dict:
+def timed(client: Client, ns: bytes, hashes: list[bytes], n: int, interval_s: float = 0.0) -> dict:
+    """``n`` lookups, back to back or one every ``interval_s`` (a scheduler asks once per arriving
+    request; back to back, an index-answered lookup's note to the daemon outpaces it)."""
     lat = []
-    for _ in range(n):
+    start = time.perf_counter()
+    for i in range(n):
+        if interval_s:
+            wait = start + i * interval_s - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
         t = time.perf_counter()
         assert client.lookup(ns, hashes).num_hit == len(hashes)
         lat.append(time.perf_counter() - t)
     return percentiles(lat)
 
 
-def run(lookups: int, clients: int) -> dict:
+def measured(paths: dict, remote: Client, ns: bytes, hashes: list[bytes], lookups: int, interval_s: float) -> dict:
+    out = {name: timed(c, ns, hashes, lookups) for name, c in paths.items()}
+    out.update({f"{name}, 1 per {interval_s * 1e6:.0f} us": timed(c, ns, hashes, lookups, interval_s)
+                for name, c in paths.items()})
+    out["grpc"] = timed(remote, ns, hashes, lookups // 4)
+    return out
+
+
+def run(lookups: int, clients: int, interval_s: float) -> dict:
     workdir = tempfile.mkdtemp(prefix="kvstore-lookup-")
     d = start_local_daemon(workdir, "--log-level", "WARNING", cpu_bytes="256MiB", nvme_bytes="0")
-    report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128}
+    report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128,
+              "interval_us": round(interval_s * 1e6)}
     try:
         local, remote = Client(d.address), Client(d.address, transport="grpc")
         socket_only = Client(d.address, lookup_index=False)
@@ -94,15 +110,13 @@ def run(lookups: int, clients: int) -> dict:
         socket_only.lookup(ns, hashes)
         time.sleep(0.5)   # the index fills in the background
         paths = {"mapped index": local, "unix socket": socket_only}
-        report["idle"] = {name: timed(c, ns, hashes, lookups) for name, c in paths.items()}
-        report["idle"]["grpc"] = timed(remote, ns, hashes, lookups // 4)
-        load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "60"],
+        report["idle"] = measured(paths, remote, ns, hashes, lookups, interval_s)
+        load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "120"],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert load.stdout.readline().strip() == "ready"
             time.sleep(3)   # every load client connected and copying
-            report["loaded"] = {name: timed(c, ns, hashes, lookups) for name, c in paths.items()}
-            report["loaded"]["grpc"] = timed(remote, ns, hashes, lookups // 4)
+            report["loaded"] = measured(paths, remote, ns, hashes, lookups, interval_s)
         finally:
             load.terminate()
             load.wait(30)
@@ -125,10 +139,15 @@ def markdown(r: dict) -> str:
     for state in ("idle", "loaded"):
         for path, v in r[state].items():
             out.append(f"| {state} | {path} | {v['p50_us']} | {v['p99_us']} | {v['mean_us']} |")
-    lo = r["loaded"]["mapped index"]
-    out += ["", f"Goal (issue 14): p50 <= 100 us and p99 <= 500 us under load: p50 {lo['p50_us']} us "
-                f"({'met' if lo['p50_us'] <= 100 else 'missed'}), p99 {lo['p99_us']} us "
-                f"({'met' if lo['p99_us'] <= 500 else 'missed'})."]
+    out += ["", "Rows without a rate: lookups back to back. Rows \"1 per N us\": one lookup started every N us "
+                "(a scheduler asks once per arriving request). Back to back, each index-answered lookup's note to "
+                "the daemon (it pins the hits and counts the lookup) arrives faster than the daemon's socket thread "
+                "handles one, so the daemon runs flat out on the lookups themselves."]
+    for name in ("mapped index", next(k for k in r["loaded"] if k.startswith("mapped index, "))):
+        lo = r["loaded"][name]
+        out += ["", f"Goal (issue 14), {name}: p50 <= 100 us and p99 <= 500 us under load: p50 {lo['p50_us']} us "
+                    f"({'met' if lo['p50_us'] <= 100 else 'missed'}), p99 {lo['p99_us']} us "
+                    f"({'met' if lo['p99_us'] <= 500 else 'missed'})."]
     return "\n".join(out) + "\n"
 
 
@@ -136,9 +155,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--interval-us", type=float, default=1000, help="spacing of the paced rows")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "lookup"))
     a = ap.parse_args()
-    report = run(a.lookups, a.clients)
+    report = run(a.lookups, a.clients, a.interval_us / 1e6)
     write_report(a.out, report, markdown)
     return 0
 
