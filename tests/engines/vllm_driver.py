@@ -35,8 +35,6 @@ import os
 import sys
 import time
 
-from kvstore.ops.local_daemon import kill_until_released
-
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -162,6 +160,7 @@ def main() -> None:
             if worker is not None and hasattr(worker, "drain_saves"):
                 worker.drain_saves()
         elif "kill" in step:
+            from kvstore.ops.local_daemon import kill_until_released   # here: nothing before the job's env
             kill_until_released(int(step["kill"]))
         elif "sleep" in step:
             time.sleep(float(step["sleep"]))
