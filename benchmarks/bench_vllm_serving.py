@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3, help="measured batches per engine (fresh prompts each)")
     ap.add_argument("--modes", default="sync,async,layer", help="kvstore load modes to run (same-host shm)")
-    ap.add_argument("--grpc-modes", default="sync,async",
+    ap.add_argument("--grpc-modes", default="sync,async,layer",
                     help="load modes to run again over gRPC (slower loads, as from a remote daemon)")
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving"))
