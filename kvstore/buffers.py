@@ -73,6 +73,18 @@ def scatter(arena: np.ndarray, extents: Sequence[Extent], src: np.ndarray) -> in
     return pos
 
 
+def window(extents: Sequence[Extent], offset: int, nbytes: int) -> list[Extent]:
+    """The pieces of a block's ``extents`` that hold its bytes [offset, offset + nbytes): a
+    payload shorter than its slots (written at their start), or one layer's range of it."""
+    out, at = [], 0
+    for off, length in extents:
+        lo, hi = max(offset, at), min(offset + nbytes, at + length)
+        if lo < hi:
+            out.append((off + lo - at, hi - lo))
+        at += length
+    return out
+
+
 def gather(arena: np.ndarray, extents: Sequence[Extent], dst: np.ndarray) -> int:
     """Copy a block's pieces of ``arena`` into flat ``dst``; returns the bytes copied."""
     pos = 0

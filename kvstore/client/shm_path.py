@@ -16,6 +16,7 @@ from typing import NamedTuple
 import grpc
 
 from kvstore import errors
+from kvstore.buffers import window
 from kvstore.client.delivery import put_results
 from kvstore.client.negotiation import Negotiation
 from kvstore.errors import KVStoreError
@@ -23,29 +24,6 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
-
-
-def _leading(extents: list[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
-    """The pieces of ``extents`` that the first ``nbytes`` bytes fill (a payload shorter than its
-    block's slots is written at their start)."""
-    out = []
-    for off, length in extents:
-        if nbytes <= 0:
-            break
-        out.append((off, min(length, nbytes)))
-        nbytes -= length
-    return out
-
-
-def _window(extents: list[tuple[int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:
-    """The pieces of ``extents`` that hold bytes [offset, offset + nbytes) of their block."""
-    out, at = [], 0
-    for off, length in extents:
-        lo, hi = max(offset, at), min(offset + nbytes, at + length)
-        if lo < hi:
-            out.append((off + lo - at, hi - lo))
-        at += length
-    return out
 
 
 class _Extent(NamedTuple):
@@ -116,7 +94,7 @@ class ShmPath:
                     continue
                 if time.monotonic() > safe_until:
                     raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
-                arena.copy_in(_leading(blk.extents, src.nbytes), src)
+                arena.copy_in(window(blk.extents, 0, src.nbytes), src)
         except BaseException:
             try:
                 self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
@@ -148,7 +126,7 @@ class ShmPath:
                 for i, blk in enumerate(blocks, start):
                     extents, size = blk.extents, blk.size
                     if byte_range is not None:
-                        extents, size = _window(extents, *byte_range), byte_range[1]
+                        extents, size = window(extents, *byte_range), byte_range[1]
                     arena.copy_out(extents, sinks[i].buffer(size))
                     got.append((i, size, blk.codec))
             finally:

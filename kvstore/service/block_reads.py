@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 
+from kvstore.buffers import window
 from kvstore.errors import InvalidArgument, LeaseExpired
 from kvstore.keys import Namespace
 from kvstore.store import Store
@@ -39,22 +40,21 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
     generator (``contextlib.closing``) so an early exit unpins its window."""
     if byte_range is not None:
         accept = ()
-    cut = (lambda views: _window(views, *byte_range)) if byte_range is not None else \
-        (lambda views: views[0] if len(views) == 1 else np.concatenate(views))
     buffer = _reused(buffer)
     arena = store.shared_arena()
-    window = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
+    per_lease = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
     start = 0
     while start < len(hashes):
         if arena is None:  # no arena: copy through the buffer
-            yield _cut(_copied(store, ns, hashes[start], buffer, accept), cut)
+            yield _copied(store, ns, hashes[start], buffer, accept, byte_range)
             start += 1
             continue
-        asked = len(hashes[start:start + window])
-        lease = store.prepare_load(ns.id, hashes[start:start + window], accept)
+        asked = len(hashes[start:start + per_lease])
+        lease = store.prepare_load(ns.id, hashes[start:start + per_lease], accept)
         try:
             for extents, codec in zip(lease.extents, lease.codecs):
-                yield cut(arena.views(extents)), codec
+                views = arena.views(extents if byte_range is None else window(extents, *byte_range))
+                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
                 if time.monotonic() >= lease.expires:
                     raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
                                        "for this link); retry")
@@ -70,23 +70,8 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
             # Read the latter through the buffer: a false miss would make an engine recompute a
             # block that is sitting on NVMe.
             h = hashes[start]
-            yield _cut(_copied(store, ns, h, buffer, accept), cut) if store.contains(ns.id, [h])[0] else None
+            yield _copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None
             start += 1
-
-
-def _cut(payload: Payload, cut: Callable[[list[np.ndarray]], np.ndarray]) -> Payload:
-    return None if payload is None else (cut([payload[0]]), payload[1])
-
-
-def _window(views: list[np.ndarray], offset: int, nbytes: int) -> np.ndarray:
-    """Bytes [offset, offset + nbytes) of a block held as ``views`` (one view where they allow)."""
-    parts, at = [], 0
-    for v in views:
-        lo, hi = max(offset, at), min(offset + nbytes, at + v.nbytes)
-        if lo < hi:
-            parts.append(v[lo - at:hi - at])
-        at += v.nbytes
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
@@ -100,10 +85,13 @@ def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
 
 
 def _copied(store: Store, ns: Namespace, block_hash: bytes, buffer: Callable[[int], np.ndarray],
-            accept: Collection[int]) -> Payload:
+            accept: Collection[int], byte_range: tuple[int, int] | None = None) -> Payload:
     buf = buffer(ns.block_bytes)
     got = store.get_payloads_into(ns.id, [block_hash], [buf], accept)[0]
-    return None if got is None else (buf[:got[0]], got[1])
+    if got is None:
+        return None
+    offset, nbytes = byte_range or (0, got[0])
+    return buf[offset:offset + nbytes], got[1]
 
 
 MAX_ACCEPT_CODECS = 64
