@@ -82,24 +82,33 @@ def kill_until_released(pid: int, timeout_s: float = 10.0) -> None:
     frees its sockets a moment later (a worker's tick), and until then a peer can still send to
     them (Linux: reads /proc)."""
     sockets = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            sockets.add(link[8:-1])
-    os.kill(pid, signal.SIGKILL)
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                sockets.add(link[8:-1])
+        os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):   # gone already
+        return
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        live = set()
-        for table in ("unix", "tcp", "tcp6"):
+    while sockets & _socket_inodes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _socket_inodes() -> set[str]:
+    """Inodes of this network namespace's Unix and TCP sockets."""
+    live: set[str] = set()
+    for table, column in (("unix", 6), ("tcp", 9), ("tcp6", 9)):
+        try:
             with open(f"/proc/net/{table}") as f:
                 next(f)
-                live |= {line.split()[6 if table == "unix" else 9] for line in f}
-        if not sockets & live:
-            return
-        time.sleep(0.01)
+                live |= {line.split()[column] for line in f}
+        except FileNotFoundError:   # no IPv6
+            continue
+    return live
 
 
 def serve_command(*args: str) -> list[str]:

@@ -65,11 +65,11 @@ class LookupIndexes(StoreListener):
                 table.set_flag(LOADING, True)
                 self._tables[owner] = table
                 self._route.clear()
-                threading.Thread(target=self._fill, args=(owner, table), name="kvstore-lookup-index",
+                threading.Thread(target=self._fill, args=(table,), name="kvstore-lookup-index",
                                  daemon=True).start()
             return table.descriptor()
 
-    def _fill(self, owner: str | None, table: IndexTable) -> None:
+    def _fill(self, table: IndexTable) -> None:
         try:
             for ns_id, hashes in self.store.held_blocks().items():
                 with self._lock:

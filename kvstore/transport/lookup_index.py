@@ -26,6 +26,7 @@ The seqlock relies on x86-64's ordering of stores (TSO); the daemon offers the i
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
@@ -76,7 +77,6 @@ class IndexTable:
         try:
             os.ftruncate(self.fd, self.nbytes)
             self._map = mmap.mmap(self.fd, self.nbytes)
-            import fcntl
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
         except BaseException:
@@ -117,7 +117,7 @@ class IndexTable:
                 self.live += 1
                 w[_LIVE] = self.live
                 self._end()
-                self._placed(key)
+                self._unlist(key)
                 return
             if w[at] == lo and w[at + 1] == hi:
                 if meta != tier + 1:
@@ -129,7 +129,8 @@ class IndexTable:
         self._overflow[key] = tier
         self.set_flag(INCOMPLETE, True)
 
-    def _placed(self, key: tuple[int, int]) -> None:
+    def _unlist(self, key: tuple[int, int]) -> None:
+        """``key`` has a slot or is gone: out of the overflow (INCOMPLETE cleared with the last)."""
         if self._overflow and self._overflow.pop(key, None) is not None and not self._overflow:
             self.set_flag(INCOMPLETE, False)
 
@@ -151,8 +152,7 @@ class IndexTable:
                 self._refill()
                 return
             i = (i + 1) & mask
-        if self._overflow.pop(key, None) is not None and not self._overflow:
-            self.set_flag(INCOMPLETE, False)
+        self._unlist(key)
 
     def _shift_back(self, hole: int) -> None:
         """Empty slot ``hole`` and pull later entries of its run back, so probes still end at the
@@ -271,9 +271,7 @@ class IndexReader:
             if not todo.size:
                 break
             pos[todo] = (pos[todo] + np.uint64(1)) & self._mask
-        if todo.size:   # ran past the probe bound: the daemon never places a block that far
-            meta[todo] = 0
-        return meta
+        return meta   # keys still unresolved past the probe bound stay 0: nothing is placed that far
 
     def close(self) -> None:
         self._head = self._slots = None
