@@ -121,6 +121,26 @@ def test_a_closed_table_answers_nothing():
     reader.close()
 
 
+def test_hashes_of_any_width_are_keyed_by_their_first_16_bytes():
+    """sha256 chains (32 bytes) are viewed in place, odd or mixed widths sliced: the same keys."""
+    table = LI.IndexTable(64, ["cpu", "nvme"])
+    reader = LI.IndexReader(table.descriptor())
+    rng = random.Random(3)
+    wide = [rng.randbytes(32) for _ in range(6)]
+    for i, h in enumerate(wide[:4]):
+        table.put(LI.key_of(NS, h), i % 2)
+    try:
+        want = (4, ["cpu", "nvme", "cpu", "nvme"])
+        assert reader.leading_hits(NS, wide) == want
+        assert reader.leading_hits(NS, [h[:20] for h in wide]) == want
+        assert reader.leading_hits(NS, [h[:16 + i] for i, h in enumerate(wide)]) == want
+        assert reader.leading_hits(NS, [wide[0], wide[1][:15]]) is None   # one too narrow: ask the daemon
+        assert reader.leading_hits(NS[:8], wide) is None
+    finally:
+        reader.close()
+        table.close()
+
+
 # -- against real daemons ------------------------------------------------------------------------
 
 @pytest.fixture

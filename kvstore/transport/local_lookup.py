@@ -60,8 +60,9 @@ class IndexProvider(Protocol):
 
 
 def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int) -> bytes:
-    width = len(hashes[0]) if hashes else 0
-    if any(len(h) != width for h in hashes) or width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
+    widths = set(map(len, hashes))
+    width = widths.pop() if len(widths) == 1 else 0 if not widths else 256
+    if width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
         raise ValueError("hashes of one width (at most 255 bytes), at most 65535 of them")
     body = (bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
             + b"".join(hashes))

@@ -62,6 +62,22 @@ def key_of(namespace_id: bytes, block_hash: bytes) -> tuple[int, int]:
     return lo, hi
 
 
+def _keys(namespace_id: bytes, hashes: Sequence[bytes]) -> np.ndarray | None:
+    """Each hash's key as a ``(n, 2)`` array of words, or None when a hash is too narrow to key
+    (or the namespace id is not 16 bytes). Hashes of one width that is a multiple of 8 (xxh128,
+    sha256) are viewed in place, without a slice per hash."""
+    if len(namespace_id) != 16:
+        return None
+    widths = set(map(len, hashes))
+    if min(widths) < MIN_HASH_BYTES:
+        return None
+    if len(widths) == 1 and not (width := widths.pop()) % 8:
+        words = np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, width // 8)[:, :2]
+    else:
+        words = np.frombuffer(b"".join([h[:16] for h in hashes]), dtype=np.uint64).reshape(-1, 2)
+    return words ^ np.frombuffer(namespace_id, dtype=np.uint64)
+
+
 class IndexTable:
     """Daemon side: one tenant's table. Callers serialise writes (the store lock, or this table's
     users' own lock); readers never block it."""
@@ -222,21 +238,20 @@ class IndexReader:
             raise OSError("not a lookup index this client understands")
         self._mask, self._probe = np.uint64(slots - 1), min(int(self._head[_PROBE]), MAX_PROBE)
         self._slots = words[HEADER_BYTES // 8:HEADER_BYTES // 8 + slots * SLOT_WORDS].reshape(slots, SLOT_WORDS)
+        self._words = memoryview(self._map).cast("Q")   # scalar reads as Python ints, for the probe's tail
         raw = bytes(self._map[_NAMES_AT:_NAMES_AT + MAX_TIERS * TIER_NAME_BYTES])
-        self._tiers = np.array([raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
-                                for i in range(MAX_TIERS)], dtype=object)
+        self._tiers = [raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+                       for i in range(MAX_TIERS)]
 
     def leading_hits(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]] | None:
         """``(leading blocks served, their fastest tiers)``, or None when the table cannot say
         (it is incomplete, closed or stale, a write kept racing, or a hash is too narrow to key)."""
         if not hashes:
             return 0, []
-        widths = set(map(len, hashes))
-        if len(namespace_id) != 16 or min(widths) < MIN_HASH_BYTES:
+        keys = _keys(namespace_id, hashes)
+        if keys is None:
             return None
-        raw = b"".join(hashes) if widths == {16} else b"".join([h[:16] for h in hashes])
-        keys = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
-        keys = keys ^ np.frombuffer(namespace_id, dtype=np.uint64)
+        lo, hi = keys[:, 0], keys[:, 1]
         head = self._head
         for _ in range(_RETRIES):
             seq = int(head[_SEQ])
@@ -244,37 +259,50 @@ class IndexReader:
                 continue
             if int(head[_FLAGS]) or time.monotonic_ns() - int(head[_BEAT]) > STALE_NS:
                 return None
-            meta = self._probe_all(keys[:, 0], keys[:, 1])
+            n, meta = self._leading(lo, hi)
             if int(head[_SEQ]) == seq:
                 break
         else:
             return None
-        absent = np.flatnonzero(meta == 0)
-        n = int(absent[0]) if absent.size else len(hashes)
-        return n, self._tiers[(meta[:n] - np.uint64(1)).astype(np.intp)].tolist()
+        names = self._tiers
+        return n, [names[m - 1] for m in meta[:n].tolist()]
 
-    def _probe_all(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Each key's meta (0: absent), probing only keys before the first known absence."""
-        meta = np.zeros(len(lo), dtype=np.uint64)
-        pos = lo & self._mask
-        todo = np.arange(len(lo))
+    def _leading(self, lo: np.ndarray, hi: np.ndarray) -> tuple[int, np.ndarray]:
+        """How many leading keys are present, and each one's meta. Why two steps: a scheduler's
+        lookup pays per numpy call, not per key, so every key's home slot is read in one gather
+        (a table a few percent full holds nearly every key there), and only a key found elsewhere
+        is probed on, one slot at a time, in plain Python."""
+        got = self._slots[lo & self._mask]
+        meta = got[:, 2]
+        home = (got[:, 0] == lo) & (got[:, 1] == hi) & (meta != 0)
+        if home.all():
+            return len(lo), meta
+        for k in range(int(home.argmin()), len(lo)):
+            if not home[k]:
+                found = self._probe_on(int(lo[k]), int(hi[k]))
+                if not found:
+                    return k, meta
+                meta[k] = found
+        return len(lo), meta
+
+    def _probe_on(self, lo: int, hi: int) -> int:
+        """One key's meta (0: absent) past its home slot; a probe ends at the first empty slot, and
+        nothing is placed farther than the probe bound."""
+        words, mask = self._words, int(self._mask)
+        i = lo & mask
         for _ in range(self._probe):
-            got = self._slots[pos[todo]]
-            hit = (got[:, 0] == lo[todo]) & (got[:, 1] == hi[todo]) & (got[:, 2] != 0)
-            meta[todo[hit]] = got[hit, 2]
-            empty = got[:, 2] == 0
-            if empty.any():
-                first_absent = todo[empty][0]
-                todo = todo[~hit & ~empty & (todo < first_absent)]
-            else:
-                todo = todo[~hit]
-            if not todo.size:
-                break
-            pos[todo] = (pos[todo] + np.uint64(1)) & self._mask
-        return meta   # keys still unresolved past the probe bound stay 0: nothing is placed that far
+            at = HEADER_BYTES // 8 + i * SLOT_WORDS
+            meta = words[at + 2]
+            if meta == 0:
+                return 0
+            if words[at] == lo and words[at + 1] == hi:
+                return meta
+            i = (i + 1) & mask
+        return 0
 
     def close(self) -> None:
         self._head = self._slots = None
+        self._words.release()
         try:
             self._map.close()
         except BufferError:
