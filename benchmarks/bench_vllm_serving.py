@@ -48,6 +48,10 @@ BLOCK = 32
 # a 2-core host cannot spare, so it binds both. Pin one thread to core 0 in every run so all runs
 # compute alike and the connector's threads and cache server get the other core.
 ENGINE_ENV = {**MP_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+# Cache-aware admission (``_admission`` runs): vLLM's priority queue, kvstore's scheduler re-ranking
+# hits ahead of misses (vLLM schedules asynchronously by default, hence the async class).
+ADMISSION = {"scheduling_policy": "priority",
+             "scheduler_cls": "kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler"}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -82,6 +86,9 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,async,layer", help="kvstore load modes to run (same-host shm)")
     ap.add_argument("--grpc-modes", default="sync,async,layer",
                     help="load modes to run again over gRPC (slower loads, as from a remote daemon)")
+    ap.add_argument("--admission-modes", default="sync",
+                    help="load modes to run again with cache-aware admission (kvstore.connectors.vllm.admission: "
+                         "priority scheduling, hits first), over shared memory")
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving"))
     a = ap.parse_args()
@@ -113,8 +120,9 @@ def main() -> None:
               "max_num_batched_tokens": max_len,
               "kv_cache_memory_bytes": max(256 << 20, 2 * a.requests * max_len * kv_bytes_per_token)}
 
-    def job(kv=None, extra_path=None) -> dict:
-        j = {"build": model, "env": ENGINE_ENV, "engine": engine, "steps": [warmup, seed, {"sleep": 3}, *measured]}
+    def job(kv=None, extra_path=None, scheduling=None) -> dict:
+        j = {"build": model, "env": ENGINE_ENV, "engine": {**engine, **(scheduling or {})},
+             "steps": [warmup, seed, {"sleep": 3}, *measured]}
         if kv:
             j["kv_transfer_config"] = kv
         if extra_path:
@@ -131,14 +139,16 @@ def main() -> None:
     t_start = time.time()
 
     steps["none"] = run("none", job())["steps"][3:]
-    kvstore_runs = [(m, "auto") for m in a.modes.split(",") if m] + [(m, "grpc") for m in a.grpc_modes.split(",") if m]
-    for mode, transport in kvstore_runs:
-        name = f"kvstore_{mode}" + ("_grpc" if transport == "grpc" else "")
+    kvstore_runs = ([(m, "auto", False) for m in a.modes.split(",") if m]
+                    + [(m, "grpc", False) for m in a.grpc_modes.split(",") if m]
+                    + [(m, "auto", True) for m in a.admission_modes.split(",") if m])
+    for mode, transport, admission in kvstore_runs:
+        name = f"kvstore_{mode}" + ("_grpc" if transport == "grpc" else "") + ("_admission" if admission else "")
         d = start_local_daemon(os.path.join(work, f"kvd-{name}"), "--cpu-slot-bytes", str(block_bytes),
                                cpu_bytes="2GiB", nvme_bytes="1GiB")
         try:
             kv = vllm_kv_transfer_config(d.url, load_mode=mode, transport=transport)
-            steps[name] = run(name, job(kv))["steps"][3:]
+            steps[name] = run(name, job(kv, scheduling=ADMISSION if admission else None))["steps"][3:]
         finally:
             d.stop()
     if not a.skip_lmcache:
@@ -178,6 +188,33 @@ def main() -> None:
     write_report(a.out, result, render_markdown)
 
 
+def goal_lines(runs: dict) -> list[str]:
+    """Issue 13's goal, run by run: hit TTFT p50 <= 0.25x the no-connector engine's and below
+    LMCache's; misses' TTFT p50 and running requests' mean inter-token latency no worse than with
+    no connector (the slower of the two no-connector runs bounds "no worse": they bracket the others)."""
+    nones = [runs[n] for n in ("none", "none_end") if n in runs]
+    cold_hit = min(x["hit_ttft_p50_s"] for x in nones)
+    worst_miss = max(x["miss_ttft_p50_s"] for x in nones)
+    worst_itl = max(x["itl_mean_s"] for x in nones)
+    lm = runs.get("lmcache_mp")
+    out = ["", "Goal (issue 13), per kvstore run: hit TTFT p50 <= 0.25x the no-connector engines' (the faster) and "
+               "below LMCache's; miss TTFT p50 and mean ITL no worse than the slower no-connector run's.", ""]
+    for name, x in runs.items():
+        if not name.startswith("kvstore"):
+            continue
+        hit = x["hit_ttft_p50_s"] / cold_hit
+        parts = [f"hit {hit:.3f}x ({'met' if hit <= 0.25 else 'missed'})"]
+        if lm is not None:
+            parts.append(f"vs LMCache's {x['hit_ttft_p50_s']:.2f} / {lm['hit_ttft_p50_s']:.2f} s "
+                         f"({'below' if x['hit_ttft_p50_s'] < lm['hit_ttft_p50_s'] else 'not below'})")
+        parts.append(f"miss TTFT {x['miss_ttft_p50_s']:.2f} s vs {worst_miss:.2f} "
+                     f"({'no worse' if x['miss_ttft_p50_s'] <= worst_miss else 'worse'})")
+        parts.append(f"mean ITL {x['itl_mean_s']:.3f} s vs {worst_itl:.3f} "
+                     f"({'no worse' if x['itl_mean_s'] <= worst_itl else 'worse'})")
+        out.append(f"- {name}: " + "; ".join(parts) + ".")
+    return out
+
+
 def render_markdown(r: dict) -> str:
     m, wl, kv = r["model"], r["workload"], r["kv"]
     lines = [
@@ -196,7 +233,9 @@ def render_markdown(r: dict) -> str:
         "external cache, seeded with the "
         f"two prefixes, then runs {wl['reps']} measured batches one after another (fresh tails and cold prompts each; "
         "figures pool them, throughput is the median batch); `_grpc` runs load over gRPC instead of shared memory (as from "
-        "a remote daemon). TTFT is from submission; ITL is the gap between consecutive tokens of a running "
+        "a remote daemon); `_admission` runs add cache-aware admission (vLLM's priority scheduling with "
+        "`kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler`: requests whose prompt kvstore mostly holds "
+        "are scheduled ahead of cold ones; every other run is first come, first served). TTFT is from submission; ITL is the gap between consecutive tokens of a running "
         "request. 'first tokens': every request's first token equals the no-connector engine's; 'same outputs': "
         "requests whose 16 tokens all equal it. Batched bf16 compute on CPU is not batch-invariant: two identical "
         "no-connector runs already differ, and requests that load nothing (misses) differ too when their prefill "
@@ -215,6 +254,7 @@ def render_markdown(r: dict) -> str:
                      f"| {x['requests_matching_none']}/{wl['requests'] * wl['reps']} |")
     lines += ["", "Hit TTFT p50 relative to the no-connector engines' (the faster of the two runs): "
               + ", ".join(f"{n} {v:.3f}x" for n, v in r["hit_ttft_vs_no_connector"].items()) + "."]
+    lines += goal_lines(r["runs"])
     mach = r["machine"]
     lines += ["", f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB RAM; "
               f"load average {r['loadavg']['start'][0]:.1f} at start, {r['loadavg']['end'][0]:.1f} at end (shared "

@@ -65,6 +65,24 @@ class SchedulerSide:
             return 0, False
         return n, n > 0 and self.settings.load_mode == "async"
 
+    def cached_prompt_tokens(self, request: "Request") -> int:
+        """Leading prompt tokens the daemon holds (cache-aware admission asks on arrival; the
+        lookup, and its pins, are the one ``get_num_new_matched_tokens`` then reuses). 0 when
+        the lookup fails: an unknown request is a cold one."""
+        if not self.enabled or not self.settings.load:
+            return 0
+        try:
+            state = self._requests.get(request.request_id)
+            if state is None:
+                state = self._requests[request.request_id] = self._new_state(request)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
+            return 0
+        return min(state.num_hit * self.chunk_tokens, len(request.prompt_token_ids or ()))
+
+    def add_admission_stat(self, hit: bool) -> None:
+        self._add_stat("admitted_hits" if hit else "admitted_misses")
+
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if not self.enabled or not self.settings.load and not self.settings.save:
             return 0

@@ -35,6 +35,9 @@ class ConnectorSettings:
     max_pending_saves: int = 64
     # vLLM blocks per kvstore block (1: one each). Default by measurement: docs/tuning.md.
     blocks_per_chunk: int = 1
+    # cache-aware admission (``admission``): a request goes first when at least this fraction of
+    # its prompt is cached
+    admission_hit_fraction: float = 0.5
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -63,4 +66,7 @@ class ConnectorSettings:
         if not 1 <= out.get("blocks_per_chunk", 1) <= MAX_BLOCKS_PER_CHUNK:
             raise ValueError(f"kv_connector_extra_config.blocks_per_chunk: {out['blocks_per_chunk']!r} is not "
                              f"in [1, {MAX_BLOCKS_PER_CHUNK}] (vLLM blocks per kvstore block)")
+        if not 0.0 <= out.get("admission_hit_fraction", 0.5) <= 1.0:
+            raise ValueError(f"kv_connector_extra_config.admission_hit_fraction: "
+                             f"{out['admission_hit_fraction']!r} is not in [0, 1]")
         return cls(**out)

@@ -177,6 +177,11 @@ def main() -> None:
     if scheduler is not None and hasattr(scheduler, "totals"):
         conn["scheduler"] = dict(scheduler.totals)
     result["connector"] = conn
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        result["scheduler"] = {"class": type(sched).__name__, "policy": str(sched.policy.value)}
+    except Exception:  # noqa: BLE001 - multiprocess mode: the scheduler is in another process
+        pass
     if job.get("metrics"):
         result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvstore" in m.name}
     with open(result_path, "w") as f:
