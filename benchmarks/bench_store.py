@@ -266,8 +266,8 @@ def markdown(r: dict) -> str:
         "traffic the tier itself has); memcpy hot: the same two buffers over and over (cache-resident "
         "for small blocks, shown for reference only). NVMe: raw O_DIRECT write + fsync per file, and "
         "O_DIRECT read into an aligned buffer, same sizes, same directory. NVMe put = one block per "
-        "put call (file fsync + rename + directory fsync each); batch = the whole chain in one call "
-        "(one directory fsync).",
+        "put call (its file written and renamed, then a filesystem flush and a directory fsync: group commit "
+        "of a batch of one); batch = the whole chain in one call (one flush and one directory fsync for all).",
         "",
         "| block | memcpy hot | memcpy | CPU put | put/memcpy | CPU put (16/call) | batch/memcpy | CPU get "
         "| get/memcpy | GPU(cpu) put | GPU(cpu) get |",

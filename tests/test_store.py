@@ -227,6 +227,30 @@ def test_write_through_acks_persisted(harness, tmp_path):
     assert wb.store.flush() == 4 and wb.store.flush() == 0
 
 
+def test_a_put_batch_reaches_nvme_with_one_flush_not_an_fsync_per_file(harness, tmp_path):
+    """Group commit (issue 14): "persisted" follows one filesystem flush for the whole batch,
+    through write-through and straight into an NVMe-only store alike."""
+    h = harness(cpu_blocks=16, write_through=True)
+    nvme = h.store.tiers[h.store.durable_index]
+    before = nvme.stats()
+    assert h.put(chain(8)) == ["persisted"] * 8
+    after = nvme.stats()
+    assert after["filesystem_flushes"] - before["filesystem_flushes"] == 1
+    assert after["file_fsyncs"] == before["file_fsyncs"]
+    alone = Store([NvmeTier(str(tmp_path / "alone"), 64 * NVME_FP)], StoreConfig())
+    try:
+        ns = alone.register_namespace(Namespace(layout()))
+        c = chain(6)
+        blocks = [data(x) for x in c]
+        assert alone.put(ns, c, blocks) == ["persisted"] * 6
+        assert alone.tiers[0].stats()["filesystem_flushes"] == 1 and alone.tiers[0].stats()["file_fsyncs"] == 0
+        outs = [np.zeros(BLOCK, np.uint8) for _ in range(6)]
+        assert alone.get_into(ns, c, outs) == [BLOCK] * 6
+        assert all(np.array_equal(a, b) for a, b in zip(outs, blocks))
+    finally:
+        alone.close()
+
+
 def test_delete_while_pinned(harness):
     h = harness(cpu_blocks=4)
     c = chain(2)

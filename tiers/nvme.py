@@ -122,6 +122,8 @@ class NvmeTier(Tier):
         self._files: dict[bytes, tuple[BlockRecord, int]] = {}  # key -> (record, footprint)
         self._lock = threading.Lock()
         self._unflushed = 0   # payloads written without their fsync since the last sync()
+        self.file_fsyncs = 0          # payloads fsynced one by one (``write``)
+        self.filesystem_flushes = 0   # ``sync()``s that flushed payloads written without one (group commits)
         # one page-aligned, touched staging buffer per thread (O_DIRECT needs alignment); an
         # oversized block's is freed after use rather than kept by every thread that wrote one
         self._staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
@@ -158,7 +160,9 @@ class NvmeTier(Tier):
         ``durable=False``: no fsync of the payload either; ``sync()`` flushes it later."""
         try:
             self._write_file(record, data, fsync=durable)
-            if not durable:
+            if durable:
+                self.file_fsyncs += 1
+            else:
                 with self._lock:
                     self._unflushed += 1
         except OSError as e:
@@ -174,6 +178,7 @@ class NvmeTier(Tier):
         try:
             if unflushed:
                 syncfs(self.path)
+                self.filesystem_flushes += 1
             fsync_dir(self.path)
         except OSError as e:
             raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
@@ -313,7 +318,8 @@ class NvmeTier(Tier):
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "blocks": len(self._files), "o_direct": int(self.o_direct),
-                "recovery_skipped_not_regular": self.recovery_skipped_not_regular}
+                "recovery_skipped_not_regular": self.recovery_skipped_not_regular,
+                "file_fsyncs": self.file_fsyncs, "filesystem_flushes": self.filesystem_flushes}
 
 
 def _page_aligned(a: np.ndarray) -> bool:

@@ -179,14 +179,17 @@ class Cascade:
                 return True
             if d is not None and self.config.write_through:
                 try:
-                    self.store_copy(entry, d, data, entry.copies[t], sync=False, downward=True)
+                    # group commit: the caller's sync_durable flushes the batch before "persisted"
+                    self.store_copy(entry, d, data, entry.copies[t], sync=False, downward=True, durable=False)
                     return True
                 except PLACEMENT_ERRORS:
                     self.counters["write_through_failures"] += 1
         return False
 
     def sync_durable(self) -> bool:
-        """One directory sync for a batch of durable writes; False (counted) if it failed."""
+        """Make a batch of durable writes durable: the payloads were written without an fsync
+        each (group commit), so one filesystem flush and one directory sync cover them all;
+        False (counted) if it failed, and the batch is then reported "stored", not "persisted"."""
         try:
             self.tiers[self.durable_index].sync()  # type: ignore[index]
             return True

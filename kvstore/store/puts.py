@@ -159,7 +159,8 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
     t = entry.fastest
     placed = staged.placement(t)
     try:
-        cascade.tiers[t].write_unsynced(entry.copies[t], placed.payload)
+        # on a durable tier without its fsync: the batch's sync_durable commits it (group commit)
+        cascade.tiers[t].write_unsynced(entry.copies[t], placed.payload, durable=False)
     except Exception:
         with cascade.lock:
             cascade.drop_entry(entry)
