@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--admission-modes", default="sync",
                     help="load modes to run again with cache-aware admission (kvstore.connectors.vllm.admission: "
                          "priority scheduling, hits first), over shared memory")
+    ap.add_argument("--layer-save-modes", default="",
+                    help="load modes to run again with save_mode layer (saves copied out per layer by "
+                         "save_kv_layer instead of after the step), over shared memory")
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving"))
     a = ap.parse_args()
@@ -139,15 +142,17 @@ def main() -> None:
     t_start = time.time()
 
     steps["none"] = run("none", job())["steps"][3:]
-    kvstore_runs = ([(m, "auto", False) for m in a.modes.split(",") if m]
-                    + [(m, "grpc", False) for m in a.grpc_modes.split(",") if m]
-                    + [(m, "auto", True) for m in a.admission_modes.split(",") if m])
-    for mode, transport, admission in kvstore_runs:
-        name = f"kvstore_{mode}" + ("_grpc" if transport == "grpc" else "") + ("_admission" if admission else "")
+    kvstore_runs = ([(m, "auto", False, "step") for m in a.modes.split(",") if m]
+                    + [(m, "grpc", False, "step") for m in a.grpc_modes.split(",") if m]
+                    + [(m, "auto", True, "step") for m in a.admission_modes.split(",") if m]
+                    + [(m, "auto", False, "layer") for m in a.layer_save_modes.split(",") if m])
+    for mode, transport, admission, save_mode in kvstore_runs:
+        name = (f"kvstore_{mode}" + ("_grpc" if transport == "grpc" else "") + ("_admission" if admission else "")
+                + ("_layer_saves" if save_mode == "layer" else ""))
         d = start_local_daemon(os.path.join(work, f"kvd-{name}"), "--cpu-slot-bytes", str(block_bytes),
                                cpu_bytes="2GiB", nvme_bytes="1GiB")
         try:
-            kv = vllm_kv_transfer_config(d.url, load_mode=mode, transport=transport)
+            kv = vllm_kv_transfer_config(d.url, load_mode=mode, transport=transport, save_mode=save_mode)
             steps[name] = run(name, job(kv, scheduling=ADMISSION if admission else None))["steps"][3:]
         finally:
             d.stop()
@@ -235,7 +240,8 @@ def render_markdown(r: dict) -> str:
         "figures pool them, throughput is the median batch); `_grpc` runs load over gRPC instead of shared memory (as from "
         "a remote daemon); `_admission` runs add cache-aware admission (vLLM's priority scheduling with "
         "`kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler`: requests whose prompt kvstore mostly holds "
-        "are scheduled ahead of cold ones; every other run is first come, first served). TTFT is from submission; ITL is the gap between consecutive tokens of a running "
+        "are scheduled ahead of cold ones; every other run is first come, first served); `_layer_saves` runs copy saved "
+        "blocks out layer by layer in `save_kv_layer` (`save_mode: layer`) instead of after the step. TTFT is from submission; ITL is the gap between consecutive tokens of a running "
         "request. 'first tokens': every request's first token equals the no-connector engine's; 'same outputs': "
         "requests whose 16 tokens all equal it. Batched bf16 compute on CPU is not batch-invariant: two identical "
         "no-connector runs already differ, and requests that load nothing (misses) differ too when their prefill "

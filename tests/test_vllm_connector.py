@@ -372,6 +372,11 @@ def test_settings_refuse_unknown_modes_and_offer_sha256():
         ConnectorSettings.from_extra_config({"load_mode": "eager"})
     with pytest.raises(ValueError, match="hash_algorithm"):
         ConnectorSettings.from_extra_config({"hash_algorithm": "md5"})
+    assert ConnectorSettings.from_extra_config({"save_mode": "layer"}).save_mode == "layer"
+    with pytest.raises(ValueError, match="save_mode"):
+        ConnectorSettings.from_extra_config({"save_mode": "forward"})
+    with pytest.raises(ValueError, match="admission_hit_fraction"):
+        ConnectorSettings.from_extra_config({"admission_hit_fraction": 1.5})
     with pytest.raises(ValueError, match="unknown keys"):
         ConnectorSettings.from_extra_config({"laod_mode": "sync"})
     hasher = checked_hasher(ConnectorSettings.from_extra_config({"hash_algorithm": "sha256", "hash_seed": 3}))

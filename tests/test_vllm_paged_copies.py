@@ -88,3 +88,23 @@ def test_rows_that_arrive_a_layer_range_at_a_time_are_placed_per_layer(device):
     for name in names:
         assert torch.equal(dst_kv[name][:, 0], src_kv[name][:, 4])
         assert torch.equal(dst_kv[name][:, 5], src_kv[name][:, 7])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_by_layer_gathers_equal_a_whole_gather(device):
+    """Per-layer saves: layer i's pages are copied out right after it is computed (on CUDA the copy
+    is queued behind that computation, not waited for), and once settled the rows equal a
+    whole-block gather of the same pages."""
+    kv = caches(device, seed=11)
+    names = list(kv)
+    paged = PagedBlocks(kv, names, NB)
+    ids = [6, 0, 3]
+    idx = torch.tensor(ids, dtype=torch.long, device=paged.device)
+    rows = paged.host_buffer(len(ids))
+    for i, name in enumerate(names):
+        kv[name].mul_(2).add_(1)            # "computing" layer i (on the compute stream) ...
+        paged.gather_layer(i, idx, rows)    # ... then saving it
+    paged.settle()
+    whole = paged.host_buffer(len(ids))
+    paged.gather(ids, whole)
+    assert torch.equal(rows, whole)

@@ -74,6 +74,8 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._failed_async: list[BlockTransfer] = []
         self._layer_job: LoadJob | None = None
         self._layer_hooks_missing = False      # layer mode fell back to loading before the forward pass
+        self._layer_saves = None               # save_mode layer: this step's saves, copied layer by layer
+        self._layer_save_hooks_missing = False  # ... fell back to copying after the step
         self._saving_reqs: set[str] = set()    # requests the scheduler holds blocks of for saves
         self._finishing: set[str] = set()      # ... that finished; reported once copied out
         self._staging = torch.empty(0, dtype=torch.uint8)

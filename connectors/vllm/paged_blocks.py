@@ -123,14 +123,31 @@ class PagedBlocks:
 
     def _gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for i, t in enumerate(self.layers):
-            a, b = self.offsets[i], self.offsets[i + 1]
-            if self._fast[i]:
-                pages = self._as_pages(i).index_select(0, idx)
-            else:
-                d = self.block_dims[i]
-                pages = t.index_select(d, idx).movedim(d, 0).contiguous().view(torch.uint8).view(len(block_ids), -1)
-            out[:, a:b].view(pages.dtype).copy_(pages, non_blocking=self.cuda)
+        for i in range(len(self.layers)):
+            self._gather_layer(i, idx, out)
+
+    def gather_layer(self, i: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy layer ``i``'s pages of blocks ``idx`` (a long tensor on the KV cache's device) into
+        that layer's byte range of ``out``'s rows (a ``host_buffer``), as soon as the layer is
+        computed (per-layer saves). On CUDA it returns once the copy is queued on the copy stream
+        after the compute so far: ``settle()`` before reading ``out``. On the CPU a plain copy."""
+        if not self.cuda:
+            self._gather_layer(i, idx, out)
+            return
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))   # layer i's pages as just computed
+        with torch.cuda.stream(stream):
+            self._gather_layer(i, idx, out)
+
+    def _gather_layer(self, i: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        t = self.layers[i]
+        a, b = self.offsets[i], self.offsets[i + 1]
+        if self._fast[i]:
+            pages = self._as_pages(i).index_select(0, idx)
+        else:
+            d = self.block_dims[i]
+            pages = t.index_select(d, idx).movedim(d, 0).contiguous().view(torch.uint8).view(len(idx), -1)
+        out[:, a:b].view(pages.dtype).copy_(pages, non_blocking=self.cuda)
 
     def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
         """Copy ``src`` (uint8 [n, block_bytes]) into blocks ``block_ids`` of every layer."""

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 
 from kvstore.client import NamespaceHandle
 from kvstore.connectors.vllm.chunks import ChunkPacking
@@ -70,6 +71,19 @@ class SaveQueue:
                     return False
                 self._cond.wait(left)
         return True
+
+    def send(self, hashes: list[bytes], blocks, parent: bytes | None) -> None:
+        """Queue blocks already copied out of the paged cache (``LayerSaves``) for the send stage;
+        dropped and counted like any save when the daemon is down or the queue is full."""
+        if not self.handle.available():
+            self.stats_add("save_skipped_blocks", len(hashes))
+            return
+        if self.packing is not None:
+            blocks = self.packing.to_chunks(blocks)
+        try:
+            self._to_send.put_nowait((hashes, blocks, parent))
+        except queue.Full:
+            self.stats_add("save_dropped_blocks", len(hashes))
 
     def _gather_loop(self) -> None:
         while True:
@@ -129,3 +143,44 @@ class SaveQueue:
             self._to_send.put_nowait(None)
         except queue.Full:
             pass
+
+
+class LayerSaves:
+    """One step's saves copied out layer by layer, as the forward pass computes each layer
+    (``save_mode: layer``): every saved block's layer-``i`` pages go into its row of one host
+    buffer right after layer ``i``'s attention, so on CUDA the copies overlap the later layers and
+    the blocks are out of vLLM's cache when the step ends. Complete once every layer was copied;
+    the worker copies after the step instead when no layer was (a step without a forward pass) or
+    only some were (an engine that skips ``save_kv_layer``: from then on, always). The buffer is
+    taken at the first layer's copy, so a step without a forward pass costs nothing."""
+
+    def __init__(self, transfers: list, paged: PagedBlocks) -> None:
+        self.transfers = transfers
+        self.paged = paged
+        self._ids = [b for t in transfers for b in t.block_ids]
+        self.rows: torch.Tensor | None = None
+        self._idx: torch.Tensor | None = None
+        self._copied: set[int] = set()
+
+    def copy_layer(self, i: int) -> None:
+        if self.rows is None:
+            self.rows = self.paged.host_buffer(len(self._ids))   # page-locked on CUDA
+            self._idx = torch.tensor(self._ids, dtype=torch.long, device=self.paged.device)
+        self.paged.gather_layer(i, self._idx, self.rows)
+        self._copied.add(i)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._copied)
+
+    @property
+    def complete(self) -> bool:
+        return len(self._copied) == len(self.paged.layers)
+
+    def batches(self):
+        """``(transfer, its rows)`` for each saved request, once the copies have landed."""
+        self.paged.settle()
+        at = 0
+        for t in self.transfers:
+            yield t, self.rows[at:at + len(t.block_ids)]
+            at += len(t.block_ids)

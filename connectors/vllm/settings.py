@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 LOAD_MODES = ("sync", "async", "layer")
+SAVE_MODES = ("step", "layer")
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
 #: a chunk of 1024 blocks of 16 tokens is already a 16k-token prompt: beyond that only misses grow
 MAX_BLOCKS_PER_CHUNK = 1024
@@ -32,6 +33,9 @@ class ConnectorSettings:
     save: bool = True
     save_decode: bool = True
     load_mode: str = "sync"
+    # "step": saved blocks are copied out after the step, on the saver's thread; "layer": each
+    # layer's pages as the forward pass computes them (``save_kv_layer``). Default: docs/tuning.md.
+    save_mode: str = "step"
     max_pending_saves: int = 64
     # vLLM blocks per kvstore block (1: one each). Default by measurement: docs/tuning.md.
     blocks_per_chunk: int = 1
@@ -60,7 +64,7 @@ class ConnectorSettings:
                     out[name] = None if value is None else str(value)
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: cannot use {value!r} as {kind}") from None
-        for name, choices in (("load_mode", LOAD_MODES), ("hash_algorithm", HASH_ALGORITHMS)):
+        for name, choices in (("load_mode", LOAD_MODES), ("save_mode", SAVE_MODES), ("hash_algorithm", HASH_ALGORITHMS)):
             if name in out and out[name] not in choices:
                 raise ValueError(f"kv_connector_extra_config.{name}: {out[name]!r} is not one of {list(choices)}")
         if not 1 <= out.get("blocks_per_chunk", 1) <= MAX_BLOCKS_PER_CHUNK:

@@ -19,9 +19,12 @@ A block that did not arrive whole is reported through ``get_block_ids_with_load_
 async load, in the same step that reports the request finished), and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``); nothing raised here reaches vLLM.
 
-Saves: ``wait_for_save`` queues the step's new full blocks with the saver, which copies them out
-in the background. A finished request that had saves is reported as finished *sending* once its
-blocks are copied out (the scheduler held them through ``request_finished``).
+Saves, by ``save_mode``: ``step`` (default): ``wait_for_save`` queues the step's new full blocks
+with the saver, which copies them out in the background; ``layer``: ``save_kv_layer`` copies each
+layer's pages of them out as the forward pass computes it (``saver.LayerSaves``) and
+``wait_for_save`` hands the copied blocks to the saver's send stage. A finished request that had
+saves is reported as finished *sending* once its blocks are copied out (the scheduler held them
+through ``request_finished``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 from kvstore.connectors.vllm.ranks import is_writer
-from kvstore.connectors.vllm.saver import SaveQueue
+from kvstore.connectors.vllm.saver import LayerSaves, SaveQueue
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -49,7 +52,8 @@ logger = logging.getLogger("kvstore.connectors.vllm")
 class WorkerSide:
     """Worker-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``: ``_paged``,
     ``_load_link``, ``_loader``, ``_saver``, ``_load_errors``, ``_staging``, ``_layer_job``,
-    ``_layer_hooks_missing``, ``_saving_reqs``, ``_finishing``, ``_failed_async``, ``namespace``, ``tp_rank``)."""
+    ``_layer_hooks_missing``, ``_layer_saves``, ``_layer_save_hooks_missing``, ``_saving_reqs``, ``_finishing``,
+    ``_failed_async``, ``namespace``, ``tp_rank``)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.enabled:
@@ -96,6 +100,13 @@ class WorkerSide:
         meta = self._bound_metadata()
         if meta is None:
             return
+        self._layer_saves = None
+        if (meta.saves and self.settings.save_mode == "layer" and self._saver is not None
+                and not self._layer_save_hooks_missing):
+            try:
+                self._layer_saves = LayerSaves(meta.saves, self._paged)
+            except Exception as e:  # noqa: BLE001 - no buffer: this step copies out after the step
+                logger.warning("kvstore connector: per-layer saves unavailable this step: %s", e)
         for t in meta.loads:
             if not t.asynchronous:
                 continue
@@ -170,7 +181,19 @@ class WorkerSide:
             return False
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # full blocks are copied out after the step, off the forward path (the saver)
+        """``save_mode: layer``: copy this layer's pages of the step's saved blocks out now (on
+        CUDA queued on the copy stream, overlapping the layers still to run). ``step``: nothing
+        here; the saver copies whole blocks out after the step."""
+        saves = self._layer_saves
+        if saves is None:
+            return
+        i = self._paged.layer_index.get(layer_name)
+        try:
+            if i is not None:
+                saves.copy_layer(i)
+        except Exception as e:  # noqa: BLE001 - never into the forward pass: copied after the step instead
+            logger.warning("kvstore connector: per-layer save of %s failed: %s", layer_name, e)
+            self._layer_saves = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -189,6 +212,20 @@ class WorkerSide:
             self._saving_reqs.add(t.req_id)
         if self._saver is None:
             return
+        saves, self._layer_saves = self._layer_saves, None
+        if saves is not None and saves.complete:
+            try:
+                for t, rows in saves.batches():   # out of the paged cache already: nothing to hold
+                    self._saver.send(t.hashes, rows, t.parent)
+                self._add_stat("layer_saved_blocks", sum(len(t.hashes) for t in meta.saves))
+            except Exception as e:  # noqa: BLE001 - best effort, like every save
+                logger.warning("kvstore connector: sending per-layer saves failed: %s", e)
+                self._add_stat("save_failed_blocks", sum(len(t.hashes) for t in meta.saves))
+            return
+        if saves is not None and saves.started:
+            logger.warning("kvstore connector: some attention layers did not call save_kv_layer; "
+                           "copying saved blocks out after the step from now on")
+            self._layer_save_hooks_missing = True
         for t in meta.saves:
             try:
                 self._saver.submit(t.req_id, t.block_ids, t.hashes, t.parent)
