@@ -466,6 +466,24 @@ def test_nvme_full_raises_and_keeps_what_was_stored():
         h.close()
 
 
+def test_a_batch_that_fills_the_disk_keeps_its_leading_blocks_and_nothing_after():
+    """Disk-tier writes of one put run several at once (``puts.DiskWrites``); when one fails, the
+    blocks before it stay and are served, none after it is left behind, half-written or counted."""
+    with mounted("tmpfs", "size=1m") as m:
+        h = Harness(m, cpu_blocks=0, nvme_blocks=64)
+        c = chain(12)
+        with pytest.raises(TierIOError, match="disk full"):
+            h.put(c)
+        present = h.store.contains(h.ns, c)
+        kept = present.index(False)
+        assert 2 <= kept < 12 and not any(present[kept:])
+        assert h.check(c[:kept]) == [True] * kept
+        assert not any(n.endswith(".tmp") for n in os.listdir(m))
+        assert h.store.tiers[-1].used_bytes == kept * NVME_FP
+        assert len([n for n in os.listdir(m) if n.endswith(".kvb")]) == kept   # no file of a dropped block
+        h.close()
+
+
 # -- everything at once ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tiers", ["cpu+nvme", "gpu+cpu+nvme"])

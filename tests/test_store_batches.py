@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.errors import BlockCorrupt, QuotaExceeded, StoreFull
 from kvstore.keys import ChainHasher, KVLayout, Namespace
-from kvstore.store import Store, StoreConfig, StoreListener, reads
+from kvstore.store import Store, StoreConfig, StoreListener, puts, reads
 from kvstore.store.cascade import Cascade
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
@@ -230,22 +230,27 @@ def test_a_failed_read_in_a_batched_get_leaves_nothing_pinned(tmp_path, monkeypa
     store.close()
 
 
-def test_a_put_onto_a_disk_first_tier_publishes_each_block_before_writing_the_next(tmp_path, monkeypatch):
+def test_a_put_onto_a_disk_first_tier_keeps_few_blocks_invisible_and_publishes_in_order(tmp_path, monkeypatch):
     """Runs are for memory tiers only: on NVMe a run would leave its first blocks invisible for as
-    long as the rest take to write and fsync."""
+    long as the rest take to write. Disk writes go a few at once (``puts.WRITES_IN_FLIGHT``), each
+    block published in order once its write is over: when block i's write starts, every block
+    before the last few queued is visible, and none from i on."""
     store = Store([NvmeTier(str(tmp_path / "only"), 16 * (HEADER_BYTES + BLOCK))], StoreConfig())
     ns = store.register_namespace(Namespace(layout(), tenant="t"))
-    hashes = chain(4)
-    seen = []
+    hashes = chain(12)
+    seen = {}
     real = NvmeTier.write_unsynced
 
     def write(self, record, payload, durable=True):
-        seen.append(store.contains(ns, hashes))
+        seen[hashes.index(record.block_hash)] = store.contains(ns, hashes)
         real(self, record, payload, durable)
 
     monkeypatch.setattr(NvmeTier, "write_unsynced", write)
-    assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 4
-    assert seen == [[k < i for k in range(4)] for i in range(4)]
+    assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 12
+    assert sorted(seen) == list(range(12))
+    for i, present in seen.items():
+        assert all(present[:max(0, i - puts.WRITES_IN_FLIGHT + 1)]) and not any(present[i:])
+    assert store.tiers[0].stats()["file_fsyncs"] == 0
     store.close()
 
 

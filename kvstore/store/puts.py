@@ -6,7 +6,9 @@ taken; a block already present is never encoded at all.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError, InvalidArgument, WrongBlockSize
@@ -102,23 +104,95 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     runs = (cascade.cpu_index is not None and cascade.transcoder.configured(0) == RAW
             and (codecs is None or not any(codecs)))   # tier 0 is then the CPU tier or a GPU tier before it
     limit = run_limit(ns.block_bytes)
+    disk = DiskWrites(cascade, results, on_durable)
     i = 0
     try:
         while i < len(hashes):
             run = cascade.reserve_run(ns, hashes, parents, i, 0, limit) if runs else []
             if run:
+                disk.finish()   # published in the put's order
                 _write_run(cascade, run, arrays, i, results, on_durable)
                 i += len(run)
                 continue
-            results.append(_put_one(cascade, ns, hashes[i], parents[i], arrays[i],
-                                    0 if codecs is None else int(codecs[i]), on_durable, len(results)))
+            _put_one(cascade, ns, hashes[i], parents[i], arrays[i], 0 if codecs is None else int(codecs[i]),
+                     disk)
             i += 1
+        disk.finish()
     finally:
-        # blocks written before a failure stay; one directory sync covers the whole batch
+        disk.settle()   # after a failure: the blocks whose writes landed before it stay
+        # blocks written before a failure stay; one filesystem flush and directory sync cover the batch
         if on_durable and cascade.sync_durable():
             for k in on_durable:
                 results[k] = "persisted"
     return results
+
+
+WRITES_IN_FLIGHT = 4   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
+_writers: ThreadPoolExecutor | None = None
+_writers_lock = threading.Lock()
+
+
+def _disk_writers() -> ThreadPoolExecutor:
+    global _writers
+    with _writers_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvstore-disk-write")
+        return _writers
+
+
+class DiskWrites:
+    """A put's blocks whose copy goes to a disk tier, written up to ``WRITES_IN_FLIGHT`` at once
+    (each write waits on the disk with the GIL released, so their waits overlap instead of adding
+    up) and published in the put's order. Blocks for memory tiers are written inline, after the
+    disk writes queued before them are published."""
+
+    def __init__(self, cascade: Cascade, results: list[str], on_durable: list[int]) -> None:
+        self.cascade, self.results, self.on_durable = cascade, results, on_durable
+        self._pending: list[tuple[int, object, object, Future]] = []   # (result index, entry, placement, write)
+        self._failed = False   # a write failed: the blocks queued after it are not published
+
+    def add(self, entry, placed) -> None:
+        tier = self.cascade.tiers[entry.fastest]
+        write = _disk_writers().submit(tier.write_unsynced, entry.copies[entry.fastest], placed.payload, False)
+        self.results.append("stored")
+        self._pending.append((len(self.results) - 1, entry, placed, write))
+        if len(self._pending) >= WRITES_IN_FLIGHT:
+            self._publish_first()
+
+    def finish(self) -> None:
+        while self._pending:
+            self._publish_first()
+
+    def _publish_first(self) -> None:
+        at, entry, placed, write = self._pending[0]
+        try:
+            write.result()
+        except BaseException:
+            with self.cascade.lock:
+                self.cascade.drop_entry(entry)
+            self._pending.pop(0)
+            self._failed = True
+            raise
+        self._pending.pop(0)
+        _published(self.cascade, entry, placed, self.on_durable, at)
+
+    def settle(self) -> None:
+        """After the put failed elsewhere: the blocks before the failure stay, as if written one by
+        one — queued writes are waited for and published in order up to the first that failed;
+        that one and the rest are dropped (each once its write is over: nothing may still be
+        writing a dropped block's file)."""
+        pending, self._pending = self._pending, []
+        failed = self._failed
+        for at, entry, placed, write in pending:
+            try:
+                write.result()
+            except BaseException:  # noqa: BLE001 - the put already raises
+                failed = True
+            if failed:
+                with self.cascade.lock:
+                    self.cascade.drop_entry(entry)
+            else:
+                _published(self.cascade, entry, placed, self.on_durable, at)
 
 
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, results: list[str],
@@ -147,26 +221,40 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,
-             on_durable: list[int], at: int) -> str:
-    """One block through ``Cascade.reserve`` (eviction, codecs, fall-through to slower tiers)."""
+             disk: DiskWrites) -> None:
+    """One block through ``Cascade.reserve`` (eviction, codecs, fall-through to slower tiers); its
+    result is appended to ``disk.results`` (a disk tier's write may still be in flight). Writes
+    to a durable tier skip their fsync: the batch's ``sync_durable`` commits them (group commit)."""
     if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
-        return "exists"
+        disk.finish()
+        disk.results.append("exists")
+        return
     staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec), data)
     staged.placement(0)  # encode for the first tier tried before the lock is taken
     entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
     if entry is None:
-        return "exists"
+        disk.finish()
+        disk.results.append("exists")
+        return
     t = entry.fastest
     placed = staged.placement(t)
+    if cascade.tiers[t].durable:
+        disk.add(entry, placed)
+        return
+    disk.finish()
     try:
-        # on a durable tier without its fsync: the batch's sync_durable commits it (group commit)
         cascade.tiers[t].write_unsynced(entry.copies[t], placed.payload, durable=False)
     except Exception:
         with cascade.lock:
             cascade.drop_entry(entry)
         raise
+    disk.results.append("stored")
+    _published(cascade, entry, placed, disk.on_durable, len(disk.results) - 1)
+
+
+def _published(cascade: Cascade, entry, placed, on_durable: list[int], at: int) -> None:
+    """Count a written block's placement and make it visible (``on_durable`` notes a durable copy)."""
     with cascade.lock:
-        cascade.transcoder.count(t, placed, entry.raw_size)
+        cascade.transcoder.count(entry.fastest, placed, entry.raw_size)
     if cascade.publish(entry, placed.payload):
         on_durable.append(at)
-    return "stored"
