@@ -118,11 +118,11 @@ _INPROC = ("the Store's per-block bookkeeping in Python (reserve slots, index an
            "RPC in this row): {kv_us:.0f} us a block against {peer_us:.0f} us for Mooncake's C++ and {ceil_us:.0f} us "
            "for the memcpy alone.")
 _DISK_PUT = ("kvstore promises more for the same ceiling: its put returns `persisted`, each block's file written "
-             "with O_DIRECT and renamed one after another on the calling thread, then one filesystem flush and one "
-             "directory fsync for the batch (group commit); LMCache's disk backend writes with O_DIRECT from 4 I/O "
-             "threads and never flushes (a finished write may still sit in the device's cache, and a crash can "
-             "lose it). Both against raw O_DIRECT writes without fsync: kvstore at {kv_x:.2f}x, LMCache at "
-             "{peer_x:.2f}x.")
+             "with O_DIRECT and renamed, up to 4 at once (puts.DiskWrites), then one filesystem flush and one "
+             "directory fsync for the batch (group commit), all inside the timed put; LMCache's disk backend writes "
+             "with O_DIRECT from 4 I/O threads and never flushes (a finished write may still sit in the device's "
+             "cache, and a crash can lose it). Both against raw O_DIRECT writes without fsync: kvstore at "
+             "{kv_x:.2f}x, LMCache at {peer_x:.2f}x. How much of a gap the flush is was not measured apart.")
 _DISK_GET = ("both read a batch several blocks at a time with O_DIRECT into page-aligned memory (kvstore 4 in flight, "
              "LMCache 4 threads); kvstore at {kv_x:.2f}x and LMCache at {peer_x:.2f}x the single-stream O_DIRECT read "
              "measured around each. This virtio disk varies from pass to pass by more than that gap (see the read "
