@@ -41,6 +41,24 @@ def as_bytes(buf, field: str = "blocks") -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+def writable_bytes(buf, field: str) -> np.ndarray:
+    """``as_bytes`` for a destination: a flat uint8 view of the caller's own memory, never a copy.
+    ``as_bytes`` makes a contiguous copy of a strided array or tensor, and bytes written there
+    would never reach the caller, who would read what the buffer held before as if it were the
+    block; so a strided or read-only destination is refused instead, naming ``field``."""
+    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+        raise InvalidArgument(field, "buffer is not contiguous (a copy would not reach it)")
+    if type(buf).__module__.startswith("torch") and not buf.is_contiguous():
+        raise InvalidArgument(field, "tensor is not contiguous (a copy would not reach it)")
+    try:
+        arr = as_bytes(buf, field)
+    except (TypeError, ValueError, BufferError) as e:   # e.g. a strided memoryview
+        raise InvalidArgument(field, f"not a contiguous writable buffer: {e}") from None
+    if not arr.flags.writeable:
+        raise InvalidArgument(field, "buffer is read-only")
+    return arr
+
+
 def as_byte_tensor(buf, field: str):
     """``as_bytes`` as a flat uint8 torch tensor, for code that computes in torch (the codecs):
     bytes, bytearray, memoryview, a numpy array or a tensor on any device (kept there), copying

@@ -105,6 +105,27 @@ def test_torch_tensor_blocks(kv_daemon):
         assert torch.equal(out, t)
 
 
+@pytest.mark.parametrize("transport", ["shm", "bulk", "grpc"])
+def test_a_destination_a_copy_would_hide_is_refused_by_name(kv_daemon, transport):
+    """A strided array or tensor cannot be written in place: the get refuses it (naming the
+    buffer) rather than fill a contiguous copy and report the block delivered."""
+    torch = pytest.importorskip("torch")
+    with kv_daemon.client(transport=transport) as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt=f"strided-{transport}"))
+        h = _chain(2, salt=9)
+        c.put(ns, h, _blocks(2, LAYOUT.block_bytes, seed=9))
+        strided = np.zeros((LAYOUT.block_bytes, 2), np.uint8)[:, 0]
+        tensor = torch.zeros(LAYOUT.block_bytes, 2, dtype=torch.uint8)[:, 1]
+        frozen = np.zeros(LAYOUT.block_bytes, np.uint8)
+        frozen.flags.writeable = False
+        for i, bad in ((1, strided), (1, tensor), (0, frozen)):
+            outs = [np.zeros(LAYOUT.block_bytes, np.uint8), np.zeros(LAYOUT.block_bytes, np.uint8)]
+            outs[i] = bad
+            with pytest.raises(InvalidArgument, match=rf"outs\[{i}\]"):
+                c.get_into(ns, h, outs)
+        assert not strided.any() and not tensor.any()
+
+
 def test_layout_mismatch_refused(kv_daemon):
     with kv_daemon.client(transport="grpc") as c:
         ns = c.register_namespace(Namespace(LAYOUT, cache_salt="mismatch"))

@@ -251,6 +251,16 @@ def test_a_put_batch_reaches_nvme_with_one_flush_not_an_fsync_per_file(harness, 
         alone.close()
 
 
+def test_a_strided_destination_is_refused_not_filled_through_a_copy(harness):
+    h = harness(cpu_blocks=4)
+    c = chain(1)
+    h.put(c)
+    strided = np.zeros((BLOCK, 2), np.uint8)[:, 0]
+    with pytest.raises(InvalidArgument, match=r"outs\[0\].*not contiguous"):
+        h.store.get_into(h.ns, c, [strided])
+    assert not strided.any()
+
+
 def test_delete_while_pinned(harness):
     h = harness(cpu_blocks=4)
     c = chain(2)

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from kvstore.buffers import as_bytes
+from kvstore.buffers import writable_bytes
 from kvstore.errors import CodecError, InvalidArgument
 from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -84,10 +84,8 @@ class IntoBuffer:
             nbytes = self.device_out.numel()
             self.host = None
         else:
-            self.host = as_bytes(out, f"outs[{index}]")
+            self.host = writable_bytes(out, f"outs[{index}]")
             nbytes = self.host.nbytes
-            if not self.host.flags.writeable:
-                raise InvalidArgument(f"outs[{index}]", "buffer is read-only")
         if block_bytes and nbytes < block_bytes:
             raise InvalidArgument(f"outs[{index}]", f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
         self.capacity = nbytes      # the most bytes this block may bring (deadlines scale with it)

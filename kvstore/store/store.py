@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.buffers import as_bytes
+from kvstore.buffers import writable_bytes
 from kvstore.errors import BlockTooLarge, InvalidArgument, QuotaExceeded, TierIOError
 from kvstore.keys import Namespace
 from kvstore.store.admin import StoreAdmin
@@ -231,7 +231,7 @@ class Store:
         ns = self._namespaces.check_batch(namespace_id, hashes)
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
-        dsts = [as_bytes(out) for out in outs]
+        dsts = [writable_bytes(out, f"outs[{i}]") for i, out in enumerate(outs)]
         for dst in dsts:
             if dst.nbytes < ns.block_bytes:
                 raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
