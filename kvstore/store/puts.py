@@ -174,7 +174,7 @@ class DiskWrites:
             self._failed = True
             raise
         self._pending.pop(0)
-        _published(self.cascade, entry, placed, self.on_durable, at)
+        _publish_written(self.cascade, entry, placed, self.on_durable, at)
 
     def settle(self) -> None:
         """After the put failed elsewhere: the blocks before the failure stay, as if written one by
@@ -192,7 +192,7 @@ class DiskWrites:
                 with self.cascade.lock:
                     self.cascade.drop_entry(entry)
             else:
-                _published(self.cascade, entry, placed, self.on_durable, at)
+                _publish_written(self.cascade, entry, placed, self.on_durable, at)
 
 
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, results: list[str],
@@ -249,10 +249,10 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
             cascade.drop_entry(entry)
         raise
     disk.results.append("stored")
-    _published(cascade, entry, placed, disk.on_durable, len(disk.results) - 1)
+    _publish_written(cascade, entry, placed, disk.on_durable, len(disk.results) - 1)
 
 
-def _published(cascade: Cascade, entry, placed, on_durable: list[int], at: int) -> None:
+def _publish_written(cascade: Cascade, entry, placed, on_durable: list[int], at: int) -> None:
     """Count a written block's placement and make it visible (``on_durable`` notes a durable copy)."""
     with cascade.lock:
         cascade.transcoder.count(entry.fastest, placed, entry.raw_size)
