@@ -112,6 +112,14 @@ def gather(arena: np.ndarray, extents: Sequence[Extent], dst: np.ndarray) -> int
     return pos
 
 
+def copy_each(arena, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
+    """``dsts[i][:] = arena[offsets[i]:offsets[i] + lengths[i]]`` for every i: many one-extent
+    blocks with a single call's worth of Python per block (small blocks are bound by it)."""
+    copyto = np.copyto
+    for off, n, dst in zip(offsets, lengths, dsts):
+        copyto(dst, arena[off:off + n])
+
+
 class Scratch:
     """A grow-only uint8 buffer, one per thread, so hot paths allocate once rather than per
     request. ``trim_above`` bytes: a request larger than that gets a buffer that is dropped after

@@ -75,7 +75,11 @@ class IntoBuffer:
         self.index = index
         self.pool = pool
         self.device_out = None
-        if _on_device(out):
+        if (type(out) is np.ndarray and out.dtype == np.uint8 and out.ndim == 1 and out.flags.c_contiguous
+                and out.flags.writeable):   # the usual destination, taken as it is (a get makes one per block)
+            self.host = out
+            nbytes = out.nbytes
+        elif _on_device(out):
             import torch
             if not block_bytes or not out.is_contiguous():
                 raise InvalidArgument(f"outs[{index}]", "a device tensor needs a registered namespace "
@@ -90,6 +94,13 @@ class IntoBuffer:
             raise InvalidArgument(f"outs[{index}]", f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
         self.capacity = nbytes      # the most bytes this block may bring (deadlines scale with it)
         self._landing: np.ndarray | None = None
+
+    def raw_destination(self, size: int) -> np.ndarray | None:
+        """Where a raw block of ``size`` bytes lands when it lands in the caller's host buffer
+        itself (nothing to stage or decode, so ``finish`` has nothing to do); else None."""
+        if self.host is not None and size == self.block_bytes and size <= self.host.nbytes:
+            return self.host[:size]
+        return None
 
     def buffer(self, size: int) -> np.ndarray:
         """Host bytes to receive a ``size``-byte payload into."""

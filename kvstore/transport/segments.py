@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.buffers import gather, scatter
+from kvstore.buffers import copy_each, gather, scatter
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVSG"
@@ -188,6 +188,9 @@ class SegmentMap:
 
     def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
         return scatter(self, extents, src)
+
+    def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
+        copy_each(self, offsets, lengths, dsts)
 
     def close(self) -> None:
         self._maps = {}   # each mapping closes once no view of it is left

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.buffers import gather, scatter
+from kvstore.buffers import copy_each, gather, scatter
 
 PROBE_PREFIX = ".kvstore-probe-"
 
@@ -93,6 +93,10 @@ class ArenaMap:
 
     def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
         return scatter(self.arena, extents, src)
+
+    def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
+        """Blocks of one extent each into their destinations (each exactly that long), in one loop."""
+        copy_each(self.arena, offsets, lengths, dsts)
 
     def close(self) -> None:
         self.arena = None
