@@ -6,14 +6,14 @@ taken; a block already present is never encoded at all.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError, InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
+from kvstore.store.io_pools import LazyPool
 from kvstore.store.transcoding import RAW, StagedBlock
 from kvstore.tiers.base import BlockRecord
 
@@ -128,16 +128,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
 
 
 WRITES_IN_FLIGHT = 4   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
-_writers: ThreadPoolExecutor | None = None
-_writers_lock = threading.Lock()
-
-
-def _disk_writers() -> ThreadPoolExecutor:
-    global _writers
-    with _writers_lock:
-        if _writers is None:
-            _writers = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="kvstore-disk-write")
-        return _writers
+_writers = LazyPool(WRITES_IN_FLIGHT, "kvstore-disk-write")
 
 
 class DiskWrites:
@@ -153,7 +144,7 @@ class DiskWrites:
 
     def add(self, entry, placed) -> None:
         tier = self.cascade.tiers[entry.fastest]
-        write = _disk_writers().submit(tier.write_unsynced, entry.copies[entry.fastest], placed.payload, False)
+        write = _writers.get().submit(tier.write_unsynced, entry.copies[entry.fastest], placed.payload, False)
         self.results.append("stored")
         self._pending.append((len(self.results) - 1, entry, placed, write))
         if len(self._pending) >= WRITES_IN_FLIGHT:

@@ -14,31 +14,21 @@ their waits overlap instead of adding up.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
 from kvstore.store.cascade import Cascade
+from kvstore.store.io_pools import LazyPool
 
 # Not the cascade's scratch: a read payload must outlive the promotion it feeds, which can demote
 # another block through the cascade's buffer.
 _payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
 READS_IN_FLIGHT = 4   # slow-tier reads of one call at once (queue depth for NVMe)
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _readers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="kvstore-slow-read")
-        return _pool
+_readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
 
 
 # a fresh buffer per read: a payload read on a pool thread must outlive that thread's next read
@@ -59,7 +49,7 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
                 if (e := cascade.index.visible(namespace_id, h)) is not None and e.fastest >= slow_from]
     if len(slow) < 2:
         return [read_block(cascade, namespace_id, h, dst, accept) for h, dst in zip(hashes, dsts)]
-    pool = _readers()
+    pool = _readers.get()
     reads = {i: pool.submit(_read_fastest, cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
              for i in slow}
     out = []
