@@ -160,10 +160,10 @@ class NvmeTier(Tier):
         ``durable=False``: no fsync of the payload either; ``sync()`` flushes it later."""
         try:
             self._write_file(record, data, fsync=durable)
-            if durable:
-                self.file_fsyncs += 1
-            else:
-                with self._lock:
+            with self._lock:   # writers run on several threads (a put's disk writes in flight)
+                if durable:
+                    self.file_fsyncs += 1
+                else:
                     self._unflushed += 1
         except OSError as e:
             self.drop(record.key)
@@ -178,7 +178,8 @@ class NvmeTier(Tier):
         try:
             if unflushed:
                 syncfs(self.path)
-                self.filesystem_flushes += 1
+                with self._lock:
+                    self.filesystem_flushes += 1
             fsync_dir(self.path)
         except OSError as e:
             raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
