@@ -39,7 +39,7 @@ LOAD = KVLayout(model="bench/lookup-load", num_layers=1, num_kv_heads=1, head_di
                 block_bytes=1 << 20)
 LOAD_SCRIPT = """
 import sys, threading, time, numpy as np
-from kvstore.client import Client, Lookup
+from kvstore.client import Client
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 url, clients, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 lay = KVLayout(model="bench/lookup-load", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8", block_tokens=16,

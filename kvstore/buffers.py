@@ -46,6 +46,9 @@ def writable_bytes(buf, field: str) -> np.ndarray:
     ``as_bytes`` makes a contiguous copy of a strided array or tensor, and bytes written there
     would never reach the caller, who would read what the buffer held before as if it were the
     block; so a strided or read-only destination is refused instead, naming ``field``."""
+    if (type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
+            and buf.flags.writeable):   # the usual destination, taken as it is (a get checks one per block)
+        return buf
     if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
         raise InvalidArgument(field, "buffer is not contiguous (a copy would not reach it)")
     if type(buf).__module__.startswith("torch") and not buf.is_contiguous():

@@ -80,6 +80,9 @@ class SaveQueue:
             return
         if self.packing is not None:
             blocks = self.packing.to_chunks(blocks)
+        self._queue_send(hashes, blocks, parent)
+
+    def _queue_send(self, hashes: list[bytes], blocks, parent: bytes | None) -> None:
         try:
             self._to_send.put_nowait((hashes, blocks, parent))
         except queue.Full:
@@ -110,10 +113,7 @@ class SaveQueue:
             if blocks is None:
                 self.stats_add("save_failed_blocks", len(hashes))
                 continue
-            try:
-                self._to_send.put_nowait((hashes, blocks, parent))
-            except queue.Full:
-                self.stats_add("save_dropped_blocks", len(hashes))
+            self._queue_send(hashes, blocks, parent)
 
     def _send_loop(self) -> None:
         while True:

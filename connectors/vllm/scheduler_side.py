@@ -72,9 +72,7 @@ class SchedulerSide:
         if not self.enabled or not self.settings.load:
             return 0
         try:
-            state = self._requests.get(request.request_id)
-            if state is None:
-                state = self._requests[request.request_id] = self._new_state(request)
+            state = self._state(request)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
             return 0
@@ -86,13 +84,18 @@ class SchedulerSide:
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if not self.enabled or not self.settings.load and not self.settings.save:
             return 0
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = self._new_state(request)
+        state = self._state(request)
         state.match_start = num_computed_tokens
         # At least one token must be computed by vLLM to produce logits.
         loadable_end = min(state.num_hit * self.chunk_tokens, request.num_tokens - 1)
         return max(0, loadable_end - num_computed_tokens)
+
+    def _state(self, request: "Request") -> RequestState:
+        """The request's state, made (with its one lookup) the first time it is asked for."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = self._new_state(request)
+        return state
 
     def _new_state(self, request: "Request") -> RequestState:
         cacheable = bool(request.prompt_token_ids)

@@ -75,11 +75,7 @@ class IntoBuffer:
         self.index = index
         self.pool = pool
         self.device_out = None
-        if (type(out) is np.ndarray and out.dtype == np.uint8 and out.ndim == 1 and out.flags.c_contiguous
-                and out.flags.writeable):   # the usual destination, taken as it is (a get makes one per block)
-            self.host = out
-            nbytes = out.nbytes
-        elif _on_device(out):
+        if type(out) is not np.ndarray and _on_device(out):
             import torch
             if not block_bytes or not out.is_contiguous():
                 raise InvalidArgument(f"outs[{index}]", "a device tensor needs a registered namespace "

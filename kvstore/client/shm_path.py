@@ -64,8 +64,13 @@ def lease_slots(lease) -> tuple[list[_Slots], Iterator[_Extent]]:
             c = counts[k]
             blocks.append(_Slots(pieces[at:at + c], sizes[k], codecs[k], present[k]))
             at += c
-    generations = list(t.generations) or [0] * len(offsets)
-    return blocks, (_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations))
+    return blocks, _table_extents(t, offsets, lengths)
+
+
+def _table_extents(table, offsets: list[int], lengths: list[int]) -> Iterator[_Extent]:
+    """Every extent a lease's ``table`` names, made as they are read (a whole mapped arena reads none)."""
+    generations = list(table.generations) or [0] * len(offsets)
+    return (_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations))
 
 
 def _direct_copies(lease, sinks, start: int):
@@ -89,8 +94,7 @@ def _direct_copies(lease, sinks, start: int):
         if dst is None:
             return None
         dsts.append(dst)
-    generations = list(t.generations) or [0] * n
-    return offsets, lengths, dsts, (_Extent(o, ln, g) for o, ln, g in zip(offsets, lengths, generations))
+    return offsets, lengths, dsts, _table_extents(t, offsets, lengths)
 
 
 class ShmPath:

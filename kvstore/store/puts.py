@@ -119,8 +119,8 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
             i += 1
         disk.finish()
     finally:
-        disk.settle()   # after a failure: the blocks whose writes landed before it stay
-        # blocks written before a failure stay; one filesystem flush and directory sync cover the batch
+        disk.settle()   # after a failure, the blocks written before it stay
+        # one filesystem flush and one directory sync cover the whole batch
         if on_durable and cascade.sync_durable():
             for k in on_durable:
                 results[k] = "persisted"
@@ -217,14 +217,12 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
     result is appended to ``disk.results`` (a disk tier's write may still be in flight). Writes
     to a durable tier skip their fsync: the batch's ``sync_durable`` commits them (group commit)."""
     if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
-        disk.finish()
         disk.results.append("exists")
         return
     staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec), data)
     staged.placement(0)  # encode for the first tier tried before the lock is taken
     entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
     if entry is None:
-        disk.finish()
         disk.results.append("exists")
         return
     t = entry.fastest

@@ -50,11 +50,18 @@ def _connectors(llm):
             worker = get_kv_transfer_group()
     except Exception:  # noqa: BLE001
         pass
-    try:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    except Exception:  # noqa: BLE001
-        pass
+    sched = _scheduler(llm)
+    if sched is not None:
+        scheduler = sched.connector
     return worker, scheduler
+
+
+def _scheduler(llm):
+    """The engine's scheduler, in process (None in multiprocess mode: it is in another process)."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def lose_blocks_after_lookup(scheduler):
@@ -177,11 +184,9 @@ def main() -> None:
     if scheduler is not None and hasattr(scheduler, "totals"):
         conn["scheduler"] = dict(scheduler.totals)
     result["connector"] = conn
-    try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
+    sched = _scheduler(llm)
+    if sched is not None:
         result["scheduler"] = {"class": type(sched).__name__, "policy": str(sched.policy.value)}
-    except Exception:  # noqa: BLE001 - multiprocess mode: the scheduler is in another process
-        pass
     if job.get("metrics"):
         result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvstore" in m.name}
     with open(result_path, "w") as f:
