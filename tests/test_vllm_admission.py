@@ -2,12 +2,14 @@
 that arrives behind two cold prompts gets its first token before them with
 ``kvstore.connectors.vllm.admission`` and after the first of them without it (first come, first
 served). The step budget fits one cold prompt, so the order is the engine's, not the clock's.
+With the daemon down, every request is admitted as a miss and served.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import socket
 import sys
 
 import pytest
@@ -32,21 +34,26 @@ def runs(tmp_path_factory):
     steps = [{"generate": [SEED], "max_tokens": 1}, {"drain": True},
              {"serve": [COLD_A, COLD_B, HIT], "max_tokens": 4}]
 
-    def job(name: str, **scheduling) -> tuple[str, dict]:
+    def job(name: str, url: str = d.url, **scheduling) -> tuple[str, dict]:
         engine = {"model": model["out_dir"], "max_model_len": 1024, "kv_cache_memory_bytes": 32 * 2**20,
                   "max_num_batched_tokens": 200, "enable_chunked_prefill": True, **scheduling}
         return name, {"build": model, "engine": engine, "steps": steps,
                       "kv_transfer_config": vllm_runner.kvstore_transfer_config(   # a namespace per job
-                          f"grpc://{d.url}", retry_after_s=30, cache_salt=name)}
+                          f"grpc://{url}", retry_after_s=30, cache_salt=name)}
 
+    aware_async = {"scheduling_policy": "priority",
+                   "scheduler_cls": "kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler"}
+    with socket.socket() as s:   # a port nobody listens on: the daemon is down
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
     try:
-        return dict(zip(("fcfs", "async", "sync"), vllm_runner.run_jobs(
+        return dict(zip(("fcfs", "async", "sync", "down"), vllm_runner.run_jobs(
             vllm_runner.vllm_python(), str(tmp_path_factory.mktemp("vllm")), [
                 job("fcfs"),
-                job("async", scheduling_policy="priority",
-                    scheduler_cls="kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler"),
+                job("async", **aware_async),
                 job("sync", scheduling_policy="priority", async_scheduling=False,
-                    scheduler_cls="kvstore.connectors.vllm.admission.CacheAwareScheduler")], timeout_s=600)))
+                    scheduler_cls="kvstore.connectors.vllm.admission.CacheAwareScheduler"),
+                job("down", url=nobody, **aware_async)], timeout_s=600)))
     finally:
         d.kill()
 
@@ -68,3 +75,11 @@ def test_first_come_first_served_keeps_the_hit_behind(runs):
     assert a < hit
     assert fcfs["steps"][2]["num_cached_tokens"][2] == len(PREFIX)
     assert "admitted_hits" not in fcfs["connector"]["scheduler"]
+
+
+def test_with_the_daemon_down_every_request_is_served_as_a_miss(runs):
+    down = runs["down"]
+    assert down["scheduler"]["class"] == "CacheAwareAsyncScheduler"
+    assert [len(o) for o in down["steps"][2]["outputs"]] == [4, 4, 4]
+    assert down["steps"][2]["num_cached_tokens"] == [0, 0, 0]
+    assert down["connector"]["scheduler"]["admitted_misses"] == 4 and "admitted_hits" not in down["connector"]["scheduler"]
