@@ -217,12 +217,14 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
     result is appended to ``disk.results`` (a disk tier's write may still be in flight). Writes
     to a durable tier skip their fsync: the batch's ``sync_durable`` commits them (group commit)."""
     if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
+        disk.finish()   # the blocks queued before it are published first, as when written one by one
         disk.results.append("exists")
         return
     staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec), data)
     staged.placement(0)  # encode for the first tier tried before the lock is taken
     entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
     if entry is None:
+        disk.finish()
         disk.results.append("exists")
         return
     t = entry.fastest
