@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
+
+import grpc
 
 from kvstore.client.rpc import RpcChannel
-from kvstore.client.rpc_errors import DaemonRestarted
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.client.rpc_errors import DaemonRestarted, error_from_rpc
+from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import chunks, shm
 from kvstore.transport.bulk import BulkChannel
@@ -152,6 +155,15 @@ class Negotiation:
         reconnects silently) has a new arena; using its offsets in the old mapping would hand out
         wrong bytes, so that raises ``DaemonRestarted`` and the caller renegotiates."""
         resp, call = self.rpc.call(method, request, with_call=True)
+        return self.same_daemon_answer(method, resp, call)
+
+    def start_same_daemon(self, method: str, request) -> "SameDaemonCall":
+        """``call_same_daemon`` sent now and read later, so the daemon prepares the next lease
+        while this client copies through the current one."""
+        return SameDaemonCall(self, method, request)
+
+    def same_daemon_answer(self, method: str, resp, call):
+        """``(resp, trailing metadata)`` of a lease RPC if the daemon run we mapped answered it."""
         meta = dict(call.trailing_metadata() or ())
         answered_by = meta.get(SERVER_ID_KEY)
         if answered_by != self.server_id:
@@ -164,3 +176,26 @@ class Negotiation:
             raise DaemonRestarted(f"the daemon at {self.rpc.address} restarted (run {answered_by}, "
                                   f"mapped {self.server_id})")
         return resp, meta
+
+
+class SameDaemonCall:
+    """A lease RPC in flight (``Negotiation.start_same_daemon``). ``sent``: when it left, so no
+    lease it answers with started earlier. ``result()`` answers as ``call_same_daemon`` does: an
+    attempt that found the daemon unreachable is made again that way (with its retries)."""
+
+    def __init__(self, negotiation: Negotiation, method: str, request) -> None:
+        if negotiation.rpc.closed:
+            raise DaemonUnavailable("client is closed")
+        self._negotiation, self._method, self._request = negotiation, method, request
+        self.sent = time.monotonic()
+        self._future = negotiation.rpc.future(method, request, negotiation.rpc.timeout_s)
+
+    def result(self):
+        try:
+            resp = self._future.result()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.sent = time.monotonic()
+                return self._negotiation.call_same_daemon(self._method, self._request)
+            raise self._negotiation.rpc.failed(error_from_rpc(e)) from None
+        return self._negotiation.same_daemon_answer(self._method, resp, self._future)

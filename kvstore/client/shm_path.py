@@ -19,11 +19,32 @@ from kvstore import errors
 from kvstore.buffers import window
 from kvstore.client.delivery import IntoBuffer, put_results
 from kvstore.client.negotiation import Negotiation
+from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
+# a put's store leases, in blocks (the daemon's work is per block): the first small, so copying
+# starts early; later ones double up to the last (fewer lease round trips per block)
+FIRST_WINDOW_BLOCKS = 128
+MAX_WINDOW_BLOCKS = 1024
+
+
+def put_windows(count: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each store lease of a put of ``count`` blocks (at least one, even empty)."""
+    spans, at, span = [], 0, FIRST_WINDOW_BLOCKS
+    while at < count or not spans:
+        spans.append((at, min(at + span, count)))
+        at += span
+        span = min(2 * span, MAX_WINDOW_BLOCKS)
+    return spans
+
+
+class _Completion(NamedTuple):
+    """A CompleteStore in flight, and its request (asked again if the daemon was unreachable)."""
+    future: object
+    request: object
 
 
 class _Extent(NamedTuple):
@@ -99,21 +120,64 @@ def _direct_copies(lease, sinks, start: int):
 
 class ShmPath:
     """Puts and gets through the mapped arena. ``stream_one`` fetches blocks the arena could not
-    stage (present, but no free unpinned slot) over a streaming path instead of missing them."""
+    stage (present, but no free unpinned slot) over a streaming path instead of missing them;
+    ``stream_put`` stores blocks the arena has no unpinned room for the same way."""
 
-    def __init__(self, negotiation: Negotiation, stream_one: Callable) -> None:
+    def __init__(self, negotiation: Negotiation, stream_one: Callable, stream_put: Callable) -> None:
         self.negotiation = negotiation
         self.rpc = negotiation.rpc
         self.stream_one = stream_one
+        self.stream_put = stream_put
         self._pending: list = []   # background CompleteLoad calls
 
     def put(self, ns_id: bytes, hashes, arrays, parent: bytes | None, block_bytes: int, codec: int = 0) -> list[str]:
         """``codec``: ``arrays`` are payloads this client encoded (a block long: raw); each is
-        written at the start of its block's slots and CompleteStore names their sizes."""
-        t0 = time.monotonic()
-        lease, _ = self.negotiation.call_same_daemon("PrepareStore", pb.PrepareStoreRequest(
-            namespace_id=ns_id, hashes=hashes, parent=parent or b"", block_bytes=block_bytes, table=True))
-        safe_until = t0 + STORE_LEASE_SAFETY * lease.expires_in
+        written at the start of its block's slots and CompleteStore names their sizes.
+
+        A window of blocks per lease (``put_windows``; a put of at most ``FIRST_WINDOW_BLOCKS`` is
+        one lease, as before): window k+1's lease is asked for before
+        window k is copied, and window k is completed while k+1 is copied, completions in order
+        (a chain is published parent first). The daemon's per-block work, reserving slots and
+        then indexing and publishing the blocks, thus runs while this process copies instead of
+        before and after. An arena full of pinned blocks (``TierFull``) sends the blocks not yet
+        stored to ``stream_put``; any other failure raises, the windows completed before it stay."""
+        spans = put_windows(len(hashes))
+        results: list[str] = []
+
+        def prepare(a: int, b: int):
+            return self.negotiation.start_same_daemon("PrepareStore", pb.PrepareStoreRequest(
+                namespace_id=ns_id, hashes=hashes[a:b], parent=(hashes[a - 1] if a else parent) or b"",
+                block_bytes=block_bytes, table=True))
+
+        ahead, filled, completing = prepare(*spans[0]), None, None
+        try:
+            for k, (a, b) in enumerate(spans):
+                call, ahead = ahead, None
+                lease, _ = call.result()
+                if k + 1 < len(spans):
+                    ahead = prepare(*spans[k + 1])
+                sent = call.sent
+                self._fill(lease, sent, arrays[a:b])
+                filled = lease
+                if completing is not None:
+                    results += self._completed(completing)
+                completing, filled = self._complete(lease, codec, arrays[a:b]), None
+            results += self._completed(completing)
+            completing = None
+        except errors.TierFull:
+            self._unwind(ahead, filled, completing, results)
+            rest = len(results)
+            return results + self.stream_put(ns_id, hashes[rest:], arrays[rest:],
+                                             hashes[rest - 1] if rest else parent, block_bytes, codec)
+        except BaseException:
+            self._unwind(ahead, filled, completing, results)
+            raise
+        return results
+
+    def _fill(self, lease, sent: float, arrays) -> None:
+        """Copy each block not yet present into its slots; the lease is aborted if that fails
+        (or runs out: the daemon may reuse the slots of an expired store lease)."""
+        safe_until = sent + STORE_LEASE_SAFETY * lease.expires_in
         try:
             blocks, pieces = lease_slots(lease)
             arena = self.negotiation.arena
@@ -125,14 +189,45 @@ class ShmPath:
                     raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
                 arena.copy_in(window(blk.extents, 0, src.nbytes), src)
         except BaseException:
-            try:
-                self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
-            except KVStoreError:
-                pass  # the lease expires on its own
+            self._abort(lease)
             raise
-        done = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec,
-                               sizes=[a.nbytes for a in arrays] if codec else [])
-        return put_results(self.rpc.call("CompleteStore", done))
+
+    def _complete(self, lease, codec: int, arrays) -> _Completion:
+        request = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
+        return _Completion(self.rpc.future("CompleteStore", request, self.rpc.timeout_s), request)
+
+    def _completed(self, completion: _Completion) -> list[str]:
+        """A CompleteStore's results; one that found the daemon unreachable is asked again (with
+        retries): a completion the daemon did make answers ``LeaseExpired`` the second time."""
+        try:
+            return put_results(completion.future.result())
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise self.rpc.failed(error_from_rpc(e)) from None
+        return put_results(self.rpc.call("CompleteStore", completion.request))
+
+    def _unwind(self, ahead, filled, completing, results: list[str]) -> None:
+        """After a failure: a completion in flight is waited for (its blocks are stored, and
+        counted in ``results``), a filled lease not yet completed and a prepared one are aborted."""
+        if completing is not None:
+            try:
+                results += self._completed(completing)
+            except KVStoreError:
+                pass
+        if filled is not None:
+            self._abort(filled)
+        if ahead is not None:
+            try:
+                lease, _ = ahead.result()
+            except KVStoreError:
+                return   # never leased (or leased by another daemon run, which released it)
+            self._abort(lease)
+
+    def _abort(self, lease) -> None:
+        try:
+            self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
+        except KVStoreError:
+            pass  # the lease expires on its own
 
     def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
             byte_range: tuple[int, int] | None = None) -> list[int | None]:

@@ -78,7 +78,7 @@ class Client:
         self._negotiation = Negotiation(self._rpc, transport, chunk_bytes, compressed_transfer, lookup_index)
         self._grpc = GrpcPath(self._negotiation)
         self._bulk = BulkPath(self._negotiation)
-        self._shm = ShmPath(self._negotiation, stream_one=self._get_streamed)
+        self._shm = ShmPath(self._negotiation, stream_one=self._get_streamed, stream_put=self._put_streamed)
         self._block_bytes: dict[bytes, int] = {}
         self._layouts: dict = {}   # namespace id -> KVLayout, for decoding blocks sent as stored
         self._landing = LandingPool()
@@ -271,14 +271,16 @@ class Client:
 
     def _put_batch(self, ns_id, hashes, arrays, parent, block_bytes: int, codec: int = 0) -> list[str]:
         if self._negotiation.arena is not None:
-            try:
+            try:   # an arena full of pinned blocks streams the rest (``_put_streamed``): it can land lower down
                 return self._shm.put(ns_id, hashes, arrays, parent, block_bytes, codec)
-            except errors.TierFull:
-                pass  # the arena is full of pinned blocks: the streaming paths can land lower down
             except DaemonRestarted:
                 self._negotiation.ensure()  # map the new daemon's arena (or fall back), then go on below
                 if self._negotiation.arena is not None:
                     return self._shm.put(ns_id, hashes, arrays, parent, block_bytes, codec)
+        return self._put_streamed(ns_id, hashes, arrays, parent, block_bytes, codec)
+
+    def _put_streamed(self, ns_id, hashes, arrays, parent, block_bytes: int, codec: int = 0) -> list[str]:
+        """A put over the side channel when there is one, else over gRPC chunks."""
         bulk = self._negotiation.live_bulk()
         if bulk is not None:
             return self._bulk.put(bulk, ns_id, hashes, arrays, parent, block_bytes, codec)
