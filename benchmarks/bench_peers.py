@@ -101,18 +101,19 @@ COUNTERPARTS = {"mc_tcp": ("kv_bulk", "kv_grpc"), "lm_server": ("kv_bulk", "kv_g
 # and kvstore's ceiling; {kv_x}/{peer_x}: x ceiling). Established by reading the code and by the
 # measurements named in them (profiles and A/B repeats on this machine, 2026-12-01).
 _PER_BLOCK = ("per-block work bounds it, not the bytes: kvstore {kv_us:.0f} us a block, the peer {peer_us:.0f} us, "
-              "raw TCP {ceil_us:.0f} us to move it. The daemon's BulkPut receives each block into a scratch buffer and "
-              "stores it with a Store.put call of its own (kvstore/service/bulk_rpcs.py): a second copy, into the "
-              "arena, and one round of bookkeeping in Python per block (reserve slots, index and chain the block, "
-              "eviction policy); a py-spy profile of 64 KiB side-channel puts has about a quarter of the daemon's "
-              "samples in those Store.put calls, most of the rest in recv_into")
+              "raw TCP {ceil_us:.0f} us to move it. The daemon's BulkPut receives the blocks into a scratch buffer and "
+              "stores them a 1 MiB run at a time with one Store.put each (kvstore/service/bulk_rpcs.py): a second "
+              "copy, into the arena, and bookkeeping in Python per block (reserve slots, index and chain the block, "
+              "eviction policy); a py-spy profile of 64 KiB side-channel puts (2026-12-02) has 65% of BulkPut's "
+              "samples in those Store.put calls (18% the copy), 31% in recv_into")
 _GRPC = ("kvstore's gRPC streams are the fallback for clients that cannot reach the side channel (behind a proxy, "
          "TLS-only): payloads cross as ~1 MiB protobuf messages through grpcio in Python, {kv_x_range} raw TCP here; "
          "engines use shared memory on the same host and the side channel from another (the rows above).")
 _SHM = ("not like for like: Mooncake's client holds the store's memory itself, so its put and get are a memcpy inside "
-        "one process ({peer_us:.0f} us a block); kvstore's shared-memory path serves another process, the daemon: a "
-        "PrepareStore and a CompleteStore round trip per put, a PrepareLoad per get, and per-block bookkeeping in the "
-        "daemon's Python ({kv_us:.0f} us a block; the memcpy alone {ceil_us:.0f} us). kvstore's in-process CPU tier "
+        "one process ({peer_us:.0f} us a block); kvstore's shared-memory path serves another process, the daemon: "
+        "PrepareStore and CompleteStore round trips per put (a window of up to 1024 blocks each, overlapped with the "
+        "copies), a PrepareLoad per get, and per-block bookkeeping in the daemon's Python ({kv_us:.0f} us a block; "
+        "the memcpy alone {ceil_us:.0f} us). kvstore's in-process CPU tier "
         "(next row) is the like-for-like comparison.")
 _INPROC = ("the Store's per-block bookkeeping in Python (reserve slots, index and chain the block, eviction policy; no "
            "RPC in this row): {kv_us:.0f} us a block against {peer_us:.0f} us for Mooncake's C++ and {ceil_us:.0f} us "

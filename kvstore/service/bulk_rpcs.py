@@ -20,6 +20,26 @@ from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
 
+#: a BulkPut stores small blocks a run at a time: one Store.put per run shares its per-call work and
+#: lock rounds among the run's blocks. Runs stay this small so the socket keeps filling while a run
+#: is stored (a larger block is a run of its own, as every block was before).
+RUN_BYTES = 1 << 20
+
+
+def put_runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` runs of consecutive blocks of at most ``RUN_BYTES`` each (a larger block
+    alone)."""
+    runs, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > RUN_BYTES:
+            runs.append((start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
+
+
 class BulkRpcs(ServicerBase):
     def _session(self, sid: bytes, context):
         """The caller's open session ``sid`` (another tenant's is answered like an unknown one)."""
@@ -93,19 +113,34 @@ class BulkRpcs(ServicerBase):
                 hashes = check_hashes(request.hashes)
                 parent = check_parent(request.parent)
                 codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
-                buf = self.scratch.get(ns.block_bytes)
+                sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
+
+                def store(a: int, payloads: list) -> None:
+                    b = a + len(payloads)
+                    if payloads:
+                        run = self.store.put(ns.id, hashes[a:b], payloads, parent=hashes[a - 1] if a else parent,
+                                             codecs=None if codecs is None else codecs[a:b])
+                        results.extend(PUT_RESULT[r] for r in run)
+
+                runs = put_runs(sizes)
+                buf = self.scratch.get(max((sum(sizes[a:b]) for a, b in runs), default=0))
                 with self.quota_hold(ns, hashes):
-                    for i, h in enumerate(hashes):
-                        size = ns.block_bytes if codecs is None else int(request.sizes[i])
-                        bulk_transport.recv_exact_into(sock, memoryview(buf[:size]))
-                        touch()
-                        received += size
-                        p = parent if i == 0 else hashes[i - 1]
-                        one = None if codecs is None else codecs[i:i + 1]
-                        if one:
-                            check_encoded(ns, one[0], buf[:size], i)
-                        result = self.store.put(ns.id, [h], [buf[:size]], parent=p, codecs=one)[0]
-                        results.append(PUT_RESULT[result])
+                    for a, b in runs:
+                        payloads, at = [], 0
+                        for i in range(a, b):   # received block by block: the stall watch sees each
+                            payload = buf[at:at + sizes[i]]
+                            bulk_transport.recv_exact_into(sock, memoryview(payload))
+                            touch()
+                            received += sizes[i]
+                            at += sizes[i]
+                            if codecs is not None and codecs[i]:
+                                try:
+                                    check_encoded(ns, codecs[i], payload, i)
+                                except InvalidArgument:
+                                    store(a, payloads)   # the blocks before it stay, as if each was stored on arrival
+                                    raise
+                            payloads.append(payload)
+                        store(a, payloads)
             except OSError as e:
                 self.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e

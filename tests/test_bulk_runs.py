@@ -1,0 +1,45 @@
+"""Side-channel puts store small blocks a run at a time (one Store.put per run of at most
+``RUN_BYTES``; issue 14: 64 KiB puts were bound by one Store.put per block). What a put returns
+must not depend on where the runs fall: blocks already present on either side of a run boundary
+are "exists", the rest "stored", the chain is linked across runs, and every block reads back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.service.bulk_rpcs import RUN_BYTES, put_runs
+
+BLOCK = 64 * 1024
+
+
+def test_runs_cover_the_blocks_in_order_within_the_bound():
+    for sizes in ([BLOCK] * 100, [RUN_BYTES] * 3, [RUN_BYTES * 4, BLOCK, BLOCK], [1, RUN_BYTES, 1], []):
+        runs = put_runs(sizes)
+        assert [i for a, b in runs for i in range(a, b)] == list(range(len(sizes)))
+        assert all(sum(sizes[a:b]) <= RUN_BYTES or b - a == 1 for a, b in runs)
+    assert len(put_runs([BLOCK] * 100)) == -(-100 * BLOCK // RUN_BYTES)
+
+
+def test_a_side_channel_put_across_runs_stores_links_and_reports_every_block(daemon_factory):
+    d = daemon_factory(cpu_bytes="64MiB", nvme_bytes="0")
+    count = 100
+    per_run = RUN_BYTES // BLOCK
+    present = [per_run - 1, per_run, per_run + 1, 50, count - 1]
+    layout = KVLayout(model="test/runs", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                      block_tokens=16, block_bytes=BLOCK)
+    rng = np.random.default_rng(4)
+    data = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(count)]
+    with d.client(transport="bulk") as c:
+        assert c.active_transport == "bulk"
+        ns = c.register_namespace(Namespace(layout, cache_salt="runs"))
+        hashes = ChainHasher().chain(np.arange(16 * count), 16)
+        for i in present:
+            assert c.put(ns, [hashes[i]], [data[i]], parent=hashes[i - 1]) == ["stored"]
+        results = c.put(ns, hashes, data)
+        assert [i for i, r in enumerate(results) if r == "exists"] == present
+        assert all(r == "stored" for i, r in enumerate(results) if i not in present)
+        outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in range(count)]
+        assert c.get_into(ns, hashes, outs) == [BLOCK] * count
+        assert all(np.array_equal(o, b) for o, b in zip(outs, data))
+        assert c.lookup_many(ns, [hashes])[0].num_hit == count
