@@ -134,8 +134,8 @@ class ShmPath:
         """``codec``: ``arrays`` are payloads this client encoded (a block long: raw); each is
         written at the start of its block's slots and CompleteStore names their sizes.
 
-        A window of blocks per lease (``put_windows``; a put of at most ``FIRST_WINDOW_BLOCKS`` is
-        one lease, as before): window k+1's lease is asked for before
+        One store lease per window of blocks (``put_windows``; a put of at most
+        ``FIRST_WINDOW_BLOCKS`` is one lease, as before): window k+1's lease is asked for before
         window k is copied, and window k is completed while k+1 is copied, completions in order
         (a chain is published parent first). The daemon's per-block work, reserving slots and
         then indexing and publishing the blocks, thus runs while this process copies instead of
@@ -156,8 +156,7 @@ class ShmPath:
                 lease, _ = call.result()
                 if k + 1 < len(spans):
                     ahead = prepare(*spans[k + 1])
-                sent = call.sent
-                self._fill(lease, sent, arrays[a:b])
+                self._fill(lease, call.sent, arrays[a:b])
                 filled = lease
                 if completing is not None:
                     results += self._completed(completing)
