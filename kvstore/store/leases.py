@@ -28,8 +28,30 @@ from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpir
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
 from kvstore.store.puts import check_encoded, payload_codecs, run_limit
+from kvstore.store.reads import read_copies
 from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
+
+
+#: blocks of a load lease staged from a slower tier per round: read together (several in flight),
+#: then copied into the arena under one lock acquisition
+STAGE_RUN = 16
+
+
+class _LeaseLists:
+    """What a load lease is being built from: per block its key, arena extents, codec and size."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self.extents: list = []
+        self.codecs: list[int] = []
+        self.sizes: list[int] = []
+
+    def add(self, key: bytes, extents, record) -> None:
+        self.keys.append(key)
+        self.extents.append(extents)
+        self.codecs.append(record.codec)
+        self.sizes.append(record.stored_size)
 
 
 @dataclasses.dataclass
@@ -181,70 +203,106 @@ class Leases:
     # -- two-phase load (zero-copy readers) ------------------------------------------------------
 
     def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes], accept: Collection[int] = ()) -> Lease:
-        """Pin the leading present blocks with a CPU copy each (promoting from NVMe if needed)
-        and return their arena extents; stops at the first block it cannot stage that way (absent,
-        no room, or encoded with a codec not in ``accept``). Blocks already in the arena are taken
-        a run at a time under one lock acquisition; a staging (a slower tier's read) ends a run,
-        so other callers get the lock between disk reads as before."""
+        """Pin the leading present blocks with a CPU copy each (staging it from a slower tier if
+        needed) and return their arena extents; stops at the first block it cannot stage that way
+        (absent, no room, or encoded with a codec not in ``accept``). Blocks already in the arena
+        are taken a run at a time under one lock acquisition. Blocks to stage are taken a run of
+        up to ``STAGE_RUN`` at a time: pinned under the lock, read outside it, several at once
+        (``reads.read_copies``: no other caller waits on this one's disk), then copied into the
+        arena under it, in order."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
-        keys, extents, codecs, sizes = [], [], [], []
+        lease = _LeaseLists()
         touch = cascade.index.policies[c].touch
         entries = cascade.index.entries
         i, stopped = 0, False
-        while i < len(hashes) and not stopped:
-            with cascade.lock:
-                hits = 0
-                while i < len(hashes):
-                    entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
-                    i += 1
-                    if entry is None or not entry.visible:
-                        cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
-                        stopped = True
-                        break
-                    entry.pins += 1
-                    staged = c not in entry.copies
-                    if staged and not self._stage(entry, c):
-                        stopped = True
-                        break
-                    record = entry.copies[c]
-                    if record.codec != 0 and record.codec not in accept:
-                        # an encoded arena copy is not the block's bytes to a reader that cannot decode
-                        # it; the server reads such blocks for it through get_into instead
-                        cascade.unpin(entry)
-                        stopped = True
-                        break
-                    touch(entry.key)
-                    hits += 1
-                    keys.append(entry.key)
-                    extents.append(cpu.extents(entry.key))
-                    codecs.append(record.codec)
-                    sizes.append(record.stored_size)
-                    if staged:
-                        break   # let other callers in after a disk read
-                cascade.counters["hits_cpu"] += hits
-        lease = self._new("load", keys, extents)
-        lease.codecs, lease.sizes = codecs, sizes
-        return lease
-
-    def _stage(self, entry, c: int) -> bool:
-        """Give a pinned block a copy in the CPU tier ``c`` from its fastest copy; False (the
-        block unpinned) when it cannot: a damaged copy (dropped), or no room."""
-        cascade = self._cascade
         try:
-            src = entry.fastest
-            cascade.make_room(c, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
-            data = cascade.read_copy(entry, src)
-            cascade.store_copy(entry, c, data, entry.copies[src], downward=c > src)
-            return True
-        except (BlockCorrupt, CodecError):   # a damaged copy, or one that failed its decode
-            cascade.discard_corrupt_copy(entry, src)
-            cascade.unpin(entry)
+            while i < len(hashes) and not stopped:
+                staging: list = []   # (entry, tier its copy is read from), pinned
+                with cascade.lock:
+                    hits = 0
+                    while i < len(hashes):
+                        entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
+                        if entry is None or not entry.visible:
+                            if not staging:   # (after a run to stage, it is met again once that is leased)
+                                cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
+                                stopped = True
+                            break
+                        if c not in entry.copies:
+                            if len(staging) == STAGE_RUN:
+                                break
+                            entry.pins += 1
+                            staging.append((entry, entry.fastest))
+                            i += 1
+                            continue
+                        if staging:
+                            break   # the run to stage ends here; this block is leased after it
+                        record = entry.copies[c]
+                        if record.codec != 0 and record.codec not in accept:
+                            # an encoded arena copy is not the block's bytes to a reader that cannot decode
+                            # it; the server reads such blocks for it through get_into instead
+                            stopped = True
+                            break
+                        entry.pins += 1
+                        i += 1
+                        touch(entry.key)
+                        hits += 1
+                        lease.add(entry.key, cpu.extents(entry.key), record)
+                    cascade.counters["hits_cpu"] += hits
+                if staging:
+                    stopped = not self._stage_run(staging, c, cpu, accept, lease)
+        except BaseException:
+            cascade.unpin_keys(lease.keys)
+            raise
+        out = self._new("load", lease.keys, lease.extents)
+        out.codecs, out.sizes = lease.codecs, lease.sizes
+        return out
+
+    def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: "_LeaseLists") -> bool:
+        """Give each pinned block of ``staging`` a copy in the CPU tier ``c`` and lease it, in
+        order; False at the first that cannot be (a damaged copy: dropped, counted; a failed read;
+        no room; gone meanwhile; encoded with a codec the reader does not take): it and the rest
+        are unpinned, and the reader is told it was not staged (it fetches it over a stream)."""
+        cascade = self._cascade
+        payloads = read_copies(cascade, staging)   # the disk waits overlap, and hold no lock
+        with cascade.lock:
+            for (entry, src), payload in zip(staging, payloads):
+                if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:
+                    cascade.discard_corrupt_copy(entry, src)   # every damaged copy read: dropped, counted
+            k = 0
+            try:
+                for k, ((entry, src), payload) in enumerate(zip(staging, payloads)):
+                    if not self._place_staged(entry, c, src, payload, accept):
+                        break
+                    cascade.index.policies[c].touch(entry.key)
+                    cascade.counters["hits_cpu"] += 1
+                    lease.add(entry.key, cpu.extents(entry.key), entry.copies[c])
+                else:
+                    return True
+            except BaseException:
+                for rest, _ in staging[k:]:
+                    cascade.unpin(rest)
+                raise
+            for rest, _ in staging[k:]:
+                cascade.unpin(rest)
             return False
-        except PLACEMENT_ERRORS:
-            cascade.unpin(entry)
-            return False
+
+    def _place_staged(self, entry, c: int, src: int, payload, accept: Collection[int]) -> bool:
+        """Under the lock: copy one staged block's ``payload`` (read from tier ``src``) into the
+        CPU tier ``c``, unless it got a copy there meanwhile; whether it can be leased."""
+        cascade = self._cascade
+        if isinstance(payload, BaseException):
+            return False   # a damaged copy (already dropped) or a failed read
+        if not entry.visible or (c not in entry.copies and src not in entry.copies):
+            return False   # deleted, or the copy read was dropped, while it was read
+        if c not in entry.copies:
+            try:
+                cascade.store_copy(entry, c, payload, entry.copies[src], downward=c > src)
+            except PLACEMENT_ERRORS:
+                return False
+        record = entry.copies[c]
+        return record.codec == 0 or record.codec in accept
 
     def complete_load(self, lease_id: int) -> None:
         lease = self._take(lease_id, "load")

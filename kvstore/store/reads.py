@@ -68,6 +68,20 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     return out
 
 
+def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]]) -> list:
+    """The bytes of each ``(entry, tier)`` copy, the caller holding a pin on each entry and not
+    the store lock: read up to ``READS_IN_FLIGHT`` at once, each into a buffer of its own. In
+    place of a read that failed, its exception (``BlockCorrupt`` for a damaged copy)."""
+    if len(copies) == 1:
+        entry, t = copies[0]
+        try:
+            return [cascade.read_copy(entry, t, _own_payloads)]
+        except Exception as e:  # noqa: BLE001 - handed back in its place
+            return [e]
+    reads = [_readers.get().submit(cascade.read_copy, entry, t, _own_payloads) for entry, t in copies]
+    return [f.exception() or f.result() for f in reads]
+
+
 def _read_resident(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
                    accept: Collection[int], slow_from: int) -> list[tuple[int, int] | None] | None:
     """The common batch, with two lock acquisitions instead of three per block: every block
