@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from kvstore.buffers import Extent
+from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
@@ -33,9 +33,11 @@ from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
 
 
-#: blocks of a load lease staged from a slower tier per round: read together (several in flight),
-#: then copied into the arena under one lock acquisition
+#: blocks of a load lease staged from a slower tier per round, and their bytes (a larger block is a
+#: round alone): read together (several in flight) into a kept buffer of the reading thread, then
+#: copied into the arena under one lock acquisition
 STAGE_RUN = 16
+STAGE_BYTES = SCRATCH_KEEP_BYTES
 
 
 class _LeaseLists:
@@ -207,9 +209,9 @@ class Leases:
         needed) and return their arena extents; stops at the first block it cannot stage that way
         (absent, no room, or encoded with a codec not in ``accept``). Blocks already in the arena
         are taken a run at a time under one lock acquisition. Blocks to stage are taken a run of
-        up to ``STAGE_RUN`` at a time: pinned under the lock, read outside it, several at once
-        (``reads.read_copies``: no other caller waits on this one's disk), then copied into the
-        arena under it, in order."""
+        up to ``STAGE_RUN`` blocks (and ``STAGE_BYTES``) at a time: pinned under the lock, read
+        outside it, several at once (``reads.read_copies``: no other caller waits on this one's
+        disk), then copied into the arena under it, in order."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
@@ -220,6 +222,7 @@ class Leases:
         try:
             while i < len(hashes) and not stopped:
                 staging: list = []   # (entry, tier its copy is read from), pinned
+                staged_bytes = 0
                 with cascade.lock:
                     hits = 0
                     while i < len(hashes):
@@ -230,10 +233,12 @@ class Leases:
                                 stopped = True
                             break
                         if c not in entry.copies:
-                            if len(staging) == STAGE_RUN:
+                            size = entry.copies[entry.fastest].stored_size
+                            if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES):
                                 break
                             entry.pins += 1
                             staging.append((entry, entry.fastest))
+                            staged_bytes += size
                             i += 1
                             continue
                         if staging:

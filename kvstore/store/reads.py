@@ -68,17 +68,32 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     return out
 
 
+#: where a staging run's copies land, one kept buffer per calling thread: touched once and reused,
+#: so reading into it takes no page faults (a fresh buffer per read cost a fault per page)
+_staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True)
+
+
 def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]]) -> list:
     """The bytes of each ``(entry, tier)`` copy, the caller holding a pin on each entry and not
-    the store lock: read up to ``READS_IN_FLIGHT`` at once, each into a buffer of its own. In
-    place of a read that failed, its exception (``BlockCorrupt`` for a damaged copy)."""
+    the store lock: read up to ``READS_IN_FLIGHT`` at once, each into its own page-aligned part of
+    this thread's staging buffer (valid until this thread's next call). In place of a read that
+    failed, its exception (``BlockCorrupt`` for a damaged copy)."""
+    spans = [-(-entry.copies[t].stored_size // 4096) * 4096 for entry, t in copies]
+    buf = _staging.get(sum(spans))
+    dsts, at = [], 0
+    for span in spans:
+        dsts.append(buf[at:at + span])
+        at += span
+
+    def one(entry, t, dst):
+        return dst[:cascade.tiers[t].read_into(entry.key, dst)]
+
     if len(copies) == 1:
-        entry, t = copies[0]
         try:
-            return [cascade.read_copy(entry, t, _own_payloads)]
+            return [one(*copies[0], dsts[0])]
         except Exception as e:  # noqa: BLE001 - handed back in its place
             return [e]
-    reads = [_readers.get().submit(cascade.read_copy, entry, t, _own_payloads) for entry, t in copies]
+    reads = [_readers.get().submit(one, entry, t, dst) for (entry, t), dst in zip(copies, dsts)]
     return [f.exception() or f.result() for f in reads]
 
 
