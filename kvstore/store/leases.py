@@ -221,7 +221,7 @@ class Leases:
         i, stopped = 0, False
         try:
             while i < len(hashes) and not stopped:
-                staging: list = []   # (entry, tier its copy is read from), pinned
+                staging: list = []   # (entry, tier its copy is read from, its stored bytes), pinned
                 staged_bytes = 0
                 with cascade.lock:
                     hits = 0
@@ -233,11 +233,12 @@ class Leases:
                                 stopped = True
                             break
                         if c not in entry.copies:
-                            size = entry.copies[entry.fastest].stored_size
+                            src = entry.fastest
+                            size = entry.copies[src].stored_size
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES):
                                 break
                             entry.pins += 1
-                            staging.append((entry, entry.fastest))
+                            staging.append((entry, src, size))
                             staged_bytes += size
                             i += 1
                             continue
@@ -265,33 +266,32 @@ class Leases:
         return out
 
     def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: "_LeaseLists") -> bool:
-        """Give each pinned block of ``staging`` a copy in the CPU tier ``c`` and lease it, in
-        order; False at the first that cannot be (a damaged copy: dropped, counted; a failed read;
-        no room; gone meanwhile; encoded with a codec the reader does not take): it and the rest
-        are unpinned, and the reader is told it was not staged (it fetches it over a stream)."""
+        """Give each pinned block of ``staging`` (``(entry, tier to read, stored bytes)``) a copy
+        in the CPU tier ``c`` and lease it, in order; False at the first that cannot be (a damaged
+        copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with a codec the
+        reader does not take): it and the rest are unpinned (on any exit, so no pin outlives a
+        failure), and the reader is told it was not staged (it fetches it over a stream)."""
         cascade = self._cascade
-        payloads = read_copies(cascade, staging)   # the disk waits overlap, and hold no lock
-        with cascade.lock:
-            for (entry, src), payload in zip(staging, payloads):
-                if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:
-                    cascade.discard_corrupt_copy(entry, src)   # every damaged copy read: dropped, counted
-            k = 0
-            try:
-                for k, ((entry, src), payload) in enumerate(zip(staging, payloads)):
+        leased = 0
+        try:
+            payloads = read_copies(cascade, [(e, src) for e, src, _ in staging], [n for _, _, n in staging])
+            with cascade.lock:
+                for (entry, src, _), payload in zip(staging, payloads):
+                    if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:
+                        cascade.discard_corrupt_copy(entry, src)   # every damaged copy read: dropped, counted
+                for (entry, src, _), payload in zip(staging, payloads):
                     if not self._place_staged(entry, c, src, payload, accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
                     cascade.counters["hits_cpu"] += 1
                     lease.add(entry.key, cpu.extents(entry.key), entry.copies[c])
-                else:
-                    return True
-            except BaseException:
-                for rest, _ in staging[k:]:
-                    cascade.unpin(rest)
-                raise
-            for rest, _ in staging[k:]:
-                cascade.unpin(rest)
-            return False
+                    leased += 1
+        finally:
+            if leased < len(staging):
+                with cascade.lock:
+                    for entry, _, _ in staging[leased:]:
+                        cascade.unpin(entry)
+        return leased == len(staging)
 
     def _place_staged(self, entry, c: int, src: int, payload, accept: Collection[int]) -> bool:
         """Under the lock: copy one staged block's ``payload`` (read from tier ``src``) into the

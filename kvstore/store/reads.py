@@ -73,12 +73,13 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
 _staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True)
 
 
-def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]]) -> list:
-    """The bytes of each ``(entry, tier)`` copy, the caller holding a pin on each entry and not
-    the store lock: read up to ``READS_IN_FLIGHT`` at once, each into its own page-aligned part of
-    this thread's staging buffer (valid until this thread's next call). In place of a read that
-    failed, its exception (``BlockCorrupt`` for a damaged copy)."""
-    spans = [-(-entry.copies[t].stored_size // 4096) * 4096 for entry, t in copies]
+def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: Sequence[int]) -> list:
+    """The bytes of each ``(entry, tier)`` copy (``sizes``: their stored bytes, read under the lock
+    by the caller), the caller holding a pin on each entry and not the store lock: read up to
+    ``READS_IN_FLIGHT`` at once, each into its own page-aligned part of this thread's staging
+    buffer (valid until this thread's next call). In place of a read that failed, its exception
+    (``BlockCorrupt`` for a damaged copy)."""
+    spans = [-(-n // 4096) * 4096 for n in sizes]   # page-aligned parts: O_DIRECT reads land in place
     buf = _staging.get(sum(spans))
     dsts, at = [], 0
     for span in spans:
