@@ -105,8 +105,9 @@ class BulkServer:
         return len(self.sessions)
 
     def stats(self) -> dict:
-        return {"sessions": len(self.sessions), "greetings_pending": len(self._greetings),
-                **{f"sessions_{k}": v for k, v in self.sessions.counts.items()}, **self.counts}
+        open_sessions, counts = self.sessions.counted()
+        return {"sessions": open_sessions, "greetings_pending": len(self._greetings),
+                **{f"sessions_{k}": v for k, v in counts.items()}, **self.counts}
 
     def close(self) -> None:
         if self._closed.is_set():

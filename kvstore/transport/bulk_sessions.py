@@ -56,7 +56,14 @@ class SessionTable:
                        "dropped": 0}
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        with self._lock:
+            return len(self._sessions)
+
+    def counted(self) -> tuple[int, dict[str, int]]:
+        """The open sessions and the counters, read together: a session that has left the table
+        has always been counted by then, so a reader never sees it gone and not yet counted."""
+        with self._lock:
+            return len(self._sessions), dict(self.counts)
 
     def open(self, sock: socket.socket, tenant: str) -> bytes | None:
         """Register a greeted connection; its new session id, or None when every slot is busy."""
@@ -159,6 +166,8 @@ class SessionTable:
         if session.closed:
             return
         session.closed = True
+        if reason:
+            self.counts[reason] += 1
         self._sessions.pop(session.sid, None)
         fd = session.sock.fileno()
         if fd >= 0 and self._by_fd.get(fd) is session:
@@ -168,5 +177,3 @@ class SessionTable:
         with contextlib.suppress(OSError):
             session.sock.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv (close alone does not)
         session.sock.close()
-        if reason:
-            self.counts[reason] += 1
