@@ -122,14 +122,14 @@ class UnixServer:
         self.received(fd, conn)
 
     def end(self, fd: int, reason: str | None) -> None:
+        if reason and fd in self.conns:   # counted before it leaves, so no reader sees it gone uncounted
+            self.counts[reason] += 1
         conn = self.conns.pop(fd, None)
         if conn is None:
             return
         with contextlib.suppress(OSError, ValueError):
             self._poller.unregister(fd)
         conn.sock.close()
-        if reason:
-            self.counts[reason] += 1
 
     def close(self) -> None:
         self._closed.set()
