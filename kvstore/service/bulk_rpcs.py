@@ -51,14 +51,14 @@ class BulkRpcs(ServicerBase):
     @contextlib.contextmanager
     def _transfer(self, context, sid: bytes, session):
         """The session's socket for one transfer, watched: a stalled transfer drops the session."""
-        with self.stalls.watch(context.cancel, on_stall=lambda: self.bulk.drop(sid)) as touch, \
+        with self.stalls.watch(context.cancel, on_stall=lambda: self.bulk.drop(sid)) as progress, \
                 self.bulk.using(session) as sock:
-            yield touch, sock
+            yield progress, sock
 
     def BulkGet(self, request, context):
         sid = bytes(request.session)
         session = self._session(sid, context)
-        with self._transfer(context, sid, session) as (touch, sock):
+        with self._transfer(context, sid, session) as (progress, sock):
             sent = 0
             try:
                 ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
@@ -68,10 +68,10 @@ class BulkRpcs(ServicerBase):
                 sizes, codecs = [], []
                 blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get, accept, byte_range)
                 with contextlib.closing(blocks):  # unpin on any exit
-                    for block in blocks:
+                    for block in progress.working_through(blocks):   # staging from disk is ours
                         payload, codec = (None, 0) if block is None else block
                         bulk_transport.send_block(sock, payload)
-                        touch()
+                        progress.touch()
                         sizes.append(0 if payload is None else payload.nbytes)
                         codecs.append(codec)
                         sent += sizes[-1]
@@ -103,7 +103,7 @@ class BulkRpcs(ServicerBase):
                                            "with a codec")
         # client-encoded payloads: the socket carries their sizes' sum
         committed = sum(request.sizes) if request.codec else len(request.hashes) * request.block_bytes
-        with self._transfer(context, sid, session) as (touch, sock):
+        with self._transfer(context, sid, session) as (progress, sock):
             received = 0
             results: list[int] = []
             try:
@@ -112,14 +112,16 @@ class BulkRpcs(ServicerBase):
                 ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 parent = check_parent(request.parent)
-                codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
+                with progress.working():   # the first use of a codec loads it
+                    codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
                 sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
 
                 def store(a: int, payloads: list) -> None:
                     b = a + len(payloads)
                     if payloads:
-                        run = self.store.put(ns.id, hashes[a:b], payloads, parent=hashes[a - 1] if a else parent,
-                                             codecs=None if codecs is None else codecs[a:b])
+                        with progress.working():   # the daemon's time, not the caller's stall
+                            run = self.store.put(ns.id, hashes[a:b], payloads, parent=hashes[a - 1] if a else parent,
+                                                 codecs=None if codecs is None else codecs[a:b])
                         results.extend(PUT_RESULT[r] for r in run)
 
                 runs = put_runs(sizes)
@@ -130,12 +132,13 @@ class BulkRpcs(ServicerBase):
                         for i in range(a, b):   # received block by block: the stall watch sees each
                             payload = buf[at:at + sizes[i]]
                             bulk_transport.recv_exact_into(sock, memoryview(payload))
-                            touch()
+                            progress.touch()
                             received += sizes[i]
                             at += sizes[i]
                             if codecs is not None and codecs[i]:
                                 try:
-                                    check_encoded(ns, codecs[i], payload, i)
+                                    with progress.working():
+                                        check_encoded(ns, codecs[i], payload, i)
                                 except InvalidArgument:
                                     store(a, payloads)   # the blocks before it stay, as if each was stored on arrival
                                     raise

@@ -10,7 +10,8 @@ for it without a bound.
 
 Waiting is bounded by the stall watch (``stalls.py``): a call is watched while it waits for its
 request message, a stream for its whole life (touched on every message), and one idle for longer
-than the watch's bound is cut with CANCELLED.
+than the watch's bound is cut with CANCELLED. The steps the daemon runs for a call (storing a
+batch, reading blocks) do not count as idle.
 
 Errors: a ``KVStoreError`` becomes its gRPC status (the class's ``grpc_status``) with trailing
 metadata naming the class and the field, so the client raises the same class; anything unexpected
@@ -29,7 +30,7 @@ from concurrent.futures import Executor
 import grpc
 
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.service.stalls import StallWatch
+from kvstore.service.stalls import Progress, StallWatch
 from kvstore.service.validation import well_formed
 
 log = logging.getLogger("kvstore.service.calls")
@@ -88,11 +89,18 @@ class CallContext:
 
 class _Steps:
     """One call's steps on the worker pool, one at a time. A step cannot be interrupted, so when
-    the call is cut mid-step the next step (e.g. the close that unpins) waits for it to finish."""
+    the call is cut mid-step the next step (e.g. the close that unpins) waits for it to finish.
+    A step is the daemon's work (``progress.working``): the stall watch does not count it against
+    the caller."""
 
-    def __init__(self, pool: Executor) -> None:
+    def __init__(self, pool: Executor, progress: Progress) -> None:
         self.pool = pool
+        self.progress = progress
         self._running: asyncio.Future | None = None
+
+    def _work(self, fn: Callable, *args):
+        with self.progress.working():
+            return fn(*args)
 
     @property
     def busy(self) -> bool:
@@ -101,7 +109,7 @@ class _Steps:
     async def start(self, fn: Callable, *args) -> None:
         """Begin ``fn(*args)`` once the step before it is done (its error, if any, is raised now)."""
         await self.settle()
-        self._running = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        self._running = asyncio.get_running_loop().run_in_executor(self.pool, self._work, fn, *args)
         # a step whose call ended before anyone asked for its outcome must not be logged as lost
         self._running.add_done_callback(lambda step: step.cancelled() or step.exception())
 
@@ -215,8 +223,8 @@ class CallBridge:
         return await asyncio.get_running_loop().run_in_executor(self.pool, body, well_formed(request), call)
 
     async def _server_stream(self, body: Callable, context, call: CallContext) -> None:
-        steps = _Steps(self.pool)
-        with self.stalls.watch(call.cancel) as touch:
+        with self.stalls.watch(call.cancel) as progress:
+            steps = _Steps(self.pool, progress)
             request = await context.read()
             if request is _EOF:
                 raise InvalidArgument("request", "the call ended before its request message")
@@ -227,22 +235,22 @@ class CallBridge:
                     await steps.start(_take, responses, STEP_BYTES)   # the next batch is read meanwhile
                     for response in batch:
                         await context.write(response)
-                        touch()
+                        progress.touch()
             finally:
                 await steps.cleanup(responses.close)   # unpins whatever it still holds
 
     async def _client_stream(self, open_sink: Callable, context, call: CallContext):
         """Messages are received while the previous ones are being stored (at most ``STEP_BYTES``
         of them wait), and fed to the sink a batch per step."""
-        steps = _Steps(self.pool)
-        with self.stalls.watch(call.cancel) as touch:
+        with self.stalls.watch(call.cancel) as progress:
+            steps = _Steps(self.pool, progress)
             first = await context.read()
-            touch()
+            progress.touch()
             sink = await steps.run(open_sink, None if first is _EOF else well_formed(first), call)
             try:
                 batch, size = [], 0
                 while (message := await context.read()) is not _EOF:
-                    touch()
+                    progress.touch()
                     batch.append(well_formed(message))
                     size += message.ByteSize()
                     if not steps.busy or size >= STEP_BYTES:
