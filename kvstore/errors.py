@@ -84,6 +84,18 @@ class LeaseExpired(KVStoreError):
     grpc_status = "FAILED_PRECONDITION"
 
 
+class BlockBusy(KVStoreError):
+    """A put of a block that was deleted while a reader still holds it: the old copy is not freed
+    yet (waited for a bounded time, or too many puts already wait). Retry shortly."""
+
+    grpc_status = "ABORTED"
+
+    def __init__(self, key: bytes | None = None) -> None:
+        super().__init__("hashes: a block being put was deleted while a reader still holds it; "
+                         "retry once the reader is done")
+        self.field = "hashes"
+
+
 class PermissionDenied(KVStoreError):
     grpc_status = "PERMISSION_DENIED"
 

@@ -30,6 +30,8 @@ _STORE_COUNTERS = {
     "lookups": ("kvstore_lookups", "Lookup calls"),
     "leases_expired": ("kvstore_leases_expired", "Leases released because their holder never came back"),
     "put_rejected_full": ("kvstore_put_rejected_full", "Puts refused because no tier had room"),
+    "put_rejected_busy": ("kvstore_put_rejected_busy",
+                          "Puts refused because the block was deleted while a reader still held it"),
     "recovered_blocks": ("kvstore_recovered_blocks", "Blocks found on durable tiers at start-up"),
     "prewarmed": ("kvstore_prewarmed_blocks", "Blocks copied into the CPU tier by prewarm or pin"),
     "admin_dropped_blocks": ("kvstore_admin_dropped_blocks", "Blocks dropped by ns drop or evict"),

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
-from kvstore.errors import BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
+from kvstore.errors import BlockBusy, BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import BlockIndex, Entry
@@ -39,6 +40,13 @@ from kvstore.tiers.cpu import CpuTier
 
 #: what a failed copy into a tier raises when the failure is only "it did not fit / did not write"
 PLACEMENT_ERRORS = (TierFull, TierIOError, BlockTooLarge)
+
+#: how often a put of a deleted-but-still-pinned block looks again whether its last reader let go
+DOOMED_POLL_S = 0.005
+#: puts waiting on such blocks at once (each holds a request thread); past it a put is refused
+DOOMED_WAITERS = 4
+#: the longest such a put waits: within a client's default 5 s deadline
+DOOMED_WAIT_MAX_S = 3.0
 
 
 class Cascade:
@@ -56,6 +64,7 @@ class Cascade:
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self.quotas = TenantQuotas(config.tenant_quotas)
+        self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
         # page-aligned: the NVMe tier reads into it with O_DIRECT
         self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
 
@@ -97,8 +106,13 @@ class Cascade:
         for ``nbytes`` raw bytes. Takes the lock itself."""
         key = block_key(namespace_id, h)
         tenant = self.namespaces.get(namespace_id).tenant
+        self.wait_out_doomed(key)
         with self.lock:
-            if key in self.index.entries:  # present, or being written by someone else
+            existing = self.index.entries.get(key)
+            if existing is not None and existing.doomed:   # doomed again while we waited
+                self.counters["put_rejected_busy"] += 1
+                raise BlockBusy(key)
+            if existing is not None:  # present, or being written by someone else
                 return None
             try:
                 self.quotas.charge(tenant, nbytes)
@@ -144,6 +158,8 @@ class Cascade:
                 h = hashes[k]
                 key = nsid + h
                 if key in entries:
+                    if entries[key].doomed:
+                        break   # ``reserve`` waits for its last reader
                     run.append(None)
                     continue
                 if (quota is not None and quotas.charged[tenant] + nbytes > quota) or tier.free_bytes_for(nsid) < need:
@@ -159,6 +175,34 @@ class Cascade:
                 entries[key] = entry
                 run.append(entry)
         return run
+
+    def wait_out_doomed(self, key: bytes) -> None:
+        """A put of a block deleted while a reader still pins it must not be answered "exists":
+        the doomed copy is freed on that reader's last unpin and the new block would be lost.
+        Wait (lock released) until it is freed: a reader mid-get lets go within milliseconds, an
+        abandoned load lease when it expires. The wait is bounded by ``lease_seconds`` + 1 s (the
+        lease plus the daemon's expiry tick) and ``DOOMED_WAIT_MAX_S``; ``BlockBusy`` (counted,
+        retryable) past it or when ``DOOMED_WAITERS`` puts already wait. Takes the lock itself."""
+        with self.lock:
+            entry = self.index.entries.get(key)
+            if entry is None or not entry.doomed:
+                return
+        if not self._doomed_waiters.acquire(blocking=False):
+            with self.lock:
+                self.counters["put_rejected_busy"] += 1
+            raise BlockBusy(key)
+        try:
+            deadline = time.monotonic() + min(self.config.lease_seconds + 1.0, DOOMED_WAIT_MAX_S)
+            while time.monotonic() < deadline:
+                time.sleep(DOOMED_POLL_S)
+                with self.lock:
+                    entry = self.index.entries.get(key)
+                    if entry is None or not entry.doomed:
+                        self.counters["put_waited_for_delete"] += 1
+                        return
+            # reserve re-checks under its lock and refuses (counted) if the block is still doomed
+        finally:
+            self._doomed_waiters.release()
 
     def publish(self, entry: Entry, data) -> bool:
         """Make a written entry visible; write through to the durable tier if configured. Returns

@@ -216,7 +216,8 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
     """One block through ``Cascade.reserve`` (eviction, codecs, fall-through to slower tiers); its
     result is appended to ``disk.results`` (a disk tier's write may still be in flight). Writes
     to a durable tier skip their fsync: the batch's ``sync_durable`` commits them (group commit)."""
-    if cascade.index.find(ns.id, h) is not None:  # checked again under the lock by reserve
+    found = cascade.index.find(ns.id, h)   # checked again under the lock by reserve
+    if found is not None and not found.doomed:   # a doomed one: reserve waits for its last reader
         disk.finish()   # the blocks queued before it are published first, as when written one by one
         disk.results.append("exists")
         return
