@@ -253,7 +253,7 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs", "range_offset", "range_bytes")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs", "range_offset", "range_bytes", "packed")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class GetRequest(_message.Message):
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
@@ -268,23 +269,28 @@ class GetRequest(_message.Message):
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
     range_offset: int
     range_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class GetChunk(_message.Message):
-    __slots__ = ("index", "hit", "codec", "size", "offset", "data")
+    __slots__ = ("index", "hit", "codec", "size", "offset", "data", "sizes", "codecs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
     index: int
     hit: bool
     codec: int
     size: int
     offset: int
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., hit: _Optional[bool] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    codecs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., hit: _Optional[bool] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
     __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "table")

@@ -55,13 +55,19 @@ def test_put_stream_chunking_round_trips(block_bytes, count, chunk):
     rng = np.random.default_rng(block_bytes * 1000 + count)
     blocks = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(count)]
     header = pb.PutHeader(namespace_id=b"n" * 16, hashes=[b"h"] * count)
-    messages = list(chunks.put_messages(header, blocks, chunk))
-    assert messages[0].HasField("header") and not any(m.HasField("header") for m in messages[1:])
+    messages = [pb.PutChunk.FromString(m) for m in chunks.put_messages(header, blocks, chunk)]
+    assert messages[0].header == header and not any(m.HasField("header") for m in messages[1:])
     assert all(len(m.data) <= chunk for m in messages)
+    if block_bytes <= chunk:   # small blocks share messages, each starting at a block boundary
+        per_message = chunk // block_bytes
+        assert [len(m.data) for m in messages] == [block_bytes * min(per_message, count - k * per_message)
+                                                  for k in range(-(-count // per_message))]
+    else:   # a large block is cut into pieces of its own
+        assert len(messages) == count * -(-block_bytes // chunk)
     splitter = chunks.BlockSplitter(block_bytes, np.zeros(block_bytes, dtype=np.uint8))
     got = []
     for m in messages:
-        got += [(i, b.copy()) for i, b in splitter.feed(m.data)]
+        got += [(i, b.copy()) for i, b, _ in splitter.feed(m.data)]
     assert [i for i, _ in got] == list(range(count))
     assert all(np.array_equal(b, want) for (_, b), want in zip(got, blocks))
 
@@ -80,7 +86,7 @@ def test_put_stream_of_encoded_payloads_splits_at_their_sizes(block_bytes, sizes
     splitter = chunks.BlockSplitter(block_bytes, np.zeros(block_bytes, dtype=np.uint8), sizes)
     got = []
     for a, b in zip(bounds, bounds[1:]):
-        got += [(i, x.copy()) for i, x in splitter.feed(stream[a:b])]
+        got += [(i, x.copy()) for i, x, _ in splitter.feed(stream[a:b])]
     assert [i for i, _ in got] == list(range(len(sizes)))
     assert all(np.array_equal(x, want) for (_, x), want in zip(got, payloads))
 
@@ -108,3 +114,33 @@ def test_encoded_get_chunks_parse_back_at_any_size(size, chunk, index):
     msgs = [pb.GetChunk.FromString(m) for m in chunks.get_messages(index, block, 0, chunk)]
     assert b"".join(m.data for m in msgs) == block.tobytes()
     assert all(m.index == index and m.size == size for m in msgs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.one_of(st.none(), st.integers(0, 5000)), min_size=1, max_size=12),
+       chunk=st.integers(1, 9000), first=st.integers(0, 1000), pieces=st.integers(1, 3))
+def test_packed_get_runs_parse_back_to_their_blocks(sizes, chunk, first, pieces):
+    """A run (misses as None, blocks in one or several views) comes back block for block from
+    what any protobuf reader parses; no message carries more than ``chunk`` bytes of data."""
+    rng = np.random.default_rng(len(sizes) * 7 + chunk)
+    blocks = [None if n is None else rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    run = [None if b is None else (np.array_split(b, pieces), 5 if i % 2 else 0) for i, b in enumerate(blocks)]
+    got: dict[int, bytearray] = {}
+    missed = []
+    for raw in chunks.run_messages(first, run, chunk):
+        m = pb.GetChunk.FromString(raw)
+        assert len(m.data) <= chunk
+        if not m.hit:
+            missed.append(m.index)
+        elif m.sizes:
+            assert sum(m.sizes) == len(m.data) and len(m.codecs) in (0, len(m.sizes))
+            at = 0
+            for k, n in enumerate(m.sizes):
+                assert (m.codecs[k] if m.codecs else 0) == (5 if (m.index - first + k) % 2 else 0)
+                got[m.index + k] = bytearray(m.data[at:at + n])
+                at += n
+        else:
+            got.setdefault(m.index, bytearray())[m.offset:m.offset + len(m.data)] = m.data
+    assert missed == [first + i for i, b in enumerate(blocks) if b is None]
+    assert sorted(got) == [first + i for i, b in enumerate(blocks) if b is not None]
+    assert all(bytes(got[first + i]) == b.tobytes() for i, b in enumerate(blocks) if b is not None)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.errors import DaemonUnavailable, InvalidArgument
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import DEFAULT_URL
 
@@ -60,16 +61,20 @@ class RpcChannel:
         else:
             self.channel = grpc.insecure_channel(self.address, options)
         self.stub = pb_grpc.KVStoreStub(self.channel)
+        # methods whose requests the client encodes itself (``chunks.put_messages``: bytes)
+        self._encoded = {"Put": self.channel.stream_unary(
+            "/kvstore.v1.KVStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString)}
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
              with_call: bool = False):
         """One RPC with retries on UNAVAILABLE inside the deadline; raises kvstore errors.
-        ``stream_factory`` builds a fresh request stream per attempt (streams are one-shot)."""
+        ``stream_factory`` builds a fresh request stream per attempt (streams are one-shot); a
+        Put's is of encoded messages (``chunks.put_messages``)."""
         if self.closed:
             raise DaemonUnavailable("client is closed")
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        fn = getattr(self.stub, method)
+        fn = self._encoded.get(method) or getattr(self.stub, method)
         if with_call:
             fn = fn.with_call
         attempt = 0

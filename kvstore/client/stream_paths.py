@@ -136,12 +136,15 @@ class GrpcPath:
         offset, length = byte_range or (0, 0)
         req = pb.GetRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes,
                             chunk_bytes=self.negotiation.chunk_bytes or 0, accept_codecs=accept,
-                            range_offset=offset, range_bytes=length)
+                            range_offset=offset, range_bytes=length, packed=True)
         stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks)))
         landing: dict[int, np.ndarray] = {}
         try:
             for c in stream:
                 if not c.hit:
+                    continue
+                if c.sizes:
+                    self._unpack(c, sinks, sizes)
                     continue
                 if c.index >= len(sinks):
                     raise InvalidArgument("index", f"the daemon sent block {c.index} of a {len(sinks)}-block get")
@@ -159,3 +162,21 @@ class GrpcPath:
             stream.cancel()  # a refused block: stop the rest of the stream
             raise
         return sizes
+
+    @staticmethod
+    def _unpack(c, sinks, sizes: list[int | None]) -> None:
+        """A packed chunk: whole blocks ``c.index``, ``c.index + 1``, ... into their sinks."""
+        n = len(c.sizes)
+        if c.index + n > len(sinks):
+            raise InvalidArgument("index", f"the daemon sent blocks {c.index}..{c.index + n - 1} of a "
+                                           f"{len(sinks)}-block get")
+        if sum(c.sizes) != len(c.data) or len(c.codecs) not in (0, n):
+            raise InvalidArgument("sizes", f"a packed chunk of {len(c.data)} bytes names {n} blocks of "
+                                           f"{sum(c.sizes)} bytes and {len(c.codecs)} codecs")
+        data = np.frombuffer(c.data, dtype=np.uint8)
+        at = 0
+        for k, size in enumerate(c.sizes):
+            i = c.index + k
+            sinks[i].buffer(size)[:] = data[at:at + size]
+            at += size
+            sizes[i] = sinks[i].finish(size, c.codecs[k] if c.codecs else 0)

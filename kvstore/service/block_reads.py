@@ -8,8 +8,11 @@ codec itself (``accept``: the request's ``accept_codecs``), else decoded here fi
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable, Collection, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,20 +27,29 @@ PIN_WINDOW_BYTES = 256 << 20   # reads pin at most this much of the arena at a t
 Payload = tuple[np.ndarray, int] | None
 
 
-def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
-                  accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Payload]:
-    """Each block as one view of the CPU arena while it is pinned, with its codec id; with
+class Run(NamedTuple):
+    """Consecutive blocks of a read, valid until the generator moves on: each as the views of its
+    bytes in order (several where its slots are not contiguous) with its codec id, or None for a
+    miss; ``expires`` is when their pin runs out (inf: they are copies, nothing pinned)."""
+    blocks: list[tuple[list[np.ndarray], int] | None]
+    expires: float
+
+
+def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
+                accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Run]:
+    """The blocks of ``hashes`` as views of the CPU arena while they are pinned, a run at a
+    time (one per lease), for a sender that packs several blocks into one message; with
     ``byte_range`` (offset, length) only those bytes of each block, decoded first where it is
     stored encoded (``accept`` is then ignored: a range of an encoded payload is no one's bytes).
 
     Blocks are pinned a window at a time (at most ``PIN_WINDOW_BYTES`` or an eighth of the arena)
-    under a store lease; if sending a block outlived the lease, its slots may have been reused
+    under a store lease; if sending a run outlived the lease, its slots may have been reused
     meanwhile, so that raises LeaseExpired and the caller signals an error instead of vouching for
     those bytes. Blocks that cannot be viewed in the arena (no arena; present but not stageable
     right now; encoded with a codec the client does not take) are copied into
     ``buffer(nbytes)``, asked once per call and reused (a fresh buffer of a large block would page
-    fault at a fraction of the decode's speed), whose view is valid until the next block. Close the
-    generator (``contextlib.closing``) so an early exit unpins its window."""
+    fault at a fraction of the decode's speed), a run of their own. Close the generator
+    (``contextlib.closing``) so an early exit unpins its window."""
     if byte_range is not None:
         accept = ()
     buffer = _reused(buffer)
@@ -46,18 +58,16 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
     start = 0
     while start < len(hashes):
         if arena is None:  # no arena: copy through the buffer
-            yield _copied(store, ns, hashes[start], buffer, accept, byte_range)
+            yield Run([_copied(store, ns, hashes[start], buffer, accept, byte_range)], math.inf)
             start += 1
             continue
         asked = len(hashes[start:start + per_lease])
         lease = store.prepare_load(ns.id, hashes[start:start + per_lease], accept)
         try:
-            for extents, codec in zip(lease.extents, lease.codecs):
-                views = arena.views(extents if byte_range is None else window(extents, *byte_range))
-                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
-                if time.monotonic() >= lease.expires:
-                    raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short "
-                                       "for this link); retry")
+            if lease.extents:
+                yield Run([(arena.views(extents if byte_range is None else window(extents, *byte_range)), codec)
+                           for extents, codec in zip(lease.extents, lease.codecs)], lease.expires)
+                _check_pin(lease.expires)
         finally:
             try:
                 store.complete_load(lease.id)
@@ -70,8 +80,32 @@ def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Call
             # Read the latter through the buffer: a false miss would make an engine recompute a
             # block that is sitting on NVMe.
             h = hashes[start]
-            yield _copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None
+            yield Run([_copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None],
+                      math.inf)
             start += 1
+
+
+def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
+                  accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Payload]:
+    """``pinned_runs`` a block at a time, each as one view (a block in several slots is joined
+    into one array), with its codec id, or None for a miss; a view is valid until the next
+    block, and one whose pin ran out by the time the caller asks for the next raises
+    LeaseExpired. Close the generator (``contextlib.closing``) so an early exit unpins."""
+    with contextlib.closing(pinned_runs(store, ns, hashes, buffer, accept, byte_range)) as runs:
+        for run in runs:
+            for block in run.blocks:
+                if block is None:
+                    yield None
+                    continue
+                views, codec = block
+                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
+                _check_pin(run.expires)
+
+
+def _check_pin(expires: float) -> None:
+    if time.monotonic() >= expires:
+        raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short for this link); "
+                           "retry")
 
 
 def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
@@ -85,13 +119,13 @@ def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
 
 
 def _copied(store: Store, ns: Namespace, block_hash: bytes, buffer: Callable[[int], np.ndarray],
-            accept: Collection[int], byte_range: tuple[int, int] | None = None) -> Payload:
+            accept: Collection[int], byte_range: tuple[int, int] | None = None) -> tuple[list[np.ndarray], int] | None:
     buf = buffer(ns.block_bytes)
     got = store.get_payloads_into(ns.id, [block_hash], [buf], accept)[0]
     if got is None:
         return None
     offset, nbytes = byte_range or (0, got[0])
-    return buf[offset:offset + nbytes], got[1]
+    return [buf[offset:offset + nbytes]], got[1]
 
 
 MAX_ACCEPT_CODECS = 64

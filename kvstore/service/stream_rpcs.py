@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import accepted_codecs, pinned_blocks
+from kvstore.service.block_reads import accepted_codecs, pinned_blocks, pinned_runs
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
@@ -58,18 +58,35 @@ class PutSink:
         self._store(message)
 
     def _store(self, message) -> None:
+        """Store the blocks this message completes: those it carries whole in one Store call,
+        a block gathered across messages with the ones before it (its buffer is reused next)."""
         self.received += len(message.data)
         if self.received > self.expected:
             raise InvalidArgument("data", f"the stream carries more than the {self.expected} bytes its "
                                           f"{len(self.hashes)} blocks add up to")
-        store, ns, hashes = self.rpcs.store, self.ns, self.hashes
-        for i, block in self.splitter.feed(message.data):
-            parent = self.parent if i == 0 else hashes[i - 1]
-            codecs = None if self.codecs is None else self.codecs[i:i + 1]
-            if codecs:
-                check_encoded(ns, codecs[0], block, i)
-            result = store.put(ns.id, [hashes[i]], [block], parent=parent, codecs=codecs)[0]
-            self.results.append(PUT_RESULT[result])
+        run: list[np.ndarray] = []
+        for i, block, gathered in self.splitter.feed(message.data):
+            if self.codecs is not None and self.codecs[i]:
+                try:
+                    check_encoded(self.ns, self.codecs[i], block, i)
+                except InvalidArgument:
+                    self._put_run(run)   # the blocks before it stay, as if each was stored on arrival
+                    raise
+            run.append(block)
+            if gathered:
+                self._put_run(run)
+                run = []
+        self._put_run(run)
+
+    def _put_run(self, blocks: list[np.ndarray]) -> None:
+        if not blocks:
+            return
+        a = len(self.results)
+        b = a + len(blocks)
+        results = self.rpcs.store.put(self.ns.id, self.hashes[a:b], blocks,
+                                      parent=self.parent if a == 0 else self.hashes[a - 1],
+                                      codecs=None if self.codecs is None else self.codecs[a:b])
+        self.results.extend(PUT_RESULT[r] for r in results)
 
     def finish(self) -> pb.PutResponse:
         self.close()
@@ -98,11 +115,21 @@ class StreamRpcs(ServicerBase):
         sent = 0
         # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
         # out meanwhile ends the stream with an error (the client then trusts none of it).
-        with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept, byte_range)) as blocks:
-            for i, block in enumerate(blocks):
-                payload, codec = (None, RAW_CODEC) if block is None else block
-                sent += 0 if payload is None else payload.nbytes
-                yield from chunks.get_messages(i, payload, codec, chunk)
-                if not context.is_active():
-                    return
+        if request.packed:   # small blocks share messages
+            with contextlib.closing(pinned_runs(self.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
+                first = 0
+                for run in runs:
+                    sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
+                    yield from chunks.run_messages(first, run.blocks, chunk)
+                    first += len(run.blocks)
+                    if not context.is_active():
+                        return
+        else:
+            with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept, byte_range)) as blocks:
+                for i, block in enumerate(blocks):
+                    payload, codec = (None, RAW_CODEC) if block is None else block
+                    sent += 0 if payload is None else payload.nbytes
+                    yield from chunks.get_messages(i, payload, codec, chunk)
+                    if not context.is_active():
+                        return
         self.moved("out", "grpc", sent)

@@ -1,8 +1,10 @@
 """Remote fallback: blocks as streams of ~1 MiB protobuf chunks.
 
-One large protobuf message moves at ~0.3 GB/s here, 1 MiB chunks at ~2 GB/s (shared/notes), so
-Put sends the blocks back to back cut into ``chunk_bytes`` pieces (the first message also carries
-the header) and Get answers with per-block chunks that carry their block index and offset.
+One large protobuf message moves at ~0.3 GB/s here, 1 MiB chunks at ~2 GB/s (shared/notes), and
+each message costs a send of its own, so Put sends the blocks back to back in messages of up to
+``chunk_bytes`` (several small blocks to one; the first message also carries the header) and Get
+answers with chunks that carry a block index: a piece of one block at an offset, or several
+whole blocks with their sizes (``packed``, for clients that ask for it).
 """
 
 from __future__ import annotations
@@ -16,20 +18,53 @@ from kvstore.proto import kvstore_pb2 as pb
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
+_PUT_CHUNK_HEADER = 1   # PutChunk.header's field number
+_PUT_CHUNK_DATA = 2     # PutChunk.data's
+
+
 def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PutChunk]:
-    """The Put stream: header first, then every block's bytes in ``chunk_bytes`` pieces."""
-    first = True
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """The Put stream, each message an encoded ``PutChunk``: the header in the first, then the
+    blocks' bytes back to back. Blocks no larger than ``chunk_bytes`` share messages of up to
+    ``chunk_bytes`` (the daemon cuts the stream into blocks by their sizes, so a message boundary
+    means nothing to it; starting each message at a block boundary lets it store the blocks
+    straight out of the message); a larger block is cut into ``chunk_bytes`` pieces of its own.
+
+    Encoded here, not by protobuf: the header goes through protobuf, the data is appended as
+    field 2 in one copy out of the caller's arrays (a message per 64 KiB block cost a gRPC send
+    each; building and serializing a message copies the bytes three times)."""
+    prefix = [_length_delimited(_PUT_CHUNK_HEADER, header.SerializeToString())]   # consumed by the first
+    parts: list[memoryview] = []
+    size = 0
+
+    def message() -> bytes:
+        nonlocal parts, size
+        out = b"".join((*prefix, _varint(_PUT_CHUNK_DATA << 3 | 2), _varint(size), *parts))
+        prefix.clear()
+        parts, size = [], 0
+        return out
+
     for a in arrays:
-        for off in range(0, a.nbytes, chunk_bytes):
-            data = a[off:off + chunk_bytes].tobytes()
-            if first:
-                yield pb.PutChunk(header=header, data=data)
-                first = False
-            else:
-                yield pb.PutChunk(data=data)
-    if first:
-        yield pb.PutChunk(header=header)
+        flat = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        if len(flat) > chunk_bytes:
+            if parts:
+                yield message()
+            for off in range(0, len(flat), chunk_bytes):
+                parts, size = [flat[off:off + chunk_bytes]], len(flat[off:off + chunk_bytes])
+                yield message()
+            continue
+        if parts and size + len(flat) > chunk_bytes:
+            yield message()
+        parts.append(flat)
+        size += len(flat)
+    if parts:
+        yield message()
+    elif prefix:   # no bytes at all: the header alone
+        yield prefix.pop()
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return b"".join((_varint(field << 3 | 2), _varint(len(payload)), payload))
 
 
 _GET_CHUNK_DATA = 6   # GetChunk.data's field number
@@ -55,6 +90,46 @@ def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
         yield b"".join((head, _varint(_GET_CHUNK_DATA << 3 | 2), _varint(len(data)), data))
 
 
+def run_messages(first: int, blocks, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """A run of a packed Get answer (``block_reads.Run.blocks``: each block as its views and codec,
+    or None for a miss), block ``first`` first, as encoded ``GetChunk`` messages: consecutive hits
+    of up to ``chunk_bytes`` together share a packed chunk (``sizes``, ``codecs``), a larger
+    block goes as ``get_messages`` cuts it, a miss as its own chunk. Each message is built before
+    the next block is looked at, so the views need only stay valid for the run."""
+    pack: list[tuple[int, list, int, int]] = []   # (index, views, size, codec)
+    packed = 0
+
+    def flush() -> bytes:
+        nonlocal pack, packed
+        codecs = [c for _, _, _, c in pack]
+        head = pb.GetChunk(index=pack[0][0], hit=True, sizes=[n for _, _, n, _ in pack],
+                           codecs=codecs if any(codecs) else []).SerializeToString()
+        data = [v for _, views, _, _ in pack for v in views]
+        out = b"".join((head, _varint(_GET_CHUNK_DATA << 3 | 2), _varint(packed), *data))
+        pack, packed = [], 0
+        return out
+
+    for index, block in enumerate(blocks, first):
+        if block is None:
+            if pack:
+                yield flush()
+            yield from get_messages(index, None)
+            continue
+        views, codec = block
+        size = sum(v.nbytes for v in views)
+        if size > chunk_bytes:
+            if pack:
+                yield flush()
+            yield from get_messages(index, views[0] if len(views) == 1 else np.concatenate(views), codec, chunk_bytes)
+            continue
+        if pack and packed + size > chunk_bytes:
+            yield flush()
+        pack.append((index, views, size, codec))
+        packed += size
+    if pack:
+        yield flush()
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
@@ -68,10 +143,10 @@ class BlockSplitter:
     """Server side of Put: cut an incoming byte stream into blocks of ``block_bytes`` (or, for a
     put of client-encoded payloads, ``sizes[i]`` bytes each, none larger than a block).
 
-    ``feed`` yields ``(index, block)`` each time a block is complete: a view of the message itself
-    when a whole block sits in it at a block boundary (no copy), else a view of one pooled buffer
-    the pieces were gathered in. Either view is only valid until the next ``feed``. The caller
-    feeds no more than the sizes add up to.
+    ``feed`` yields ``(index, block, gathered)`` each time a block is complete: a view of the
+    message itself when a whole block sits in it at a block boundary (no copy; valid while the
+    message is), else (``gathered``) a view of one pooled buffer the pieces were gathered in,
+    valid only until the generator moves on. The caller feeds no more than the sizes add up to.
     """
 
     def __init__(self, block_bytes: int, buffer: np.ndarray, sizes: Sequence[int] | None = None) -> None:
@@ -89,7 +164,7 @@ class BlockSplitter:
         pos = 0
         while self.fill == 0 and pos < len(src) and len(src) - pos >= self._size():  # aligned: no copy
             size = self._size()
-            yield self.index, src[pos:pos + size]
+            yield self.index, src[pos:pos + size], False
             self.index += 1
             pos += size
         while pos < len(src):
@@ -99,6 +174,6 @@ class BlockSplitter:
             self.fill += take
             pos += take
             if self.fill == size:
-                yield self.index, self.buf[:size]
+                yield self.index, self.buf[:size], True
                 self.index += 1
                 self.fill = 0
