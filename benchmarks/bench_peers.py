@@ -50,10 +50,12 @@ from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops import bench as kv_bench
 from kvstore.ops.ceilings import GB, MemcpyPass, ODirectReadPass, ODirectWritePass, TcpPass, touched_buffer
 from kvstore.ops.engines import engine_env, engine_venv
+from kvstore.ops.grpc_ceiling import GrpcStreamPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import write_report
 from kvstore.store import Store, StoreConfig
+from kvstore.transport.chunks import DEFAULT_CHUNK_BYTES
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 from kvstore.units import format_size, parse_size
@@ -107,8 +109,10 @@ _PER_BLOCK = ("per-block work bounds it, not the bytes: kvstore {kv_us:.0f} us a
               "eviction policy); a py-spy profile of 64 KiB side-channel puts (2026-12-02) has 65% of BulkPut's "
               "samples in those Store.put calls (18% the copy), 31% in recv_into")
 _GRPC = ("kvstore's gRPC streams are the fallback for clients that cannot reach the side channel (behind a proxy, "
-         "TLS-only): payloads cross as ~1 MiB protobuf messages through grpcio in Python, {kv_x_range} raw TCP here; "
-         "engines use shared memory on the same host and the side channel from another (the rows above).")
+         "TLS-only): payloads cross in protobuf messages of up to 1 MiB (smaller blocks packed several to one) "
+         "through grpcio in Python, {kv_x_range} raw TCP here, and grpcio's own stream of 1 MiB messages with no work "
+         "at either end reaches {grpcio_x_range} raw TCP in this run (ceilings table): most of the gap is the "
+         "library's. Engines use shared memory on the same host and the side channel from another (the rows above).")
 _SHM = ("not like for like: Mooncake's client holds the store's memory itself, so its put and get are a memcpy inside "
         "one process ({peer_us:.0f} us a block); kvstore's shared-memory path serves another process, the daemon: "
         "PrepareStore and CompleteStore round trips per put (a window of up to 1024 blocks each, overlapped with the "
@@ -412,9 +416,12 @@ def ceiling_passes(p, n: int = CEILING_PASSES) -> list[float]:
 
 
 def checkpoint(ceil: dict, memcpy: MemcpyPass, tcp: TcpPass, wpass: ODirectWritePass, wpass_nofsync: ODirectWritePass,
-               rpass: ODirectReadPass) -> None:
-    for name, p in (("memcpy", memcpy), ("tcp", tcp), ("odirect_write", wpass),
-                    ("odirect_write_nofsync", wpass_nofsync), ("odirect_read", rpass)):
+               rpass: ODirectReadPass, grpcio: tuple[GrpcStreamPass, GrpcStreamPass] | None = None) -> None:
+    named = [("memcpy", memcpy), ("tcp", tcp), ("odirect_write", wpass), ("odirect_write_nofsync", wpass_nofsync),
+             ("odirect_read", rpass)]
+    if grpcio is not None:
+        named += [("grpcio_up", grpcio[0]), ("grpcio_down", grpcio[1])]
+    for name, p in named:
         ceil.setdefault(name, []).extend(ceiling_passes(p))
 
 
@@ -482,10 +489,13 @@ def run(args) -> dict:
             # sources and destinations each span the data moved, as every path here copies them
             memcpy = MemcpyPass(size, working_set=size * count, cold_sources=True)
             tcp = TcpPass(size, count)
+            # grpcio's own stream of the chunks kvstore's gRPC path sends: what that path could reach
+            grpcio = tuple(GrpcStreamPass(DEFAULT_CHUNK_BYTES, max(1, size * count // DEFAULT_CHUNK_BYTES), upload)
+                           for upload in (True, False))
             try:
                 with ODirectWritePass(work, size, n_disk) as wpass, ODirectReadPass(work, size, n_disk) as rpass, \
                         ODirectWritePass(work, size, n_disk, fsync=False) as wpass_nofsync:
-                    checkpoint(ceil, memcpy, tcp, wpass, wpass_nofsync, rpass)
+                    checkpoint(ceil, memcpy, tcp, wpass, wpass_nofsync, rpass, grpcio)
                     passes = {"memcpy": (memcpy, memcpy), "tcp": (tcp, tcp), "odirect": (wpass, rpass),
                               "odirect_nofsync": (wpass_nofsync, rpass)}
                     measures = {key: (lambda c=c, key=key: service(c, size, count, reps, key, memcpy, tcp))
@@ -524,9 +534,11 @@ def run(args) -> dict:
                             rounds.setdefault(key, []).append(r)
                             print(f"  {key}: {r['put_gbps']:.2f} / {r['get_gbps']:.2f}", flush=True)
                     res.update({key: merge_rounds(rs) for key, rs in rounds.items()})
-                    checkpoint(ceil, memcpy, tcp, wpass, wpass_nofsync, rpass)
+                    checkpoint(ceil, memcpy, tcp, wpass, wpass_nofsync, rpass, grpcio)
             finally:
                 tcp.close()
+                for p in grpcio:
+                    p.close()
             report["results"][label] = res
             if failed:
                 report["failed"][label] = failed
@@ -644,6 +656,10 @@ def reasons_for(r: dict, c: dict) -> str:
                   "norm": c["kvstore_over_peer"][size][f"{op}_normalized"]}
         xs = [r["results"][a.split()[0]][kv][f"{a.split()[1]}_vs_ceiling"] for a in ats]
         fields["kv_x_range"] = f"{min(xs):.2f}x" if len(xs) == 1 else f"{min(xs):.2f}-{max(xs):.2f}x"
+        gx = [cs["grpcio_up" if o == "put" else "grpcio_down"]["median_gbps"] / cs["tcp"]["median_gbps"]
+              for s_, o in (a.split() for a in ats) if "grpcio_up" in (cs := r["ceilings"][s_])]
+        fields["grpcio_x_range"] = ("(not measured)" if not gx else f"{min(gx):.2f}x" if len(gx) == 1
+                                    else f"{min(gx):.2f}-{max(gx):.2f}x")
         out.append(f"{', '.join(ats)}: " + template.format(**fields))
     return " ".join(out)
 
@@ -694,7 +710,12 @@ def markdown(r: dict) -> str:
                         ("tcp", "raw TCP loopback, recv_into"),
                         ("odirect_write", "raw O_DIRECT write + fsync per file"),
                         ("odirect_write_nofsync", "raw O_DIRECT write, no fsync"),
-                        ("odirect_read", "raw O_DIRECT read")):
+                        ("odirect_read", "raw O_DIRECT read"),
+                        ("grpcio_up", "grpcio stream up: 1 MiB bytes messages, client-streaming call, no work at "
+                                      "either end (`kvstore.ops.grpc_ceiling`)"),
+                        ("grpcio_down", "grpcio stream down: the same, server-streaming")):
+        if not all(name in r["ceilings"][s] for s in sizes):
+            continue
         cells = []
         for s in sizes:
             c = r["ceilings"][s][name]

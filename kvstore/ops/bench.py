@@ -81,6 +81,23 @@ def service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, 
             "verified": ok}
 
 
+def _grpcio_gbps(total_bytes: int, reps: int = 3) -> dict:
+    """grpcio's own stream of the chunks kvstore's gRPC path sends (``kvstore.ops.grpc_ceiling``),
+    up and down, medians of ``reps`` passes: the most the fallback could reach."""
+    from kvstore.ops.grpc_ceiling import GrpcStreamPass
+    from kvstore.transport.chunks import DEFAULT_CHUNK_BYTES
+
+    out = {}
+    for key, upload in (("grpcio_up_gbps", True), ("grpcio_down_gbps", False)):
+        ceiling = GrpcStreamPass(DEFAULT_CHUNK_BYTES, max(1, total_bytes // DEFAULT_CHUNK_BYTES), upload)
+        try:
+            ceiling()   # warm-up
+            out[key] = ceiling.bytes / statistics.median(ceiling() for _ in range(reps)) / GB
+        finally:
+            ceiling.close()
+    return out
+
+
 def _redis_gbps(block_bytes: int, count: int, reps: int, url: str = "redis://127.0.0.1:6379/0") -> dict | None:
     try:
         import redis
@@ -171,6 +188,10 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
                 row["memcpy_gbps"] = memcpy.bytes / statistics.median(memcpy() for _ in range(3)) / GB
                 row["memcpy_cold_gbps"] = memcpy_cold.bytes / statistics.median(memcpy_cold() for _ in range(3)) / GB
                 row["tcp_gbps"] = tcp.bytes / statistics.median(tcp() for _ in range(3)) / GB
+                if "grpc" in row:
+                    row.update(_grpcio_gbps(count * size))
+                    row["grpc_put_vs_grpcio"] = row["grpc"]["put_gbps"] / row["grpcio_up_gbps"]
+                    row["grpc_get_vs_grpcio"] = row["grpc"]["get_gbps"] / row["grpcio_down_gbps"]
             finally:
                 tcp.close()
             if redis_url:
