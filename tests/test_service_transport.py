@@ -144,3 +144,57 @@ def test_packed_get_runs_parse_back_to_their_blocks(sizes, chunk, first, pieces)
     assert missed == [first + i for i, b in enumerate(blocks) if b is None]
     assert sorted(got) == [first + i for i, b in enumerate(blocks) if b is not None]
     assert all(bytes(got[first + i]) == b.tobytes() for i, b in enumerate(blocks) if b is not None)
+
+
+def _unknown_field(number: int, wire: int, value: int, payload: bytes) -> bytes:
+    key = chunks._varint(number << 3 | wire)
+    if wire == 0:
+        return key + chunks._varint(value)
+    if wire == 1:
+        return key + value.to_bytes(8, "little")
+    if wire == 5:
+        return key + (value & 0xFFFFFFFF).to_bytes(4, "little")
+    return key + chunks._varint(len(payload)) + payload
+
+
+_headers = st.one_of(st.none(), st.builds(
+    lambda ns, hashes, parent, bb, codec, sizes: pb.PutHeader(namespace_id=ns, hashes=hashes, parent=parent,
+                                                              block_bytes=bb, codec=codec, sizes=sizes),
+    st.binary(max_size=20), st.lists(st.binary(max_size=33), max_size=5), st.binary(max_size=33),
+    st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.lists(st.integers(0, 2**64 - 1), max_size=4)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.tuples(_headers, st.one_of(st.none(), st.binary(max_size=3000))), min_size=1, max_size=3),
+       unknown=st.lists(st.tuples(st.integers(3, 2**29 - 1), st.sampled_from([0, 1, 2, 5]), st.integers(0, 2**64 - 1),
+                                  st.binary(max_size=40)), max_size=4))
+def test_the_daemons_put_reader_reads_what_protobuf_reads(parts, unknown):
+    """Messages as any protobuf writer may send them, concatenated (protobuf merges them: headers
+    merge, the last data wins) and with unknown fields of every wire type: ``read_put_chunk``
+    gives what ``PutChunk.FromString`` gives, the data as a view of the received bytes."""
+    raw = b"".join(pb.PutChunk(header=h, data=d).SerializeToString() if h is not None
+                   else pb.PutChunk(data=d).SerializeToString() if d is not None else b""
+                   for h, d in parts) + b"".join(_unknown_field(*u) for u in unknown)
+    want = pb.PutChunk.FromString(raw)
+    got = chunks.read_put_chunk(raw)
+    assert (got.header is not None) == want.HasField("header")
+    if got.header is not None:
+        assert got.header == want.header
+    assert bytes(got.data) == want.data and got.ByteSize() == len(raw)
+    if got.data.nbytes:
+        assert got.data.obj is raw   # left where it arrived
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=200), st.builds(lambda n, body: b"\x0a" + chunks._varint(n) + body,
+                                                         st.integers(0, 60), st.binary(max_size=60))))
+def test_the_put_reader_accepts_nothing_protobuf_refuses(raw):
+    """Arbitrary bytes, and headers of arbitrary bytes: where the reader accepts them, protobuf
+    does too and reads the same; everything else is a ValueError."""
+    try:
+        got = chunks.read_put_chunk(raw)
+    except ValueError:
+        return
+    want = pb.PutChunk.FromString(raw)   # raises if the reader accepted what protobuf refuses
+    assert bytes(got.data) == want.data
+    assert (got.header is not None) == want.HasField("header") and (got.header is None or got.header == want.header)

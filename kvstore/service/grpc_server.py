@@ -38,6 +38,7 @@ from kvstore.service.lookup_indexes import LookupIndexes
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
+from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
 from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
@@ -107,8 +108,10 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
     """Every KVStore method through the call bridge, with lenient request parsing so a malformed
     message is answered INVALID_ARGUMENT naming its type (see ``validation.lenient``)."""
     handlers = {}
+    readers = {"Put": chunks.read_put_chunk}   # its payload stays where it arrived
     for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
-        handlers[m.name] = bridge.method_handler(m, getattr(servicer, m.name), lenient(getattr(pb, m.input_type.name)),
+        parse = lenient(getattr(pb, m.input_type.name), readers.get(m.name))
+        handlers[m.name] = bridge.method_handler(m, getattr(servicer, m.name), parse,
                                                  getattr(pb, m.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 

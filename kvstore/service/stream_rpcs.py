@@ -32,8 +32,8 @@ class PutSink:
     quota when it opens, each block stored as soon as its bytes are in, the answer at the end.
     Call ``close`` on every exit (``finish`` does): it releases the quota hold."""
 
-    def __init__(self, rpcs: ServicerBase, first, context) -> None:
-        if first is None or not first.HasField("header"):
+    def __init__(self, rpcs: ServicerBase, first: chunks.PutPiece | None, context) -> None:
+        if first is None or first.header is None:
             raise InvalidArgument("header", "the first message of a Put stream must carry the header")
         h = first.header
         self.rpcs = rpcs
@@ -52,12 +52,12 @@ class PutSink:
         self._hold.enter_context(rpcs.quota_hold(self.ns, self.hashes))
         self._store(first)
 
-    def feed(self, message) -> None:
-        if message.HasField("header"):
+    def feed(self, message: chunks.PutPiece) -> None:
+        if message.header is not None:
             raise InvalidArgument("header", "only the first message of a Put stream may carry a header")
         self._store(message)
 
-    def _store(self, message) -> None:
+    def _store(self, message: chunks.PutPiece) -> None:
         """Store the blocks this message completes: those it carries whole in one Store call,
         a block gathered across messages with the ones before it (its buffer is reused next)."""
         self.received += len(message.data)

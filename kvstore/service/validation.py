@@ -24,11 +24,14 @@ class Malformed:
         return InvalidArgument("request", f"not a valid {self.type_name} message (malformed protobuf)")
 
 
-def lenient(message_cls):
-    """Request deserializer that never raises: bad bytes become a ``Malformed`` marker."""
+def lenient(message_cls, read=None):
+    """Request deserializer that never raises: bad bytes become a ``Malformed`` marker. ``read``
+    parses instead of ``message_cls.FromString`` (``chunks.read_put_chunk``: no copy of the data)."""
+    read = read or message_cls.FromString
+
     def parse(data: bytes):
         try:
-            return message_cls.FromString(data)
+            return read(data)
         except Exception:  # noqa: BLE001 - DecodeError and friends
             return Malformed(message_cls.DESCRIPTOR.full_name)
     return parse

@@ -10,8 +10,10 @@ whole blocks with their sizes (``packed``, for clients that ask for it).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -20,6 +22,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 _PUT_CHUNK_HEADER = 1   # PutChunk.header's field number
 _PUT_CHUNK_DATA = 2     # PutChunk.data's
+_MAX_FIELD_NUMBER = (1 << 29) - 1
 
 
 def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
@@ -61,6 +64,78 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
         yield message()
     elif prefix:   # no bytes at all: the header alone
         yield prefix.pop()
+
+
+class PutPiece(NamedTuple):
+    """A ``PutChunk`` as the daemon reads it (``read_put_chunk``): its header if it carries one,
+    and its data as a view into the received bytes. ``ByteSize`` is the message's size on the
+    wire, as a protobuf message's would be (the call bridge budgets its batches by it)."""
+    header: pb.PutHeader | None
+    data: memoryview
+    wire_bytes: int
+
+    def ByteSize(self) -> int:  # noqa: N802 - protobuf's name, which the call bridge calls
+        return self.wire_bytes
+
+
+def read_put_chunk(raw: bytes) -> PutPiece:
+    """Parse an encoded ``PutChunk`` leaving its data where it arrived. protobuf's parse copies
+    the payload, and so does every read of ``PutChunk.data`` (about 33 us per MiB each here, and
+    ``ByteSize`` 67 us): a third of a millisecond per MiB before the bytes reach the store.
+
+    Standard wire format, as protobuf reads it: fields of unknown number or of an unexpected wire
+    type are skipped, the last ``data`` wins, ``header`` occurrences merge. ``ValueError`` for
+    bytes that are not a ``PutChunk`` (truncated, a bad varint, a group or reserved wire type)."""
+    view = memoryview(raw)
+    end = len(view)
+    header: pb.PutHeader | None = None
+    data = view[0:0]
+    pos = 0
+    while pos < end:
+        key, pos = _read_varint(view, pos)
+        field, wire = key >> 3, key & 7
+        if not 1 <= field <= _MAX_FIELD_NUMBER:
+            raise ValueError(f"field number {field}")
+        if wire == 2:
+            n, pos = _read_varint(view, pos)
+            if n > end - pos:
+                raise ValueError("a length-delimited field runs past the end")
+            value, pos = view[pos:pos + n], pos + n
+            if field == _PUT_CHUNK_DATA:
+                data = value
+            elif field == _PUT_CHUNK_HEADER:
+                try:
+                    part = pb.PutHeader.FromString(bytes(value))
+                except DecodeError as e:
+                    raise ValueError(f"header: {e}") from None
+                if header is None:
+                    header = part
+                else:
+                    header.MergeFrom(part)
+        elif wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+            if pos > end:
+                raise ValueError("a fixed-size field runs past the end")
+        else:
+            raise ValueError(f"wire type {wire}")
+    return PutPiece(header, data, end)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(view):
+            raise ValueError("a varint runs past the end")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("a varint longer than 10 bytes")
 
 
 def _length_delimited(field: int, payload: bytes) -> bytes:
