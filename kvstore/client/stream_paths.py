@@ -143,18 +143,20 @@ class GrpcPath:
             for c in stream:
                 if not c.hit:
                     continue
+                data = np.frombuffer(c.data, dtype=np.uint8)   # read once: each read of c.data copies it
                 if c.sizes:
-                    self._unpack(c, sinks, sizes)
+                    self._unpack(c, data, sinks, sizes)
                     continue
                 if c.index >= len(sinks):
                     raise InvalidArgument("index", f"the daemon sent block {c.index} of a {len(sinks)}-block get")
                 if c.index not in landing:
                     landing[c.index] = sinks[c.index].buffer(c.size)
                 dst = landing[c.index]
-                if c.offset + len(c.data) > dst.nbytes:
+                end = c.offset + data.nbytes
+                if end > dst.nbytes:
                     raise InvalidArgument("outs", f"chunk past the end of block {c.index}")
-                dst[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-                if c.offset + len(c.data) >= c.size:
+                dst[c.offset:end] = data
+                if end >= c.size:
                     sizes[c.index] = sinks[c.index].finish(c.size, c.codec)
         except grpc.RpcError as e:
             raise self.rpc.failed(error_from_rpc(e)) from None
@@ -164,16 +166,16 @@ class GrpcPath:
         return sizes
 
     @staticmethod
-    def _unpack(c, sinks, sizes: list[int | None]) -> None:
-        """A packed chunk: whole blocks ``c.index``, ``c.index + 1``, ... into their sinks."""
+    def _unpack(c, data: np.ndarray, sinks, sizes: list[int | None]) -> None:
+        """A packed chunk (its ``data`` read once): whole blocks ``c.index``, ``c.index + 1``, ...
+        into their sinks."""
         n = len(c.sizes)
         if c.index + n > len(sinks):
             raise InvalidArgument("index", f"the daemon sent blocks {c.index}..{c.index + n - 1} of a "
                                            f"{len(sinks)}-block get")
-        if sum(c.sizes) != len(c.data) or len(c.codecs) not in (0, n):
-            raise InvalidArgument("sizes", f"a packed chunk of {len(c.data)} bytes names {n} blocks of "
+        if sum(c.sizes) != data.nbytes or len(c.codecs) not in (0, n):
+            raise InvalidArgument("sizes", f"a packed chunk of {data.nbytes} bytes names {n} blocks of "
                                            f"{sum(c.sizes)} bytes and {len(c.codecs)} codecs")
-        data = np.frombuffer(c.data, dtype=np.uint8)
         at = 0
         for k, size in enumerate(c.sizes):
             i = c.index + k
