@@ -103,6 +103,14 @@ def test_maximal_lookup_batch_is_refused_quickly(daemon_factory):
         assert [lk.num_hit for lk in c.lookup_many(ns, [chain] * (at_cap + 3))] == [0] * (at_cap + 3)
 
 
+def private_bytes(proc: psutil.Process) -> int:
+    """The daemon's resident memory of its own (heap, stacks): RSS less shared pages. The CPU
+    arena is shared memory whose pages stay resident once a block has been written into them, up
+    to the configured tier size, so counting it would charge a burst with filling the cache."""
+    info = proc.memory_info()
+    return info.rss - info.shared
+
+
 def test_rss_returns_near_baseline_after_a_hostile_burst(daemon_factory):
     d = daemon_factory()                       # 64 MiB CPU tier: blocks of at most 16 MiB (a quarter)
     proc = psutil.Process(d.pid)
@@ -114,7 +122,7 @@ def test_rss_returns_near_baseline_after_a_hostile_burst(daemon_factory):
             c.put(ns, h, [payload(x, small) for x in h])
             assert c.get(ns, h)[0] is not None
     time.sleep(3)
-    baseline = proc.memory_info().rss
+    baseline = private_bytes(proc)
     failures: list[str] = []
 
     def put_big(i: int) -> None:
@@ -156,14 +164,16 @@ def test_rss_returns_near_baseline_after_a_hostile_burst(daemon_factory):
     for t in workers:
         t.join(120)
     assert not failures, failures
-    peak = proc.memory_info().rss
+    peak = private_bytes(proc)
     deadline = time.monotonic() + 20
-    while proc.memory_info().rss > baseline + RSS_SLACK and time.monotonic() < deadline:
+    while private_bytes(proc) > baseline + RSS_SLACK and time.monotonic() < deadline:
         time.sleep(0.5)
-    after = proc.memory_info().rss
-    assert after <= baseline + RSS_SLACK, (f"RSS {after / MiB:.0f} MiB stayed above baseline {baseline / MiB:.0f} MiB "
-                                           f"+ {RSS_SLACK / MiB:.0f} MiB (peak {peak / MiB:.0f} MiB)")
-    print(f"RSS baseline {baseline / MiB:.0f} MiB, after the burst {peak / MiB:.0f} MiB, settled {after / MiB:.0f} MiB")
+    after = private_bytes(proc)
+    assert after <= baseline + RSS_SLACK, (f"private RSS {after / MiB:.0f} MiB stayed above baseline "
+                                           f"{baseline / MiB:.0f} MiB + {RSS_SLACK / MiB:.0f} MiB "
+                                           f"(peak {peak / MiB:.0f} MiB)")
+    print(f"private RSS baseline {baseline / MiB:.0f} MiB, after the burst {peak / MiB:.0f} MiB, settled "
+          f"{after / MiB:.0f} MiB (arena and other shared pages {proc.memory_info().shared / MiB:.0f} MiB)")
     with d.client(transport="grpc") as c:      # and the daemon still serves
         assert c.health()
 
