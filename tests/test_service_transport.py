@@ -198,3 +198,30 @@ def test_the_put_reader_accepts_nothing_protobuf_refuses(raw):
     want = pb.PutChunk.FromString(raw)   # raises if the reader accepted what protobuf refuses
     assert bytes(got.data) == want.data
     assert (got.header is not None) == want.HasField("header") and (got.header is None or got.header == want.header)
+
+
+_get_chunks = st.builds(
+    lambda index, hit, codec, size, offset, data, sizes, codecs: pb.GetChunk(
+        index=index, hit=hit, codec=codec, size=size, offset=offset, data=data, sizes=sizes, codecs=codecs),
+    st.integers(0, 2**32 - 1), st.booleans(), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+    st.integers(0, 2**64 - 1), st.binary(max_size=3000), st.lists(st.integers(0, 2**64 - 1), max_size=4),
+    st.lists(st.integers(0, 2**32 - 1), max_size=4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(_get_chunks, min_size=1, max_size=3),
+       unknown=st.lists(st.tuples(st.integers(9, 2**29 - 1), st.sampled_from([0, 1, 2, 5]), st.integers(0, 2**64 - 1),
+                                  st.binary(max_size=40)), max_size=4))
+def test_the_clients_get_reader_reads_what_protobuf_reads(parts, unknown):
+    """A Get answer as any daemon may encode it (concatenated messages merge: repeated fields
+    append, the last scalar wins; unknown fields of every wire type): ``read_get_chunk`` gives
+    every field as ``GetChunk.FromString`` does, the data as a view of the received bytes."""
+    raw = b"".join(p.SerializeToString() for p in parts) + b"".join(_unknown_field(*u) for u in unknown)
+    want = pb.GetChunk.FromString(raw)
+    got = chunks.read_get_chunk(raw)
+    assert bytes(got.data) == want.data
+    want.ClearField("data")
+    for field in ("index", "hit", "codec", "size", "offset", "sizes", "codecs"):
+        assert getattr(got.chunk, field) == getattr(want, field), field
+    if got.data.nbytes:
+        assert got.data.obj is raw

@@ -19,6 +19,7 @@ from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.errors import DaemonUnavailable, InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.transport import chunks
 from kvstore.wire import DEFAULT_URL
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -61,16 +62,22 @@ class RpcChannel:
         else:
             self.channel = grpc.insecure_channel(self.address, options)
         self.stub = pb_grpc.KVStoreStub(self.channel)
-        # methods whose requests the client encodes itself (``chunks.put_messages``: bytes)
-        self._encoded = {"Put": self.channel.stream_unary(
-            "/kvstore.v1.KVStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString)}
+        # the data streams: Put's requests are encoded by the client (``chunks.put_messages``:
+        # bytes), Get's answers read with their data left in place (``chunks.read_get_chunk``)
+        self._encoded = {
+            "Put": self.channel.stream_unary("/kvstore.v1.KVStore/Put", request_serializer=None,
+                                             response_deserializer=pb.PutResponse.FromString),
+            "Get": self.channel.unary_stream("/kvstore.v1.KVStore/Get",
+                                             request_serializer=pb.GetRequest.SerializeToString,
+                                             response_deserializer=chunks.read_get_chunk)}
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
              with_call: bool = False):
         """One RPC with retries on UNAVAILABLE inside the deadline; raises kvstore errors.
         ``stream_factory`` builds a fresh request stream per attempt (streams are one-shot); a
-        Put's is of encoded messages (``chunks.put_messages``)."""
+        Put's is of encoded messages (``chunks.put_messages``), and a Get answers
+        ``chunks.GetPiece``s."""
         if self.closed:
             raise DaemonUnavailable("client is closed")
         deadline = time.monotonic() + (timeout_s or self.timeout_s)

@@ -140,10 +140,11 @@ class GrpcPath:
         stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks)))
         landing: dict[int, np.ndarray] = {}
         try:
-            for c in stream:
+            for piece in stream:   # chunks.GetPiece: the data where it arrived, the rest parsed
+                c = piece.chunk
                 if not c.hit:
                     continue
-                data = np.frombuffer(c.data, dtype=np.uint8)   # read once: each read of c.data copies it
+                data = np.frombuffer(piece.data, dtype=np.uint8)
                 if c.sizes:
                     self._unpack(c, data, sinks, sizes)
                     continue
@@ -167,7 +168,7 @@ class GrpcPath:
 
     @staticmethod
     def _unpack(c, data: np.ndarray, sinks, sizes: list[int | None]) -> None:
-        """A packed chunk (its ``data`` read once): whole blocks ``c.index``, ``c.index + 1``, ...
+        """A packed chunk (``c``, its ``data``): whole blocks ``c.index``, ``c.index + 1``, ...
         into their sinks."""
         n = len(c.sizes)
         if c.index + n > len(sinks):

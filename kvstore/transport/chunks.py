@@ -22,6 +22,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 _PUT_CHUNK_HEADER = 1   # PutChunk.header's field number
 _PUT_CHUNK_DATA = 2     # PutChunk.data's
+_GET_CHUNK_DATA = 6     # GetChunk.data's
 _MAX_FIELD_NUMBER = (1 << 29) - 1
 
 
@@ -66,6 +67,53 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
         yield prefix.pop()
 
 
+def split_payload(raw: bytes, field: int) -> tuple[bytes, memoryview]:
+    """An encoded message as the encoding of all its fields but ``field`` (a bytes field), and
+    a view of that field's value where it arrived (the last occurrence, as protobuf reads it).
+    protobuf's parse copies a message's payload, and so does every read of the field (about
+    33 us per MiB each here; ``ByteSize`` 67 us): parsing only the rest keeps the payload in place.
+
+    ``field`` with another wire type than length-delimited stays in the rest, where protobuf
+    skips it as it would. ``ValueError`` for bytes that are not a message (truncated, a bad
+    varint, a field number out of range, a group or reserved wire type)."""
+    view = memoryview(raw)
+    end = len(view)
+    rest: list[memoryview] = []
+    data = view[0:0]
+    pos = 0
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(view, pos)
+        number, wire = key >> 3, key & 7
+        if not 1 <= number <= _MAX_FIELD_NUMBER:
+            raise ValueError(f"field number {number}")
+        if wire == 2:
+            n, pos = _read_varint(view, pos)
+            if n > end - pos:
+                raise ValueError("a length-delimited field runs past the end")
+            pos += n
+            if number == field:
+                data = view[pos - n:pos]
+                continue
+        elif wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+            if pos > end:
+                raise ValueError("a fixed-size field runs past the end")
+        else:
+            raise ValueError(f"wire type {wire}")
+        rest.append(view[start:pos])
+    return b"".join(rest), data
+
+
+def _parse(message_cls, encoded: bytes):
+    try:
+        return message_cls.FromString(encoded)
+    except DecodeError as e:
+        raise ValueError(f"{message_cls.DESCRIPTOR.name}: {e}") from None
+
+
 class PutPiece(NamedTuple):
     """A ``PutChunk`` as the daemon reads it (``read_put_chunk``): its header if it carries one,
     and its data as a view into the received bytes. ``ByteSize`` is the message's size on the
@@ -79,48 +127,24 @@ class PutPiece(NamedTuple):
 
 
 def read_put_chunk(raw: bytes) -> PutPiece:
-    """Parse an encoded ``PutChunk`` leaving its data where it arrived. protobuf's parse copies
-    the payload, and so does every read of ``PutChunk.data`` (about 33 us per MiB each here, and
-    ``ByteSize`` 67 us): a third of a millisecond per MiB before the bytes reach the store.
+    """An encoded ``PutChunk`` with its data left where it arrived (``split_payload``); every
+    other field as protobuf reads it. ``ValueError`` for bytes that are not a ``PutChunk``."""
+    rest, data = split_payload(raw, _PUT_CHUNK_DATA)
+    chunk = _parse(pb.PutChunk, rest)
+    return PutPiece(chunk.header if chunk.HasField("header") else None, data, len(raw))
 
-    Standard wire format, as protobuf reads it: fields of unknown number or of an unexpected wire
-    type are skipped, the last ``data`` wins, ``header`` occurrences merge. ``ValueError`` for
-    bytes that are not a ``PutChunk`` (truncated, a bad varint, a group or reserved wire type)."""
-    view = memoryview(raw)
-    end = len(view)
-    header: pb.PutHeader | None = None
-    data = view[0:0]
-    pos = 0
-    while pos < end:
-        key, pos = _read_varint(view, pos)
-        field, wire = key >> 3, key & 7
-        if not 1 <= field <= _MAX_FIELD_NUMBER:
-            raise ValueError(f"field number {field}")
-        if wire == 2:
-            n, pos = _read_varint(view, pos)
-            if n > end - pos:
-                raise ValueError("a length-delimited field runs past the end")
-            value, pos = view[pos:pos + n], pos + n
-            if field == _PUT_CHUNK_DATA:
-                data = value
-            elif field == _PUT_CHUNK_HEADER:
-                try:
-                    part = pb.PutHeader.FromString(bytes(value))
-                except DecodeError as e:
-                    raise ValueError(f"header: {e}") from None
-                if header is None:
-                    header = part
-                else:
-                    header.MergeFrom(part)
-        elif wire == 0:
-            _, pos = _read_varint(view, pos)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-            if pos > end:
-                raise ValueError("a fixed-size field runs past the end")
-        else:
-            raise ValueError(f"wire type {wire}")
-    return PutPiece(header, data, end)
+
+class GetPiece(NamedTuple):
+    """A ``GetChunk`` as the client reads it (``read_get_chunk``): every field but ``data`` in
+    ``chunk``, and the data as a view into the received bytes."""
+    chunk: pb.GetChunk
+    data: memoryview
+
+
+def read_get_chunk(raw: bytes) -> GetPiece:
+    """An encoded ``GetChunk`` with its data left where it arrived (``split_payload``)."""
+    rest, data = split_payload(raw, _GET_CHUNK_DATA)
+    return GetPiece(_parse(pb.GetChunk, rest), data)
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -140,9 +164,6 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 
 def _length_delimited(field: int, payload: bytes) -> bytes:
     return b"".join((_varint(field << 3 | 2), _varint(len(payload)), payload))
-
-
-_GET_CHUNK_DATA = 6   # GetChunk.data's field number
 
 
 def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
