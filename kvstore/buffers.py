@@ -29,6 +29,8 @@ def as_bytes(buf, field: str = "blocks") -> np.ndarray:
     """A flat uint8 numpy view (no copy) of bytes, bytearray, memoryview, mmap, a numpy array or
     a CPU torch tensor. A device tensor is refused (naming ``field``): it must be staged by a
     connector, never silently copied here."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+        return buf   # already one (what the store hands itself per block): returned as it is
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
     if type(buf).__module__.startswith("torch"):

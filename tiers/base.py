@@ -42,6 +42,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
+from kvstore.errors import BlockTooLarge, TierFull
 from kvstore.keys import block_key
 
 
@@ -87,6 +88,18 @@ class Tier(ABC):
 
     @abstractmethod
     def allocate(self, record: BlockRecord) -> None: ...
+
+    def allocate_run(self, records: list[BlockRecord]) -> int:
+        """``allocate`` each record in order until one does not fit (``TierFull`` or
+        ``BlockTooLarge``); returns how many were allocated. A tier may do the run at once."""
+        done = 0
+        for record in records:
+            try:
+                self.allocate(record)
+            except (TierFull, BlockTooLarge):
+                break
+            done += 1
+        return done
 
     @abstractmethod
     def write(self, record: BlockRecord, data: memoryview) -> None: ...

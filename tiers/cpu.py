@@ -111,12 +111,23 @@ class CpuTier(Tier):
         self.slots.allocate(record.key, record.stored_size, owner)
         self.used_bytes += self.slots.footprint(record.stored_size)
 
+    def allocate_run(self, records: list[BlockRecord]) -> int:
+        if not records:
+            return 0
+        size, nsid = records[0].stored_size, records[0].namespace_id
+        if any(r.stored_size != size or r.namespace_id != nsid for r in records):
+            return super().allocate_run(records)
+        owner = self._owner_of(nsid) if self.segmented else None
+        done = self.slots.allocate_run([r.key for r in records], size, owner)
+        self.used_bytes += done * self.slots.footprint(size)
+        return done
+
     def write(self, record: BlockRecord, data) -> None:
-        scatter(self.arena, self.slots.lookup(record.key)[0], _flat(data))
+        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes(data))
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
-        gather(self.arena, extents, _flat(out))
+        gather(self.arena, extents, as_bytes(out))
         return nbytes
 
     def view(self, key: bytes) -> list[np.ndarray]:
@@ -145,14 +156,6 @@ class CpuTier(Tier):
             out["segments"] = self.slots.num_segments
             out["segment_bytes"] = self.slots.segment_bytes
         return out
-
-
-def _flat(buf) -> np.ndarray:
-    """``as_bytes(buf)``, skipped for what the store hands a tier per block: a flat, contiguous
-    uint8 array already."""
-    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
-        return buf
-    return as_bytes(buf)
 
 
 class SegmentedArena:

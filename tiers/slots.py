@@ -114,6 +114,32 @@ class SlotTable:
             self._blocks[key] = (extents, nbytes, slots)
             return extents
 
+    def allocate_run(self, keys: list[bytes], nbytes: int, owner: str | None = None) -> int:
+        """``allocate`` for each of ``keys`` in order, ``nbytes`` each, until one does not fit;
+        returns how many were allocated. Blocks of one slot in one pool (the store's runs of small
+        blocks) are taken under one lock acquisition with one slice of the free list."""
+        if self.owned or self.slots_for(nbytes) != 1 or nbytes <= 0:
+            done = 0
+            for key in keys:
+                try:
+                    self.allocate(key, nbytes, owner)
+                except TierFull:
+                    break
+                done += 1
+            return done
+        slot_bytes, blocks = self.slot_bytes, self._blocks
+        with self._lock:
+            free = self._free[0]
+            n = min(len(keys), len(free))
+            for key in keys[:n]:
+                if key in blocks:
+                    raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
+            taken = free[len(free) - n:]
+            del free[len(free) - n:]
+            for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
+                blocks[key] = ([(slot * slot_bytes, nbytes)], nbytes, [slot])
+            return n
+
     def _claim(self, s: int, owner: str | None) -> None:
         if self._last_owner[s] is not None and self._last_owner[s] != owner:
             if self._on_reassign is not None:

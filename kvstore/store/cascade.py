@@ -152,27 +152,37 @@ class Cascade:
             need = tier.footprint(nbytes)
         except BlockTooLarge:
             return []
-        run: list[Entry | None] = []
         with self.lock:
+            room = tier.free_bytes_for(nsid) // need   # blocks that fit without evicting
+            if quota is not None:
+                room = min(room, max(0, quota - quotas.charged[tenant]) // nbytes)
+            plan: list[BlockRecord | None] = []   # per block: its new record, or None (present)
+            fresh: dict[bytes, BlockRecord] = {}
             for k in range(start, min(len(hashes), start + limit)):
-                h = hashes[k]
-                key = nsid + h
-                if key in entries:
-                    if entries[key].doomed:
-                        break   # ``reserve`` waits for its last reader
+                key = nsid + hashes[k]
+                present = entries.get(key)
+                if present is not None and present.doomed:
+                    break   # ``reserve`` waits for its last reader
+                if present is not None or key in fresh:   # stored, or earlier in this run
+                    plan.append(None)
+                    continue
+                if len(fresh) == room:
+                    break
+                record = fresh[key] = BlockRecord(nsid, hashes[k], parents[k], nbytes, nbytes)
+                plan.append(record)
+            records = list(fresh.values())
+            allocated = tier.allocate_run(records)
+            if allocated < len(records):   # the tier refused one: the run ends before it
+                plan = plan[:plan.index(records[allocated])]
+            quotas.charge(tenant, allocated * nbytes)
+            run: list[Entry | None] = []
+            for record in plan:
+                if record is None:
                     run.append(None)
                     continue
-                if (quota is not None and quotas.charged[tenant] + nbytes > quota) or tier.free_bytes_for(nsid) < need:
-                    break
-                record = BlockRecord(nsid, h, parents[k], nbytes, nbytes)
-                try:
-                    tier.allocate(record)
-                except (TierFull, BlockTooLarge):
-                    break
-                quotas.charge(tenant, nbytes)
-                entry = Entry(nsid, h, parents[k], nbytes, charged_to=tenant)
+                entry = Entry(nsid, record.block_hash, record.parent_hash, nbytes, charged_to=tenant)
                 entry.copies[t] = record
-                entries[key] = entry
+                entries[entry.key] = entry
                 run.append(entry)
         return run
 
@@ -229,6 +239,29 @@ class Cascade:
                 except PLACEMENT_ERRORS:
                     self.counters["write_through_failures"] += 1
         return False
+
+    def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
+        """``publish`` for written entries of one namespace, in order, under one lock acquisition
+        (listeners hear each block's "added" and "moved" in turn, as from ``publish``); returns the
+        positions of those with a durable copy (see ``publish``). Takes the lock itself."""
+        with self.lock:
+            if self.durable_index is not None or not entries:
+                return [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self.publish(entry, data)]
+            index, listeners = self.index, self.listeners
+            nsid = entries[0].namespace_id
+            raw = 0
+            for entry in entries:
+                t = entry.fastest
+                index.track_copy(entry, t)
+                entry.ready = True
+                index.link(entry)
+                listeners.added(nsid, entry.block_hash)
+                listeners.moved(nsid, entry.block_hash, t)
+                raw += entry.raw_size
+            index.namespace_bytes[nsid] += raw
+            self.counters["puts"] += len(entries)
+            self.counters["bytes_in"] += raw
+        return []
 
     def sync_durable(self) -> bool:
         """Make a batch of durable writes durable: the payloads were written without an fsync

@@ -27,7 +27,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
-from kvstore.store.puts import check_encoded, payload_codecs, run_limit
+from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs, run_limit
 from kvstore.store.reads import read_copies
 from kvstore.store.transcoding import RAW
 from kvstore.tiers.cpu import CpuTier
@@ -125,36 +125,47 @@ class Leases:
         except Exception:
             self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
             raise
-        results = []
-        on_durable = []
+        results: list[str] = []
+        on_durable: list[int] = []
+        ready: list[tuple[int, object, object]] = []   # (result index, entry, payload), not yet published
+
+        def publish_ready() -> None:   # in order, up to RUN_BLOCKS per lock acquisition
+            on_durable.extend(ready[k][0] for k in cascade.publish_run([e for _, e, _ in ready],
+                                                                       [p for _, _, p in ready]))
+            ready.clear()
+
         kept_raw, unread = None, False
-        for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
-            entry = cascade.index.entries.get(key) if ext is not None else None
-            if entry is None or entry.ready:
-                results.append("exists")
-                continue
-            if i in encoded:
-                like, payload = encoded[i]
-                payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
-            else:
-                if kept_raw is None:   # one namespace per lease: decided once
-                    kept_raw = cascade.transcoder.configured(cascade.cpu_index) == RAW  # type: ignore[arg-type]
-                    unread = kept_raw and not self._needs_bytes(entry)
-                if unread:   # a raw CPU tier keeps the slots as written, and nothing reads them now
-                    payload = None
+        try:
+            for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
+                entry = cascade.index.entries.get(key) if ext is not None else None
+                if entry is None or entry.ready:
+                    results.append("exists")
+                    continue
+                if i in encoded:
+                    like, payload = encoded[i]
+                    payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
                 else:
-                    data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
-                    if len(data) == 1:
-                        payload = data[0]
-                    elif self._needs_bytes(entry):
-                        payload = np.concatenate(data)
-                    else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
+                    if kept_raw is None:   # one namespace per lease: decided once
+                        kept_raw = cascade.transcoder.configured(cascade.cpu_index) == RAW  # type: ignore[arg-type]
+                        unread = kept_raw and not self._needs_bytes(entry)
+                    if unread:   # a raw CPU tier keeps the slots as written, and nothing reads them now
                         payload = None
-                    if not kept_raw:   # encode for the CPU tier's codec (and tally it)
-                        payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
-            results.append("stored")
-            if cascade.publish(entry, payload):
-                on_durable.append(len(results) - 1)
+                    else:
+                        data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
+                        if len(data) == 1:
+                            payload = data[0]
+                        elif self._needs_bytes(entry):
+                            payload = np.concatenate(data)
+                        else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
+                            payload = None
+                        if not kept_raw:   # encode for the CPU tier's codec (and tally it)
+                            payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
+                results.append("stored")
+                ready.append((len(results) - 1, entry, payload))
+                if len(ready) >= RUN_BLOCKS:
+                    publish_ready()
+        finally:   # a block that failed to encode was dropped; those before it are published
+            publish_ready()
         if on_durable and cascade.sync_durable():
             for i in on_durable:
                 results[i] = "persisted"

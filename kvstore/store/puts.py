@@ -199,6 +199,8 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
             written += 1
     finally:
         with cascade.lock:
+            first = len(results)
+            done, payloads = [], []
             for k, entry in enumerate(run):
                 if entry is None:
                     if k < written:
@@ -207,8 +209,10 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
                     cascade.drop_entry(entry)
                 else:
                     results.append("stored")
-                    if cascade.publish(entry, arrays[start + k]):
-                        on_durable.append(len(results) - 1)
+                    done.append(entry)
+                    payloads.append(arrays[start + k])
+            stored = [at for at in range(first, len(results)) if results[at] == "stored"]
+            on_durable.extend(stored[k] for k in cascade.publish_run(done, payloads))
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,
