@@ -284,3 +284,32 @@ def test_a_hung_daemon_s_index_goes_stale_and_lookups_stop_hitting(daemon):
             os.kill(daemon.pid, signal.SIGCONT)
     finally:
         c.close()
+
+
+def lookup_blocks(client, ns: bytes) -> int:
+    """The daemon's count of blocks asked about in ``ns``'s lookups (``kvstore ns list``)."""
+    from kvstore.ops import admin_cli
+    return next(row["lookup_blocks"] for row in admin_cli.list_namespaces(client) if row["namespace_id"] == ns.hex())
+
+
+def test_index_answered_lookups_are_all_told_and_close_tells_what_is_pending(daemon):
+    """The notes of index-answered lookups go to the daemon from the client's teller thread, many
+    to a send (a lookup no longer pays for waking the daemon): every one must still arrive (each
+    pins and is counted), including those still pending when the client closes."""
+    c, ns, hashes = indexed(daemon, seed=11, timeout_s=2.0)
+    with daemon.client(token="alice-token") as observer:
+        before = lookup_blocks(observer, ns)
+        local = c._negotiation.lookups
+        for _ in range(300):
+            assert c.lookup(ns, hashes).num_hit == 4
+        deadline = time.monotonic() + 5
+        while lookup_blocks(observer, ns) < before + 300 * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lookup_blocks(observer, ns) == before + 300 * 4 and local.told_dropped == 0
+        for _ in range(50):
+            c.lookup(ns, hashes)
+        c.close()   # straight after: what the teller had not sent yet goes before the connection closes
+        deadline = time.monotonic() + 5
+        while lookup_blocks(observer, ns) < before + 350 * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lookup_blocks(observer, ns) == before + 350 * 4

@@ -242,6 +242,7 @@ class IndexReader:
         raw = bytes(self._map[_NAMES_AT:_NAMES_AT + MAX_TIERS * TIER_NAME_BYTES])
         self._tiers = [raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
                        for i in range(MAX_TIERS)]
+        self._tier_of_meta = [""] + self._tiers   # a present slot's meta is 1 + its tier's index
 
     def leading_hits(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]] | None:
         """``(leading blocks served, their fastest tiers)``, or None when the table cannot say
@@ -252,20 +253,19 @@ class IndexReader:
         if keys is None:
             return None
         lo, hi = keys[:, 0], keys[:, 1]
-        head = self._head
+        head = self._words   # header words as Python ints (a numpy scalar read costs several times more)
         for _ in range(_RETRIES):
-            seq = int(head[_SEQ])
+            seq = head[_SEQ]
             if seq & 1:
                 continue
-            if int(head[_FLAGS]) or time.monotonic_ns() - int(head[_BEAT]) > STALE_NS:
+            if head[_FLAGS] or time.monotonic_ns() - head[_BEAT] > STALE_NS:
                 return None
             n, meta = self._leading(lo, hi)
-            if int(head[_SEQ]) == seq:
+            if head[_SEQ] == seq:
                 break
         else:
             return None
-        names = self._tiers
-        return n, [names[m - 1] for m in meta[:n].tolist()]
+        return n, list(map(self._tier_of_meta.__getitem__, meta[:n].tolist()))
 
     def _leading(self, lo: np.ndarray, hi: np.ndarray) -> tuple[int, np.ndarray]:
         """How many leading keys are present, and each one's meta. Why two steps: a scheduler's
