@@ -313,3 +313,33 @@ def test_index_answered_lookups_are_all_told_and_close_tells_what_is_pending(dae
         while lookup_blocks(observer, ns) < before + 350 * 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert lookup_blocks(observer, ns) == before + 350 * 4
+
+
+def test_index_answered_lookups_from_many_threads_at_once(daemon):
+    """A scheduler and its helpers may share one client: index answers, the liveness check and
+    the teller's notes must hold up to lookups from several threads at once."""
+    import threading
+
+    c, ns, hashes = indexed(daemon, seed=12, timeout_s=2.0)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(200):
+                assert c.lookup(ns, hashes).num_hit == 4
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with daemon.client(token="alice-token") as observer:
+        before = lookup_blocks(observer, ns)
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        c.close()
+        assert not errors, errors[0]
+        deadline = time.monotonic() + 5
+        while lookup_blocks(observer, ns) < before + 8 * 200 * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lookup_blocks(observer, ns) == before + 8 * 200 * 4

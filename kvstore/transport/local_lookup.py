@@ -259,8 +259,6 @@ class LocalLookup:
         self.told_dropped = 0             # index answers the daemon was too busy to hear of
         self._known: set[bytes] = set()   # namespaces the daemon answered for over the socket
         self._teller = Teller(self._send_told)
-        self._hangup = select.poll()
-        self._hangup.register(self._sock, select.POLLIN)
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
@@ -310,7 +308,9 @@ class LocalLookup:
         """OSError once the daemon's end of the connection is gone (it died: the index answer at
         hand is not trusted either, and the caller falls back). A poll that sends nothing and
         wakes nobody; a hung daemon is caught by the table's heartbeat instead."""
-        if self._hangup.poll(0):   # readable: nothing is owed to us, so the daemon's end closed
+        hangup = select.poll()   # one per call: a poll object is not for several threads at once
+        hangup.register(self._sock, select.POLLIN)
+        if hangup.poll(0):   # readable: nothing is owed to us, so the daemon's end closed
             raise OSError("the daemon closed the lookup connection")
 
     def _send_told(self, notes: list[tuple]) -> None:
