@@ -188,7 +188,7 @@ class SameDaemonCall:
             raise DaemonUnavailable("client is closed")
         self._negotiation, self._method, self._request = negotiation, method, request
         self.sent = time.monotonic()
-        self._future = negotiation.rpc.future(method, request, negotiation.rpc.timeout_s)
+        self._future = negotiation.rpc.start(method, request, negotiation.rpc.timeout_s)
 
     def result(self):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +24,7 @@ from kvstore.transport import chunks
 from kvstore.wire import DEFAULT_URL
 
 MAX_MESSAGE_BYTES = 64 << 20
+CALLER_THREADS = 4   # unary calls in flight at once through ``RpcChannel.start`` (more wait their turn)
 
 
 def parse_url(url: str | None) -> tuple[str, bool]:
@@ -71,6 +73,8 @@ class RpcChannel:
                                              request_serializer=pb.GetRequest.SerializeToString,
                                              response_deserializer=chunks.read_get_chunk)}
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._callers: ThreadPoolExecutor | None = None   # ``start``'s threads, made on first use
+        self._callers_pid = 0
 
     def call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
              with_call: bool = False):
@@ -100,8 +104,27 @@ class RpcChannel:
                 raise self.failed(err) from None
 
     def future(self, method: str, request, timeout_s: float):
-        """Start an RPC without waiting (bulk transfers run the socket while it is in flight)."""
+        """Start an RPC without waiting, as grpc's future (bulk transfers run the socket while it
+        is in flight and may cancel it). Costs the caller a polling thread's start whenever no
+        other call of the channel is in flight: a short unary call takes ``start``."""
         return getattr(self.stub, method).future(request, timeout=timeout_s, metadata=self.metadata)
+
+    def start(self, method: str, request, timeout_s: float) -> PendingCall:
+        """Start a short unary RPC without waiting: a blocking call on one of the channel's kept
+        threads. grpc's ``future`` starts a thread to poll the channel whenever no other call is
+        in flight (0.4-0.6 ms of the caller's time idle here, each time); handing the call to a
+        thread that is already there costs tens of microseconds. No cancel: for lease RPCs,
+        which the daemon answers at once."""
+        if self.closed:
+            raise DaemonUnavailable("client is closed")
+        if self._callers is None or self._callers_pid != os.getpid():   # first use, or a forked child
+            self._callers = ThreadPoolExecutor(CALLER_THREADS, thread_name_prefix="kvstore-rpc")
+            self._callers_pid = os.getpid()
+        fn = getattr(self.stub, method).with_call
+        try:
+            return PendingCall(self._callers.submit(fn, request, timeout=timeout_s, metadata=self.metadata))
+        except RuntimeError:   # closed meanwhile: the pool takes no more calls
+            raise DaemonUnavailable("client is closed") from None
 
     def failed(self, err: Exception) -> Exception:
         """Note a failed call (an unreachable daemon resets the transport); returns ``err`` to raise."""
@@ -119,5 +142,27 @@ class RpcChannel:
 
     def close(self) -> None:
         self.closed = True
+        if self._callers is not None:
+            self._callers.shutdown(wait=False)
         self.channel.close()
+
+
+class PendingCall:
+    """A unary RPC started by ``RpcChannel.start``: ``result()`` is its answer, or raises the
+    ``grpc.RpcError`` it failed with (as a grpc future's would); ``trailing_metadata()`` once
+    answered."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+        self._call = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None):
+        response, self._call = self._future.result(timeout)
+        return response
+
+    def trailing_metadata(self):
+        return self._call.trailing_metadata() if self._call is not None else ()
 

@@ -193,7 +193,7 @@ class ShmPath:
 
     def _complete(self, lease, codec: int, arrays) -> _Completion:
         request = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
-        return _Completion(self.rpc.future("CompleteStore", request, self.rpc.timeout_s), request)
+        return _Completion(self.rpc.start("CompleteStore", request, self.rpc.timeout_s), request)
 
     def _completed(self, completion: _Completion) -> list[str]:
         """A CompleteStore's results; one that found the daemon unreachable is asked again (with
@@ -290,7 +290,7 @@ class ShmPath:
         less per get). A slower copy is trusted only if the daemon confirms."""
         if time.monotonic() < t0 + lease.expires_in:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self.rpc.future("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id),
+            self._pending.append(self.rpc.start("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id),
                                                  self.rpc.timeout_s))
             return True
         try:
