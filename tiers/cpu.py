@@ -112,13 +112,14 @@ class CpuTier(Tier):
         self.used_bytes += self.slots.footprint(record.stored_size)
 
     def allocate_run(self, records: list[BlockRecord]) -> int:
+        """One slice of the free list for a run of one-slot blocks (``SlotTable.allocate_run``);
+        any other run block by block."""
         if not records:
             return 0
-        size, nsid = records[0].stored_size, records[0].namespace_id
-        if any(r.stored_size != size or r.namespace_id != nsid for r in records):
+        size = records[0].stored_size
+        if not self.slots.takes_runs(size) or any(r.stored_size != size for r in records):
             return super().allocate_run(records)
-        owner = self._owner_of(nsid) if self.segmented else None
-        done = self.slots.allocate_run([r.key for r in records], size, owner)
+        done = self.slots.allocate_run([r.key for r in records], size)
         self.used_bytes += done * self.slots.footprint(size)
         return done
 

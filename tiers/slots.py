@@ -114,19 +114,16 @@ class SlotTable:
             self._blocks[key] = (extents, nbytes, slots)
             return extents
 
-    def allocate_run(self, keys: list[bytes], nbytes: int, owner: str | None = None) -> int:
-        """``allocate`` for each of ``keys`` in order, ``nbytes`` each, until one does not fit;
-        returns how many were allocated. Blocks of one slot in one pool (the store's runs of small
-        blocks) are taken under one lock acquisition with one slice of the free list."""
-        if self.owned or self.slots_for(nbytes) != 1 or nbytes <= 0:
-            done = 0
-            for key in keys:
-                try:
-                    self.allocate(key, nbytes, owner)
-                except TierFull:
-                    break
-                done += 1
-            return done
+    def takes_runs(self, nbytes: int) -> bool:
+        """Whether ``allocate_run`` takes blocks of ``nbytes``: one slot each, in one pool."""
+        return not self.owned and 0 < nbytes <= self.slot_bytes
+
+    def allocate_run(self, keys: list[bytes], nbytes: int) -> int:
+        """``allocate`` for as many of ``keys`` as there are free slots, in order, ``nbytes`` each
+        (``takes_runs`` must hold: the store's runs of small blocks); returns how many were
+        allocated. One lock acquisition and one slice of the free list for the run."""
+        if not self.takes_runs(nbytes):
+            raise ValueError(f"allocate_run takes blocks of one slot in one pool, not {nbytes} bytes here")
         slot_bytes, blocks = self.slot_bytes, self._blocks
         with self._lock:
             free = self._free[0]

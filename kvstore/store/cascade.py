@@ -219,15 +219,7 @@ class Cascade:
         whether it has a durable copy, which the caller reports as "persisted" after
         ``sync_durable``. Takes the lock itself."""
         with self.lock:
-            t = entry.fastest
-            self.index.track_copy(entry, t)
-            entry.ready = True
-            self.index.link(entry)
-            self.listeners.added(entry.namespace_id, entry.block_hash)
-            self.listeners.moved(entry.namespace_id, entry.block_hash, t)
-            self.index.namespace_bytes[entry.namespace_id] += entry.raw_size
-            self.counters["puts"] += 1
-            self.counters["bytes_in"] += entry.raw_size
+            t = self._show(entry)
             d = self.durable_index
             if d is not None and d in entry.copies:
                 return True
@@ -241,27 +233,29 @@ class Cascade:
         return False
 
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
-        """``publish`` for written entries of one namespace, in order, under one lock acquisition
-        (listeners hear each block's "added" and "moved" in turn, as from ``publish``); returns the
-        positions of those with a durable copy (see ``publish``). Takes the lock itself."""
+        """``publish`` for written entries, in order, under one lock acquisition (listeners hear
+        each block's "added" and "moved" in turn, as from ``publish``); returns the positions of
+        those with a durable copy (see ``publish``). Takes the lock itself."""
         with self.lock:
-            if self.durable_index is not None or not entries:
+            if self.durable_index is not None:   # a copy may go down with each: one by one
                 return [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self.publish(entry, data)]
-            index, listeners = self.index, self.listeners
-            nsid = entries[0].namespace_id
-            raw = 0
             for entry in entries:
-                t = entry.fastest
-                index.track_copy(entry, t)
-                entry.ready = True
-                index.link(entry)
-                listeners.added(nsid, entry.block_hash)
-                listeners.moved(nsid, entry.block_hash, t)
-                raw += entry.raw_size
-            index.namespace_bytes[nsid] += raw
-            self.counters["puts"] += len(entries)
-            self.counters["bytes_in"] += raw
+                self._show(entry)
         return []
+
+    def _show(self, entry: Entry) -> int:
+        """Make a written entry visible in its fastest tier (returned): the policy, the chain,
+        the listeners and the counts learn of it. Caller holds the lock."""
+        t = entry.fastest
+        self.index.track_copy(entry, t)
+        entry.ready = True
+        self.index.link(entry)
+        self.listeners.added(entry.namespace_id, entry.block_hash)
+        self.listeners.moved(entry.namespace_id, entry.block_hash, t)
+        self.index.namespace_bytes[entry.namespace_id] += entry.raw_size
+        self.counters["puts"] += 1
+        self.counters["bytes_in"] += entry.raw_size
+        return t
 
     def sync_durable(self) -> bool:
         """Make a batch of durable writes durable: the payloads were written without an fsync

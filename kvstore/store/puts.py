@@ -199,8 +199,7 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
             written += 1
     finally:
         with cascade.lock:
-            first = len(results)
-            done, payloads = [], []
+            done, payloads, at = [], [], []   # the published entries, their payloads, their result indices
             for k, entry in enumerate(run):
                 if entry is None:
                     if k < written:
@@ -211,8 +210,8 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
                     results.append("stored")
                     done.append(entry)
                     payloads.append(arrays[start + k])
-            stored = [at for at in range(first, len(results)) if results[at] == "stored"]
-            on_durable.extend(stored[k] for k in cascade.publish_run(done, payloads))
+                    at.append(len(results) - 1)
+            on_durable.extend(at[k] for k in cascade.publish_run(done, payloads))
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,

@@ -11,8 +11,9 @@ sends length-prefixed requests; the daemon answers each on one epoll thread
 Where the daemon offers one, the client also maps its tenant's lookup index
 (``transport.lookup_index``) and answers from it without a round trip; it then only *tells* the
 daemon (a frame with no answer, sent by a thread of its own with the others of the last couple of
-milliseconds: ``Teller``) so the blocks are pinned under a lease and the lookup is counted. It asks over the socket when the index cannot say, and the first time it names
-a namespace (so an unknown one is refused by name, not answered "0 hits").
+milliseconds: ``Teller``) so the blocks are pinned under a lease and the lookup is counted. It
+asks over the socket when the index cannot say, and the first time it names a namespace (so an
+unknown one is refused by name, not answered "0 hits").
 
 Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``;
 request ``u32 length`` then ``u8 op, u8 namespace length, namespace, u16 count, u8 hash length,
@@ -197,11 +198,11 @@ TELLER_IDLE_S = 0.2    # the teller thread sleeps until the next lookup after th
 
 class Teller:
     """Sends the daemon the notes of index-answered lookups from a thread of its own, all that
-    piled up in one send every ``TELL_EVERY_S`` (encoding them there too). Why: a send wakes the daemon's socket thread,
-    and a lookup that sent its own note paid for that wakeup — about 40% of an idle lookup here,
-    and on a busy host the woken thread can preempt the caller (the tail). The caller now only
-    appends to a list; the one wakeup it may cause is the teller's, after ``TELLER_IDLE_S``
-    without lookups. The cost: the pins land up to ``TELL_EVERY_S`` later (a block evicted in
+    piled up in one send every ``TELL_EVERY_S`` (encoding them there too). Why: a send wakes the
+    daemon's socket thread, and a lookup that sent its own note paid for that wakeup — about
+    40% of an idle lookup here, and on a busy host the woken thread can preempt the caller (the
+    tail). The caller now only appends to a list; the one wakeup it may cause is the teller's,
+    after ``TELLER_IDLE_S`` without lookups. The cost: the pins land up to ``TELL_EVERY_S`` later (a block evicted in
     between is a later miss, as any lost race to eviction)."""
 
     def __init__(self, send: Callable[[list], None]) -> None:

@@ -232,17 +232,17 @@ class IndexReader:
             raise OSError("lookup index is smaller than its header")
         self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         words = np.frombuffer(self._map, dtype=np.uint64)
-        self._head = words[:HEADER_BYTES // 8]
-        slots = int(self._head[_SLOTS])
-        if int(self._head[_MAGIC]) != MAGIC or slots & (slots - 1) or HEADER_BYTES + slots * SLOT_WORDS * 8 > size:
+        head = words[:HEADER_BYTES // 8]
+        slots = int(head[_SLOTS])
+        if int(head[_MAGIC]) != MAGIC or slots & (slots - 1) or HEADER_BYTES + slots * SLOT_WORDS * 8 > size:
             raise OSError("not a lookup index this client understands")
-        self._mask, self._probe = np.uint64(slots - 1), min(int(self._head[_PROBE]), MAX_PROBE)
+        self._mask, self._probe = np.uint64(slots - 1), min(int(head[_PROBE]), MAX_PROBE)
         self._slots = words[HEADER_BYTES // 8:HEADER_BYTES // 8 + slots * SLOT_WORDS].reshape(slots, SLOT_WORDS)
         self._words = memoryview(self._map).cast("Q")   # scalar reads as Python ints, for the probe's tail
         raw = bytes(self._map[_NAMES_AT:_NAMES_AT + MAX_TIERS * TIER_NAME_BYTES])
-        self._tiers = [raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0").decode("utf-8", "replace")
-                       for i in range(MAX_TIERS)]
-        self._tier_of_meta = [""] + self._tiers   # a present slot's meta is 1 + its tier's index
+        # a present slot's meta is 1 + its fastest tier's index
+        self._tier_of_meta = [""] + [raw[i * TIER_NAME_BYTES:(i + 1) * TIER_NAME_BYTES].rstrip(b"\0")
+                                     .decode("utf-8", "replace") for i in range(MAX_TIERS)]
 
     def leading_hits(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]] | None:
         """``(leading blocks served, their fastest tiers)``, or None when the table cannot say
@@ -301,7 +301,7 @@ class IndexReader:
         return 0
 
     def close(self) -> None:
-        self._head = self._slots = None
+        self._slots = None
         self._words.release()
         try:
             self._map.close()
