@@ -343,3 +343,19 @@ def test_index_answered_lookups_from_many_threads_at_once(daemon):
         while lookup_blocks(observer, ns) < before + 8 * 200 * 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert lookup_blocks(observer, ns) == before + 8 * 200 * 4
+
+
+@pytest.mark.parametrize("width", [65, 300])
+def test_hashes_the_daemon_refuses_are_refused_by_name_not_answered_from_the_index(daemon, width):
+    """The index keys a hash by its first 16 bytes, so it would answer for a hash the daemon never
+    takes (over 64 bytes); such a lookup must be refused as the daemon refuses it (and the note
+    for it could not even be framed past 255 bytes)."""
+    from kvstore.errors import InvalidArgument
+
+    c, ns, hashes = indexed(daemon, seed=13, timeout_s=2.0)
+    try:
+        with pytest.raises(InvalidArgument, match=r"hashes\[0\]"):
+            c.lookup(ns, [hashes[0] + b"\0" * (width - len(hashes[0]))])
+        assert c.lookup(ns, hashes).num_hit == 4
+    finally:
+        c.close()
