@@ -356,6 +356,7 @@ def test_hashes_the_daemon_refuses_are_refused_by_name_not_answered_from_the_ind
     try:
         with pytest.raises(InvalidArgument, match=r"hashes\[0\]"):
             c.lookup(ns, [hashes[0] + b"\0" * (width - len(hashes[0]))])
+        assert c._negotiation.lookups is not None   # a refusal is an answer: the socket stays in use
         assert c.lookup(ns, hashes).num_hit == 4
     finally:
         c.close()

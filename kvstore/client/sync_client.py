@@ -30,7 +30,7 @@ from kvstore.client.stream_paths import BulkPath, GrpcPath
 from kvstore.errors import InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport.local_lookup import LocalLookupError
+from kvstore.transport.local_lookup import LocalLookupError, Unframeable
 from kvstore.wire import MAX_BATCH, MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, Lookup
 
 
@@ -156,8 +156,8 @@ class Client:
         if local is not None and hashes:
             try:
                 return self._lookup_with(lambda h: local.lookup(ns_id, h, lease), hashes)
-            except LocalLookupError:
-                pass   # refused: the RPC below raises the same error with its gRPC status
+            except (LocalLookupError, Unframeable):
+                pass   # refused, or not for the socket: the RPC below answers, or raises the same error
             except (OSError, ValueError):
                 self._negotiation.drop_local_lookups()
 

@@ -61,11 +61,16 @@ class IndexProvider(Protocol):
     def close(self) -> None: ...
 
 
+class Unframeable(ValueError):
+    """A lookup this socket's frames cannot carry (mixed or over-wide hashes, too many of them):
+    the caller asks over gRPC, which answers or refuses it by name; the connection is fine."""
+
+
 def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int) -> bytes:
     widths = set(map(len, hashes))
     width = widths.pop() if len(widths) == 1 else 0 if not widths else 256
     if width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
-        raise ValueError("hashes of one width (at most 255 bytes), at most 65535 of them")
+        raise Unframeable("hashes of one width (at most 255 bytes), at most 65535 of them")
     body = (bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
             + b"".join(hashes))
     return _LEN.pack(len(body)) + body
