@@ -29,7 +29,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., client_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant", "stored_codecs", "segment_socket", "segment_ticket", "segment_bytes", "lookup_socket", "lookup_ticket")
+    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant", "stored_codecs", "segment_socket", "segment_ticket", "segment_bytes", "lookup_socket", "lookup_ticket", "lease_socket", "lease_ticket")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class HandshakeResponse(_message.Message):
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TICKET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TICKET_FIELD_NUMBER: _ClassVar[int]
     server_version: int
     server_id: str
     arena_path: str
@@ -68,7 +70,9 @@ class HandshakeResponse(_message.Message):
     segment_bytes: int
     lookup_socket: str
     lookup_ticket: bytes
-    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ..., stored_codecs: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_ticket: _Optional[bytes] = ..., segment_bytes: _Optional[int] = ..., lookup_socket: _Optional[str] = ..., lookup_ticket: _Optional[bytes] = ...) -> None: ...
+    lease_socket: str
+    lease_ticket: bytes
+    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ..., stored_codecs: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_ticket: _Optional[bytes] = ..., segment_bytes: _Optional[int] = ..., lookup_socket: _Optional[str] = ..., lookup_ticket: _Optional[bytes] = ..., lease_socket: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "layout", "kv_per_token", "tp_rank", "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size", "block_bytes")

@@ -26,7 +26,8 @@ process can decode them; otherwise the daemon decodes them before sending. A pay
 its decode raises ``CodecError``.
 
 Modules: ``sync_client`` (Client), ``async_client``, ``rpc`` (channel, retries), ``rpc_errors``
-(gRPC status -> kvstore error), ``negotiation`` (transport choice per daemon run), ``shm_path`` /
+(gRPC status -> kvstore error), ``negotiation`` (transport choice per daemon run), ``lease_calls`` (the
+shm path's lease RPCs: the daemon's Unix socket, else gRPC), ``shm_path`` /
 ``stream_paths`` (the data paths), ``delivery`` (where each block lands, decoded), ``breaker`` and
 ``namespace_handle``.
 """

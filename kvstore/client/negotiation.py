@@ -18,12 +18,14 @@ import time
 
 import grpc
 
+from kvstore.client.lease_calls import LeaseCalls
 from kvstore.client.rpc import RpcChannel
 from kvstore.client.rpc_errors import DaemonRestarted, error_from_rpc
 from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import chunks, shm
 from kvstore.transport.bulk import BulkChannel
+from kvstore.transport.local_calls import LocalCalls
 from kvstore.transport.local_lookup import LocalLookup
 from kvstore.transport.segments import SegmentMap
 from kvstore.wire import PROTOCOL_VERSION, SERVER_ID_KEY
@@ -48,6 +50,7 @@ class Negotiation:
         self.arena: shm.ArenaMap | SegmentMap | None = None
         self.bulk: BulkChannel | None = None
         self.lookups: LocalLookup | None = None   # same-host Lookup over the daemon's Unix socket
+        self.leases = LeaseCalls(rpc)   # the shm path's lease RPCs: over that socket too when offered
         self._negotiated = False
         self._lock = threading.Lock()
         rpc.on_unreachable = self.reset
@@ -72,6 +75,7 @@ class Negotiation:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)
             self.lookups = self._local_lookups(hs)
+            self.leases.local = self._local_calls(hs) if self.arena is not None else None
             self.accept_codecs = self._decodable(hs.stored_codecs)
             if self.arena is None and self.transport in ("auto", "bulk") and hs.bulk_port:
                 try:
@@ -128,6 +132,14 @@ class Negotiation:
         except OSError:   # not on the daemon's host (or its socket is gone): lookups stay on gRPC
             return None
 
+    def _local_calls(self, hs) -> LocalCalls | None:
+        if not hs.lease_socket:
+            return None
+        try:
+            return LocalCalls(hs.lease_socket, hs.lease_ticket, hs.tenant, self.rpc.timeout_s)
+        except OSError:   # its socket is gone already: lease calls stay on gRPC
+            return None
+
     def drop_local_lookups(self) -> None:
         """The lookup connection broke: later lookups go over gRPC until the next negotiation."""
         with self._lock:
@@ -142,6 +154,7 @@ class Negotiation:
             if self.lookups is not None:
                 self.lookups.close()
                 self.lookups = None
+            self.leases.close()
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
@@ -153,18 +166,19 @@ class Negotiation:
         """A lease RPC whose answer holds arena offsets: valid only if the daemon run that answered
         is the one whose arena we mapped. A daemon restarted behind the same address (the channel
         reconnects silently) has a new arena; using its offsets in the old mapping would hand out
-        wrong bytes, so that raises ``DaemonRestarted`` and the caller renegotiates."""
-        resp, call = self.rpc.call(method, request, with_call=True)
-        return self.same_daemon_answer(method, resp, call)
+        wrong bytes, so that raises ``DaemonRestarted`` and the caller renegotiates. (Over the
+        daemon's Unix socket the run that answers is the one that handed the socket out, and
+        says so too.)"""
+        resp, meta = self.leases.call(method, request)
+        return self.same_daemon_answer(method, resp, meta)
 
     def start_same_daemon(self, method: str, request) -> "SameDaemonCall":
         """``call_same_daemon`` sent now and read later, so the daemon prepares the next lease
         while this client copies through the current one."""
         return SameDaemonCall(self, method, request)
 
-    def same_daemon_answer(self, method: str, resp, call):
+    def same_daemon_answer(self, method: str, resp, meta: dict):
         """``(resp, trailing metadata)`` of a lease RPC if the daemon run we mapped answered it."""
-        meta = dict(call.trailing_metadata() or ())
         answered_by = meta.get(SERVER_ID_KEY)
         if answered_by != self.server_id:
             release = "CompleteLoad" if method == "PrepareLoad" else "AbortStore"
@@ -188,7 +202,7 @@ class SameDaemonCall:
             raise DaemonUnavailable("client is closed")
         self._negotiation, self._method, self._request = negotiation, method, request
         self.sent = time.monotonic()
-        self._future = negotiation.rpc.start(method, request, negotiation.rpc.timeout_s)
+        self._future = negotiation.leases.start(method, request)
 
     def result(self):
         try:
@@ -198,4 +212,4 @@ class SameDaemonCall:
                 self.sent = time.monotonic()
                 return self._negotiation.call_same_daemon(self._method, self._request)
             raise self._negotiation.rpc.failed(error_from_rpc(e)) from None
-        return self._negotiation.same_daemon_answer(self._method, resp, self._future)
+        return self._negotiation.same_daemon_answer(self._method, resp, dict(self._future.trailing_metadata()))

@@ -117,12 +117,22 @@ class RpcChannel:
         which the daemon answers at once."""
         if self.closed:
             raise DaemonUnavailable("client is closed")
+        fn = getattr(self.stub, method).with_call
+
+        def blocking_call():
+            response, call = fn(request, timeout=timeout_s, metadata=self.metadata)
+            return response, call.trailing_metadata()
+        return self.run_later(blocking_call)
+
+    def run_later(self, call: Callable[[], tuple]) -> PendingCall:
+        """``call()`` (answering ``(response, trailing metadata)``) on one of the kept threads."""
+        if self.closed:
+            raise DaemonUnavailable("client is closed")
         if self._callers is None or self._callers_pid != os.getpid():   # first use, or a forked child
             self._callers = ThreadPoolExecutor(CALLER_THREADS, thread_name_prefix="kvstore-rpc")
             self._callers_pid = os.getpid()
-        fn = getattr(self.stub, method).with_call
         try:
-            return PendingCall(self._callers.submit(fn, request, timeout=timeout_s, metadata=self.metadata))
+            return PendingCall(self._callers.submit(call))
         except RuntimeError:   # closed meanwhile: the pool takes no more calls
             raise DaemonUnavailable("client is closed") from None
 
@@ -148,21 +158,20 @@ class RpcChannel:
 
 
 class PendingCall:
-    """A unary RPC started by ``RpcChannel.start``: ``result()`` is its answer, or raises the
-    ``grpc.RpcError`` it failed with (as a grpc future's would); ``trailing_metadata()`` once
-    answered."""
+    """A call started by ``RpcChannel.start`` / ``run_later``: ``result()`` is its answer, or raises
+    what it failed with (a ``grpc.RpcError`` for a gRPC call, as a grpc future's would);
+    ``trailing_metadata()`` once answered."""
 
     def __init__(self, future: Future) -> None:
         self._future = future
-        self._call = None
+        self._trailing = ()
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None):
-        response, self._call = self._future.result(timeout)
+        response, self._trailing = self._future.result(timeout)
         return response
 
     def trailing_metadata(self):
-        return self._call.trailing_metadata() if self._call is not None else ()
-
+        return self._trailing or ()

@@ -35,17 +35,29 @@ def error_from_rpc(e: grpc.RpcError) -> KVStoreError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else str(e)) or ""
     meta = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-    name = meta.get("kvstore-error")
-    cls = getattr(errors, name, None) if name else None
-    if isinstance(cls, type) and issubclass(cls, KVStoreError):
-        err = cls.__new__(cls)
-        Exception.__init__(err, details)
-        if meta.get("kvstore-field"):
-            err.field = meta["kvstore-field"]
+    err = _named(meta.get("kvstore-error"), details, meta.get("kvstore-field"))
+    if err is not None:
         return err
     if code in UNREACHABLE_CODES:
         return DaemonUnavailable(f"kvstore daemon unreachable ({code.name}): {details}")
     return RemoteError(code, details)
+
+
+def error_named(name: str, details: str, field: str = "") -> KVStoreError:
+    """The kvstore exception the daemon raised as class ``name`` (over its Unix socket); an
+    unknown or empty name is the daemon's internal error."""
+    return _named(name, details, field) or RemoteError(grpc.StatusCode.INTERNAL, details)
+
+
+def _named(name: str | None, details: str, field: str | None) -> KVStoreError | None:
+    cls = getattr(errors, name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, KVStoreError)):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, details)
+    if field:
+        err.field = field
+    return err
 
 
 def is_session_error(err: KVStoreError) -> bool:

@@ -126,6 +126,7 @@ class ShmPath:
     def __init__(self, negotiation: Negotiation, stream_one: Callable, stream_put: Callable) -> None:
         self.negotiation = negotiation
         self.rpc = negotiation.rpc
+        self.leases = negotiation.leases   # lease RPCs: the daemon's Unix socket, else gRPC
         self.stream_one = stream_one
         self.stream_put = stream_put
         self._pending: list = []   # background CompleteLoad calls
@@ -193,7 +194,7 @@ class ShmPath:
 
     def _complete(self, lease, codec: int, arrays) -> _Completion:
         request = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
-        return _Completion(self.rpc.start("CompleteStore", request, self.rpc.timeout_s), request)
+        return _Completion(self.leases.start("CompleteStore", request), request)
 
     def _completed(self, completion: _Completion) -> list[str]:
         """A CompleteStore's results; one that found the daemon unreachable is asked again (with
@@ -203,7 +204,7 @@ class ShmPath:
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise self.rpc.failed(error_from_rpc(e)) from None
-        return put_results(self.rpc.call("CompleteStore", completion.request))
+        return put_results(self.leases.call("CompleteStore", completion.request)[0])
 
     def _unwind(self, ahead, filled, completing, results: list[str]) -> None:
         """After a failure: a completion in flight is waited for (its blocks are stored, and
@@ -224,7 +225,7 @@ class ShmPath:
 
     def _abort(self, lease) -> None:
         try:
-            self.rpc.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
+            self.leases.call("AbortStore", pb.LeaseRequest(lease_id=lease.lease_id))
         except KVStoreError:
             pass  # the lease expires on its own
 
@@ -290,11 +291,10 @@ class ShmPath:
         less per get). A slower copy is trusted only if the daemon confirms."""
         if time.monotonic() < t0 + lease.expires_in:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self.rpc.start("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id),
-                                                 self.rpc.timeout_s))
+            self._pending.append(self.leases.start("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id)))
             return True
         try:
-            self.rpc.call("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id))
+            self.leases.call("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id))
             return True
         except errors.LeaseExpired:
             return False  # slots may have been reused while we copied: report misses
@@ -305,6 +305,6 @@ class ShmPath:
         for f in self._pending:
             try:
                 f.result()
-            except grpc.RpcError:
+            except (grpc.RpcError, KVStoreError):
                 pass
         self._pending = []

@@ -13,7 +13,7 @@ Modules: ``daemon`` (the process), ``config`` (settings), ``auth`` (token -> ten
 (authentication from the headers), ``calls`` (the call bridge: messages on the event loop, bodies
 on worker threads, errors as statuses), ``stalls`` (cutting callers that stop making progress),
 ``servicer`` (the KVStore service and its control RPCs) with ``stream_rpcs`` (Put, Get),
-``lease_rpcs`` (same-host zero copy), ``bulk_rpcs`` (the side channel), ``block_reads`` and
+``lease_rpcs`` (same-host zero copy, over gRPC or the lookup socket), ``bulk_rpcs`` (the side channel), ``block_reads`` and
 ``rpc_base``, ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
 ``lookup_indexes`` (the per-tenant lookup tables same-host clients map, kept in step with the store);
 ``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /

@@ -40,6 +40,7 @@ from kvstore.service.validation import lenient
 from kvstore.store import Store
 from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
+from kvstore.transport.local_calls import CallServer
 from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
 
@@ -137,7 +138,8 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
     if offer_shm:   # a same-host client's scheduler asks here instead of over gRPC
         servicer.local_lookups = LocalLookupServer(
             shm_dir, servicer.local_lookup, servicer.local_lookup_told,
-            LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots))
+            LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
+            CallServer(servicer.local_call) if arena is not None else None)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:

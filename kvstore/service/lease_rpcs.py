@@ -5,20 +5,29 @@ they are; the client copies through its own mapping of the arena and then comple
 the lease. The id a client sees is not the store's: ``ClientLeases`` hands out random public ids
 bound to the tenant that prepared them, so a stale or hostile client cannot name another client's
 lease (store ids count up from 1 in every daemon run).
+
+A same-host client makes these calls over the daemon's Unix socket when it can
+(``transport.local_calls``): ``local_call`` runs the same methods for it, as its greeting's tenant.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 
-from kvstore.errors import LeaseExpired, PermissionDenied
+from kvstore.errors import KVStoreError, LeaseExpired, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
-from kvstore.service.validation import check_hashes, check_parent
+from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
+from kvstore.transport.local_calls import LEASE_METHODS, CallFailed
 from kvstore.wire import RAW_CODEC
+
+log = logging.getLogger("kvstore.service.lease_rpcs")
+_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+_PARSE = {name: lenient(getattr(pb, _METHODS[name].input_type.name)) for name in LEASE_METHODS}
 
 
 class ClientLeases:
@@ -53,6 +62,22 @@ class ClientLeases:
         with self._lock:
             for lid in [k for k, (_, until, _) in self._owner.items() if until < now]:
                 del self._owner[lid]
+
+
+class LocalCallContext:
+    """What a lease method sees of a call that came over the Unix socket: the tenant its greeting's
+    ticket proved (``ServicerBase.tenant_of`` reads it), no gRPC metadata, and the trailing
+    metadata the method sets, which goes back with the answer."""
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.trailing: tuple = ()
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
 
 
 class LeaseRpcs(ServicerBase):
@@ -134,6 +159,26 @@ class LeaseRpcs(ServicerBase):
     def CompleteLoad(self, request, context):
         self.store.complete_load(self._store_lease(context, request.lease_id))
         return pb.Empty()
+
+    def local_call(self, tenant: str, method: str, request: bytes) -> tuple[bytes, tuple]:
+        """One lease call of a same-host client (``transport.local_calls.CallServer``): the RPC's
+        own method, checks and answer, as ``tenant``; its latency and errors are counted as the
+        RPC's are. Raises ``CallFailed`` with the class the method raised."""
+        started, code = time.perf_counter(), None
+        context = LocalCallContext(tenant)
+        try:
+            response = getattr(self, method)(well_formed(_PARSE[method](request)), context)
+            return response.SerializeToString(), context.trailing
+        except KVStoreError as e:
+            code = e.grpc_status
+            raise CallFailed(type(e).__name__, str(getattr(e, "field", "") or ""), str(e)[:2000]) from None
+        except Exception as e:  # noqa: BLE001 - every failure becomes an answer, never a lost call
+            code = "INTERNAL"
+            log.exception("unexpected error in %s over the Unix socket", method)
+            raise CallFailed("", "", f"internal error: {type(e).__name__}: {e}"[:2000]) from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(method, time.perf_counter() - started, code)
 
 
 def _fill_table(table, extents, codecs, sizes, present_none: bool, generation_at) -> None:

@@ -54,9 +54,13 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
             resp.bulk_ticket = self.bulk.ticket_for(tenant)  # opens sessions of this tenant only
-        if self.local_lookups is not None and self.fleet is None and request.nonce:
-            resp.lookup_socket = self.local_lookups.path
-            resp.lookup_ticket = self.local_lookups.ticket_for(tenant)
+        if self.local_lookups is not None and request.nonce:
+            if self.fleet is None:
+                resp.lookup_socket = self.local_lookups.path
+                resp.lookup_ticket = self.local_lookups.ticket_for(tenant)
+            if arena is not None and self.offer_shm and self.local_lookups.takes_calls:
+                resp.lease_socket = self.local_lookups.path
+                resp.lease_ticket = self.local_lookups.ticket_for(tenant)
         return resp
 
     def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:

@@ -4,6 +4,7 @@
 * ``segments`` — same host with auth on: the client maps its tenant's arena segments, whose
   descriptors the daemon hands over a Unix socket after a ticket check.
 * ``local_lookup`` — same host: Lookup over a Unix socket instead of gRPC (the scheduler path).
+* ``local_calls`` — same host: the shm path's lease RPCs over that socket instead of gRPC.
 * ``lookup_index`` — same host: the daemon's read-only table of served blocks, mapped by clients,
   which answer lookups from it without a round trip (and tell the socket service afterwards).
 * ``unix_server`` — the daemon end both Unix-socket services share (one epoll thread, bounded).

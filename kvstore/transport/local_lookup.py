@@ -18,7 +18,8 @@ unknown one is refused by name, not answered "0 hits").
 Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``;
 request ``u32 length`` then ``u8 op, u8 namespace length, namespace, u16 count, u8 hash length,
 hashes``; answer ``u32 length`` then ``u8 status, u32 hits``, then the hits' tier names joined by
-commas. Ops: ``LOOKUP`` / ``LOOKUP_LEASE`` are answered; ``TOLD`` / ``TOLD_LEASE`` (a lookup the
+commas. Ops: ``LOOKUP`` / ``LOOKUP_LEASE`` are answered; ``CALL`` (the shm path's lease calls, framed
+in ``local_calls``) is answered from other threads, one per connection at a time; ``TOLD`` / ``TOLD_LEASE`` (a lookup the
 client answered from the index: the hashes it found, then ``u16`` how many it asked about) are not; ``INDEX`` (no namespace, no hashes) is answered with the
 index's descriptor attached (``SCM_RIGHTS``), status 1 when there is none. Status 0 is an answer;
 any other is the error the handler raised, by name, after it (the client raises the same class).
@@ -50,13 +51,21 @@ MAX_FRAME = 1 << 20          # 8192 hashes of 64 bytes and then some
 _LEN = struct.Struct("!I")
 _HEAD = struct.Struct("!4s32sH")
 _ANSWER = struct.Struct("!BI")
-LOOKUP, LOOKUP_LEASE, TOLD, TOLD_LEASE, INDEX = range(5)
+LOOKUP, LOOKUP_LEASE, TOLD, TOLD_LEASE, INDEX, CALL = range(6)
 
 
 class IndexProvider(Protocol):
     """What the server needs of the daemon's lookup indexes (``service.lookup_indexes``)."""
 
     def descriptor_for(self, tenant: str) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+class CallTaker(Protocol):
+    """What the server needs of the lease calls it carries (``local_calls.CallServer``)."""
+
+    def take(self, conn: Connection, body: bytes) -> None: ...
 
     def close(self) -> None: ...
 
@@ -98,13 +107,16 @@ class LocalLookupServer(UnixServer):
     raises; ``told(tenant, namespace_id, hit_hashes, asked, lease)`` takes note of a lookup the
     client answered itself (pins ``hit_hashes`` with ``lease``, counts it). Both run on this
     server's one thread, so they must be quick (an index lookup). ``indexes`` hands out
-    lookup-index descriptors (None: no index is offered); this server closes it."""
+    lookup-index descriptors (None: no index is offered); ``calls`` takes ``CALL`` frames (the
+    shm path's lease calls, ``local_calls``; None: refused). This server closes both."""
 
     def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]],
                  told: Callable[[str, bytes, list[bytes], int, bool], None] | None = None,
-                 indexes: IndexProvider | None = None) -> None:
+                 indexes: IndexProvider | None = None, calls: CallTaker | None = None) -> None:
         self._handler, self._told = handler, told
         self._indexes = indexes if told is not None else None
+        self._calls = calls
+        self.takes_calls = calls is not None
         super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
 
     def received(self, fd: int, conn: Connection) -> None:
@@ -118,6 +130,9 @@ class LocalLookupServer(UnixServer):
             if len(conn.buf) < _LEN.size + n:
                 return
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
+            if conn.busy:   # a frame before its call's answer: two threads would write to it
+                self.end(fd, "pipelined")
+                return
             conn.deadline = time.monotonic() + IDLE_S
             try:
                 self._serve(conn, body)
@@ -145,6 +160,9 @@ class LocalLookupServer(UnixServer):
 
     def _serve(self, conn: Connection, body: bytes) -> None:
         op = body[0] if body else LOOKUP
+        if op == CALL and self._calls is not None:
+            self._calls.take(conn, body)   # answered from the calls' own threads
+            return
         if op == INDEX:
             fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
             if fd is None:
@@ -183,6 +201,8 @@ class LocalLookupServer(UnixServer):
         super().close()
         if self._indexes is not None:
             self._indexes.close()
+        if self._calls is not None:
+            self._calls.close()
 
 
 def _frame(rest: bytes) -> bytes:

@@ -30,10 +30,11 @@ _SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
 
 
 class Connection:
-    __slots__ = ("sock", "buf", "deadline", "tenant")
+    """One client's connection; ``busy`` while a call it sent runs on another thread."""
+    __slots__ = ("sock", "buf", "deadline", "tenant", "busy")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.buf, self.deadline, self.tenant = sock, bytearray(), deadline, None
+        self.sock, self.buf, self.deadline, self.tenant, self.busy = sock, bytearray(), deadline, None, False
 
 
 class UnixServer:

@@ -1,0 +1,221 @@
+"""Same-host lease calls over the daemon's Unix socket: the shm path's RPCs without gRPC.
+
+A same-host get is a PrepareLoad, a memcpy and a CompleteLoad; a put a PrepareStore, a memcpy and
+a CompleteStore. Over gRPC in Python each of those calls costs about a millisecond of the two
+processes' time here, more than copying a few MiB, so for the small loads a scheduler step makes
+the round trips, not the copies, were the get. The lookup service's socket
+(``local_lookup``) carries them instead: the same request and response messages, framed as its
+lookups are, answered by the same servicer methods on a small pool of the daemon's threads (a
+lease call does store work; the socket's one thread must stay free for lookups).
+
+Frames (integers big-endian): request ``u32 length``, then ``u8 CALL, u8 method`` (its index in
+``LEASE_METHODS``) and the serialized request message; answer ``u32 length``, then ``u8 status``:
+0 is ``u16 length`` + the call's trailing metadata (``key=value`` lines: the daemon run that
+answered, a load that stopped at an unstaged block) + the serialized response; 1 is the error the
+servicer raised, ``class NUL field NUL message``, which the client raises as the same class.
+
+A connection carries one call at a time (the client keeps a few, one per call in flight): a
+request sent before the previous answer closes the connection. The greeting, the ticket check and
+the bounds on connections are the lookup service's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore.transport.local_lookup import _HEAD, _LEN, CALL, MAGIC, MAX_FRAME
+from kvstore.transport.unix_server import Connection
+
+LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
+CALL_WORKERS = 4       # lease calls of all same-host clients run on this many daemon threads
+KEEP_IDLE = 8          # connections a client keeps open between calls
+ANSWER_SEND_S = 2.0    # an answer the caller does not take within this long closes its connection
+_META_LEN = struct.Struct("!H")
+
+
+def encode_call(method: str, request: bytes) -> bytes:
+    body = bytes([CALL, LEASE_METHODS.index(method)]) + request
+    return _LEN.pack(len(body)) + body
+
+
+def _answered(response: bytes, metadata) -> bytes:
+    meta = "\n".join(f"{k}={v}" for k, v in metadata).encode()
+    rest = b"\0" + _META_LEN.pack(len(meta)) + meta + response
+    return _LEN.pack(len(rest)) + rest
+
+
+def _refused(kind: str, field: str, message: str) -> bytes:
+    rest = b"\1" + f"{kind}\0{field}\0{message}".encode("utf-8", "replace")[:4096]
+    return _LEN.pack(len(rest)) + rest
+
+
+class CallFailed(Exception):
+    """What a lease call raised in the daemon, to be raised again by the client: ``kind`` is the
+    class name (empty for an unexpected error), ``field`` the field it names."""
+
+    def __init__(self, kind: str, field: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.field, self.message = kind, field, message
+
+
+class CallServer:
+    """Daemon side, plugged into ``LocalLookupServer`` (``calls=``). ``handler(tenant, method,
+    request)`` returns ``(response bytes, trailing metadata pairs)`` or raises ``CallFailed``; it
+    runs on this server's own pool of ``CALL_WORKERS`` threads."""
+
+    def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]], workers: int = CALL_WORKERS) -> None:
+        self._handler = handler
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-local-call")
+        self.counts: Counter[str] = Counter()
+
+    def take(self, conn: Connection, body: bytes) -> None:
+        """Start the call in ``body`` (on the socket's thread, which goes on at once)."""
+        conn.busy = True
+        try:
+            self._pool.submit(self._run, conn, body)
+        except RuntimeError:   # closing: no more calls
+            self._answer(conn, _refused("DaemonUnavailable", "", "the daemon is stopping"))
+
+    def _run(self, conn: Connection, body: bytes) -> None:
+        try:
+            if len(body) < 2 or body[1] >= len(LEASE_METHODS):
+                raise CallFailed("InvalidArgument", "method", f"method: unknown lease call {body[1:2].hex()}")
+            response, metadata = self._handler(conn.tenant, LEASE_METHODS[body[1]], body[2:])
+            answer = _answered(response, metadata)
+            self.counts["calls"] += 1
+        except CallFailed as e:
+            answer = _refused(e.kind, e.field, e.message)
+            self.counts["refused"] += 1
+        except Exception as e:  # noqa: BLE001 - the caller waits for an answer: it gets one
+            answer = _refused("", "", f"internal error: {type(e).__name__}")
+            self.counts["failed"] += 1
+        self._answer(conn, answer)
+
+    @staticmethod
+    def _answer(conn: Connection, answer: bytes) -> None:
+        conn.busy = False   # before the answer leaves: the caller's next call may arrive at once
+        try:
+            _send_within(conn.sock, answer, ANSWER_SEND_S)
+        except OSError:   # a caller that does not read: its socket thread sees the hangup and ends it
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _send_within(sock: socket.socket, data: bytes, seconds: float) -> None:
+    """All of ``data`` on a non-blocking socket (its reads belong to another thread), or OSError."""
+    view, deadline = memoryview(data), time.monotonic() + seconds
+    writable = select.poll()
+    writable.register(sock, select.POLLOUT)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0 or not writable.poll(left * 1000):
+                raise TimeoutError("the caller does not take its answer") from None
+
+
+class LocalCalls:
+    """Client side: each call takes a connection of its own (a kept idle one, or a new one), so
+    calls from several threads run at once and one connection never carries two. Raises
+    ``CallFailed`` for the daemon's refusal, ``TimeoutError`` when it does not answer in time,
+    and any other OSError when the socket is gone (the caller then asks over gRPC)."""
+
+    def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float) -> None:
+        self._path, self._timeout_s = path, timeout_s
+        name = tenant.encode("utf-8")
+        self._greeting = _HEAD.pack(MAGIC, ticket, len(name)) + name
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        self.answered = 0   # calls the daemon answered here (tests and benchmarks read it)
+        self._idle.append(self._connect())   # a socket we cannot reach is found now, not mid-put
+
+    def call(self, method: str, request: bytes) -> tuple[bytes, tuple]:
+        """``(response bytes, trailing metadata pairs)`` of one lease call."""
+        frame = encode_call(method, request)
+        if len(frame) - _LEN.size > MAX_FRAME:
+            raise OSError(f"a {method} of {len(frame)} bytes is over the socket's frame bound")
+        sock = self._take()
+        try:
+            sock.sendall(frame)
+            (n,) = _LEN.unpack(_recv(sock, _LEN.size))
+            body = _recv(sock, n)
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+        self.answered += 1
+        if body[:1] == b"\0":
+            (m,) = _META_LEN.unpack_from(body, 1)
+            meta = bytes(body[3:3 + m]).decode("utf-8", "replace")
+            pairs = tuple(tuple(line.split("=", 1)) for line in meta.split("\n") if "=" in line)
+            return bytes(body[3 + m:]), pairs
+        kind, field, message = (bytes(body[1:]).decode("utf-8", "replace").split("\0", 2) + ["", ""])[:3]
+        raise CallFailed(kind, field, message)
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._pid != os.getpid():   # a forked child: the parent's connections are not ours
+                self._idle, self._pid = [], os.getpid()
+            while self._idle:
+                sock = self._idle.pop()
+                if _still_open(sock):
+                    return sock
+                sock.close()   # the daemon closed it while it idled (its bound, or pushed out)
+        return self._connect()
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < KEEP_IDLE and self._pid == os.getpid() and not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout_s)
+            sock.connect(self._path)
+            sock.sendall(self._greeting)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        """Close the kept connections (one in use closes when its call ends)."""
+        with self._lock:
+            idle, self._idle, self._closed = self._idle, [], True
+        for sock in idle:
+            sock.close()
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle connection has nothing to read unless the daemon's end closed (or is broken)."""
+    readable = select.poll()
+    readable.register(sock, select.POLLIN)
+    return not readable.poll(0)
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("the daemon closed the lease-call connection")
+        buf += chunk
+    return bytes(buf)

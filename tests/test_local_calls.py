@@ -1,0 +1,197 @@
+"""The shm path's lease calls over the daemon's Unix socket (issue #14: small same-host gets and
+puts were their gRPC round trips), against real daemons: the bytes are right, the calls really go
+over the socket, a refusal is the daemon's own error by name, hostile callers get nothing and hold
+up nobody, and a daemon that is gone or hung is DaemonUnavailable, never a hang or an OSError."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.errors import DaemonUnavailable
+from kvstore.proto import kvstore_pb2 as pb
+
+LAYOUT = KVLayout(model="test/local-calls", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+                  block_tokens=16, block_bytes=4096)
+
+
+@pytest.fixture
+def daemon(daemon_factory, tmp_path):
+    """Tenants alice and bob, with an arena whose tenant segments take a put of 300 blocks."""
+    return daemon_factory("--token", "alice-token=alice", "--token", "bob-token=bob", "--shm-dir", str(tmp_path),
+                          cpu_bytes="128MiB", nvme_bytes="64MiB")
+
+
+def chain(n: int, seed: int) -> list[bytes]:
+    return ChainHasher(seed=seed).chain(np.arange(n * 16), 16)
+
+
+def blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(n)]
+
+
+def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
+    hashes, data = chain(300, seed=1), blocks(300, seed=1)   # three store windows (128, 256 blocks)
+    with daemon.client(token="alice-token") as c:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        assert c.active_transport == "shm"
+        local = c._negotiation.leases.local
+        assert local is not None
+        before = local.answered
+        assert c.put(ns, hashes, data) == ["stored"] * 300
+        assert local.answered - before == 2 * 2   # PrepareStore + CompleteStore per window of 128, 172
+        outs = [np.empty(4096, np.uint8) for _ in hashes]
+        assert c.get_into(ns, hashes, outs) == [4096] * 300
+        c.stats()   # waits for the background CompleteLoad
+        assert local.answered - before == 2 * 2 + 2
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert c.put(ns, hashes[:3], data[:3]) == ["exists"] * 3
+        hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        assert hs.lease_socket == hs.lookup_socket and hs.lease_ticket == hs.lookup_ticket
+
+
+ROGUE = textwrap.dedent("""
+    import json, socket, struct, sys
+    from kvstore.proto import kvstore_pb2 as pb
+    from kvstore.transport import local_calls as C, local_lookup as L
+    path, ticket, tenant, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(L._HEAD.pack(L.MAGIC, ticket, len(tenant.encode())) + tenant.encode())
+        return s
+    def recv(s, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+    def answer(s):
+        head = recv(s, 4)
+        if head is None:
+            return "closed"
+        body = recv(s, struct.unpack("!I", head)[0])
+        if body[0] == 0:
+            return "answered"
+        kind, field, message = body[1:].decode().split("\\0", 2)
+        return [kind, field]
+    s = connect()
+    out = {}
+    def call(name, method_index, request):
+        try:
+            s.sendall(struct.pack("!I", 2 + len(request)) + bytes([L.CALL, method_index]) + request)
+            out[name] = answer(s)
+        except OSError:   # refused at the greeting: the daemon closed the connection
+            out[name] = "closed"
+    M = C.LEASE_METHODS.index
+    call("prepare_load", M("PrepareLoad"), pb.PrepareLoadRequest(namespace_id=ns, hashes=[b"x" * 16]).SerializeToString())
+    call("lease_of_nobody", M("CompleteLoad"), pb.LeaseRequest(lease_id=12345).SerializeToString())
+    call("garbage", M("PrepareStore"), b"\\xff\\xff\\xff\\xff")
+    call("unknown_method", 200, b"")
+    call("wrong_block_bytes", M("PrepareStore"),
+         pb.PrepareStoreRequest(namespace_id=ns, hashes=[b"y" * 16], block_bytes=999).SerializeToString())
+    two = C.encode_call("CompleteLoad", pb.LeaseRequest(lease_id=1).SerializeToString())
+    try:
+        p = connect()
+        p.sendall(two + two)      # the second before the first's answer: the connection is closed
+        out["pipelined"] = "closed" in (answer(p), answer(p))
+    except OSError:
+        out["pipelined"] = True
+    print(json.dumps(out))
+""")
+
+
+def test_lease_calls_over_the_socket_are_refused_by_name_and_hostile_frames_get_nothing(daemon):
+    hashes = chain(4, seed=2)
+    with daemon.client(token="alice-token") as alice, daemon.client(token="bob-token") as bob:
+        ns = alice.register_namespace(Namespace(LAYOUT))
+        alice.put(ns, hashes, blocks(4, seed=2))
+        bob_ns = bob.register_namespace(Namespace(LAYOUT, cache_salt="bob"))
+        hs = alice.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+
+        def rogue(ticket: bytes, tenant: str, namespace: bytes) -> dict | str:
+            r = subprocess.run([sys.executable, "-c", ROGUE, hs.lease_socket, ticket.hex(), tenant, namespace.hex()],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
+
+        got = rogue(hs.lease_ticket, "alice", bob_ns)   # alice's own ticket, bob's namespace
+        assert got["prepare_load"] == ["UnknownNamespace", ""]          # another tenant's: unknown
+        assert got["lease_of_nobody"] == ["LeaseExpired", ""]
+        assert got["garbage"][0] == "InvalidArgument"
+        assert got["unknown_method"] == ["InvalidArgument", "method"]
+        assert got["wrong_block_bytes"][0] == "UnknownNamespace"
+        assert got["pipelined"] is True
+        own = rogue(hs.lease_ticket, "alice", ns)
+        assert own["prepare_load"] == "answered" and own["wrong_block_bytes"][0] == "LayoutMismatch"
+        for ticket, tenant in ((hs.lease_ticket, "bob"), (os.urandom(32), "alice")):   # forged: no answers
+            assert set(rogue(ticket, tenant, ns).values()) <= {"closed", True}
+        outs = [np.empty(4096, np.uint8) for _ in hashes]   # and alice is served as before
+        assert alice.get_into(ns, hashes, outs) == [4096] * 4
+        assert np.array_equal(outs[3], blocks(4, seed=2)[3])
+
+
+def test_kept_connections_pushed_out_by_idle_ones_are_replaced_not_trusted(daemon):
+    """A client keeps its lease-call connections between calls; 300 idle connections push them out
+    of the daemon's bound. The next calls find them closed and connect again: no error, no
+    fallback to gRPC, right bytes."""
+    hashes, data = chain(8, seed=3), blocks(8, seed=3)
+    with daemon.client(token="alice-token") as c:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        c.put(ns, hashes[:4], data[:4])
+        local = c._negotiation.leases.local
+        hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        idle = []
+        try:
+            for _ in range(300):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(hs.lease_socket)
+                idle.append(s)
+            time.sleep(0.2)
+            answered = local.answered
+            assert c.put(ns, hashes[4:], data[4:]) == ["stored"] * 4
+            outs = [np.empty(4096, np.uint8) for _ in hashes]
+            assert c.get_into(ns, hashes, outs) == [4096] * 8
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+            assert c._negotiation.leases.local is local and local.answered - answered >= 3
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_a_daemon_that_dies_or_hangs_is_daemon_unavailable_for_puts_and_gets(daemon):
+    hashes, data = chain(4, seed=4), blocks(4, seed=4)
+    c = daemon.client(token="alice-token", timeout_s=1.0)
+    try:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        c.put(ns, hashes, data)
+        assert c._negotiation.leases.local is not None
+        os.kill(daemon.pid, signal.SIGSTOP)   # hung: the socket call times out once, not twice
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable):
+                c.get_into(ns, hashes, [np.empty(4096, np.uint8) for _ in hashes])
+            assert time.monotonic() - t0 < 1.9
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        daemon.kill()
+        with pytest.raises(DaemonUnavailable):
+            c.put(ns, chain(4, seed=5), data)
+        with pytest.raises(DaemonUnavailable):
+            c.get_into(ns, hashes, [np.empty(4096, np.uint8) for _ in hashes])
+    finally:
+        c.close()
