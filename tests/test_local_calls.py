@@ -173,6 +173,20 @@ def test_kept_connections_pushed_out_by_idle_ones_are_replaced_not_trusted(daemo
                 s.close()
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of ``pid`` is stopped: ``kill`` returns before a running thread has."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if all(s == "T" for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{pid} did not stop")
+
+
 def test_a_daemon_that_dies_or_hangs_is_daemon_unavailable_for_puts_and_gets(daemon):
     hashes, data = chain(4, seed=4), blocks(4, seed=4)
     c = daemon.client(token="alice-token", timeout_s=1.0)
@@ -182,6 +196,7 @@ def test_a_daemon_that_dies_or_hangs_is_daemon_unavailable_for_puts_and_gets(dae
         assert c._negotiation.leases.local is not None
         os.kill(daemon.pid, signal.SIGSTOP)   # hung: the socket call times out once, not twice
         try:
+            wait_stopped(daemon.pid)
             t0 = time.monotonic()
             with pytest.raises(DaemonUnavailable):
                 c.get_into(ns, hashes, [np.empty(4096, np.uint8) for _ in hashes])
