@@ -37,7 +37,7 @@ class Negotiation:
     """The negotiated transport: a mapped arena (shm), a side channel (bulk), or neither (gRPC)."""
 
     def __init__(self, rpc: RpcChannel, transport: str, chunk_bytes: int | None,
-                 compressed_transfer: bool = True, lookup_index: bool = True) -> None:
+                 compressed_transfer: bool = True, lookup_index: bool = True, local_leases: bool = True) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument("transport", f"one of {TRANSPORTS}, got {transport!r}")
         self.rpc = rpc
@@ -45,6 +45,7 @@ class Negotiation:
         self.chunk_bytes = chunk_bytes
         self.compressed_transfer = compressed_transfer
         self.lookup_index = lookup_index
+        self.local_leases = local_leases
         self.accept_codecs: tuple[int, ...] = ()   # codecs of this daemon run that we decode ourselves
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
         self.arena: shm.ArenaMap | SegmentMap | None = None
@@ -75,7 +76,7 @@ class Negotiation:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)
             self.lookups = self._local_lookups(hs)
-            self.leases.local = self._local_calls(hs) if self.arena is not None else None
+            self.leases.local = self._local_calls(hs) if self.arena is not None and self.local_leases else None
             self.accept_codecs = self._decodable(hs.stored_codecs)
             if self.arena is None and self.transport in ("auto", "bulk") and hs.bulk_port:
                 try:
@@ -172,10 +173,11 @@ class Negotiation:
         resp, meta = self.leases.call(method, request)
         return self.same_daemon_answer(method, resp, meta)
 
-    def start_same_daemon(self, method: str, request) -> "SameDaemonCall":
+    def start_same_daemon(self, method: str, request, wait: bool = False) -> "SameDaemonCall":
         """``call_same_daemon`` sent now and read later, so the daemon prepares the next lease
-        while this client copies through the current one."""
-        return SameDaemonCall(self, method, request)
+        while this client copies through the current one (``wait``: made at once, as
+        ``LeaseCalls.start`` says)."""
+        return SameDaemonCall(self, method, request, wait)
 
     def same_daemon_answer(self, method: str, resp, meta: dict):
         """``(resp, trailing metadata)`` of a lease RPC if the daemon run we mapped answered it."""
@@ -197,12 +199,12 @@ class SameDaemonCall:
     lease it answers with started earlier. ``result()`` answers as ``call_same_daemon`` does: an
     attempt that found the daemon unreachable is made again that way (with its retries)."""
 
-    def __init__(self, negotiation: Negotiation, method: str, request) -> None:
+    def __init__(self, negotiation: Negotiation, method: str, request, wait: bool = False) -> None:
         if negotiation.rpc.closed:
             raise DaemonUnavailable("client is closed")
         self._negotiation, self._method, self._request = negotiation, method, request
         self.sent = time.monotonic()
-        self._future = negotiation.leases.start(method, request)
+        self._future = negotiation.leases.start(method, request, wait)
 
     def result(self):
         try:

@@ -148,20 +148,21 @@ class ShmPath:
         def prepare(a: int, b: int):
             return self.negotiation.start_same_daemon("PrepareStore", pb.PrepareStoreRequest(
                 namespace_id=ns_id, hashes=hashes[a:b], parent=(hashes[a - 1] if a else parent) or b"",
-                block_bytes=block_bytes, table=True))
+                block_bytes=block_bytes, table=True), wait=len(spans) == 1)
 
         ahead, filled, completing = prepare(*spans[0]), None, None
         try:
             for k, (a, b) in enumerate(spans):
                 call, ahead = ahead, None
                 lease, _ = call.result()
-                if k + 1 < len(spans):
+                last = k + 1 == len(spans)
+                if not last:
                     ahead = prepare(*spans[k + 1])
                 self._fill(lease, call.sent, arrays[a:b])
                 filled = lease
                 if completing is not None:
                     results += self._completed(completing)
-                completing, filled = self._complete(lease, codec, arrays[a:b]), None
+                completing, filled = self._complete(lease, codec, arrays[a:b], wait=last), None
             results += self._completed(completing)
             completing = None
         except errors.TierFull:
@@ -192,9 +193,10 @@ class ShmPath:
             self._abort(lease)
             raise
 
-    def _complete(self, lease, codec: int, arrays) -> _Completion:
+    def _complete(self, lease, codec: int, arrays, wait: bool) -> _Completion:
+        """CompleteStore started (``wait``: made at once: the last window's, nothing overlaps it)."""
         request = pb.LeaseRequest(lease_id=lease.lease_id, codec=codec, sizes=[a.nbytes for a in arrays] if codec else [])
-        return _Completion(self.leases.start("CompleteStore", request), request)
+        return _Completion(self.leases.start("CompleteStore", request, wait), request)
 
     def _completed(self, completion: _Completion) -> list[str]:
         """A CompleteStore's results; one that found the daemon unreachable is asked again (with
