@@ -5,7 +5,8 @@ benchmarks/results/service.{json,md}.
     .venv/bin/python benchmarks/bench_service.py [--url HOST:PORT] [--sizes 64KiB,1MiB,4MiB,16MiB] [--total 256MiB]
 
 Measures put/get GB/s for 64 KiB and 1/4/16 MiB blocks over gRPC streams, the raw-TCP bulk side channel and
-shared memory; lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
+shared memory; small same-host requests (16 x 64 KiB, 4 x 1 MiB per call, lease calls over the daemon's Unix
+socket and over gRPC); lookups per second (one chain per RPC, and batched); memcpy and a raw TCP loopback
 socket as ceilings, each ceiling pass interleaved with the pass it judges (memcpy: kvstore.ops.ceilings
 MemcpyPass into a working set as large as the data moved; TCP: kvstore.ops.ceilings.TcpPass, a persistent
 connection between distinct source and destination buffers as large as the data moved); Redis at 127.0.0.1:6379 as a peer on the same
@@ -72,6 +73,22 @@ def markdown(report: dict) -> str:
     if lk:
         out += ["", f"Lookups (4-block chain, metadata only): {lk['sequential_per_s']:,.0f}/s with one chain per RPC, "
                     f"{lk['batched_per_s']:,.0f}/s batched ({lk['batch']} chains per LookupBatch RPC)."]
+    small = report.get("small_requests")
+    if small:
+        r0 = small[0]
+        out += ["", f"Small same-host requests (one request's blocks per call, as a connector loads or saves them each "
+                    f"step): median call over {r0['calls']} calls, median of {r0['rounds']} rounds alternating a "
+                    f"client making its lease calls over the daemon's Unix socket with one making them over gRPC "
+                    f"(`Client(local_leases=False)`); memcpy = the same bytes between buffers larger than the caches; "
+                    f"x memcpy = memcpy time / call time.", "",
+                "| request | lease calls | put ms | get ms | memcpy ms | put x memcpy | get x memcpy |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        for r in small:
+            shape = f"{r['blocks']} x {r['block_bytes'] >> 10} KiB" if r["block_bytes"] < 1 << 20 else \
+                f"{r['blocks']} x {r['block_bytes'] >> 20} MiB"
+            for way, label in (("socket", "Unix socket"), ("grpc", "gRPC")):
+                out.append(f"| {shape} | {label} | {r[f'{way}_put_ms']:.2f} | {r[f'{way}_get_ms']:.2f} | "
+                           f"{r['memcpy_ms']:.2f} | {r[f'{way}_put_vs_memcpy']:.2f}x | {r[f'{way}_get_vs_memcpy']:.2f}x |")
     out += ["", "## Goals", "", "| goal | target | measured (worst block size) | met |", "|---|---|---|---|"]
     for goal, target in report["goals"].items():
         out.append(f"| {goal} | >= {target['target']} | {target['measured']:.2f} | {'yes' if target['met'] else 'no'} |")
@@ -98,7 +115,7 @@ def main() -> int:
 
     t0 = time.time()
     report = run_bench(url=args.url, sizes=[parse_size(s, "sizes") for s in args.sizes.split(",")],
-                       total_bytes=parse_size(args.total, "total"), reps=args.reps)
+                       total_bytes=parse_size(args.total, "total"), reps=args.reps, small=True)
     report["seconds"] = round(time.time() - t0, 1)
     rows = report["sizes"].values()
 

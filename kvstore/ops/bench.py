@@ -81,6 +81,70 @@ def service_gbps(client, ns_id: bytes, block_bytes: int, count: int, reps: int, 
             "verified": ok}
 
 
+SMALL_REQUESTS = ((16, 64 << 10), (4, 1 << 20))   # (blocks, block bytes) per call: one request's load or save
+
+
+def small_requests(address: str, token: str | None, calls: int = 100, rounds: int = 3) -> list[dict]:
+    """Per-call latency of small same-host puts and gets (one request's blocks, as a connector
+    loads or saves them each step), with the lease calls over the daemon's Unix socket and, in
+    the same rounds, over gRPC (``Client(local_leases=False)``); beside the time memcpy takes for
+    the same bytes between buffers larger than the caches. Rounds alternate the two clients;
+    each figure is the median over rounds of the per-round median call, after a round that is not
+    counted (it maps the arena pages the calls use into each client: first touches fault)."""
+    from kvstore.client import Client
+    from kvstore.keys import ChainHasher, KVLayout, Namespace
+
+    ways = {"socket": Client(address, token=token, transport="shm", timeout_s=60),
+            "grpc": Client(address, token=token, transport="shm", timeout_s=60, local_leases=False)}
+    out = []
+    try:
+        for n, size in SMALL_REQUESTS:
+            layout = KVLayout(model="bench-small", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                              block_tokens=16, block_bytes=size)
+            rng = np.random.default_rng(1)
+            blocks = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+            outs = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
+            memcpy = MemcpyPass(size, working_set=max(256 << 20, 4 * n * size), cold_sources=True)
+            per = {w: {"put": [], "get": []} for w in ways}
+            verified = True
+            seed = 0
+            for counted in [False] + [True] * rounds:
+                for way, c in ways.items():
+                    ns_id = c.register_namespace(Namespace(layout, cache_salt="small"))
+                    seed += 1
+                    hashes = ChainHasher(seed=seed).chain(np.arange(calls * n * 16) + seed * 1_000_003, 16)
+                    puts, gets = [], []
+                    for k in range(calls):
+                        batch = hashes[k * n:(k + 1) * n]
+                        t = time.perf_counter()
+                        c.put(ns_id, batch, blocks)
+                        puts.append(time.perf_counter() - t)
+                    for k in range(calls):
+                        batch = hashes[k * n:(k + 1) * n]
+                        t = time.perf_counter()
+                        got = c.get_into(ns_id, batch, outs)
+                        gets.append(time.perf_counter() - t)
+                        verified &= got == [size] * n
+                    verified &= all(np.array_equal(o, b) for o, b in zip(outs, blocks))
+                    c.delete(ns_id, hashes)
+                    if counted:
+                        per[way]["put"].append(statistics.median(puts))
+                        per[way]["get"].append(statistics.median(gets))
+            memcpy_s = n * size / (memcpy.bytes / statistics.median(memcpy() for _ in range(3)))
+            row = {"blocks": n, "block_bytes": size, "calls": calls, "rounds": rounds, "memcpy_ms": memcpy_s * 1e3,
+                   "verified": bool(verified)}
+            for way in ways:
+                for op in ("put", "get"):
+                    ms = statistics.median(per[way][op]) * 1e3
+                    row[f"{way}_{op}_ms"] = ms
+                    row[f"{way}_{op}_vs_memcpy"] = memcpy_s * 1e3 / ms
+            out.append(row)
+    finally:
+        for c in ways.values():
+            c.close()
+    return out
+
+
 def _grpcio_gbps(total_bytes: int, reps: int = 3) -> dict:
     """grpcio's own stream of the chunks kvstore's gRPC path sends (``kvstore.ops.grpc_ceiling``),
     up and down, medians of ``reps`` passes: the most the fallback could reach."""
@@ -151,8 +215,9 @@ def _lookups_per_s(client, ns_id: bytes, seconds: float = 1.0) -> dict:
 
 def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 4 << 20, 16 << 20),
               total_bytes: int = 256 << 20, transports=("grpc", "bulk", "shm"), reps: int = 3,
-              redis_url: str | None = "redis://127.0.0.1:6379/0") -> dict:
-    """Measure everything; returns a JSON-able report (see ``format_report``)."""
+              redis_url: str | None = "redis://127.0.0.1:6379/0", small: bool = False) -> dict:
+    """Measure everything; returns a JSON-able report (see ``format_report``). ``small``: also
+    ``small_requests`` (needs 400 MiB of arena for its 1 MiB blocks)."""
     from kvstore.client import Client
     from kvstore.keys import KVLayout, Namespace
 
@@ -209,6 +274,8 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             ns_id = c.register_namespace(Namespace(KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=1,
                                                             dtype="uint8", block_tokens=16), cache_salt="lookup"))
             report["lookups"] = _lookups_per_s(c, ns_id)
+        if small and "shm" in clients:
+            report["small_requests"] = small_requests(address, token)
         for c in clients.values():
             c.close()
     finally:
@@ -242,6 +309,10 @@ def format_report(report: dict) -> str:
         lk = report["lookups"]
         lines += ["", f"lookups: {lk['sequential_per_s']:,.0f}/s one chain per RPC, "
                       f"{lk['batched_per_s']:,.0f}/s batched ({lk['batch']} chains per RPC)"]
+    for r in report.get("small_requests", []):
+        lines.append(f"small shm requests, {r['blocks']} x {r['block_bytes'] >> 10} KiB: put / get "
+                     f"{r['socket_put_ms']:.2f} / {r['socket_get_ms']:.2f} ms (lease calls over gRPC: "
+                     f"{r['grpc_put_ms']:.2f} / {r['grpc_get_ms']:.2f} ms; memcpy {r['memcpy_ms']:.2f} ms)")
     for s in report.get("skipped", []):
         lines.append(f"skipped {s}")
     return "\n".join(lines)
