@@ -210,3 +210,89 @@ def test_a_daemon_that_dies_or_hangs_is_daemon_unavailable_for_puts_and_gets(dae
             c.get_into(ns, hashes, [np.empty(4096, np.uint8) for _ in hashes])
     finally:
         c.close()
+
+
+STALLER = textwrap.dedent("""
+    import fcntl, socket, struct, sys, termios, threading, time
+    from kvstore.proto import kvstore_pb2 as pb
+    from kvstore.transport import local_calls as C, local_lookup as L
+    path, ticket, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    hashes = [bytes.fromhex(h) for h in open(sys.argv[4]).read().split()]
+    request = C.encode_call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes, table=True)
+                            .SerializeToString())
+    def queued(s):   # bytes waiting in our receive queue: answers we have not read
+        return struct.unpack("i", fcntl.ioctl(s, termios.FIONREAD, bytes(4)))[0]
+    def stall(s, full):
+        # one call at a time, each sent once the answer before it has arrived whole (so it is no
+        # pipelined frame), never reading: until an answer stops arriving halfway (buffers full)
+        for _ in range(64):
+            before = queued(s)
+            s.sendall(request)
+            deadline, last = time.monotonic() + 2, -1
+            while time.monotonic() < deadline:
+                now = queued(s)
+                if now == last and now > before:
+                    break
+                last = now
+                time.sleep(0.02)
+            if (last - before) % (4 + 40518) and (last - before) < 4 + 40000:
+                full.append(s)
+                return
+    conns = []
+    for _ in range(C.CALL_WORKERS + 2):   # more than the daemon has call threads
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.sendall(L._HEAD.pack(L.MAGIC, ticket, 5) + b"alice")
+        conns.append(s)
+    full = []
+    threads = [threading.Thread(target=stall, args=(s, full)) for s in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("stalled", len(full), flush=True)
+    time.sleep(float(sys.argv[5]))
+    ended = 0
+    for s in conns:   # read what was buffered: a connection the daemon ended then reads EOF
+        s.settimeout(0.5)
+        try:
+            while s.recv(1 << 20):
+                pass
+            ended += 1
+        except OSError:
+            pass
+    print("ended", ended, flush=True)
+""")
+
+
+def test_callers_that_never_read_their_answers_hold_up_no_daemon_thread(daemon_factory, tmp_path):
+    """A caller that stops reading fills its socket with answers; none of the daemon's call
+    threads waits on it (the rest is written by the socket's own thread, later), so another
+    client's lease calls go on at once, and the stalled connections are ended."""
+    from kvstore.transport.unix_server import SEND_WITHIN_S
+
+    d = daemon_factory("--token", "alice-token=alice", "--shm-dir", str(tmp_path), "--cpu-slot-bytes", "4KiB",
+                       cpu_bytes="64MiB", nvme_bytes="64MiB")
+    hashes = chain(4096, seed=6)
+    with d.client(token="alice-token") as c:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        assert c.put(ns, hashes, [np.zeros(4096, np.uint8)] * 4096) == ["stored"] * 4096
+        hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        listing = tmp_path / "hashes.txt"
+        listing.write_text(" ".join(h.hex() for h in hashes))
+        staller = subprocess.Popen([sys.executable, "-c", STALLER, hs.lease_socket, hs.lease_ticket.hex(), ns.hex(),
+                                    str(listing), str(SEND_WITHIN_S + 1.5)], stdout=subprocess.PIPE, text=True)
+        try:
+            outs = [np.empty(4096, np.uint8) for _ in range(8)]
+            slowest, k, t_end = 0.0, 0, time.monotonic() + SEND_WITHIN_S + 1   # while the staller fills its buffers
+            while time.monotonic() < t_end:
+                t = time.monotonic()
+                assert c.get_into(ns, hashes[8 * (k % 512):8 * (k % 512) + 8], outs) == [4096] * 8
+                slowest, k = max(slowest, time.monotonic() - t), k + 1
+            assert c._negotiation.leases.local is not None
+            assert slowest < SEND_WITHIN_S / 2, f"a get waited {slowest:.2f}s behind callers that do not read"
+            assert staller.stdout.readline().split() == ["stalled", "6"]   # every one of them was answered too
+            assert staller.stdout.readline().split() == ["ended", "6"]
+        finally:
+            staller.kill()
+            staller.wait()

@@ -15,19 +15,19 @@ answered, a load that stopped at an unstaged block) + the serialized response; 1
 servicer raised, ``class NUL field NUL message``, which the client raises as the same class.
 
 A connection carries one call at a time (the client keeps a few, one per call in flight): a
-request sent before the previous answer closes the connection. The greeting, the ticket check and
+request sent before the previous answer closes the connection. No daemon thread waits for a
+caller to read: what its socket does not take at once, the socket's own thread writes later, and
+an answer not taken within ``unix_server.SEND_WITHIN_S`` ends the connection. The greeting, the ticket check and
 the bounds on connections are the lookup service's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +38,6 @@ from kvstore.transport.unix_server import Connection
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
 CALL_WORKERS = 4       # lease calls of all same-host clients run on this many daemon threads
 KEEP_IDLE = 8          # connections a client keeps open between calls
-ANSWER_SEND_S = 2.0    # an answer the caller does not take within this long closes its connection
 _META_LEN = struct.Struct("!H")
 
 
@@ -70,22 +69,24 @@ class CallFailed(Exception):
 class CallServer:
     """Daemon side, plugged into ``LocalLookupServer`` (``calls=``). ``handler(tenant, method,
     request)`` returns ``(response bytes, trailing metadata pairs)`` or raises ``CallFailed``; it
-    runs on this server's own pool of ``CALL_WORKERS`` threads."""
+    runs on this server's own pool of ``CALL_WORKERS`` threads. ``send(fd, conn, data)`` sends an
+    answer without waiting for the caller to read it (``UnixServer.send_soon``)."""
 
     def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]], workers: int = CALL_WORKERS) -> None:
         self._handler = handler
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-local-call")
+        self.send: Callable[[int, Connection, bytes], None] | None = None   # set by the server it plugs into
         self.counts: Counter[str] = Counter()
 
-    def take(self, conn: Connection, body: bytes) -> None:
+    def take(self, fd: int, conn: Connection, body: bytes) -> None:
         """Start the call in ``body`` (on the socket's thread, which goes on at once)."""
         conn.busy = True
         try:
-            self._pool.submit(self._run, conn, body)
+            self._pool.submit(self._run, fd, conn, body)
         except RuntimeError:   # closing: no more calls
-            self._answer(conn, _refused("DaemonUnavailable", "", "the daemon is stopping"))
+            self._answer(fd, conn, _refused("DaemonUnavailable", "", "the daemon is stopping"))
 
-    def _run(self, conn: Connection, body: bytes) -> None:
+    def _run(self, fd: int, conn: Connection, body: bytes) -> None:
         try:
             if len(body) < 2 or body[1] >= len(LEASE_METHODS):
                 raise CallFailed("InvalidArgument", "method", f"method: unknown lease call {body[1:2].hex()}")
@@ -98,33 +99,14 @@ class CallServer:
         except Exception as e:  # noqa: BLE001 - the caller waits for an answer: it gets one
             answer = _refused("", "", f"internal error: {type(e).__name__}")
             self.counts["failed"] += 1
-        self._answer(conn, answer)
+        self._answer(fd, conn, answer)
 
-    @staticmethod
-    def _answer(conn: Connection, answer: bytes) -> None:
+    def _answer(self, fd: int, conn: Connection, answer: bytes) -> None:
         conn.busy = False   # before the answer leaves: the caller's next call may arrive at once
-        try:
-            _send_within(conn.sock, answer, ANSWER_SEND_S)
-        except OSError:   # a caller that does not read: its socket thread sees the hangup and ends it
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        self.send(fd, conn, answer)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _send_within(sock: socket.socket, data: bytes, seconds: float) -> None:
-    """All of ``data`` on a non-blocking socket (its reads belong to another thread), or OSError."""
-    view, deadline = memoryview(data), time.monotonic() + seconds
-    writable = select.poll()
-    writable.register(sock, select.POLLOUT)
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except BlockingIOError:
-            left = deadline - time.monotonic()
-            if left <= 0 or not writable.poll(left * 1000):
-                raise TimeoutError("the caller does not take its answer") from None
 
 
 class LocalCalls:

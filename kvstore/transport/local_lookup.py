@@ -65,7 +65,9 @@ class IndexProvider(Protocol):
 class CallTaker(Protocol):
     """What the server needs of the lease calls it carries (``local_calls.CallServer``)."""
 
-    def take(self, conn: Connection, body: bytes) -> None: ...
+    send: Callable | None
+
+    def take(self, fd: int, conn: Connection, body: bytes) -> None: ...
 
     def close(self) -> None: ...
 
@@ -117,6 +119,8 @@ class LocalLookupServer(UnixServer):
         self._indexes = indexes if told is not None else None
         self._calls = calls
         self.takes_calls = calls is not None
+        if calls is not None:
+            calls.send = self.send_soon
         super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
 
     def received(self, fd: int, conn: Connection) -> None:
@@ -130,12 +134,12 @@ class LocalLookupServer(UnixServer):
             if len(conn.buf) < _LEN.size + n:
                 return
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
-            if conn.busy:   # a frame before its call's answer: two threads would write to it
+            if conn.busy or conn.unsent is not None:   # a frame before its call's answer was taken
                 self.end(fd, "pipelined")
                 return
             conn.deadline = time.monotonic() + IDLE_S
             try:
-                self._serve(conn, body)
+                self._serve(fd, conn, body)
             except OSError:
                 self.end(fd, "stalled")   # a client that does not read its answers is dropped
                 return
@@ -158,21 +162,21 @@ class LocalLookupServer(UnixServer):
         self.counts["sessions"] += 1
         return True
 
-    def _serve(self, conn: Connection, body: bytes) -> None:
+    def _serve(self, fd: int, conn: Connection, body: bytes) -> None:
         op = body[0] if body else LOOKUP
         if op == CALL and self._calls is not None:
-            self._calls.take(conn, body)   # answered from the calls' own threads
+            self._calls.take(fd, conn, body)   # answered from the calls' own threads
             return
         if op == INDEX:
-            fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
-            if fd is None:
+            index_fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
+            if index_fd is None:
                 conn.sock.sendall(_frame(_ANSWER.pack(1, 0)))
                 return
             try:
-                socket.send_fds(conn.sock, [_frame(_ANSWER.pack(0, 0))], [fd])
+                socket.send_fds(conn.sock, [_frame(_ANSWER.pack(0, 0))], [index_fd])
                 self.counts["indexes_handed"] += 1
             finally:
-                os.close(fd)
+                os.close(index_fd)
             return
         if op in (TOLD, TOLD_LEASE):   # answered from the index already: pin and count, no reply
             try:

@@ -5,7 +5,10 @@ lives in ``shm_dir`` beside the arena (a path every same-host client, even in an
 sharing that directory, can reach), mode 0666: what admits a client is the ticket it sends, not
 who it is. Nothing grows with idle or hostile connections: every connection has a deadline (the
 subclass moves it), at most ``max_connections`` are open (a new one pushes the least recently
-active out), and one thread serves them all. Sockets left by daemons that died are swept at start.
+active out), and one thread serves them all. An answer another thread sends (``send_soon``) never
+waits for its reader: what the socket does not take at once, this thread writes later, and a
+connection that leaves it untaken for ``SEND_WITHIN_S`` is ended. Sockets left by daemons that
+died are swept at start.
 """
 
 from __future__ import annotations
@@ -29,12 +32,18 @@ log = logging.getLogger("kvstore.transport.unix_server")
 _SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
 
 
+SEND_WITHIN_S = 2.0   # an answer still not taken this long after it was ready ends its connection
+
+
 class Connection:
-    """One client's connection; ``busy`` while a call it sent runs on another thread."""
-    __slots__ = ("sock", "buf", "deadline", "tenant", "busy")
+    """One client's connection; ``busy`` while a call it sent runs on another thread, ``unsent``
+    what ``send_soon`` left for this server's thread to write (``unsent_until``: by when)."""
+    __slots__ = ("sock", "buf", "deadline", "tenant", "busy", "unsent", "unsent_until")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.buf, self.deadline, self.tenant, self.busy = sock, bytearray(), deadline, None, False
+        self.unsent: memoryview | None = None
+        self.unsent_until = 0.0
 
 
 class UnixServer:
@@ -79,18 +88,23 @@ class UnixServer:
                 events = self._poller.poll(0.25)
             except OSError:
                 return
-            for fd, _ in events:
+            for fd, mask in events:
                 try:
                     if fd == self._listener.fileno():
                         self._accept()
                     elif fd in self.conns:
-                        self._readable(fd)
+                        if mask & select.EPOLLOUT:
+                            self._writable(fd)
+                        if mask & ~select.EPOLLOUT and fd in self.conns:
+                            self._readable(fd)
                 except Exception:  # noqa: BLE001 - one bad connection must not stop the service
                     log.exception("%s: handling a connection failed", self._thread.name)
                     self.end(fd, "failed")
             now = time.monotonic()
             for fd in [fd for fd, c in self.conns.items() if c.deadline < now]:
                 self.end(fd, "timed_out")
+            for fd in [fd for fd, c in self.conns.items() if c.unsent is not None and c.unsent_until < now]:
+                self.end(fd, "stalled")   # it does not take its answer
 
     def _accept(self) -> None:
         while True:
@@ -121,6 +135,39 @@ class UnixServer:
         conn.buf += chunk
         self.conns.move_to_end(fd)
         self.received(fd, conn)
+
+    def send_soon(self, fd: int, conn: Connection, data: bytes) -> None:
+        """Send ``data`` on ``conn`` from any thread without waiting for its reader: what the
+        socket does not take now, this server's thread writes when it can, within
+        ``SEND_WITHIN_S`` (else the connection ends). So a caller that stops reading holds up
+        no thread of the daemon, only its own connection."""
+        try:
+            sent = conn.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return   # gone: its hangup reaches this server's thread
+        if sent < len(data):
+            conn.unsent_until = time.monotonic() + SEND_WITHIN_S
+            conn.unsent = memoryview(data)[sent:]
+            with contextlib.suppress(OSError, ValueError):   # ended meanwhile: nothing to write to
+                if self.conns.get(fd) is conn:
+                    self._poller.modify(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLOUT)
+
+    def _writable(self, fd: int) -> None:
+        conn = self.conns[fd]
+        if conn.unsent is not None:
+            try:
+                conn.unsent = conn.unsent[conn.sock.send(conn.unsent):]
+            except BlockingIOError:
+                return
+            except OSError:
+                self.end(fd, "closed")
+                return
+            if conn.unsent:
+                return
+            conn.unsent = None
+        self._poller.modify(fd, select.EPOLLIN | select.EPOLLRDHUP)
 
     def end(self, fd: int, reason: str | None) -> None:
         if reason and fd in self.conns:   # counted before it leaves, so no reader sees it gone uncounted
