@@ -296,3 +296,44 @@ def test_callers_that_never_read_their_answers_hold_up_no_daemon_thread(daemon_f
         finally:
             staller.kill()
             staller.wait()
+
+
+EXITS_WHILE_HUNG = textwrap.dedent("""
+    import sys, threading, time
+    import numpy as np
+    from kvstore import ChainHasher, KVLayout, Namespace
+    from kvstore.client import Client
+    layout = KVLayout(model="test/local-calls", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+                      block_tokens=16, block_bytes=4096)
+    c = Client(sys.argv[1], token="alice-token", timeout_s=float(sys.argv[2]))
+    ns = c.register_namespace(Namespace(layout))
+    c.put(ns, ChainHasher(seed=7).chain(np.arange(16), 16), [np.zeros(4096, np.uint8)])
+    print("ready", flush=True)
+    sys.stdin.readline()   # the daemon is stopped now
+    hashes = ChainHasher(seed=8).chain(np.arange(300 * 16), 16)   # two store windows: the second is prepared ahead
+    threading.Thread(target=c.put, args=(ns, hashes, [np.zeros(4096, np.uint8)] * 300), daemon=True).start()
+    time.sleep(0.3)
+    print("exiting", flush=True)
+""")
+
+
+def test_an_engine_exits_at_once_while_its_daemon_hangs(daemon):
+    """An engine that exits while the daemon is hung must not wait for the client's lease calls in
+    flight (a put's next window is prepared on a kept thread) to time out."""
+    timeout_s = 6.0
+    engine = subprocess.Popen([sys.executable, "-c", EXITS_WHILE_HUNG, daemon.address, str(timeout_s)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        os.kill(daemon.pid, signal.SIGSTOP)
+        wait_stopped(daemon.pid)
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline().strip() == "exiting"
+        t0 = time.monotonic()
+        engine.wait(timeout=2 * timeout_s)
+        assert time.monotonic() - t0 < timeout_s / 3, f"exit waited {time.monotonic() - t0:.1f}s for the hung daemon"
+    finally:
+        engine.kill()
+        engine.wait()
+        os.kill(daemon.pid, signal.SIGCONT)

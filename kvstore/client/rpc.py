@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -73,7 +75,7 @@ class RpcChannel:
                                              request_serializer=pb.GetRequest.SerializeToString,
                                              response_deserializer=chunks.read_get_chunk)}
         self._health = health_pb2_grpc.HealthStub(self.channel)
-        self._callers: ThreadPoolExecutor | None = None   # ``start``'s threads, made on first use
+        self._callers: KeptThreads | None = None   # ``start``'s threads, made on first use
         self._callers_pid = 0
 
     def call(self, method: str, request, timeout_s: float | None = None, stream_factory=None,
@@ -129,7 +131,7 @@ class RpcChannel:
         if self.closed:
             raise DaemonUnavailable("client is closed")
         if self._callers is None or self._callers_pid != os.getpid():   # first use, or a forked child
-            self._callers = ThreadPoolExecutor(CALLER_THREADS, thread_name_prefix="kvstore-rpc")
+            self._callers = KeptThreads(CALLER_THREADS, "kvstore-rpc")
             self._callers_pid = os.getpid()
         try:
             return PendingCall(self._callers.submit(call))
@@ -153,8 +155,52 @@ class RpcChannel:
     def close(self) -> None:
         self.closed = True
         if self._callers is not None:
-            self._callers.shutdown(wait=False)
+            self._callers.shutdown()
         self.channel.close()
+
+
+class KeptThreads:
+    """A few daemon threads that run submitted calls, one started per call until there are
+    ``size``. Not a ``ThreadPoolExecutor``, whose threads the interpreter joins when it exits: an
+    engine exiting while a lease call waits on a hung daemon would wait out the client's timeout."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size, self._name = size, name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], tuple]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("shut down")
+            self._work.put((fn, future))
+            if len(self._threads) < self._size:
+                thread = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                    future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """No more calls; each thread ends once the call it runs (if any) is over."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._work.put(None)
 
 
 class PendingCall:
