@@ -9,15 +9,10 @@ does not answer in time is ``DaemonUnavailable`` at once, not asked a second tim
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 from kvstore.client.rpc import PendingCall, RpcChannel
 from kvstore.client.rpc_errors import error_named
 from kvstore.errors import DaemonUnavailable
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport.local_calls import CallFailed, LocalCalls
-
-_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+from kvstore.transport.local_calls import RESPONSES, CallFailed, LocalCalls
 
 
 class LeaseCalls:
@@ -40,7 +35,7 @@ class LeaseCalls:
             except OSError:
                 self.drop(local)
             else:
-                return getattr(pb, _METHODS[method].output_type.name).FromString(data), dict(meta)
+                return RESPONSES[method].FromString(data), dict(meta)
         resp, answered = self.rpc.call(method, request, with_call=True)
         return resp, dict(answered.trailing_metadata() or ())
 
@@ -50,20 +45,14 @@ class LeaseCalls:
         whose failures the caller reads as ``grpc.RpcError``s. ``wait``: the caller has nothing
         to do meanwhile, so the call is made here and now (a hand-off to a thread and back costs
         more than a call over the socket saves on a small put)."""
+        def answer():
+            resp, meta = self.call(method, request)
+            return resp, tuple(meta.items())
         if wait:
-            done: Future = Future()
-            try:
-                done.set_result(self._pairs(*self.call(method, request)))
-            except Exception as e:  # noqa: BLE001 - raised again by result(), as a started call's
-                done.set_exception(e)
-            return PendingCall(done)
+            return self.rpc.run_now(answer)
         if self.local is None:
             return self.rpc.start(method, request, self.rpc.timeout_s)
-        return self.rpc.run_later(lambda: self._pairs(*self.call(method, request)))
-
-    @staticmethod
-    def _pairs(resp, meta: dict):
-        return resp, tuple(meta.items())
+        return self.rpc.run_later(answer)
 
     def drop(self, local: LocalCalls) -> None:
         if self.local is local:

@@ -9,10 +9,10 @@ its negotiated transport then: a restarted daemon has a new arena and a new side
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 import queue
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import grpc
@@ -138,6 +138,13 @@ class RpcChannel:
         except RuntimeError:   # closed meanwhile: the pool takes no more calls
             raise DaemonUnavailable("client is closed") from None
 
+    @staticmethod
+    def run_now(call: Callable[[], tuple]) -> PendingCall:
+        """``call()`` made here, answered as ``run_later``'s would be (its error raised by ``result()``)."""
+        done: Future = Future()
+        _settle(done, call)
+        return PendingCall(done)
+
     def failed(self, err: Exception) -> Exception:
         """Note a failed call (an unreachable daemon resets the transport); returns ``err`` to raise."""
         if isinstance(err, DaemonUnavailable):
@@ -190,10 +197,7 @@ class KeptThreads:
                 return
             fn, future = item
             if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
-                    future.set_exception(e)
+                _settle(future, fn)
 
     def shutdown(self) -> None:
         """No more calls; each thread ends once the call it runs (if any) is over."""
@@ -201,6 +205,13 @@ class KeptThreads:
             self._closed = True
             for _ in self._threads:
                 self._work.put(None)
+
+
+def _settle(future: Future, fn: Callable[[], tuple]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+        future.set_exception(e)
 
 
 class PendingCall:

@@ -22,12 +22,11 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs
 from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
 from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
-from kvstore.transport.local_calls import LEASE_METHODS, CallFailed
+from kvstore.transport.local_calls import REQUESTS, CallFailed
 from kvstore.wire import RAW_CODEC
 
 log = logging.getLogger("kvstore.service.lease_rpcs")
-_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
-_PARSE = {name: lenient(getattr(pb, _METHODS[name].input_type.name)) for name in LEASE_METHODS}
+_PARSE = {method: lenient(message) for method, message in REQUESTS.items()}
 
 
 class ClientLeases:

@@ -24,7 +24,6 @@ the bounds on connections are the lookup service's.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import threading
@@ -32,10 +31,14 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.transport.local_lookup import _HEAD, _LEN, CALL, MAGIC, MAX_FRAME
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.transport.local_lookup import _HEAD, _LEN, CALL, MAGIC, MAX_FRAME, peer_closed, recv_exactly
 from kvstore.transport.unix_server import Connection
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
+_RPCS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+REQUESTS = {m: getattr(pb, _RPCS[m].input_type.name) for m in LEASE_METHODS}     # message class of each call
+RESPONSES = {m: getattr(pb, _RPCS[m].output_type.name) for m in LEASE_METHODS}   # and of its answer
 CALL_WORKERS = 4       # lease calls of all same-host clients run on this many daemon threads
 KEEP_IDLE = 8          # connections a client keeps open between calls
 _META_LEN = struct.Struct("!H")
@@ -134,8 +137,8 @@ class LocalCalls:
         sock = self._take()
         try:
             sock.sendall(frame)
-            (n,) = _LEN.unpack(_recv(sock, _LEN.size))
-            body = _recv(sock, n)
+            (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
+            body = recv_exactly(sock, n)
         except BaseException:
             sock.close()
             raise
@@ -155,7 +158,7 @@ class LocalCalls:
                 self._idle, self._pid = [], os.getpid()
             while self._idle:
                 sock = self._idle.pop()
-                if _still_open(sock):
+                if not peer_closed(sock):
                     return sock
                 sock.close()   # the daemon closed it while it idled (its bound, or pushed out)
         return self._connect()
@@ -184,20 +187,3 @@ class LocalCalls:
             idle, self._idle, self._closed = self._idle, [], True
         for sock in idle:
             sock.close()
-
-
-def _still_open(sock: socket.socket) -> bool:
-    """An idle connection has nothing to read unless the daemon's end closed (or is broken)."""
-    readable = select.poll()
-    readable.register(sock, select.POLLIN)
-    return not readable.poll(0)
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("the daemon closed the lease-call connection")
-        buf += chunk
-    return bytes(buf)

@@ -94,6 +94,26 @@ def encode_told(namespace_id: bytes, hit: Sequence[bytes], asked: int, lease: bo
     return _LEN.pack(len(frame) - _LEN.size + 2) + frame[_LEN.size:] + struct.pack("!H", min(asked, 0xFFFF))
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the daemon's end of a client connection is gone: nothing is owed to a client
+    between calls, so a readable socket can only be a hangup. A poll that sends nothing and
+    wakes nobody (one poll object per call: it is not for several threads at once)."""
+    readable = select.poll()
+    readable.register(sock, select.POLLIN)
+    return bool(readable.poll(0))
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes of an answer, or ConnectionResetError when the daemon closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("the daemon closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
 def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
     op, ns_len = body[0], body[1]
     namespace_id = body[2:2 + ns_len]
@@ -118,10 +138,14 @@ class LocalLookupServer(UnixServer):
         self._handler, self._told = handler, told
         self._indexes = indexes if told is not None else None
         self._calls = calls
-        self.takes_calls = calls is not None
         if calls is not None:
             calls.send = self.send_soon
         super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
+
+    @property
+    def takes_calls(self) -> bool:
+        """Whether this socket carries lease calls (``calls`` given)."""
+        return self._calls is not None
 
     def received(self, fd: int, conn: Connection) -> None:
         if conn.tenant is None and not self._greet(fd, conn):
@@ -305,7 +329,7 @@ class LocalLookup:
         data, fds, _, _ = socket.recv_fds(self._sock, _LEN.size + _ANSWER.size, 1)
         try:
             if len(data) < _LEN.size + _ANSWER.size:
-                data += self._recv(_LEN.size + _ANSWER.size - len(data))
+                data += recv_exactly(self._sock, _LEN.size + _ANSWER.size - len(data))
             status, _ = _ANSWER.unpack_from(data, _LEN.size)
             return IndexReader(fds[0]) if status == 0 and fds else None
         finally:
@@ -324,8 +348,8 @@ class LocalLookup:
         frame = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
         with self._lock:
             self._sock.sendall(frame)
-            (n,) = _LEN.unpack(self._recv(_LEN.size))
-            body = self._recv(n)
+            (n,) = _LEN.unpack(recv_exactly(self._sock, _LEN.size))
+            body = recv_exactly(self._sock, n)
         status, hits = _ANSWER.unpack_from(body)
         rest = body[_ANSWER.size:].decode("utf-8", "replace")
         if status != 0:
@@ -336,11 +360,9 @@ class LocalLookup:
 
     def _check_alive(self) -> None:
         """OSError once the daemon's end of the connection is gone (it died: the index answer at
-        hand is not trusted either, and the caller falls back). A poll that sends nothing and
-        wakes nobody; a hung daemon is caught by the table's heartbeat instead."""
-        hangup = select.poll()   # one per call: a poll object is not for several threads at once
-        hangup.register(self._sock, select.POLLIN)
-        if hangup.poll(0):   # readable: nothing is owed to us, so the daemon's end closed
+        hand is not trusted either, and the caller falls back); a hung daemon is caught by the
+        table's heartbeat instead."""
+        if peer_closed(self._sock):
             raise OSError("the daemon closed the lookup connection")
 
     def _send_told(self, notes: list[tuple]) -> None:
@@ -363,15 +385,6 @@ class LocalLookup:
                 self.told_dropped += len(frames)   # the daemon is behind: these go unpinned and uncounted
             except OSError:
                 pass
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
-            if not chunk:
-                raise OSError("the daemon closed the lookup connection")
-            buf += chunk
-        return bytes(buf)
 
     def close(self) -> None:
         self._teller.close()

@@ -33,6 +33,7 @@ _SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
 
 
 SEND_WITHIN_S = 2.0   # an answer still not taken this long after it was ready ends its connection
+_READ = select.EPOLLIN | select.EPOLLRDHUP   # what a connection is watched for (and EPOLLOUT while it has unsent bytes)
 
 
 class Connection:
@@ -101,10 +102,11 @@ class UnixServer:
                     log.exception("%s: handling a connection failed", self._thread.name)
                     self.end(fd, "failed")
             now = time.monotonic()
-            for fd in [fd for fd, c in self.conns.items() if c.deadline < now]:
-                self.end(fd, "timed_out")
-            for fd in [fd for fd, c in self.conns.items() if c.unsent is not None and c.unsent_until < now]:
-                self.end(fd, "stalled")   # it does not take its answer
+            for fd, conn in list(self.conns.items()):
+                if conn.deadline < now:
+                    self.end(fd, "timed_out")
+                elif conn.unsent is not None and conn.unsent_until < now:
+                    self.end(fd, "stalled")   # it does not take its answer
 
     def _accept(self) -> None:
         while True:
@@ -118,7 +120,7 @@ class UnixServer:
             sock.setblocking(False)
             if len(self.conns) >= self.max_connections:
                 self.end(next(iter(self.conns)), "pushed_out")
-            self._poller.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self._poller.register(sock.fileno(), _READ)
             self.conns[sock.fileno()] = Connection(sock, time.monotonic() + self.first_deadline_s)
 
     def _readable(self, fd: int) -> None:
@@ -152,7 +154,7 @@ class UnixServer:
             conn.unsent = memoryview(data)[sent:]
             with contextlib.suppress(OSError, ValueError):   # ended meanwhile: nothing to write to
                 if self.conns.get(fd) is conn:
-                    self._poller.modify(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLOUT)
+                    self._poller.modify(fd, _READ | select.EPOLLOUT)
 
     def _writable(self, fd: int) -> None:
         conn = self.conns[fd]
@@ -167,7 +169,7 @@ class UnixServer:
             if conn.unsent:
                 return
             conn.unsent = None
-        self._poller.modify(fd, select.EPOLLIN | select.EPOLLRDHUP)
+        self._poller.modify(fd, _READ)
 
     def end(self, fd: int, reason: str | None) -> None:
         if reason and fd in self.conns:   # counted before it leaves, so no reader sees it gone uncounted
