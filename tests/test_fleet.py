@@ -20,12 +20,16 @@ import numpy as np
 import pytest
 import redis
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleet_util import BLOCK, BLOCK_TOKENS, NS, SECRET, StorePeer, chain, wait_for, write_fleet_config
 from redis_util import free_port, start_redis
 
 from kvstore.errors import InvalidArgument
 from kvstore.fleet import Directory, Fleet, pack_entry, route_main
+from kvstore.fleet.records import HOLDER_PREFIX_BYTES, holds
+from kvstore.fleet.routing import leading_runs
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 
@@ -223,6 +227,48 @@ def test_route_of_a_long_prompt_and_unknown_prefix(make_node):
     assert f1.route(NS.id, other) == []
     with pytest.raises(InvalidArgument, match="hashes"):
         f1.route(NS.id)
+
+
+def _runs_one_block_at_a_time(values, slots):
+    """Each slot's leading run and its blocks on disk, read a value and a bit at a time."""
+    runs, disks = [], []
+    for s in slots:
+        run = disk = 0
+        for v in values:
+            if not holds(v, s):
+                break
+            run += 1
+            disk += v[HOLDER_PREFIX_BYTES + s // 4] >> (2 * (s % 4) + 1) & 1
+        runs.append(run)
+        disks.append(disk)
+    return runs, disks
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_leading_runs_match_the_bitmaps_read_one_block_at_a_time(data):
+    """The vectorised run counting against the plain reading of the holders bitmaps: values of
+    any length (shorter than a slot's byte: it does not hold), missing blocks, any slots."""
+    slots = sorted(data.draw(st.sets(st.integers(0, 40), min_size=1, max_size=12)))
+    width = HOLDER_PREFIX_BYTES + max(slots) // 4 + 1
+    value = st.one_of(st.none(), st.binary(min_size=0, max_size=width + 4),
+                      st.binary(min_size=width, max_size=width))
+    values = data.draw(st.lists(value, min_size=0, max_size=300))
+    if data.draw(st.booleans()):   # mostly held: long runs, some running to the end
+        values = [None if v is None else v[:HOLDER_PREFIX_BYTES] + bytes(b | 0x55 for b in v[HOLDER_PREFIX_BYTES:])
+                  for v in values]
+    runs, disks = leading_runs(values, slots)
+    assert (runs.tolist(), disks.tolist()) == _runs_one_block_at_a_time(values, slots)
+
+
+def test_leading_runs_of_a_long_prompt_held_in_full():
+    """2000 blocks held by slots 0-3 (slot 1 on disk throughout), slot 5 up to block 1500: runs
+    longer than a uint8 count reaches."""
+    full = bytes(HOLDER_PREFIX_BYTES) + bytes([0b01011101, 0b0100])
+    part = bytes(HOLDER_PREFIX_BYTES) + bytes([0b01011101, 0])
+    values = [full] * 1500 + [part] * 500
+    runs, disks = leading_runs(values, [0, 1, 2, 3, 5])
+    assert runs.tolist() == [2000, 2000, 2000, 2000, 1500] and disks.tolist() == [0, 2000, 0, 0, 0]
 
 
 def test_route_cli(make_node, redis_url, prefix, capsys, monkeypatch):

@@ -206,6 +206,30 @@ def test_every_directory_script_skips_garbage_it_finds(redis_url, prefix):
     assert d.checksums(NS.id, slot, hashes) == [0, 0, 0]
 
 
+@pytest.mark.parametrize("key", ["nodes", "holders"])
+def test_a_directory_key_of_the_wrong_type_fails_one_route_and_leaves_the_connection_clean(redis_url, prefix, key):
+    """A directory writer replaces the nodes or the holders hash with a string: the route that
+    meets it fails (a node answers no route), and the next route, once the hash is back, reads
+    its own replies on the same pooled connection, not one the failed route left unread."""
+    r = redis.Redis.from_url(redis_url)
+    d = Directory(redis_url, prefix, secret=SECRET)
+    d.redis.connection_pool.max_connections = 1   # every route on the one connection
+    slot = d.join(NS.id, "n", "127.0.0.1:1", ttl_s=30)
+    hashes, _ = chain(1500, seed=4)   # two HMGETs: the first 1024 blocks, then the rest
+    d.publish(NS.id, slot, {h: b"\0" * 8 + b"\1" for h in hashes})
+    assert [x.blocks for x in d.route(NS.id, hashes)] == [1500]
+    name = d.nodes_key(NS.id) if key == "nodes" else d.holders_key(NS.id)
+    saved = r.dump(name)
+    r.delete(name)
+    r.set(name, b"not a hash")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        d.route(NS.id, hashes)
+    r.delete(name)
+    r.restore(name, 0, saved)
+    assert [x.blocks for x in d.route(NS.id, hashes)] == [1500]
+    assert [x.blocks for x in d.route(NS.id, hashes[:10])] == [10]
+
+
 def test_a_signed_value_copied_under_another_key_does_not_verify(tmp_path, redis_url, prefix):
     """n3 published block B first (bytes Y). n1 computed other bytes X for B (not advertised: a
     checksum conflict) and holds block A = X, whose signed checksum a directory writer copies to B,

@@ -63,11 +63,6 @@ def holds(value: bytes | None, slot: int) -> bool:
     return value is not None and len(value) > i and bool(value[i] >> ((slot % 4) * 2) & 1)
 
 
-def bitmap_columns(slots: list[int]) -> tuple[list[int], list[int]]:
-    """For each slot: the byte of a holders value that carries its bits, and the shift of its pair."""
-    return [_bitmap_byte(s) for s in slots], [(s % 4) * 2 for s in slots]
-
-
 @dataclasses.dataclass(frozen=True)
 class NodeEntry:
     """One slot of the nodes hash as written, before its MAC is checked."""
