@@ -42,7 +42,7 @@ def blocks(n: int, seed: int) -> list[np.ndarray]:
 
 
 def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
-    hashes, data = chain(300, seed=1), blocks(300, seed=1)   # two lease windows (128, 172 blocks)
+    hashes, data = chain(300, seed=1), blocks(300, seed=1)   # three store windows (128, 256 blocks)
     with daemon.client(token="alice-token") as c:
         ns = c.register_namespace(Namespace(LAYOUT))
         assert c.active_transport == "shm"
@@ -54,7 +54,7 @@ def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
         outs = [np.empty(4096, np.uint8) for _ in hashes]
         assert c.get_into(ns, hashes, outs) == [4096] * 300
         c.stats()   # waits for the background CompleteLoad
-        assert local.answered - before == 2 * 2 + 2 * 2   # PrepareLoad + CompleteLoad per window
+        assert local.answered - before == 2 * 2 + 2
         assert all(np.array_equal(o, d) for o, d in zip(outs, data))
         assert c.put(ns, hashes[:3], data[:3]) == ["exists"] * 3
         hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))

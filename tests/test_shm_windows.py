@@ -1,7 +1,6 @@
 """Same-host puts go to the arena a store lease (window) at a time, the next lease asked for
-while the current window is copied and each window completed while the next is copied; gets
-take load leases the same way, the next asked for while the current one is copied (issue 14:
-the daemon's per-block work overlaps the copies). What a put or get returns must not depend
+while the current window is copied and each window completed while the next is copied (issue
+14: the daemon's per-block work overlaps the copies). What a put or get returns must not depend
 on where the windows fall: blocks already present on either side of a window boundary, a chain
 linked across windows, an arena with no unpinned room left for a later window (the rest is
 streamed), misses anywhere in a get, a get of more blocks than the arena holds; and no lease is
@@ -37,19 +36,19 @@ def read_back(c, ns: bytes, hashes: list[bytes], block_bytes: int) -> tuple[list
     return c.get_into(ns, hashes, outs), outs
 
 
-def test_lease_windows_cover_the_request_in_order():
+def test_put_windows_cover_the_put_in_order():
     for count in (1, 127, 128, 129, 384, 385, 4096):
-        spans = shm_path.lease_windows(count)
+        spans = shm_path.put_windows(count)
         assert spans[0][0] == 0 and spans[-1][1] == count
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert all(0 < stop - start <= shm_path.MAX_WINDOW_BLOCKS for start, stop in spans)
-    assert len(shm_path.lease_windows(shm_path.FIRST_WINDOW_BLOCKS)) == 1   # a small put: one lease, as before
+    assert len(shm_path.put_windows(shm_path.FIRST_WINDOW_BLOCKS)) == 1   # a small put: one lease, as before
 
 
 def test_a_put_across_windows_stores_links_and_reports_every_block(daemon_factory):
     d = daemon_factory("--cpu-slot-bytes", "64KiB", cpu_bytes="128MiB", nvme_bytes="0")
     count = 600
-    spans = shm_path.lease_windows(count)
+    spans = shm_path.put_windows(count)
     assert len(spans) >= 3, "the put must span several store leases"
     edges = {stop for _, stop in spans[:-1]}
     present = sorted({e - 1 for e in edges} | edges | {3})   # both sides of each boundary, and one inside
@@ -75,29 +74,6 @@ def wire_bytes(d, transport: str, direction: str = "in") -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
     found = re.search(r'kvstore_wire_bytes_total\{direction="%s",transport="%s"\} (\S+)' % (direction, transport), text)
     return float(found.group(1)) if found else 0.0
-
-
-def rpc_count(d, method: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
-    found = re.search(r'kvstore_rpc_seconds_count\{method="%s"\} (\S+)' % method, text)
-    return float(found.group(1)) if found else 0.0
-
-
-def test_a_get_across_windows_takes_one_load_lease_per_window(daemon_factory):
-    """600 blocks: three load leases (128, 256 and 216 blocks), each block read back exactly."""
-    d = daemon_factory("--metrics-port", "0", "--cpu-slot-bytes", "64KiB", cpu_bytes="128MiB", nvme_bytes="0")
-    count = 600
-    with d.client(transport="shm") as c:
-        ns = c.register_namespace(Namespace(layout(BLOCK), cache_salt="get-windows"))
-        hashes = ChainHasher(seed=9).chain(np.arange(16 * count), 16)
-        data = blocks_of(count, BLOCK, seed=9)
-        assert c.put(ns, hashes, data) == ["stored"] * count
-        before = rpc_count(d, "PrepareLoad")
-        sizes, outs = read_back(c, ns, hashes, BLOCK)
-        assert rpc_count(d, "PrepareLoad") - before == len(shm_path.lease_windows(count)) == 3
-        assert sizes == [BLOCK] * count
-        assert all(np.array_equal(o, b) for o, b in zip(outs, data))
-        assert c.stats()["leases"] == 0
 
 
 def test_a_later_window_without_room_streams_the_rest(daemon_factory):
@@ -163,9 +139,8 @@ def test_misses_anywhere_in_a_get_are_reported_exactly(daemon_factory):
 
 @pytest.mark.parametrize("block_bytes", [64 * 1024, 256 * 1024, 1024 * 1024])
 def test_a_get_larger_than_the_arena_stages_it_lease_by_lease(daemon_factory, block_bytes):
-    """8 MiB of arena, 24 MiB of blocks: most live on NVMe only when the get starts. (64 KiB: the
-    get's first window fills the arena, so the lease asked ahead finds no room, and is given
-    back before the rest is staged: else the rest finds the arena pinned, and streams.)"""
+    """8 MiB of arena, 24 MiB of blocks: most live on NVMe only when the get starts; each lease
+    stages what the arena has room for, so few blocks are left to stream."""
     d = daemon_factory("--metrics-port", "0", cpu_bytes="8MiB", nvme_bytes="64MiB")
     count = (24 << 20) // block_bytes
     with d.client(transport="shm") as c:

@@ -10,7 +10,6 @@ store stops writing and aborts when its lease is close to expiry.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -19,21 +18,21 @@ import grpc
 from kvstore import errors
 from kvstore.buffers import window
 from kvstore.client.delivery import IntoBuffer, put_results
-from kvstore.client.negotiation import Negotiation, SameDaemonCall
+from kvstore.client.negotiation import Negotiation
 from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
-# a put's store leases and a get's load leases, in blocks (the daemon's work is per block): the
-# first small, so copying starts early; later ones double up to the last (fewer round trips)
+# a put's store leases, in blocks (the daemon's work is per block): the first small, so copying
+# starts early; later ones double up to the last (fewer lease round trips per block)
 FIRST_WINDOW_BLOCKS = 128
 MAX_WINDOW_BLOCKS = 1024
 
 
-def lease_windows(count: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each lease of a put or get of ``count`` blocks (at least one, even empty)."""
+def put_windows(count: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each store lease of a put of ``count`` blocks (at least one, even empty)."""
     spans, at, span = [], 0, FIRST_WINDOW_BLOCKS
     while at < count or not spans:
         spans.append((at, min(at + span, count)))
@@ -136,14 +135,14 @@ class ShmPath:
         """``codec``: ``arrays`` are payloads this client encoded (a block long: raw); each is
         written at the start of its block's slots and CompleteStore names their sizes.
 
-        One store lease per window of blocks (``lease_windows``; a put of at most
+        One store lease per window of blocks (``put_windows``; a put of at most
         ``FIRST_WINDOW_BLOCKS`` is one lease, as before): window k+1's lease is asked for before
         window k is copied, and window k is completed while k+1 is copied, completions in order
         (a chain is published parent first). The daemon's per-block work, reserving slots and
         then indexing and publishing the blocks, thus runs while this process copies instead of
         before and after. An arena full of pinned blocks (``TierFull``) sends the blocks not yet
         stored to ``stream_put``; any other failure raises, the windows completed before it stay."""
-        spans = lease_windows(len(hashes))
+        spans = put_windows(len(hashes))
         results: list[str] = []
 
         def prepare(a: int, b: int):
@@ -235,90 +234,47 @@ class ShmPath:
     def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
             byte_range: tuple[int, int] | None = None) -> list[int | None]:
         """Each block into its sink (``delivery``); its size, or None for a miss. ``byte_range``:
-        only those bytes of each (raw) block are copied out (``accept`` must then be empty).
-
-        One load lease per window of blocks (``lease_windows``, as a put's): window k+1's lease
-        is asked for before window k is copied, so the daemon pins (and stages) the next blocks
-        while this process copies. A lease stops at its first miss: the rest of that window is
-        asked for again after it. A block the arena had no room to stage is streamed, and the
-        lease asked ahead is released first (it holds the room the rest of the get needs)."""
+        only those bytes of each (raw) block are copied out (``accept`` must then be empty)."""
         sizes: list[int | None] = [None] * len(hashes)
-        if not hashes:
-            return sizes
-        todo = deque(lease_windows(len(hashes)))
-        ahead: tuple[tuple[int, int], SameDaemonCall] | None = None
-
-        def prepare(a: int, b: int, wait: bool) -> SameDaemonCall:
-            return self.negotiation.start_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
-                namespace_id=ns_id, hashes=hashes[a:b], block_bytes=block_bytes, accept_codecs=accept,
-                table=True), wait)
-
-        self.settle()   # our previous pins are released before we pin more (small arenas)
-        try:
-            while todo:
-                span = todo.popleft()
-                if ahead is not None and ahead[0] == span:
-                    call, ahead = ahead[1], None
+        start = 0
+        while start < len(hashes):
+            self.settle()  # our previous pins are released before we pin more (small arenas)
+            t0 = time.monotonic()
+            lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept,
+                table=True))
+            got = []
+            count = 0
+            try:
+                arena = self.negotiation.arena
+                direct = _direct_copies(lease, sinks, start) if byte_range is None else None
+                if direct is not None:   # every block one raw extent, straight into the caller's buffer
+                    offsets, lengths, dsts, pieces = direct
+                    self._map(arena, pieces)
+                    arena.copy_each_out(offsets, lengths, dsts)
+                    count = len(dsts)
                 else:
-                    call = prepare(*span, wait=True)
-                lease, meta = call.result()
-                if todo and ahead is None:
-                    ahead = todo[0], prepare(*todo[0], wait=False)
-                stop = span[0] + self._load(lease, call.sent, sinks, span[0], sizes, byte_range)
-                if stop == span[1]:
-                    continue
-                if meta.get(UNSTAGED_KEY):   # present, but no room in the arena: streamed
-                    self._release_ahead(ahead)
-                    ahead = None
-                    self.settle()
-                    sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
-                if stop + 1 < span[1]:
-                    todo.appendleft((stop + 1, span[1]))   # skip past the miss
-        finally:
-            self._release_ahead(ahead)
+                    blocks, pieces = lease_slots(lease)
+                    self._map(arena, pieces)
+                    for i, blk in enumerate(blocks, start):
+                        extents, size = blk.extents, blk.size
+                        if byte_range is not None:
+                            extents, size = window(extents, *byte_range), byte_range[1]
+                        arena.copy_out(extents, sinks[i].buffer(size))
+                        got.append((i, size, blk.codec))
+                    count = len(blocks)
+            finally:
+                confirmed = self._release(lease, t0)
+            if confirmed:
+                if direct is not None:
+                    sizes[start:start + count] = lengths   # raw and in place: nothing left to finish
+                for i, size, codec in got:
+                    sizes[i] = sinks[i].finish(size, codec)
+            stop = start + count
+            if meta.get(UNSTAGED_KEY) and stop < len(hashes):
+                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
+            start = stop + 1  # skip past the first miss
         return sizes
-
-    def _load(self, lease, sent: float, sinks, start: int, sizes: list, byte_range) -> int:
-        """Copy a load lease's blocks into ``sinks[start:]`` and release it; how many it held.
-        Their ``sizes`` are set only if the copies ran under the pins (``_release``)."""
-        got = []
-        count = 0
-        try:
-            arena = self.negotiation.arena
-            direct = _direct_copies(lease, sinks, start) if byte_range is None else None
-            if direct is not None:   # every block one raw extent, straight into the caller's buffer
-                offsets, lengths, dsts, pieces = direct
-                self._map(arena, pieces)
-                arena.copy_each_out(offsets, lengths, dsts)
-                count = len(dsts)
-            else:
-                blocks, pieces = lease_slots(lease)
-                self._map(arena, pieces)
-                for i, blk in enumerate(blocks, start):
-                    extents, size = blk.extents, blk.size
-                    if byte_range is not None:
-                        extents, size = window(extents, *byte_range), byte_range[1]
-                    arena.copy_out(extents, sinks[i].buffer(size))
-                    got.append((i, size, blk.codec))
-                count = len(blocks)
-        finally:
-            confirmed = self._release(lease, sent)
-        if confirmed:
-            if direct is not None:
-                sizes[start:start + count] = lengths   # raw and in place: nothing left to finish
-            for i, size, codec in got:
-                sizes[i] = sinks[i].finish(size, codec)
-        return count
-
-    def _release_ahead(self, ahead) -> None:
-        """Release a load lease asked for ahead and not used (the get stopped or changed course)."""
-        if ahead is None:
-            return
-        try:
-            lease, _ = ahead[1].result()
-        except KVStoreError:
-            return   # never leased (or leased by another daemon run, which released it)
-        self._pending.append(self.leases.start("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id)))
 
     @staticmethod
     def _map(arena, extents) -> None:
