@@ -10,9 +10,13 @@ another layer to get them. Imports nothing from kvstore but the errors module; t
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import warnings
+from bisect import bisect_left
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate, count
 
 import numpy as np
 
@@ -119,10 +123,59 @@ def gather(arena: np.ndarray, extents: Sequence[Extent], dst: np.ndarray) -> int
 
 def copy_each(arena, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
     """``dsts[i][:] = arena[offsets[i]:offsets[i] + lengths[i]]`` for every i: many one-extent
-    blocks with a single call's worth of Python per block (small blocks are bound by it)."""
+    blocks with a single call's worth of Python per block (small blocks are bound by it). A run
+    of at least ``2 * COPY_PART_BYTES`` is copied by up to ``COPY_THREADS`` threads (numpy copies
+    without the GIL; one core's copy loop leaves memory bandwidth unused), each taking the next
+    part of about ``COPY_PART_BYTES`` until none is left, so a thread the scheduler holds back
+    (the daemon shares the cores) does not hold the others up."""
+    total = sum(lengths)
+    threads = min(COPY_THREADS, total // COPY_PART_BYTES)
+    if threads < 2:
+        _copy_run(arena, offsets, lengths, dsts, 0, len(dsts))
+        return
+    ends = list(accumulate(lengths))
+    parts = -(-total // COPY_PART_BYTES)
+    cuts = [0] + [bisect_left(ends, total * k // parts) + 1 for k in range(1, parts)] + [len(dsts)]
+    spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
+    taken = count()   # next() on it is atomic: each span is copied once
+
+    def worker() -> None:
+        for k in taken:
+            if k >= len(spans):
+                return
+            _copy_run(arena, offsets, lengths, dsts, *spans[k])
+
+    pool = _copy_pool()
+    others = [pool.submit(worker) for _ in range(threads - 1)]
+    try:
+        worker()
+    finally:
+        for f in others:
+            f.result()
+
+
+#: ``copy_each`` splits a run into parts of about this many bytes, copied by at most this many threads
+COPY_PART_BYTES = 2 << 20
+COPY_THREADS = min(4, len(os.sched_getaffinity(0)))
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _copy_run(arena, offsets, lengths, dsts, start: int, stop: int) -> None:
     copyto = np.copyto
-    for off, n, dst in zip(offsets, lengths, dsts):
-        copyto(dst, arena[off:off + n])
+    for k in range(start, stop):
+        off = offsets[k]
+        copyto(dsts[k], arena[off:off + lengths[k]])
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    """The threads that copy the other parts of a split run, made on first use in this process
+    (a forked child makes its own: it has none of its parent's threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = os.getpid(), ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvstore-copy")
+        return _pool[1]
 
 
 class Scratch:
