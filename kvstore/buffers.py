@@ -128,14 +128,23 @@ def copy_each(arena, offsets: Sequence[int], lengths: Sequence[int], dsts: Seque
     without the GIL; one core's copy loop leaves memory bandwidth unused), each taking the next
     part of about ``COPY_PART_BYTES`` until none is left, so a thread the scheduler holds back
     (the daemon shares the cores) does not hold the others up."""
+    _copy_parts(arena, offsets, lengths, dsts, False, None)
+
+
+def copy_each_in(arena, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
+                 threads: int | None = None) -> None:
+    """``arena[offsets[i]:offsets[i] + len(srcs[i])] = srcs[i]`` for every i, as ``copy_each``
+    copies out, on at most ``threads`` threads (default ``COPY_THREADS``); ``before_part()`` runs
+    before each part is copied (it may raise to stop: a store lease about to run out)."""
+    _copy_parts(arena, offsets, [s.nbytes for s in srcs], srcs, True, before_part, threads)
+
+
+def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, threads: int | None = None) -> None:
     total = sum(lengths)
-    threads = min(COPY_THREADS, total // COPY_PART_BYTES)
-    if threads < 2:
-        _copy_run(arena, offsets, lengths, dsts, 0, len(dsts))
-        return
+    threads = min(COPY_THREADS if threads is None else threads, total // COPY_PART_BYTES)
+    parts = max(1, -(-total // COPY_PART_BYTES))
     ends = list(accumulate(lengths))
-    parts = -(-total // COPY_PART_BYTES)
-    cuts = [0] + [bisect_left(ends, total * k // parts) + 1 for k in range(1, parts)] + [len(dsts)]
+    cuts = [0] + [bisect_left(ends, total * k // parts) + 1 for k in range(1, parts)] + [len(bufs)]
     spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
     taken = count()   # next() on it is atomic: each span is copied once
 
@@ -143,8 +152,13 @@ def copy_each(arena, offsets: Sequence[int], lengths: Sequence[int], dsts: Seque
         for k in taken:
             if k >= len(spans):
                 return
-            _copy_run(arena, offsets, lengths, dsts, *spans[k])
+            if before_part is not None:
+                before_part()
+            _copy_run(arena, offsets, lengths, bufs, *spans[k], into_arena)
 
+    if threads < 2:
+        worker()
+        return
     pool = _copy_pool()
     others = [pool.submit(worker) for _ in range(threads - 1)]
     try:
@@ -161,11 +175,16 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
-def _copy_run(arena, offsets, lengths, dsts, start: int, stop: int) -> None:
+def _copy_run(arena, offsets, lengths, bufs, start: int, stop: int, into_arena: bool = False) -> None:
     copyto = np.copyto
+    if into_arena:
+        for k in range(start, stop):
+            off = offsets[k]
+            copyto(arena[off:off + lengths[k]], bufs[k])
+        return
     for k in range(start, stop):
         off = offsets[k]
-        copyto(dsts[k], arena[off:off + lengths[k]])
+        copyto(bufs[k], arena[off:off + lengths[k]])
 
 
 def _copy_pool() -> ThreadPoolExecutor:

@@ -1,6 +1,7 @@
-"""``buffers.copy_each``, the copy loop of every same-host get: a run large enough is copied by
-several threads taking parts of it in turn. Every block must land in its own destination whole,
-whatever the lengths, wherever the parts are cut, and however many threads take part."""
+"""``buffers.copy_each`` / ``copy_each_in``, the copy loops of same-host gets and puts: a run
+large enough is copied by several threads taking parts of it in turn. Every block must land whole
+in its own place, whatever the lengths, wherever the parts are cut, and however many threads take
+part; a put's lease check, run before each part, stops the copy when it raises."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import buffers
+from kvstore.keys import ChainHasher, KVLayout, Namespace
 
 
 @pytest.fixture
@@ -57,3 +59,55 @@ def test_a_large_run_is_copied_by_several_threads(small_parts, monkeypatch):
     seen.clear()
     run_copies([3000], seed=2)   # under two parts' worth: this thread alone
     assert seen == {threading.current_thread().name}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(1, 20_000), min_size=1, max_size=60), st.integers(0, 2**32 - 1))
+def test_every_block_lands_whole_in_its_own_place_in_the_arena(small_parts, lengths, seed):
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    arena = np.zeros(sum(lengths) + 4096, dtype=np.uint8)
+    order, at, placed = rng.permutation(len(lengths)), 0, [0] * len(lengths)
+    for k in order:
+        placed[k] = at
+        at += lengths[k]
+    buffers.copy_each_in(arena, placed, srcs)
+    for off, src in zip(placed, srcs):
+        assert np.array_equal(arena[off:off + src.nbytes], src)
+    assert not arena[at:].any()   # nothing written past the last block
+
+
+def test_a_check_that_raises_stops_the_copy_in(small_parts):
+    srcs = [np.full(4096, 7, dtype=np.uint8) for _ in range(60)]
+    arena = np.zeros(60 * 4096, dtype=np.uint8)
+    calls = []
+
+    def running_out():
+        calls.append(1)
+        if len(calls) > 4:
+            raise TimeoutError("the lease ran out")
+
+    with pytest.raises(TimeoutError):
+        buffers.copy_each_in(arena, [k * 4096 for k in range(60)], srcs, running_out)
+    copied = int(np.count_nonzero(arena)) // 4096
+    assert 4 <= copied < 60   # the parts checked before it ran out, and no more than a part per thread after
+
+
+@pytest.mark.parametrize("block_bytes", [256 * 1024, 1024 * 1024])
+def test_large_puts_and_gets_through_the_arena_read_back_exactly(daemon_factory, block_bytes):
+    """The real path: runs of 24 MiB copied in and out by several threads of the client."""
+    d = daemon_factory("--cpu-slot-bytes", str(block_bytes), cpu_bytes="96MiB", nvme_bytes="0")
+    count = (24 << 20) // block_bytes
+    layout = KVLayout(model="test/copies", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                      block_tokens=16, block_bytes=block_bytes)
+    with d.client(transport="shm") as c:
+        assert c.active_transport == "shm"
+        ns = c.register_namespace(Namespace(layout, cache_salt="copies"))
+        hashes = ChainHasher(seed=5).chain(np.arange(16 * count), 16)
+        rng = np.random.default_rng(5)
+        data = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(count)]
+        assert c.put(ns, hashes, data) == ["stored"] * count
+        outs = [np.zeros(block_bytes, dtype=np.uint8) for _ in range(count)]
+        assert c.get_into(ns, hashes, outs) == [block_bytes] * count
+        assert all(np.array_equal(o, b) for o, b in zip(outs, data))
+        assert c.stats()["leases"] == 0

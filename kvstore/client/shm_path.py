@@ -29,6 +29,10 @@ STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction
 # starts early; later ones double up to the last (fewer lease round trips per block)
 FIRST_WINDOW_BLOCKS = 128
 MAX_WINDOW_BLOCKS = 1024
+# a put of blocks at least this large (on average) is copied in by several threads; smaller ones
+# are bound by the daemon's per-block work, which copy threads would take cores from (64 KiB
+# puts were 0.33x memcpy with two threads, 0.48x with one; 256 KiB 0.81x vs 0.61x)
+PARALLEL_PUT_BLOCK_BYTES = 256 << 10
 
 
 def put_windows(count: int) -> list[tuple[int, int]]:
@@ -179,16 +183,27 @@ class ShmPath:
         """Copy each block not yet present into its slots; the lease is aborted if that fails
         (or runs out: the daemon may reuse the slots of an expired store lease)."""
         safe_until = sent + STORE_LEASE_SAFETY * lease.expires_in
+
+        def in_time() -> None:
+            if time.monotonic() > safe_until:
+                raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
+
         try:
             blocks, pieces = lease_slots(lease)
             arena = self.negotiation.arena
             self._map(arena, pieces)
+            offsets, srcs = [], []   # blocks whose bytes fit their first extent: copied in one run
             for blk, src in zip(blocks, arrays):
                 if blk.present:
                     continue
-                if time.monotonic() > safe_until:
-                    raise errors.LeaseExpired("lease_id: the store lease ran out while copying; aborted")
+                if blk.extents and blk.extents[0][1] >= src.nbytes:
+                    offsets.append(blk.extents[0][0])
+                    srcs.append(src)
+                    continue
+                in_time()
                 arena.copy_in(window(blk.extents, 0, src.nbytes), src)
+            large = sum(s.nbytes for s in srcs) >= PARALLEL_PUT_BLOCK_BYTES * len(srcs)
+            arena.copy_each_in(offsets, srcs, in_time, threads=None if large else 1)
         except BaseException:
             self._abort(lease)
             raise

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_each, gather, scatter
+from kvstore.buffers import copy_each, copy_each_in, gather, scatter
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVSG"
@@ -191,6 +191,10 @@ class SegmentMap:
 
     def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
         copy_each(self, offsets, lengths, dsts)
+
+    def copy_each_in(self, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
+                     threads: int | None = None) -> None:
+        copy_each_in(self, offsets, srcs, before_part, threads)
 
     def close(self) -> None:
         self._maps = {}   # each mapping closes once no view of it is left

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.buffers import copy_each, gather, scatter
+from kvstore.buffers import copy_each, copy_each_in, gather, scatter
 
 PROBE_PREFIX = ".kvstore-probe-"
 
@@ -97,6 +97,11 @@ class ArenaMap:
     def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
         """Blocks of one extent each into their destinations (each exactly that long), in one loop."""
         copy_each(self.arena, offsets, lengths, dsts)
+
+    def copy_each_in(self, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
+                     threads: int | None = None) -> None:
+        """Blocks into the start of their one extent each, in one loop (``buffers.copy_each_in``)."""
+        copy_each_in(self.arena, offsets, srcs, before_part, threads)
 
     def close(self) -> None:
         self.arena = None
