@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore.buffers import COPY_THREADS
 from kvstore.ops.ceilings import GB, MemcpyPass, TcpPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
@@ -252,6 +253,10 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
                                           get_ceiling=memcpy_cold if t == "shm" else None)
                 row["memcpy_gbps"] = memcpy.bytes / statistics.median(memcpy() for _ in range(3)) / GB
                 row["memcpy_cold_gbps"] = memcpy_cold.bytes / statistics.median(memcpy_cold() for _ in range(3)) / GB
+                if COPY_THREADS > 1:   # what the shm path's copy threads could reach together
+                    several = MemcpyPass(size, working_set=size * count, cold_sources=True, threads=COPY_THREADS)
+                    row["copy_threads"] = COPY_THREADS
+                    row["memcpy_cold_threads_gbps"] = several.bytes / statistics.median(several() for _ in range(3)) / GB
                 row["tcp_gbps"] = tcp.bytes / statistics.median(tcp() for _ in range(3)) / GB
                 if "grpc" in row:
                     row.update(_grpcio_gbps(count * size))

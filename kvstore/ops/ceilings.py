@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class MemcpyPass:
     judges."""
 
     def __init__(self, nbytes: int, count: int | None = None, working_set: int | None = None,
-                 cold_sources: bool = False) -> None:
+                 cold_sources: bool = False, threads: int = 1) -> None:
         if working_set is None:
             self.srcs = [np.frombuffer(touched_buffer(nbytes), dtype=np.uint8)[:nbytes]]
             slots = 1
@@ -90,13 +91,26 @@ class MemcpyPass:
         self.dsts = [dst[i * nbytes:(i + 1) * nbytes] for i in range(slots)]
         self.count = count or max(_iters_for(nbytes), slots)
         self.bytes = nbytes * self.count
+        self.threads = threads   # > 1: the copies split in that many runs, each on a thread of its own
+
+    def _run(self, start: int, stop: int) -> None:
+        srcs, dsts = self.srcs, self.dsts
+        for i in range(start, stop):
+            np.copyto(dsts[i % len(dsts)], srcs[i % len(srcs)])
 
     def __call__(self) -> float:
-        srcs, dsts = self.srcs, self.dsts
-        t = time.perf_counter()
-        for i in range(self.count):
-            np.copyto(dsts[i % len(dsts)], srcs[i % len(srcs)])
-        return time.perf_counter() - t
+        if self.threads < 2:
+            t = time.perf_counter()
+            self._run(0, self.count)
+            return time.perf_counter() - t
+        cuts = [self.count * k // self.threads for k in range(self.threads + 1)]
+        with ThreadPoolExecutor(self.threads - 1) as pool:
+            t = time.perf_counter()
+            others = [pool.submit(self._run, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
+            self._run(cuts[0], cuts[1])
+            for f in others:
+                f.result()
+            return time.perf_counter() - t
 
 
 def memcpy_gbps(nbytes: int, reps: int = 5, working_set: int | None = None) -> float:
