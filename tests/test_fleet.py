@@ -271,6 +271,23 @@ def test_leading_runs_of_a_long_prompt_held_in_full():
     assert runs.tolist() == [2000, 2000, 2000, 2000, 1500] and disks.tolist() == [0, 2000, 0, 0, 0]
 
 
+def test_leading_runs_of_huge_values_use_memory_for_the_slots_asked_only():
+    """A directory writer's 1 MiB holders value among 1024 blocks is cut to the bytes the slots
+    asked for need, not padded to: the rows stay ~50 KiB, not a GiB."""
+    import tracemalloc
+
+    held = bytes(HOLDER_PREFIX_BYTES) + bytes([0b01010101] * 2)
+    values = [held] * 1023 + [held + b"\xff" * (1 << 20)]
+    tracemalloc.start()
+    try:
+        runs, _ = leading_runs(values, [0, 3, 7])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert runs.tolist() == [1024, 1024, 1024]
+    assert peak < 8 << 20
+
+
 def test_route_cli(make_node, redis_url, prefix, capsys, monkeypatch):
     monkeypatch.setenv("KVSTORE_FLEET__SECRET", SECRET)
     s1, f1 = make_node("n1")

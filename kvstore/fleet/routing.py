@@ -53,12 +53,13 @@ def leading_runs(values: list[bytes | None], slots: list[int]) -> tuple[np.ndarr
         return np.zeros(len(slots), dtype=np.int64), np.zeros(len(slots), dtype=np.int64)
     width = HOLDER_PREFIX_BYTES + max(slots) // 4 + 1   # the bytes that carry the slots asked for
     lengths = set(map(len, values))
-    longest = max(width, *lengths)
-    if len(lengths) == 1 and longest in lengths:   # the usual case: nothing to pad
+    if len(lengths) == 1 and (length := min(lengths)) >= width and length <= 2 * width:   # the usual case
         joined = b"".join(values)
-    else:
-        joined = b"".join(map(bytes.ljust, values, repeat(longest), repeat(b"\0")))
-    rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(values), longest)[:, HOLDER_PREFIX_BYTES:width]
+    elif max(lengths) <= width:   # some shorter than others: padded (in C)
+        joined, length = b"".join(map(bytes.ljust, values, repeat(width), repeat(b"\0"))), width
+    else:                         # some longer than a row needs (a hostile writer's huge value): cut
+        joined, length = b"".join(v[:width].ljust(width, b"\0") for v in values), width
+    rows = np.frombuffer(joined, dtype=np.uint8).reshape(len(values), length)[:, HOLDER_PREFIX_BYTES:width]
     held = np.bitwise_and.accumulate(rows & _HOLD_BITS, axis=0)   # slot s's bit: block i is in its run
     disk = held & (rows >> 1)                                     # ... and on disk there
     counts = _column_counts(held | disk << 1)   # unpacked, bit 2s of a row is slot s's "holds", 2s+1 "on disk"
