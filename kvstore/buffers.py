@@ -147,25 +147,28 @@ def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, th
     cuts = [0] + [bisect_left(ends, total * k // parts) + 1 for k in range(1, parts)] + [len(bufs)]
     spans = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
     taken = count()   # next() on it is atomic: each span is copied once
+    failed: list[BaseException] = []
 
     def worker() -> None:
-        for k in taken:
-            if k >= len(spans):
-                return
-            if before_part is not None:
-                before_part()
-            _copy_run(arena, offsets, lengths, bufs, *spans[k], into_arena)
+        try:
+            for k in taken:
+                if k >= len(spans) or failed:
+                    return
+                if before_part is not None:
+                    before_part()
+                _copy_run(arena, offsets, lengths, bufs, *spans[k], into_arena)
+        except BaseException as e:   # the others stop at their next part
+            failed.append(e)
 
     if threads < 2:
         worker()
-        return
-    pool = _copy_pool()
-    others = [pool.submit(worker) for _ in range(threads - 1)]
-    try:
+    else:
+        others = [_copy_pool().submit(worker) for _ in range(threads - 1)]
         worker()
-    finally:
-        for f in others:
-            f.result()
+        for f in others:   # every copy has ended before the caller hears of a failure (and
+            f.result()     # releases the lease, or hands the buffers back)
+    if failed:
+        raise failed[0]
 
 
 #: ``copy_each`` splits a run into parts of about this many bytes, copied by at most this many threads

@@ -6,6 +6,7 @@ part; a put's lease check, run before each part, stops the copy when it raises."
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,7 +91,23 @@ def test_a_check_that_raises_stops_the_copy_in(small_parts):
     with pytest.raises(TimeoutError):
         buffers.copy_each_in(arena, [k * 4096 for k in range(60)], srcs, running_out)
     copied = int(np.count_nonzero(arena)) // 4096
-    assert 4 <= copied < 60   # the parts checked before it ran out, and no more than a part per thread after
+    assert copied == 4   # the parts checked before it ran out; the other threads stopped too
+    settled = arena.copy()
+    time.sleep(0.05)
+    assert np.array_equal(arena, settled)   # and no thread still copies once the caller hears of it
+
+
+def test_a_copy_that_fails_stops_every_thread_before_it_raises(small_parts):
+    arena = np.random.default_rng(3).integers(1, 256, 200 * 4096, dtype=np.uint8)
+    dsts = [np.zeros(4096, dtype=np.uint8) for _ in range(200)]
+    dsts[5] = np.zeros(4095, dtype=np.uint8)   # a destination of the wrong size: that part fails
+    with pytest.raises(ValueError):
+        buffers.copy_each(arena, [k * 4096 for k in range(200)], [4096] * 200, dsts)
+    filled = sum(bool(d.any()) for d in dsts)
+    assert filled < 5 + 3 * 2   # the parts before it, and at most a part or two per thread after
+    settled = [d.copy() for d in dsts]
+    time.sleep(0.05)
+    assert all(np.array_equal(a, b) for a, b in zip(dsts, settled))   # nothing copies on afterwards
 
 
 @pytest.mark.parametrize("block_bytes", [256 * 1024, 1024 * 1024])
