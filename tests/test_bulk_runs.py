@@ -1,14 +1,20 @@
-"""Side-channel puts store small blocks a run at a time (one Store.put per run of at most
-``RUN_BYTES``; issue 14: 64 KiB puts were bound by one Store.put per block). What a put returns
-must not depend on where the runs fall: blocks already present on either side of a run boundary
-are "exists", the rest "stored", the chain is linked across runs, and every block reads back."""
+"""Side-channel puts move and store small blocks a run at a time: the client sends a run per
+``sendmsg``, the daemon reads a run per receive and stores it with one Store.put (of at most
+``RUN_BYTES``; issue 14: 64 KiB puts were bound by per-block work). What a put returns must not
+depend on where the runs fall: blocks already present on either side of a run boundary are
+"exists", the rest "stored", the chain is linked across runs, and every block reads back; and
+every byte sent arrives in order, however the kernel splits a ``sendmsg``."""
 
 from __future__ import annotations
+
+import socket
+import threading
 
 import numpy as np
 
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.service.bulk_rpcs import RUN_BYTES, put_runs
+from kvstore.transport import bulk
 
 BLOCK = 64 * 1024
 
@@ -43,3 +49,33 @@ def test_a_side_channel_put_across_runs_stores_links_and_reports_every_block(dae
         assert c.get_into(ns, hashes, outs) == [BLOCK] * count
         assert all(np.array_equal(o, b) for o, b in zip(outs, data))
         assert c.lookup_many(ns, [hashes])[0].num_hit == count
+
+
+def test_send_all_delivers_every_byte_in_order_through_a_small_socket_buffer():
+    """Buffers of many sizes (empty, tiny, a run's worth, larger than a run) through a socket whose
+    send buffer is small, so the kernel takes part of a ``sendmsg`` again and again."""
+    rng = np.random.default_rng(11)
+    sizes = [0, 1, 7, 4096, 65536, 65536, bulk.SEND_RUN_BYTES, 3 * bulk.SEND_RUN_BYTES + 5, 100] + [65536] * 300
+    views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)).cast("B") for n in sizes]
+    want = b"".join(bytes(v) for v in views)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    a.settimeout(30)   # as the side channel's socket: each sendmsg takes what fits, not all
+    got = bytearray()
+
+    def reader():
+        while len(got) < len(want):
+            chunk = b.recv(7000)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        bulk.send_all(a, views)
+        t.join(timeout=30)
+    finally:
+        a.close()
+        b.close()
+    assert bytes(got) == want

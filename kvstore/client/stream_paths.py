@@ -66,8 +66,7 @@ class BulkPath:
         with bulk.lock:
             fut = self.rpc.future("BulkPut", req, data_timeout(self.rpc.timeout_s, sum(a.nbytes for a in arrays)))
             try:
-                for a in arrays:
-                    bulk.send(a)
+                bulk.send_each(arrays)
                 return put_results(fut.result())
             except grpc.RpcError as e:
                 raise self._rpc_failed(e) from None

@@ -128,12 +128,12 @@ class BulkRpcs(ServicerBase):
                 buf = self.scratch.get(max((sum(sizes[a:b]) for a, b in runs), default=0))
                 with self.quota_hold(ns, hashes):
                     for a, b in runs:
+                        run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
+                        bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
+                        received += run_bytes
                         payloads, at = [], 0
-                        for i in range(a, b):   # received block by block: the stall watch sees each
+                        for i in range(a, b):
                             payload = buf[at:at + sizes[i]]
-                            bulk_transport.recv_exact_into(sock, memoryview(payload))
-                            progress.touch()
-                            received += sizes[i]
                             at += sizes[i]
                             if codecs is not None and codecs[i]:
                                 try:

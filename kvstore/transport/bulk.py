@@ -43,7 +43,9 @@ ERROR_SIZE = 2**64 - 1
 _U64 = struct.Struct("<Q")
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def recv_exact_into(sock: socket.socket, view: memoryview, on_bytes=None) -> None:
+    """Fill ``view`` from ``sock``; ``on_bytes()`` after each read that brought some (a stall
+    watch sees a slow sender's progress within a large read)."""
     got = 0
     n = len(view)
     while got < n:
@@ -51,6 +53,33 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("side channel closed mid-transfer")
         got += k
+        if on_bytes is not None:
+            on_bytes()
+
+
+#: one ``sendmsg`` carries buffers up to this many bytes (and below the kernel's IOV_MAX of 1024)
+SEND_RUN_BYTES = 1 << 20
+SEND_RUN_BUFFERS = 256
+
+
+def send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every byte of ``views`` in order, small ones a run of up to ``SEND_RUN_BYTES`` per
+    ``sendmsg``: a put's small blocks then cost a syscall per run, not per block (64 KiB sends
+    cost about 2.5x what 1 MiB ones do per byte on loopback). A larger buffer goes alone."""
+    at = 0
+    while at < len(views):
+        stop, size = at, 0
+        while stop < len(views) and stop - at < SEND_RUN_BUFFERS and (stop == at or size + len(views[stop]) <= SEND_RUN_BYTES):
+            size += len(views[stop])
+            stop += 1
+        sent = sock.sendmsg(views[at:stop])
+        for view in views[at:stop]:   # past the buffers sent whole; the rest of a partly sent one by sendall
+            at += 1
+            if sent >= len(view):
+                sent -= len(view)
+                continue
+            sock.sendall(view[sent:])
+            break
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -113,6 +142,10 @@ class BulkChannel:
 
     def send(self, src: np.ndarray) -> None:
         self.sock.sendall(memoryview(src).cast("B"))
+
+    def send_each(self, srcs) -> None:
+        """Every array of ``srcs``, in order, a run of them per syscall (``send_all``)."""
+        send_all(self.sock, [memoryview(a).cast("B") for a in srcs])
 
     def close(self) -> None:
         try:
