@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport.local_lookup import _HEAD, _LEN, CALL, MAGIC, MAX_FRAME, peer_closed, recv_exactly
+from kvstore.transport.local_lookup import CALL, MAX_FRAME, frame, greeting, peer_closed, recv_frame
 from kvstore.transport.unix_server import Connection
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
@@ -45,19 +45,16 @@ _META_LEN = struct.Struct("!H")
 
 
 def encode_call(method: str, request: bytes) -> bytes:
-    body = bytes([CALL, LEASE_METHODS.index(method)]) + request
-    return _LEN.pack(len(body)) + body
+    return frame(bytes([CALL, LEASE_METHODS.index(method)]) + request)
 
 
 def _answered(response: bytes, metadata) -> bytes:
     meta = "\n".join(f"{k}={v}" for k, v in metadata).encode()
-    rest = b"\0" + _META_LEN.pack(len(meta)) + meta + response
-    return _LEN.pack(len(rest)) + rest
+    return frame(b"\0" + _META_LEN.pack(len(meta)) + meta + response)
 
 
 def _refused(kind: str, field: str, message: str) -> bytes:
-    rest = b"\1" + f"{kind}\0{field}\0{message}".encode("utf-8", "replace")[:4096]
-    return _LEN.pack(len(rest)) + rest
+    return frame(b"\1" + f"{kind}\0{field}\0{message}".encode("utf-8", "replace")[:4096])
 
 
 class CallFailed(Exception):
@@ -120,8 +117,7 @@ class LocalCalls:
 
     def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float) -> None:
         self._path, self._timeout_s = path, timeout_s
-        name = tenant.encode("utf-8")
-        self._greeting = _HEAD.pack(MAGIC, ticket, len(name)) + name
+        self._greeting = greeting(ticket, tenant)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -131,14 +127,12 @@ class LocalCalls:
 
     def call(self, method: str, request: bytes) -> tuple[bytes, tuple]:
         """``(response bytes, trailing metadata pairs)`` of one lease call."""
-        frame = encode_call(method, request)
-        if len(frame) - _LEN.size > MAX_FRAME:
-            raise OSError(f"a {method} of {len(frame)} bytes is over the socket's frame bound")
+        if 2 + len(request) > MAX_FRAME:   # its frame's body: op, method, request
+            raise OSError(f"a {method} of {len(request)} bytes is over the socket's frame bound")
         sock = self._take()
         try:
-            sock.sendall(frame)
-            (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
-            body = recv_exactly(sock, n)
+            sock.sendall(encode_call(method, request))
+            body = recv_frame(sock)
         except BaseException:
             sock.close()
             raise

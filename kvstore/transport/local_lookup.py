@@ -82,16 +82,15 @@ def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int) -> byte
     width = widths.pop() if len(widths) == 1 else 0 if not widths else 256
     if width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
         raise Unframeable("hashes of one width (at most 255 bytes), at most 65535 of them")
-    body = (bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
-            + b"".join(hashes))
-    return _LEN.pack(len(body)) + body
+    return frame(bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
+                 + b"".join(hashes))
 
 
 def encode_told(namespace_id: bytes, hit: Sequence[bytes], asked: int, lease: bool) -> bytes:
     """A lookup the client answered from the index: the hashes it found (pinned with ``lease``)
     and how many it asked about (for the daemon's counts)."""
-    frame = encode_lookup(namespace_id, hit, TOLD_LEASE if lease else TOLD)
-    return _LEN.pack(len(frame) - _LEN.size + 2) + frame[_LEN.size:] + struct.pack("!H", min(asked, 0xFFFF))
+    lookup = encode_lookup(namespace_id, hit, TOLD_LEASE if lease else TOLD)
+    return frame(lookup[_LEN.size:] + struct.pack("!H", min(asked, 0xFFFF)))
 
 
 def peer_closed(sock: socket.socket) -> bool:
@@ -112,6 +111,23 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise ConnectionResetError("the daemon closed the connection")
         buf += chunk
     return bytes(buf)
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` behind its ``u32`` length: every request and answer on this socket."""
+    return _LEN.pack(len(body)) + body
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    """The body of the next frame (its length read first), as ``recv_exactly`` reads."""
+    (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
+    return recv_exactly(sock, n)
+
+
+def greeting(ticket: bytes, tenant: str) -> bytes:
+    """What a client sends first on a connection: the magic, its ticket and its tenant's name."""
+    name = tenant.encode("utf-8")
+    return _HEAD.pack(MAGIC, ticket, len(name)) + name
 
 
 def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
@@ -194,10 +210,10 @@ class LocalLookupServer(UnixServer):
         if op == INDEX:
             index_fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
             if index_fd is None:
-                conn.sock.sendall(_frame(_ANSWER.pack(1, 0)))
+                conn.sock.sendall(frame(_ANSWER.pack(1, 0)))
                 return
             try:
-                socket.send_fds(conn.sock, [_frame(_ANSWER.pack(0, 0))], [index_fd])
+                socket.send_fds(conn.sock, [frame(_ANSWER.pack(0, 0))], [index_fd])
                 self.counts["indexes_handed"] += 1
             finally:
                 os.close(index_fd)
@@ -223,7 +239,7 @@ class LocalLookupServer(UnixServer):
             self.counts["lookups"] += 1
         except Exception as e:  # noqa: BLE001 - the error goes back to the caller, by class
             rest = _ANSWER.pack(1, 0) + f"{type(e).__name__}:{e}".encode("utf-8", "replace")[:4096]
-        return _frame(rest)
+        return frame(rest)
 
     def close(self) -> None:
         super().close()
@@ -231,10 +247,6 @@ class LocalLookupServer(UnixServer):
             self._indexes.close()
         if self._calls is not None:
             self._calls.close()
-
-
-def _frame(rest: bytes) -> bytes:
-    return _LEN.pack(len(rest)) + rest
 
 
 class LocalLookupError(Exception):
@@ -316,8 +328,7 @@ class LocalLookup:
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
-            name = tenant.encode("utf-8")
-            self._sock.sendall(_HEAD.pack(MAGIC, ticket, len(name)) + name)
+            self._sock.sendall(greeting(ticket, tenant))
             if use_index:
                 self.index = self._map_index()
         except OSError:
@@ -345,11 +356,10 @@ class LocalLookup:
                 self._check_alive()
                 self._teller.tell((namespace_id, hashes[:got[0]], len(hashes), lease))
                 return got
-        frame = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
+        request = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
         with self._lock:
-            self._sock.sendall(frame)
-            (n,) = _LEN.unpack(recv_exactly(self._sock, _LEN.size))
-            body = recv_exactly(self._sock, n)
+            self._sock.sendall(request)
+            body = recv_frame(self._sock)
         status, hits = _ANSWER.unpack_from(body)
         rest = body[_ANSWER.size:].decode("utf-8", "replace")
         if status != 0:
