@@ -142,6 +142,9 @@ def copy_each_in(arena, offsets: Sequence[int], srcs: Sequence[np.ndarray], befo
 def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, threads: int | None = None) -> None:
     total = sum(lengths)
     threads = min(COPY_THREADS if threads is None else threads, total // COPY_PART_BYTES)
+    if threads < 2 and before_part is None:   # a small get: one loop, no parts to cut
+        _copy_run(arena, offsets, lengths, bufs, 0, len(bufs), into_arena)
+        return
     parts = max(1, -(-total // COPY_PART_BYTES))
     ends = list(accumulate(lengths))
     cuts = [0] + [bisect_left(ends, total * k // parts) + 1 for k in range(1, parts)] + [len(bufs)]
