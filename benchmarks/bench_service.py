@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 import time
+from kvstore.buffers import COPY_PART_BYTES
+from kvstore.client.shm_path import PARALLEL_PUT_BLOCK_BYTES
 from kvstore.ops.report import write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +62,8 @@ def markdown(report: dict) -> str:
     several = [(size, row) for size, row in report["sizes"].items() if "memcpy_cold_threads_gbps" in row and "shm" in row]
     if several:
         n = several[0][1]["copy_threads"]
-        out += ["", f"The shm path copies a run of 4 MiB or more (puts: in blocks of 256 KiB or more) on {n} threads "
+        out += ["", f"The shm path copies a run of {2 * COPY_PART_BYTES >> 20} MiB or more (puts: in blocks of "
+                    f"{PARALLEL_PUT_BLOCK_BYTES >> 10} KiB or more) on {n} threads "
                     f"(`kvstore.buffers.copy_each`), so the table's one-thread memcpy is not the most this machine "
                     f"can copy. The same cold memcpy split over {n} threads, medians of 3 passes at the end:", "",
                 f"| block | shm put / get GB/s | memcpy (cold), {n} threads GB/s | put / it | get / it |",
