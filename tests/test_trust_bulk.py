@@ -9,6 +9,7 @@ import selectors
 import socket
 import time
 
+import grpc
 import numpy as np
 import psutil
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transport.bulk import MAGIC, BulkChannel, recv_exact
 from kvstore.transport.bulk_server import BulkServer, GREETING_DEADLINE_S, MAX_SESSIONS
 
@@ -241,3 +243,40 @@ def test_stats_never_show_a_session_gone_and_not_yet_counted():
         assert not torn, f"{len(torn)} of the stats reads saw a session gone and not counted: {torn[0]}"
     finally:
         server.close()
+
+
+def test_a_put_whose_bytes_stop_mid_run_is_cut_and_keeps_only_the_runs_that_arrived(daemon_factory):
+    """The daemon reads a side-channel put a run (up to 1 MiB) at a time. A caller that sends one
+    whole run and part of the next, then goes silent, is cut after the stall bound (2 s with
+    --lease-seconds 1) and loses its session; the whole run is stored, nothing of the cut one, and
+    the daemon goes on serving."""
+    from kvstore.service.bulk_rpcs import RUN_BYTES
+
+    d = daemon_factory("--lease-seconds", "1")
+    per_run = RUN_BYTES // BLOCK
+    hashes = _chain(per_run * 2 + 8, seed=21)
+    data = [_block(100 + i) for i in range(len(hashes))]
+    with d.client(transport="bulk") as c:
+        ns = c.register_namespace(Namespace(LAYOUT))
+        hs = c.call("Handshake", pb.HandshakeRequest())
+        sock, sid = _greet(hs.bulk_port, hs.bulk_ticket)
+        try:
+            channel = grpc.insecure_channel(d.address)
+            future = pb_grpc.KVStoreStub(channel).BulkPut.future(
+                pb.BulkRequest(namespace_id=ns, hashes=hashes, block_bytes=BLOCK, session=sid), timeout=30)
+            sent = per_run + per_run // 2   # a whole run, then half of the next
+            sock.sendall(b"".join(b.tobytes() for b in data[:sent]))
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError):
+                future.result(timeout=20)
+            channel.close()
+            assert time.monotonic() - t0 < 10
+            sock.settimeout(5)
+            assert sock.recv(1) == b""   # the session's connection was closed
+        finally:
+            sock.close()
+        assert c.exists(ns, hashes) == [True] * per_run + [False] * (len(hashes) - per_run)
+        assert c.get(ns, hashes[:per_run]) == [b.tobytes() for b in data[:per_run]]
+        assert c.put(ns, hashes[per_run:], data[per_run:], parent=hashes[per_run - 1]) == \
+            ["stored"] * (len(hashes) - per_run)
+        assert c.get(ns, hashes) == [b.tobytes() for b in data]
