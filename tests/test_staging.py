@@ -7,12 +7,11 @@ exactly, and stored again the damaged ones are served too."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.tiers.nvme import find_blocks
 
 BLOCK = 256 * 1024
 
@@ -33,12 +32,13 @@ def test_several_damaged_copies_in_one_staging_run_are_each_a_counted_miss(daemo
         on_nvme = [i for i, h in enumerate(hashes) if c.lookup(ns, [h], lease=False).tiers == ["nvme"]]
         assert len(on_nvme) >= 20
         damaged = on_nvme[2:5] + on_nvme[7:8]   # three in a row, and one more, within one run of 16
+        slots = find_blocks(d.nvme_path)
         for i in damaged:
-            path = os.path.join(d.nvme_path, (ns + hashes[i]).hex() + ".kvb")
+            path, offset = slots[ns + hashes[i]]
             with open(path, "r+b") as f:          # one payload byte flipped
-                f.seek(4096 + 1000)
+                f.seek(offset + 4096 + 1000)
                 b = f.read(1)
-                f.seek(4096 + 1000)
+                f.seek(offset + 4096 + 1000)
                 f.write(bytes([b[0] ^ 0x40]))
         before = c.stats()["counters"].get("corrupt_dropped", 0)
         for _ in range(2):   # the second get finds them gone, not half-dropped

@@ -220,7 +220,7 @@ def test_write_through_acks_persisted(harness, tmp_path):
     c = chain(4)
     assert h.put(c) == ["persisted"] * 4
     nvme = h.store.tiers[h.store.durable_index]
-    assert all(os.path.exists(nvme.file_path(h.ns + x)) for x in c)
+    assert all(os.path.exists(nvme.location(h.ns + x)[0]) for x in c)
     # write-back by default: "stored" until flushed
     wb = harness(cpu_blocks=8)
     assert wb.put(c) == ["stored"] * 4
@@ -289,7 +289,8 @@ def test_delete_removes_every_copy(harness):
     assert h.store.delete(h.ns, c) == 4
     assert h.store.stats()["tiers"]["nvme"]["blocks"] == 0
     assert h.store.stats()["tiers"]["cpu"]["blocks"] == 0
-    assert os.listdir(h.store.tiers[-1].path) == ["namespaces"]   # the registry's directory, no block file
+    nvme = h.store.tiers[-1]
+    assert list(NvmeTier(nvme.path, nvme.capacity_bytes).recover()) == []   # no slot left with a header
 
 
 # -- prefix-aware policy on whole chains -------------------------------------------------------------
@@ -360,28 +361,54 @@ def test_corrupt_nvme_file_is_a_miss_and_counted(harness, damage):
     c = chain(6)
     h.put(c)
     nvme = h.store.tiers[-1]
-    victim = next(x for x in c if h.tier_of(x) == "nvme")
-    path = nvme.file_path(h.ns + victim)
+    on_nvme = [x for x in c if h.tier_of(x) == "nvme"]
+    victim = max(on_nvme, key=lambda x: nvme.location(h.ns + x)[1])   # the last slot: a cut harms no other
+    path, offset = nvme.location(h.ns + victim)
     if damage == "bit-flip":
-        _flip(path, HEADER_BYTES + BLOCK // 2)
+        _flip(path, offset + HEADER_BYTES + BLOCK // 2)
     else:
-        os.truncate(path, HEADER_BYTES + 1000)
+        os.truncate(path, offset + HEADER_BYTES + 1000)
     present = h.check(c)
     assert present[c.index(victim)] is False
     assert sum(present) == 5
     counters = h.store.stats()["counters"]
     assert counters["corrupt_dropped"] == 1 and nvme.stats()["corrupt_dropped"] == 1
-    assert not os.path.exists(path)
+    with pytest.raises(KeyError):
+        nvme.location(h.ns + victim)
     assert h.store.contains(h.ns, [victim]) == [False]
     assert h.put([victim], parent=c[c.index(victim) - 1] if c.index(victim) else None) == ["stored"]
     assert h.check([victim]) == [True]
+
+
+def test_damaged_blocks_inside_a_run_read_are_misses_and_their_neighbours_exact(harness):
+    """A get of a chain on NVMe reads neighbouring slots in runs (``reads._read_chunk``): two
+    damaged blocks in the middle of one run are each a counted miss, every other block of the
+    run is served exactly, none stays pinned, and stored again both are served."""
+    h = harness(cpu_blocks=0, nvme_blocks=64, promote_on_hit=False)
+    c = chain(24)
+    assert h.put(c) == ["persisted"] * 24
+    nvme = h.store.tiers[-1]
+    offsets = [nvme.location(h.ns + x)[1] for x in c]
+    assert offsets == sorted(offsets) and offsets[-1] - offsets[0] == 23 * NVME_FP   # neighbours
+    for k in (3, 4):
+        path, offset = nvme.location(h.ns + c[k])
+        _flip(path, offset + HEADER_BYTES + 10 + k)
+    outs = [np.zeros(BLOCK, np.uint8) for _ in c]
+    got = h.store.get_into(h.ns, c, outs)
+    assert [i for i, g in enumerate(got) if g is None] == [3, 4]
+    assert all(np.array_equal(outs[i], data(x)) for i, x in enumerate(c) if i not in (3, 4))
+    assert h.store.stats()["counters"]["corrupt_dropped"] == 2
+    assert all(b.pins == 0 for b in h.store.block_states())
+    assert h.put(c[3:5], parent=c[2]) == ["persisted"] * 2
+    assert h.check(c) == [True] * 24
 
 
 def test_corrupt_nvme_copy_with_a_cpu_copy_still_serves_from_cpu(harness):
     h = harness(cpu_blocks=4, write_through=True)
     c = chain(2)
     h.put(c)
-    _flip(h.store.tiers[-1].file_path(h.ns + c[0]), HEADER_BYTES + 3)
+    path, offset = h.store.tiers[-1].location(h.ns + c[0])
+    _flip(path, offset + HEADER_BYTES + 3)
     assert h.check(c) == [True, True]  # the fastest copy is intact
 
 
@@ -391,12 +418,16 @@ def test_corrupt_file_found_at_restart_is_never_served(tmp_path):
     c = chain(4)
     h.put(c)
     h.close()
-    nvme_file = NvmeTier(d, 1 << 30).file_path
-    os.truncate(nvme_file(h.ns + c[1]), HEADER_BYTES + 10)
-    _flip(nvme_file(h.ns + c[2]), HEADER_BYTES + 77)
+    probe = NvmeTier(d, 1 << 30)
+    list(probe.recover())
+    (path, last), (_, second_last) = probe.location(h.ns + c[3]), probe.location(h.ns + c[2])
+    probe.close()
+    assert last > second_last
+    os.truncate(path, last + HEADER_BYTES + 10)
+    _flip(path, second_last + HEADER_BYTES + 77)
     again = Harness(d, cpu_blocks=2, promote_on_hit=False)
     assert again.store.stats()["counters"]["recovered_blocks"] == 3  # the torn one never got in
-    assert again.check(c) == [True, False, False, True]
+    assert again.check(c) == [True, True, False, False]
     assert again.store.stats()["counters"]["corrupt_dropped"] == 1
     again.close()
 
@@ -490,8 +521,8 @@ def test_a_batch_that_fills_the_disk_keeps_its_leading_blocks_and_nothing_after(
         assert h.check(c[:kept]) == [True] * kept
         assert not any(n.endswith(".tmp") for n in os.listdir(m))
         assert h.store.tiers[-1].used_bytes == kept * NVME_FP
-        assert len([n for n in os.listdir(m) if n.endswith(".kvb")]) == kept   # no file of a dropped block
         h.close()
+        assert len(list(NvmeTier(m, 64 * NVME_FP).recover())) == kept   # no slot of a dropped block
 
 
 # -- everything at once ------------------------------------------------------------------------------

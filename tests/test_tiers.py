@@ -7,12 +7,14 @@ import tempfile
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
-from kvstore.tiers.nvme import HEADER_BYTES, SUFFIX, NvmeTier
+from kvstore.tiers.nvme import HEADER_BYTES, MAX_SLABS, READ_RUN_BYTES, NvmeTier, encode_header
+from kvstore.tiers.slabs import SLAB_NAME
 from kvstore.tiers.slots import SlotTable
 from mounts import mounted
 
@@ -141,6 +143,10 @@ def test_cpu_tier_too_large_and_too_big_for_shm():
 
 # -- NVMe tier -------------------------------------------------------------------------------------
 
+def _slabs(d: str) -> list[str]:
+    return sorted(n for n in os.listdir(d) if SLAB_NAME.fullmatch(n))
+
+
 def test_nvme_roundtrip_uses_o_direct_on_a_disk(tmp_path):
     tier = NvmeTier(str(tmp_path / "n"), 64 << 20)
     if not tier.o_direct:
@@ -148,9 +154,11 @@ def test_nvme_roundtrip_uses_o_direct_on_a_disk(tmp_path):
     for i, size in enumerate((1, 4096, 100_000, 1 << 20)):
         roundtrip(tier, rec(i, size), payload(i, size))
     assert tier.stats()["o_direct"] == 1
-    files = sorted(os.listdir(tier.path))
-    assert len(files) == 4 and all(f.endswith(SUFFIX) for f in files)
-    assert os.path.getsize(tier.file_path(rec(2, 1).key)) == HEADER_BYTES + 102_400
+    # one slab per footprint: 1 and 4096 bytes both take a header page and one payload page
+    assert len(_slabs(tier.path)) == 3 == tier.stats()["slab_files"]
+    path, offset = tier.location(rec(2, 1).key)
+    assert offset == 0 and os.path.getsize(path) == HEADER_BYTES + 102_400
+    assert tier.location(rec(0, 1).key)[1] == 0 and tier.location(rec(1, 1).key)[1] == 2 * 4096
 
 
 def _buffered_fallback(d: str) -> None:
@@ -185,9 +193,16 @@ def _aligned(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
+def _slot_bytes(tier: NvmeTier, key: bytes, start: int = 0, n: int | None = None) -> bytes:
+    path, offset = tier.location(key)
+    with open(path, "rb") as f:
+        f.seek(offset + start)
+        return f.read(n if n is not None else tier.footprint(tier.record(key).stored_size) - start)
+
+
 def test_nvme_zero_copy_paths_for_page_aligned_buffers(tmp_path):
     """Aligned payloads go to disk without staging, aligned outputs are filled by the disk; both
-    must produce and verify the same files as the staged path."""
+    must produce and verify the same slots as the staged path."""
     tier = NvmeTier(str(tmp_path), 64 << 20)
     size = 256 * KIB
     src = _aligned(size)
@@ -197,15 +212,83 @@ def test_nvme_zero_copy_paths_for_page_aligned_buffers(tmp_path):
     tier.write(a, src)                  # direct write
     tier.allocate(b)
     tier.write(b, payload(5, size))     # staged write of the same bytes
-    with open(tier.file_path(a.key), "rb") as fa, open(tier.file_path(b.key), "rb") as fb:
-        assert fa.read()[HEADER_BYTES:] == fb.read()[HEADER_BYTES:]
+    assert _slot_bytes(tier, a.key, HEADER_BYTES) == _slot_bytes(tier, b.key, HEADER_BYTES)
     out = _aligned(size)
     assert tier.read_into(a.key, out) == size  # direct read
     assert np.array_equal(out, src)
-    _flip(tier.file_path(b.key), HEADER_BYTES + 100)
+    _flip(*tier.location(b.key), HEADER_BYTES + 100)
     with pytest.raises(BlockCorrupt):
         tier.read_into(b.key, _aligned(size))  # a direct read verifies too
     assert tier.corrupt_dropped == 1
+
+
+def test_nvme_a_chain_lies_in_adjacent_slots_and_a_dropped_slot_is_reused(tmp_path):
+    tier = NvmeTier(str(tmp_path), 64 << 20)
+    fp = tier.footprint(50_000)
+    records = [rec(i, 50_000) for i in range(6)]
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 50_000))
+    assert [tier.location(r.key)[1] for r in records] == [i * fp for i in range(6)]
+    tier.drop(records[2].key)
+    assert _slot_bytes(tier, records[3].key, 0, 8) == b"KVSBLK02"
+    late = rec(9, 50_000)
+    tier.allocate(late)
+    tier.write(late, payload(9, 50_000))
+    assert tier.location(late.key)[1] == 2 * fp   # the lowest free slot
+    for r in [*records[:2], late, *records[3:]]:
+        out = np.empty(50_000, np.uint8)
+        assert tier.read_into(r.key, out) == 50_000 and np.array_equal(out, payload(r.block_hash[0], 50_000))
+    assert tier.used_bytes == 6 * fp
+
+
+def test_nvme_a_dropped_block_does_not_come_back_after_a_restart(tmp_path):
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    records = [rec(i, 20_000) for i in range(4)]
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 20_000))
+    tier.drop(records[1].key)
+    tier.sync()
+    tier.close()
+    again = NvmeTier(d, 64 << 20)
+    assert sorted(r.key for r in again.recover()) == sorted(r.key for r in records if r is not records[1])
+    assert again.corrupt_dropped == 0 and again.used_bytes == 3 * again.footprint(20_000)
+
+
+def test_nvme_recover_never_takes_a_header_planted_in_a_payload(tmp_path):
+    """A client controls payload bytes, and each payload page starts on a 4 KiB boundary. It puts
+    block A whose first payload page is a valid header, for a key it chose and the same
+    footprint, with the checksum of the 7 pages that follow it on disk (the rest of A and the
+    header of its next block B, which it can compute: B is its own). After a restart only A and
+    B are found, never the forged block: headers are read only at slot starts."""
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    size = 7 * 4096   # footprint 8 pages
+    a, b = rec(1, size), rec(2, size)
+    body_b = payload(2, size)
+    b.checksum = xxhash.xxh3_64_intdigest(body_b)
+    b_header = np.zeros(4096, np.uint8)
+    b_header[:len(encode_header(b))] = np.frombuffer(encode_header(b), np.uint8)
+    body_a = payload(1, size)
+    forged = rec(66, size)
+    forged.checksum = xxhash.xxh3_64_intdigest(np.concatenate([body_a[4096:], b_header]))
+    page = encode_header(forged)
+    body_a[:4096] = 0
+    body_a[:len(page)] = np.frombuffer(page, np.uint8)
+    assert xxhash.xxh3_64_intdigest(np.concatenate([body_a[4096:], b_header])) == forged.checksum
+    for r, body in ((a, body_a), (b, body_b)):
+        tier.allocate(r)
+        tier.write(r, body)
+    assert tier.location(b.key)[1] == tier.location(a.key)[1] + 8 * 4096   # laid out as planned
+    tier.close()
+    again = NvmeTier(d, 64 << 20, verify_on_recover=True)
+    assert sorted(x.key for x in again.recover()) == sorted([a.key, b.key])
+    with pytest.raises(KeyError):
+        again.record(forged.key)
+    out = np.empty(size, np.uint8)
+    assert again.read_into(a.key, out) == size and np.array_equal(out, body_a)
 
 
 def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
@@ -215,7 +298,8 @@ def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
     for r in records:
         tier.allocate(r)
         tier.write(r, payload(r.block_hash[0], 50_000))
-    open(os.path.join(d, "deadbeef" + SUFFIX + ".tmp"), "wb").write(b"half a block")
+    open(os.path.join(d, "deadbeef.kvb.tmp"), "wb").write(b"half a block of the older layout")
+    open(os.path.join(d, "deadbeef.kvb"), "wb").write(b"a block file of the older layout")
     open(os.path.join(d, "unrelated.txt"), "w").write("not ours")
     again = NvmeTier(d, 64 << 20)
     found = {r.key: r for r in again.recover()}
@@ -223,68 +307,87 @@ def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
     assert found[records[3].key].parent_hash == records[2].block_hash
     assert found[records[0].key].parent_hash is None
     assert again.used_bytes == tier.used_bytes
-    assert not any(n.endswith(".tmp") for n in os.listdir(d))
+    assert not any(n.endswith((".kvb", ".tmp")) for n in os.listdir(d))
     assert os.path.exists(os.path.join(d, "unrelated.txt"))  # never deletes what is not ours
     out = np.empty(50_000, np.uint8)
     again.read_into(records[4].key, out)
     assert np.array_equal(out, payload(4, 50_000))
+    late = rec(7, 50_000)   # new blocks go after the recovered ones
+    again.allocate(late)
+    again.write(late, payload(7, 50_000))
+    assert again.location(late.key)[1] == 5 * again.footprint(50_000)
 
 
-def _flip(path: str, offset: int) -> None:
+def _flip(path: str, base: int, offset: int) -> None:
     with open(path, "r+b") as f:
-        f.seek(offset)
+        f.seek(base + offset)
         b = f.read(1)
-        f.seek(offset)
+        f.seek(base + offset)
         f.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.parametrize("damage", ["payload-bit", "header-bit", "truncate", "delete", "swap"])
+def _copy_slot(tier: NvmeTier, src: bytes, dst: bytes) -> None:
+    data = _slot_bytes(tier, src)
+    path, offset = tier.location(dst)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("damage", ["payload-bit", "header-bit", "truncate", "zeroed", "swap"])
 def test_nvme_read_detects_damage_and_drops_the_block(tmp_path, damage):
     tier = NvmeTier(str(tmp_path), 64 << 20)
-    a, b = rec(1, 20_000), rec(2, 20_000)
-    for r in (a, b):
+    b, a = rec(2, 20_000), rec(1, 20_000)   # a in the last slot, so a truncation cuts only a
+    for r in (b, a):
         tier.allocate(r)
         tier.write(r, payload(r.block_hash[0], 20_000))
-    path = tier.file_path(a.key)
+    path, offset = tier.location(a.key)
     if damage == "payload-bit":
-        _flip(path, HEADER_BYTES + 12_345)
+        _flip(path, offset, HEADER_BYTES + 12_345)
     elif damage == "header-bit":
-        _flip(path, 40)
+        _flip(path, offset, 40)
     elif damage == "truncate":
-        os.truncate(path, HEADER_BYTES + 10_000)
-    elif damage == "delete":
-        os.unlink(path)
-    else:  # another block's (intact) file under this name
-        os.replace(tier.file_path(b.key), path)
+        os.truncate(path, offset + HEADER_BYTES + 10_000)
+    elif damage == "zeroed":
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(HEADER_BYTES))
+    else:  # another block's (intact) slot copied over this one
+        _copy_slot(tier, b.key, a.key)
     used = tier.used_bytes
     with pytest.raises(BlockCorrupt, match="dropped"):
         tier.read_into(a.key, np.empty(20_000, np.uint8))
     assert tier.corrupt_dropped == 1
-    assert tier.used_bytes < used and not os.path.exists(path)
+    assert tier.used_bytes < used
     with pytest.raises(KeyError):
         tier.read_into(a.key, np.empty(20_000, np.uint8))
+    out = np.empty(20_000, np.uint8)
+    assert tier.read_into(b.key, out) == 20_000 and np.array_equal(out, payload(2, 20_000))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header-bit", "empty", "renamed"])
-def test_nvme_recover_never_yields_a_damaged_file(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["truncate", "header-bit", "copied"])
+def test_nvme_recover_never_yields_a_damaged_slot(tmp_path, damage):
     tier = NvmeTier(str(tmp_path), 64 << 20)
-    a, b = rec(1, 20_000), rec(2, 20_000)
-    for r in (a, b):
+    b, a = rec(2, 20_000), rec(1, 20_000)
+    for r in (b, a):
         tier.allocate(r)
         tier.write(r, payload(r.block_hash[0], 20_000))
-    path = tier.file_path(a.key)
+    path, offset = tier.location(a.key)
     if damage == "truncate":
-        os.truncate(path, HEADER_BYTES + 4096)
+        os.truncate(path, offset + HEADER_BYTES + 4096)
     elif damage == "header-bit":
-        _flip(path, 17)
-    elif damage == "empty":
-        os.truncate(path, 0)
-    else:
-        os.rename(path, tier.file_path(rec(3, 1).key))
+        _flip(path, offset, 17)
+    else:   # the same block twice: only the first slot's copy is taken
+        _copy_slot(tier, b.key, a.key)
+    tier.close()
     again = NvmeTier(str(tmp_path), 64 << 20)
     assert [r.key for r in again.recover()] == [b.key]
-    assert again.corrupt_dropped == 1
-    assert sorted(os.listdir(tmp_path)) == [os.path.basename(again.file_path(b.key))]
+    assert again.corrupt_dropped == (0 if damage == "truncate" else 1)
+    assert again.used_bytes == again.footprint(20_000)
+    late = rec(3, 20_000)   # the damaged slot is free again
+    again.allocate(late)
+    again.write(late, payload(3, 20_000))
+    assert again.location(late.key)[1] == offset
 
 
 def test_nvme_recover_with_verification_catches_payload_rot(tmp_path):
@@ -292,7 +395,7 @@ def test_nvme_recover_with_verification_catches_payload_rot(tmp_path):
     a = rec(1, 20_000)
     tier.allocate(a)
     tier.write(a, payload(1, 20_000))
-    _flip(tier.file_path(a.key), HEADER_BYTES + 5)
+    _flip(*tier.location(a.key), HEADER_BYTES + 5)
     assert len(list(NvmeTier(str(tmp_path), 64 << 20).recover())) == 1  # header-only scan: cheap
     assert list(NvmeTier(str(tmp_path), 64 << 20, verify_on_recover=True).recover()) == []
 
@@ -309,6 +412,15 @@ def test_nvme_capacity_and_bad_directory(tmp_path):
     blocker.write_text("x")
     with pytest.raises(TierIOError, match="not writable"):
         NvmeTier(str(blocker / "sub"), 1 << 20)
+
+
+def test_nvme_holds_at_most_max_slabs_block_sizes(tmp_path):
+    tier = NvmeTier(str(tmp_path), 1 << 30)
+    for i in range(MAX_SLABS):
+        tier.allocate(rec(i, (i + 1) * 4096))
+    with pytest.raises(TierFull, match=f"{MAX_SLABS} different sizes"):
+        tier.allocate(rec(999, (MAX_SLABS + 1) * 4096))
+    tier.allocate(rec(998, 4096))   # a size it holds already still fits
 
 
 # -- GPU tier (device-agnostic torch) --------------------------------------------------------------
@@ -359,3 +471,45 @@ def test_cpu_arena_is_page_locked_with_cuda():
         assert tier.page_locked
     finally:
         tier.close()
+
+
+def _read_calls() -> int:
+    with open("/proc/thread-self/io") as f:
+        return int(next(line for line in f if line.startswith("syscr:")).split()[1])
+
+
+def test_nvme_reads_neighbouring_slots_in_runs_and_judges_each_block_alone(tmp_path):
+    """A chain stored in one go lies in neighbouring slots; ``read_many_into`` reads it with a
+    few preadv calls (counted by the kernel: /proc/thread-self/io), into aligned and unaligned
+    buffers alike, and still finds the one damaged block among them, the cut-off tail and a key
+    it does not hold, each in its own place."""
+    tier = NvmeTier(str(tmp_path), 64 << 20)
+    size = 64 * KIB
+    records = [rec(i, size) for i in range(40)]
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], size))
+    keys = [r.key for r in records]
+    outs = [_aligned(size) if i % 3 else np.zeros(size + 1, np.uint8)[1:] for i in range(40)]   # some unaligned
+    before = _read_calls()
+    assert tier.read_many_into(keys[:32], outs[:32]) == [size] * 32
+    in_runs = _read_calls() - before
+    before = _read_calls()
+    for key, out in zip(keys[:32], outs[:32]):
+        tier.read_into(key, out)
+    one_by_one = _read_calls() - before
+    assert one_by_one >= 32 and in_runs <= -(-32 // (READ_RUN_BYTES // tier.footprint(size))) + 2   # + reading io
+    assert all(np.array_equal(o, payload(i, size)) for i, o in enumerate(outs[:32]))
+    path, offset = tier.location(keys[5])
+    _flip(path, offset, HEADER_BYTES + 999)
+    os.truncate(path, tier.location(keys[38])[1] + HEADER_BYTES + 100)   # 38 cut, 39 gone
+    missing = rec(77, size).key
+    got = tier.read_many_into([*keys, missing], [*(np.zeros(size, np.uint8) for _ in keys), np.zeros(size, np.uint8)])
+    assert isinstance(got[5], BlockCorrupt) and isinstance(got[38], BlockCorrupt) and isinstance(got[39], BlockCorrupt)
+    assert isinstance(got[40], KeyError)
+    assert [g for i, g in enumerate(got[:38]) if i != 5] == [size] * 37
+    assert tier.corrupt_dropped == 3 and tier.stats()["blocks"] == 37
+    back = list(reversed(keys[10:20]))   # not neighbours in this order: read one by one, still exact
+    outs = [np.zeros(size, np.uint8) for _ in back]
+    assert tier.read_many_into(back, outs) == [size] * 10
+    assert all(np.array_equal(o, payload(19 - k, size)) for k, o in enumerate(outs))

@@ -1,8 +1,8 @@
 """Planted files and loose permissions in the NVMe directory (issue 17, item 4).
 
-Threat: another local user or a stale process plants a symlink where the tier writes (a temp or
-probe file), a FIFO or a symlink where recovery reads (``*.kvb``), or reads cached KV bytes because
-the directory is loose. Each case runs against the real tier and, where it matters at start-up or
+Threat: another local user or a stale process plants a symlink where the tier writes (a slab or
+probe file), a FIFO or a symlink where recovery reads (``slab-*.kvs``, and the older layout's
+``*.kvb``), or reads cached KV bytes because the directory is loose. Each case runs against the real tier and, where it matters at start-up or
 on the write path, against a real ``kvstore serve`` daemon. Planted files are real symlinks and FIFOs.
 """
 
@@ -21,7 +21,8 @@ from daemon_util import start_daemon
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import TierIOError
 from kvstore.tiers.base import BlockRecord
-from kvstore.tiers.nvme import SUFFIX, NvmeTier
+from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier, find_blocks
+from kvstore.tiers.slabs import SLAB_NAME
 
 NS = b"T" * 16
 LAYOUT = KVLayout(model="test/trust-files", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
@@ -84,8 +85,13 @@ def _recover_within(tier: NvmeTier, fifo: str, seconds: float = 5.0) -> list[Blo
     return found
 
 
-def _block_file(directory: str, ns: bytes, h: bytes) -> str:
-    return os.path.join(directory, (ns + h).hex() + SUFFIX)
+def _slab_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if SLAB_NAME.fullmatch(n))
+
+
+def _slab_name(footprint: int, tag: str = "0badf00d") -> str:
+    """A name the tier would accept as one of its slabs (it picks its own at random)."""
+    return f"slab-{footprint}-{tag}.kvs"
 
 
 def _blocks(n: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
@@ -103,7 +109,7 @@ def test_tier_creates_its_directory_0700_and_block_files_0600(tmp_path):
         tier.allocate(r)
         tier.write(r, _payload(1))
     assert _mode(tier.path) == 0o700
-    assert _mode(tier.file_path(r.key)) == 0o600
+    assert _mode(tier.location(r.key)[0]) == 0o600
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o755, 0o750, 0o1777])
@@ -153,36 +159,43 @@ def test_tier_writes_never_follow_planted_symlinks(tmp_path):
         os.symlink(victim, os.path.join(d, name))
     tier = NvmeTier(d, 8 << 20)
     r = _rec(7)
-    tmp_victim = _victim(tmp_path, "victim-tmp")
-    os.symlink(tmp_victim, tier.file_path(r.key) + ".tmp")  # planted after start: recovery cannot clean it
+    fp = tier.footprint(r.stored_size)
+    slab_victim = _victim(tmp_path, "victim-slab")
+    os.symlink(slab_victim, os.path.join(d, _slab_name(fp)))  # planted after start: recovery cannot see it
     tier.allocate(r)
     tier.write(r, _payload(7))
-    for victim in [*victims.values(), tmp_victim]:
+    for victim in [*victims.values(), slab_victim]:
         assert _read(victim) == VICTIM_BYTES, victim
     out = np.empty(20_000, np.uint8)
     assert tier.read_into(r.key, out) == 20_000 and np.array_equal(out, _payload(7))
-    assert not os.path.islink(tier.file_path(r.key)) and _mode(tier.file_path(r.key)) == 0o600
+    path = tier.location(r.key)[0]
+    assert not os.path.islink(path) and _mode(path) == 0o600
 
 
-def test_daemon_planted_temp_and_probe_symlinks_do_not_redirect_writes(tmp_path):
+def test_daemon_planted_slab_and_probe_symlinks_do_not_redirect_writes(tmp_path):
+    """Symlinks under the probe's name and under slab names the daemon could take, planted before
+    it starts: recovery skips the slab-named ones, the daemon writes its own slab beside them."""
     d_path = _private_dir(tmp_path / "nvme")
     probe_victim = _victim(tmp_path, "probe-victim")
     os.symlink(probe_victim, os.path.join(d_path, ".write-probe"))
+    fp = HEADER_BYTES + LAYOUT.block_bytes
+    slab_victims = [_victim(tmp_path, f"slab-victim-{i}") for i in range(3)]
+    for i, victim in enumerate(slab_victims):
+        os.symlink(victim, os.path.join(d_path, _slab_name(fp, f"{i:08x}")))
     d = start_daemon(tmp_path / "daemon", "--write-through", nvme_path=d_path, timeout=60)
     try:
         hashes, blocks = _blocks(3, seed=3)
         with d.client(transport="grpc") as c:
-            ns = c.register_namespace(Namespace(LAYOUT, cache_salt="planted-tmp"))
-            tmp_victims = []
-            for i, h in enumerate(hashes):  # a stale process plants the temp names the daemon will use
-                tmp_victims.append(_victim(tmp_path, f"tmp-victim-{i}"))
-                os.symlink(tmp_victims[-1], _block_file(d_path, ns, h) + ".tmp")
+            ns = c.register_namespace(Namespace(LAYOUT, cache_salt="planted-slab"))
             assert c.put(ns, hashes, blocks) == ["persisted"] * 3
             assert c.get(ns, hashes) == [b.tobytes() for b in blocks]
-        for victim in [probe_victim, *tmp_victims]:
+            assert c.stats()["tiers"]["nvme"]["recovery_skipped_not_regular"] == 3
+        for victim in [probe_victim, *slab_victims]:
             assert _read(victim) == VICTIM_BYTES, victim
-        for h in hashes:
-            assert stat.S_ISREG(os.lstat(_block_file(d_path, ns, h)).st_mode)
+        slots = find_blocks(d_path)
+        assert all(ns + h in slots for h in hashes)
+        for path, _ in slots.values():
+            assert stat.S_ISREG(os.lstat(path).st_mode) and _mode(path) == 0o600
     finally:
         d.stop()
 
@@ -194,42 +207,51 @@ def test_tier_recovery_skips_and_counts_what_is_not_a_regular_file(tmp_path):
     r = _rec(5)
     elsewhere.allocate(r)
     elsewhere.write(r, _payload(5))
-    target = elsewhere.file_path(r.key)
+    target = elsewhere.location(r.key)[0]
+    fp = elsewhere.footprint(r.stored_size)
     d = _private_dir(tmp_path / "nvme")
-    fifo = os.path.join(d, "x" + SUFFIX)
+    fifo = os.path.join(d, _slab_name(fp, "00000001"))
     os.mkfifo(fifo)
-    os.symlink(target, os.path.join(d, os.path.basename(target)))  # a valid block's own name
-    os.mkdir(os.path.join(d, "sub" + SUFFIX))
+    os.symlink(target, os.path.join(d, os.path.basename(target)))  # a valid slab's own name
+    os.mkdir(os.path.join(d, _slab_name(fp, "00000002")))
+    legacy_fifo = os.path.join(d, "ab" * 24 + ".kvb")                 # the older layout's block name
+    os.mkfifo(legacy_fifo)
     tier = NvmeTier(d, 8 << 20)
     assert _recover_within(tier, fifo) == []
-    assert tier.stats()["recovery_skipped_not_regular"] == 3
+    assert tier.stats()["recovery_skipped_not_regular"] == 4
     assert tier.corrupt_dropped == 0 and tier.used_bytes == 0
-    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # skipped, not deleted: never ours
-    assert _read(target)[:8] == b"KVSBLK01"        # the link's target is untouched
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISFIFO(os.lstat(legacy_fifo).st_mode)  # never ours
+    assert _read(target)[:8] == b"KVSBLK02"        # the link's target is untouched
+    tier.allocate(r)                                 # and the tier still works, in a slab of its own
+    tier.write(r, _payload(5))
+    assert os.path.dirname(tier.location(r.key)[0]) == d and not os.path.islink(tier.location(r.key)[0])
 
 
 def test_daemon_starts_past_a_planted_fifo_and_counts_it(tmp_path):
     d_path = _private_dir(tmp_path / "nvme")
-    fifo = os.path.join(d_path, "x" + SUFFIX)
+    fifo = os.path.join(d_path, _slab_name(HEADER_BYTES + LAYOUT.block_bytes))
     os.mkfifo(fifo)
     t0 = time.monotonic()
     try:
-        d = start_daemon(tmp_path / "daemon", nvme_path=d_path, timeout=20)
-    finally:  # today's recovery blocks in open(); let a stuck daemon go
+        d = start_daemon(tmp_path / "daemon", "--write-through", nvme_path=d_path, timeout=20)
+    finally:  # a recovery that opened it would block in open(); let a stuck daemon go
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     try:
         assert time.monotonic() - t0 < 20
+        hashes, blocks = _blocks(2, seed=5)
         with d.client(transport="grpc") as c:
             assert c.stats()["tiers"]["nvme"]["recovery_skipped_not_regular"] == 1
+            ns = c.register_namespace(Namespace(LAYOUT, cache_salt="planted-fifo"))
+            assert c.put(ns, hashes, blocks) == ["persisted"] * 2   # blocks of the planted name's size too
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     finally:
         d.stop()
 
 
-def test_daemon_does_not_follow_a_symlink_named_like_a_block(tmp_path):
-    """A symlink named exactly as a valid block file, pointing at a real block file of another
-    daemon's directory: not followed, not indexed, not served, counted."""
+def test_daemon_does_not_follow_a_symlink_named_like_a_slab(tmp_path):
+    """A symlink named exactly as a valid slab file, pointing at a real slab of another daemon's
+    directory: not followed, not indexed, not served, counted."""
     hashes, blocks = _blocks(1, seed=4)
     a = start_daemon(tmp_path / "a", "--write-through", timeout=60)
     try:
@@ -238,10 +260,10 @@ def test_daemon_does_not_follow_a_symlink_named_like_a_block(tmp_path):
             assert c.put(ns, hashes, blocks) == ["persisted"]
     finally:
         a.stop()
-    target = _block_file(a.nvme_path, ns, hashes[0])
+    (target,) = _slab_files(a.nvme_path)
     before = _read(target)
     d_path = _private_dir(tmp_path / "nvme")
-    os.symlink(target, _block_file(d_path, ns, hashes[0]))
+    os.symlink(target, os.path.join(d_path, os.path.basename(target)))
     b = start_daemon(tmp_path / "b", nvme_path=d_path, timeout=60)
     try:
         with b.client(transport="grpc") as c:
@@ -279,22 +301,20 @@ def test_daemon_refuses_a_loose_or_foreign_directory_naming_path_and_mode(tmp_pa
 
 
 @pytest.mark.parametrize("plant", ["directory", "fifo", "symlink"])
-def test_a_block_file_replaced_while_serving_is_a_counted_miss_not_a_hang_or_an_error(tmp_path, plant):
-    """A directory, FIFO or symlink put under a stored block's name while the daemon runs: reading
-    it is a miss (counted as corrupt), never a hang on the FIFO nor an OSError out of get; the
-    other blocks of the same batch are still served (their reads run several at once) and no
-    block is left pinned."""
-    from kvstore.keys import block_key
+def test_a_slab_file_replaced_while_serving_changes_nothing_served(tmp_path, plant):
+    """A directory, FIFO or symlink put under a slab's name while the store runs: the tier reads
+    the slab it opened, never the name again, so every block is served exactly, with no hang, no
+    error and no block left pinned. A restart then skips the planted thing and counts it."""
     from kvstore.store import Store, StoreConfig
 
-    tier = NvmeTier(_private_dir(tmp_path / "nvme"), 64 << 20)
+    d = _private_dir(tmp_path / "nvme")
+    tier = NvmeTier(d, 64 << 20)
     store = Store([tier], StoreConfig())
     ns = store.register_namespace(Namespace(LAYOUT))
     hashes = ChainHasher().chain(np.arange(6 * 16), 16)
     blocks = [_payload(i, LAYOUT.block_bytes) for i in range(6)]
     store.put(ns, hashes, blocks)
-    planted = hashes[2]
-    path = tier.file_path(block_key(ns, planted))
+    (path,) = _slab_files(d)
     os.unlink(path)
     {"directory": lambda: os.mkdir(path), "fifo": lambda: os.mkfifo(path),
      "symlink": lambda: os.symlink(_victim(tmp_path), path)}[plant]()
@@ -303,10 +323,10 @@ def test_a_block_file_replaced_while_serving_is_a_counted_miss_not_a_hang_or_an_
     reader.start()
     reader.join(20)
     assert not reader.is_alive(), "the read hung on the planted file"
-    assert got, "get raised instead of reporting a miss"
-    expected = [b.tobytes() for b in blocks]
-    expected[2] = None
-    assert got[0] == expected
-    assert tier.corrupt_dropped == 1
+    assert got and got[0] == [b.tobytes() for b in blocks]
+    assert tier.corrupt_dropped == 0
     assert all(s.pins == 0 for s in store.block_states())
     store.close()
+    again = NvmeTier(d, 64 << 20)
+    assert _recover_within(again, path) == []
+    assert again.stats()["recovery_skipped_not_regular"] == 1

@@ -25,6 +25,10 @@ Primitive by primitive:
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
   stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
   deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
+* ``read_many_into(keys, outs)`` — ``read_into`` for each key, in its place the payload's length
+  or the exception that read raised (``BlockCorrupt``, ``KeyError``). A tier whose neighbouring
+  blocks sit side by side on one medium (``reads_in_runs``: NVMe slabs) reads them with one call;
+  the rest read one by one.
 * ``free_bytes_for(namespace_id)`` — room a block of that namespace could take now: ``free_bytes``,
   except where space is split by owner (the CPU tier's tenant segments). ``assign_owners(fn)``
   tells such a tier whose each namespace is.
@@ -42,7 +46,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
-from kvstore.errors import BlockTooLarge, TierFull
+from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull
 from kvstore.keys import block_key
 
 
@@ -112,6 +116,17 @@ class Tier(ABC):
 
     @abstractmethod
     def read_into(self, key: bytes, out: memoryview) -> int: ...
+
+    reads_in_runs = False   # read_many_into does better than one read_into after another
+
+    def read_many_into(self, keys, outs) -> list:
+        got: list = []
+        for key, out in zip(keys, outs):
+            try:
+                got.append(self.read_into(key, out))
+            except (KeyError, BlockCorrupt) as e:
+                got.append(e)
+        return got
 
     def extents(self, key: bytes) -> list[tuple[int, int]] | None:
         return None

@@ -1,24 +1,32 @@
-"""NVMe tier: one checksummed file per block in a local directory, found again after a restart.
+"""NVMe tier: checksummed blocks in slab files in a local directory, found again after a restart.
 
-File = a 4 KiB header (record + xxh3 of the payload + xxh3 of the header) followed by the payload
-padded to 4 KiB, so the whole file moves with O_DIRECT from one aligned staging buffer (falling
-back to buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs).
+Layout: one slab file per block footprint (``slab-<footprint>-<random>.kvs``, see ``slabs``), one block
+per slot. A slot = a 4 KiB header (record + xxh3 of the payload + xxh3 of the header) followed by
+the payload padded to 4 KiB, so a block moves with one O_DIRECT ``pwritev`` / ``preadv`` at its
+slot's offset (buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs). No file is
+created, renamed or unlinked per block: that metadata work cost more than the bytes at 64 KiB.
 
-Atomic and durable: a block is written to ``<name>.tmp``, fsynced, renamed, and the directory is
-fsynced once per batch (``write_unsynced`` + ``sync``; ``write`` does both). Demotions (never
-acknowledged as persisted) skip the payload's fsync too: the next ``sync()`` flushes them all with
-one ``syncfs`` (group commit), and a crash before then may tear one, which its checksum catches. A crash leaves either no file, a ``.tmp`` (deleted at recovery) or a
-complete file. Every read verifies the payload checksum; a bad or torn file is deleted, counted
-and reported as ``BlockCorrupt`` (the store turns that into a miss). Warm restart: ``recover()``
-rebuilds the index from the headers, so a restarted daemon serves what it had.
+Durable: ``write`` is a positional write and an ``fdatasync``. The batched form
+(``write_unsynced`` + ``sync``) flushes each slab written since the last ``sync`` once (group
+commit), and the directory once when a slab file was created. A crash before then may lose or
+tear such a block; the header's and payload's checksums turn a torn or mixed slot (a reused
+slot half overwritten) into a counted miss. Dropping a block punches its slot out of the file
+(its header reads back as zeros), so a restart does not bring it back; where that cannot be
+made durable in time (a crash right after the drop) the old block may come back, whole and
+checksummed. Every read verifies the header (its key and footprint must match) and the payload
+checksum; a bad slot is dropped, counted and reported as ``BlockCorrupt`` (the store turns that
+into a miss). Warm restart: ``recover()`` rebuilds the index from the slots' headers.
 
 Planted files (see ``private_files``): the directory is created 0700 and an existing one must be
 ours and private (an empty loose one is tightened to 0700, a loose one with entries is refused);
-block, temp and probe files are created 0600 with ``O_EXCL|O_NOFOLLOW``, so a symlink planted
-under one of their names is replaced, never written through; recovery never follows a symlink or
-waits on a FIFO named ``*.kvb``: it skips it, leaves it there and counts it
-(``recovery_skipped_not_regular``); a read finding one under a stored block's name drops the
-block as corrupt (a counted miss).
+slab and probe files are created 0600 with ``O_EXCL|O_NOFOLLOW`` (a slab under a random name, so
+nothing planted beforehand can hold it), and a symlink planted under a probe's name is replaced,
+never written through. The tier keeps each slab open, so a file
+swapped in under a slab's name while it serves is never read. Recovery never follows a symlink
+or waits on a FIFO named like a slab: it skips it, leaves it there and counts it
+(``recovery_skipped_not_regular``). Files of the older one-file-per-block layout (``*.kvb``)
+are deleted at recovery (a cache loses nothing it cannot recompute); anything else named so is
+skipped and counted the same way.
 """
 
 from __future__ import annotations
@@ -38,16 +46,21 @@ from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
 from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, fsync_dir,
-                                         open_regular, replace_file, syncfs, unlink_quietly)
+                                         open_regular, unlink_quietly)
+from kvstore.tiers.slabs import SLAB_NAME, Slab
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
 ALIGN = 4096
 HEADER_BYTES = 4096
-MAGIC = b"KVSBLK01"
+MAGIC = b"KVSBLK02"
 _HEADER = struct.Struct("<8s16sB64sB64sHQQQ")  # magic ns hash_len hash parent_len parent codec raw stored sum
 _HEADER_SUM = struct.Struct("<Q")
-SUFFIX = ".kvb"
+LEGACY_SUFFIXES = (".kvb", ".kvb.tmp")   # the one-file-per-block layout before slabs
+MAX_SLABS = 64   # distinct block footprints at once (a slab file and descriptor each)
+# Neighbouring slots read with one preadv, up to this many bytes: one large read costs the disk
+# about what one small one does, so at 64 KiB a run of 16 moves several times the bytes per call.
+READ_RUN_BYTES = 1 << 20
 
 
 def _round_up(n: int) -> int:
@@ -119,19 +132,24 @@ class NvmeTier(Tier):
         except OSError as e:
             raise TierIOError(f"nvme tier: directory {self.path} is not writable: {e.strerror}") from e
         self.o_direct = use_o_direct and o_direct_supported(self.path)
-        self._files: dict[bytes, tuple[BlockRecord, int]] = {}  # key -> (record, footprint)
+        self._blocks: dict[bytes, tuple[BlockRecord, Slab, int]] = {}  # key -> (record, slab, slot)
+        self._slabs: dict[int, Slab] = {}   # footprint -> its slab
         self._lock = threading.Lock()
-        self._unflushed = 0   # payloads written without their fsync since the last sync()
-        self.file_fsyncs = 0          # payloads fsynced one by one (``write``)
+        self._unflushed: set[Slab] = set()   # slabs written without a flush since the last sync()
+        self._written: set[Slab] = set()     # slabs written at all since the last sync()
+        self._new_files = False              # a slab file created since the last directory fsync
+        self.file_fsyncs = 0          # payloads flushed one by one (``write``)
         self.filesystem_flushes = 0   # ``sync()``s that flushed payloads written without one (group commits)
         # one page-aligned, touched staging buffer per thread (O_DIRECT needs alignment); an
         # oversized block's is freed after use rather than kept by every thread that wrote one
         self._staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
 
-    # -- helpers ---------------------------------------------------------------------------------
+    # -- where blocks are ------------------------------------------------------------------------
 
-    def file_path(self, key: bytes) -> str:
-        return os.path.join(self.path, key.hex() + SUFFIX)
+    def location(self, key: bytes) -> tuple[str, int]:
+        """(slab file, byte offset of the block's header): where a block lies, for inspection."""
+        _, slab, slot = self._blocks[key]
+        return slab.path, slab.offset(slot)
 
     # -- contract --------------------------------------------------------------------------------
 
@@ -144,47 +162,86 @@ class NvmeTier(Tier):
     def allocate(self, record: BlockRecord) -> None:
         fp = self.footprint(record.stored_size)
         with self._lock:
-            if record.key in self._files:
+            if record.key in self._blocks:
                 raise KeyError(f"{record.key.hex()} already in nvme tier")
             if fp > self.free_bytes:
                 raise TierFull(f"nvme tier has {self.free_bytes} free bytes, needs {fp}")
-            self._files[record.key] = (record, fp)
+            slab = self._slab_for(fp)
+            self._blocks[record.key] = (record, slab, slab.take())
             self.used_bytes += fp
+
+    def _slab_for(self, fp: int) -> Slab:
+        slab = self._slabs.get(fp)
+        if slab is None:
+            if len(self._slabs) >= MAX_SLABS:
+                raise TierFull(f"nvme tier holds blocks of {MAX_SLABS} different sizes already")
+            slab = self._slabs[fp] = Slab(self.path, fp, self.o_direct)
+        return slab
 
     def write(self, record: BlockRecord, data) -> None:
         self.write_unsynced(record, data)
         self.sync()
 
     def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
-        """Write, fsync and rename one reserved block; its directory entry waits for ``sync()``.
-        ``durable=False``: no fsync of the payload either; ``sync()`` flushes it later."""
+        """Write one reserved block into its slot; ``durable``: flushed before returning (the slab's
+        new directory entry, if any, waits for ``sync()``). ``durable=False``: ``sync()`` flushes it."""
         try:
-            self._write_file(record, data, fsync=durable)
+            _, slab, slot = self._blocks[record.key]
+            if os.fstat(self._open(slab)).st_nlink == 0:
+                raise OSError(errno.ENOENT, "its slab file was removed")
+            fd = slab.writer()
+            try:
+                self._write_slot(fd, slab.offset(slot), record, data)
+                if durable:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
             with self._lock:   # writers run on several threads (a put's disk writes in flight)
+                self._written.add(slab)
                 if durable:
                     self.file_fsyncs += 1
                 else:
-                    self._unflushed += 1
+                    self._unflushed.add(slab)
         except OSError as e:
             self.drop(record.key)
             cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
             raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
 
-    def sync(self) -> None:
-        """Make every write so far durable: one filesystem flush if any payload was written
-        without its fsync (``durable=False``), then one directory fsync, for a whole batch."""
+    def _open(self, slab: Slab) -> int:
+        if slab.fd >= 0:
+            return slab.fd
         with self._lock:
-            unflushed, self._unflushed = self._unflushed, 0
+            if slab.fd < 0:
+                slab.open()
+                self._new_files = True
+            return slab.fd
+
+    def sync(self) -> None:
+        """Make every write so far durable: one flush per slab written without one
+        (``durable=False``), then one directory fsync if a slab file was created, for a whole batch."""
+        with self._lock:
+            unflushed, self._unflushed = list(self._unflushed), set()
+            written, self._written = list(self._written), set()
+            new_files, self._new_files = self._new_files, False
         try:
+            for slab in unflushed:
+                if slab.fd >= 0:
+                    os.fdatasync(slab.fd)
             if unflushed:
-                syncfs(self.path)
                 with self._lock:
                     self.filesystem_flushes += 1
-            fsync_dir(self.path)
+            if new_files:
+                fsync_dir(self.path)
+            if not all(slab.linked() for slab in written):
+                raise OSError(errno.ENOENT, "a slab file was removed or replaced")
         except OSError as e:
-            raise TierIOError(f"nvme tier: fsync of directory {self.path} failed: {e.strerror}") from e
+            with self._lock:
+                self._unflushed.update(unflushed)
+                self._written.update(written)
+                self._new_files = self._new_files or new_files
+            raise TierIOError(f"nvme tier: flushing {self.path} failed: {e.strerror}") from e
 
-    def _write_file(self, record: BlockRecord, data, fsync: bool = True) -> None:
+    def _write_slot(self, fd: int, offset: int, record: BlockRecord, data) -> None:
         """Header + payload in one pwritev. A page-aligned payload (CPU-arena slots, pooled server
         buffers) goes to disk straight from where it is; anything else is copied once into the
         thread's aligned staging buffer, which O_DIRECT needs."""
@@ -205,46 +262,119 @@ class NvmeTier(Tier):
             np.copyto(arr[HEADER_BYTES:HEADER_BYTES + n], src)
             arr[HEADER_BYTES + n:] = 0
             pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
-        replace_file(self.file_path(record.key), lambda fd: _pwritev_all(fd, pieces),
-                     os.O_DIRECT if self.o_direct else 0, fsync=fsync)
+        _pwritev_all(fd, pieces, offset)
 
     def read_into(self, key: bytes, out) -> int:
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the
         disk directly (no staging copy); if verification then fails its contents are undefined
         and ``BlockCorrupt`` says so: the caller treats it as a miss."""
-        record, _ = self._files[key]
+        record, slab, slot = self._blocks[key]
         n = record.stored_size
         padded = _round_up(n)
         dst = as_bytes(out)
         direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
         stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
-        path = self.file_path(key)
-        try:   # a directory, FIFO or symlink planted under the block's name is a miss, never a hang
-            fd = open_regular(path, os.O_DIRECT if self.o_direct else 0)
-        except FileNotFoundError:
-            self._corrupt(key, "file vanished")
-        except NotRegularFile as e:
-            self._corrupt(key, f"replaced by a {e.kind}")
+        if slab.fd < 0:
+            self._corrupt(key, "its slab file was never written")
         try:
             if direct:
-                got = os.preadv(fd, [memoryview(stage)[:HEADER_BYTES], memoryview(dst[:n])], 0)
+                got = os.preadv(slab.fd, [memoryview(stage)[:HEADER_BYTES], memoryview(dst[:n])], slab.offset(slot))
                 payload = dst[:n]
             else:
-                got = os.preadv(fd, [memoryview(stage)[:HEADER_BYTES + padded]], 0)
+                got = os.preadv(slab.fd, [memoryview(stage)[:HEADER_BYTES + padded]], slab.offset(slot))
                 payload = np.frombuffer(stage, dtype=np.uint8, count=n, offset=HEADER_BYTES)
-        finally:
-            os.close(fd)
+        except OSError as e:
+            self._corrupt(key, f"read failed: {e.strerror}")
         if got < HEADER_BYTES + n:
             self._corrupt(key, f"truncated ({got} of {HEADER_BYTES + padded} bytes)")
-        try:
-            on_disk = decode_header(stage[:HEADER_BYTES])
-        except ValueError as e:
-            self._corrupt(key, str(e))
-        if on_disk.key != key or xxhash.xxh3_64_intdigest(payload) != on_disk.checksum:
-            self._corrupt(key, "payload checksum mismatch")
+        self._verify(key, slab, stage[:HEADER_BYTES], payload)
         if not direct:
             np.copyto(dst[:n], payload)
         return n
+
+    reads_in_runs = True
+
+    def read_many_into(self, keys, outs) -> list:
+        """``read_into`` for each key; blocks in neighbouring slots of one slab (a chain stored in
+        one go) are read with one ``preadv`` of up to ``READ_RUN_BYTES``, each still verified on
+        its own. In each key's place its length, or the ``BlockCorrupt`` / ``KeyError`` raised."""
+        got: list = [None] * len(keys)
+        i = 0
+        while i < len(keys):
+            j = self._run_end(keys, i)
+            if j - i == 1:
+                try:
+                    got[i] = self.read_into(keys[i], outs[i])
+                except (KeyError, BlockCorrupt) as e:
+                    got[i] = e
+            else:
+                got[i:j] = self._read_run(keys[i:j], outs[i:j])
+            i = j
+        return got
+
+    def _run_end(self, keys, i: int) -> int:
+        """The end of the run from ``keys[i]``: each next block in the slot after the last's."""
+        entry = self._blocks.get(keys[i])
+        if entry is None:
+            return i + 1
+        _, slab, slot = entry
+        j, nbytes = i + 1, slab.slot_bytes
+        while j < len(keys) and nbytes + slab.slot_bytes <= READ_RUN_BYTES:
+            nxt = self._blocks.get(keys[j])
+            if nxt is None or nxt[1] is not slab or nxt[2] != slot + 1:
+                break
+            slot, nbytes, j = slot + 1, nbytes + slab.slot_bytes, j + 1
+        return j
+
+    def _read_run(self, keys, outs) -> list:
+        """One preadv for blocks in consecutive slots: headers (and any payload that cannot land
+        in its caller's buffer directly) into staging, the rest straight into the callers' buffers."""
+        entries = [self._blocks[k] for k in keys]
+        slab, first = entries[0][1], entries[0][2]
+        plans, pieces, staged = [], [], 0
+        for (record, _, _), out in zip(entries, outs):
+            n = record.stored_size
+            padded = _round_up(n)
+            dst = as_bytes(out)
+            direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
+            plans.append((n, padded, dst, direct, staged))
+            staged += HEADER_BYTES + (0 if direct else padded)
+        stage = self._staging.get(staged)
+        view = memoryview(stage)
+        for n, padded, dst, direct, at in plans:
+            pieces.append(view[at:at + HEADER_BYTES])
+            pieces.append(memoryview(dst[:n]) if direct else view[at + HEADER_BYTES:at + HEADER_BYTES + padded])
+        try:
+            done = os.preadv(slab.fd, pieces, slab.offset(first))
+        except OSError:
+            done = 0   # each block is read again on its own below, and judged there
+        got: list = []
+        end = 0
+        for key, (n, padded, dst, direct, at) in zip(keys, plans):
+            end += slab.slot_bytes
+            try:
+                if done < end - padded + n:
+                    got.append(self.read_into(key, dst))   # cut short: this one alone, judged alone
+                    continue
+                header = stage[at:at + HEADER_BYTES]
+                payload = dst[:n] if direct else stage[at + HEADER_BYTES:at + HEADER_BYTES + n]
+                self._verify(key, slab, header, payload)
+                if not direct:
+                    np.copyto(dst[:n], payload)
+                got.append(n)
+            except (KeyError, BlockCorrupt) as e:
+                got.append(e)
+        return got
+
+    def _verify(self, key: bytes, slab: Slab, header, payload) -> None:
+        """``BlockCorrupt`` (the block dropped) unless the slot holds this key's intact block."""
+        try:
+            on_disk = decode_header(header)
+        except ValueError as e:
+            self._corrupt(key, str(e))
+        if (on_disk.key != key or HEADER_BYTES + _round_up(on_disk.stored_size) != slab.slot_bytes
+                or xxhash.xxh3_64_intdigest(payload) != on_disk.checksum):
+            self._corrupt(key, "payload checksum mismatch")
 
     def _corrupt(self, key: bytes, why: str):
         self.corrupt_dropped += 1
@@ -252,85 +382,157 @@ class NvmeTier(Tier):
         raise BlockCorrupt(f"nvme block {key.hex()[:24]}... dropped: {why}")
 
     def drop(self, key: bytes) -> None:
+        """Release the block's slot; its header is erased first (``Slab.punch``), so the slot's
+        next block never sits behind a stale header, and a restart does not bring the block back."""
         with self._lock:
-            entry = self._files.pop(key, None)
+            entry = self._blocks.pop(key, None)
             if entry is None:
                 return
-            self.used_bytes -= entry[1]
-        unlink_quietly(self.file_path(key))
+            _, slab, slot = entry
+            self.used_bytes -= slab.slot_bytes
+            slab.punch(slot)
+            slab.give_back(slot)
 
     def record(self, key: bytes) -> BlockRecord:
-        return self._files[key][0]
+        return self._blocks[key][0]
 
     def records(self) -> list[BlockRecord]:
         """The record of every block this tier holds (a snapshot; for inspection)."""
         with self._lock:
-            return [record for record, _ in self._files.values()]
+            return [record for record, _, _ in self._blocks.values()]
 
     def recover(self) -> Iterator[BlockRecord]:
-        """Rebuild the index from disk: delete leftovers and damaged files, yield intact blocks."""
+        """Rebuild the index from the slabs' headers: erase damaged slots, yield intact blocks."""
         try:
-            names = os.listdir(self.path)
+            names = sorted(os.listdir(self.path))
         except OSError as e:
             raise TierIOError(f"nvme tier: cannot list {self.path}: {e.strerror}") from e
         for name in names:
             path = os.path.join(self.path, name)
-            if name.endswith(".tmp"):
-                unlink_quietly(path)
+            m = SLAB_NAME.fullmatch(name)
+            if m is None:
+                if name.endswith(LEGACY_SUFFIXES):
+                    self._remove_legacy(path)
                 continue
-            if not name.endswith(SUFFIX):
+            fp = int(m.group(1))
+            if fp < 2 * ALIGN or fp % ALIGN:
+                continue   # not a name this tier makes
+            if fp in self._slabs:   # this tier never makes two for one size: a copy, left alone
+                log.warning("nvme tier: skipped %s at recovery: a second slab of %d-byte slots", path, fp)
                 continue
             try:
-                record = self._check_file(path)
+                fd = open_regular(path, os.O_DIRECT if self.o_direct else 0)
             except NotRegularFile as e:
                 self.recovery_skipped_not_regular += 1
-                log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, e.kind)
+                log.warning("nvme tier: skipped %s at recovery: it is a %s, not a slab file", path, e.kind)
                 continue
-            except (OSError, ValueError):
-                self.corrupt_dropped += 1
-                unlink_quietly(path)
+            except OSError as e:
+                log.warning("nvme tier: skipped %s at recovery: %s", path, e.strerror)
                 continue
-            if record.key.hex() + SUFFIX != name:
-                self.corrupt_dropped += 1
-                unlink_quietly(path)
+            slab = Slab(self.path, fp, self.o_direct, path=path)
+            slab.open(fd)
+            self._slabs[fp] = slab
+            yield from self._recover_slab(slab)
+
+    def _remove_legacy(self, path: str) -> None:
+        try:
+            fd = open_regular(path)
+        except NotRegularFile as e:
+            self.recovery_skipped_not_regular += 1
+            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, e.kind)
+            return
+        except OSError:
+            return
+        os.close(fd)
+        unlink_quietly(path)
+
+    def _recover_slab(self, slab: Slab) -> Iterator[BlockRecord]:
+        size = os.fstat(slab.fd).st_size
+        count = size // slab.slot_bytes
+        used: list[int] = []
+        page = self._staging.get(max(HEADER_BYTES, slab.slot_bytes if self.verify_on_recover else 0))
+        view = memoryview(page)
+        for slot in range(count):
+            off = slab.offset(slot)
+            try:
+                got = os.preadv(slab.fd, [view[:HEADER_BYTES]], off)
+                record = decode_header(page[:HEADER_BYTES]) if got == HEADER_BYTES else None
+            except ValueError:
+                record = None
+                if any(page[:HEADER_BYTES]):   # a damaged header, not an empty slot
+                    self.corrupt_dropped += 1
+                    slab.punch(slot)
+            except OSError:
+                record = None
+            if record is None:
                 continue
             fp = HEADER_BYTES + _round_up(record.stored_size)
+            if (fp != slab.slot_bytes or record.key in self._blocks or self.used_bytes + fp > self.capacity_bytes
+                    or (self.verify_on_recover and not self._payload_intact(slab, slot, record, view))):
+                self.corrupt_dropped += 1
+                slab.punch(slot)
+                continue
             with self._lock:
-                self._files[record.key] = (record, fp)
+                self._blocks[record.key] = (record, slab, slot)
                 self.used_bytes += fp
+            used.append(slot)
             yield record
+        slab.adopt(used, count)
 
-    def _check_file(self, path: str) -> BlockRecord:
-        """The header of one candidate; ``NotRegularFile`` (never opened, or never waited on) for a
-        FIFO, symlink, socket, device or directory named like a block."""
-        fd = open_regular(path)
+    def _payload_intact(self, slab: Slab, slot: int, record: BlockRecord, view: memoryview) -> bool:
+        padded = _round_up(record.stored_size)
         try:
-            record = decode_header(os.pread(fd, HEADER_BYTES, 0))
-            size = os.fstat(fd).st_size
-            if size != HEADER_BYTES + _round_up(record.stored_size):
-                raise ValueError("size does not match header (torn write)")
-            if self.verify_on_recover:
-                payload = os.pread(fd, record.stored_size, HEADER_BYTES)
-                if xxhash.xxh3_64_intdigest(payload) != record.checksum:
-                    raise ValueError("payload checksum mismatch")
-        finally:
-            os.close(fd)
-        return record
+            got = os.preadv(slab.fd, [view[:padded]], slab.offset(slot) + HEADER_BYTES)
+        except OSError:
+            return False
+        return got >= record.stored_size and xxhash.xxh3_64_intdigest(view[:record.stored_size]) == record.checksum
+
+    def close(self) -> None:
+        with self._lock:
+            for slab in self._slabs.values():
+                slab.close()
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "blocks": len(self._files), "o_direct": int(self.o_direct),
+        return {**super().stats(), "blocks": len(self._blocks), "o_direct": int(self.o_direct),
+                "slab_files": sum(1 for s in self._slabs.values() if s.fd >= 0),
                 "recovery_skipped_not_regular": self.recovery_skipped_not_regular,
                 "file_fsyncs": self.file_fsyncs, "filesystem_flushes": self.filesystem_flushes}
+
+
+def find_blocks(directory: str) -> dict[bytes, tuple[str, int]]:
+    """Where each block with an intact header lies in a tier's directory, read from outside the
+    daemon (inspection, and tests that damage blocks on disk): key -> (slab file, offset of its
+    header). Like recovery it reads headers at slot starts only, and opens regular files only."""
+    found: dict[bytes, tuple[str, int]] = {}
+    for name in sorted(os.listdir(directory)):
+        m = SLAB_NAME.fullmatch(name)
+        if m is None:
+            continue
+        path, slot_bytes = os.path.join(directory, name), int(m.group(1))
+        try:
+            fd = open_regular(path)
+        except (NotRegularFile, OSError):
+            continue
+        try:
+            for offset in range(0, os.fstat(fd).st_size - slot_bytes + 1, slot_bytes):
+                try:
+                    record = decode_header(os.pread(fd, HEADER_BYTES, offset))
+                except ValueError:
+                    continue
+                found.setdefault(record.key, (path, offset))
+        finally:
+            os.close(fd)
+    return found
 
 
 def _page_aligned(a: np.ndarray) -> bool:
     return a.flags.c_contiguous and a.ctypes.data % ALIGN == 0
 
 
-def _pwritev_all(fd: int, pieces: list[memoryview]) -> None:
+def _pwritev_all(fd: int, pieces: list[memoryview], offset: int) -> None:
     """pwritev until every byte is written (a short write happens on a nearly full disk)."""
     total = sum(p.nbytes for p in pieces)
-    done = os.pwritev(fd, pieces, 0)
+    done = os.pwritev(fd, pieces, offset)
     while done < total:
         skip, rest = done, []
         for p in pieces:
@@ -339,7 +541,7 @@ def _pwritev_all(fd: int, pieces: list[memoryview]) -> None:
                 continue
             rest.append(p[skip:])
             skip = 0
-        n = os.pwritev(fd, rest, done)
+        n = os.pwritev(fd, rest, offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n

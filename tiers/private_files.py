@@ -99,8 +99,8 @@ def create_exclusive(path: str, extra_flags: int = 0) -> int:
 
 def replace_file(path: str, write, extra_flags: int = 0, fsync: bool = True) -> None:
     """Write ``path`` whole or not at all: ``write(fd)`` fills ``<path>.tmp`` (``create_exclusive``),
-    which is fsynced (unless ``fsync=False``: then a crash may leave it torn, see ``syncfs``) and
-    renamed over ``path``. On OSError the temp file is removed and the error raised. The rename
+    which is fsynced (unless ``fsync=False``: then a crash may leave it torn) and renamed over
+    ``path``. On OSError the temp file is removed and the error raised. The rename
     itself is durable only once the caller fsyncs the directory."""
     tmp = path + ".tmp"
     fd = create_exclusive(tmp, extra_flags)
@@ -162,28 +162,5 @@ def fsync_dir(path: str) -> None:
     dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-_libc = None
-
-
-def syncfs(path: str) -> None:
-    """Flush everything written to the filesystem holding ``path`` (data, metadata and the
-    device's write cache): one flush makes a whole batch of files written without their own
-    fsync durable (group commit). ``os.sync()`` where syncfs(2) is missing (OSError if it fails)."""
-    global _libc
-    import ctypes
-
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if not hasattr(_libc, "syncfs"):
-            os.sync()
-        elif _libc.syncfs(dfd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
     finally:
         os.close(dfd)

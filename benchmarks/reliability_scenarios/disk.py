@@ -16,6 +16,7 @@ from kvstore import Namespace
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.ops.local_daemon import LocalDaemon, start_local_daemon
+from kvstore.tiers.nvme import find_blocks
 
 from .common import KiB, Unsupported, daemon_log_errors, hashes, is_exact, layout, payload, remount, tmpfs
 
@@ -110,8 +111,8 @@ def _nvme_only_blocks(c: Client, ns: bytes, hs: list[bytes]) -> list[bytes]:
 
 
 def corrupt_files_while_running(workdir: str, block_bytes: int = 64 * KiB, blocks: int = 48) -> dict:
-    """Truncate, bit-flip, empty and swap block files under a running daemon: every damaged block
-    becomes a counted miss, never wrong bytes; undamaged ones are still served."""
+    """Tear, bit-flip, zero and swap blocks' slots in the slab files under a running daemon:
+    every damaged block becomes a counted miss, never wrong bytes; undamaged ones are still served."""
     lay = layout(block_bytes, "reliability/corrupt")
     hs = hashes(blocks, seed=12)
     d = start_local_daemon(os.path.join(workdir, "corrupt"), "--write-through", "--no-promote-on-hit", "--metrics-port", "0",
@@ -121,30 +122,36 @@ def corrupt_files_while_running(workdir: str, block_bytes: int = 64 * KiB, block
             ns = c.register_namespace(Namespace(lay))
             statuses = c.put(ns, hs, [payload(h, block_bytes) for h in hs])
             on_disk = _nvme_only_blocks(c, ns, hs)
-            files = {h: os.path.join(d.nvme_path, (ns + h).hex() + ".kvb") for h in on_disk}
+            where = find_blocks(d.nvme_path)
             victims = on_disk[:6]
+            path, offset = {h: where[ns + h] for h in victims}, {h: where[ns + h][1] for h in victims}
             damage = {}
-            with open(files[victims[0]], "r+b") as f:                       # truncated
-                f.truncate(4096 + block_bytes // 2)
-            damage[victims[0]] = "truncated"
-            with open(files[victims[1]], "r+b") as f:                       # payload bit flip
-                f.seek(4096 + 1234)
-                b = f.read(1)
-                f.seek(4096 + 1234)
-                f.write(bytes([b[0] ^ 0x10]))
+
+            def rewrite(h: bytes, at: int, data: bytes) -> None:
+                with open(path[h][0], "r+b") as f:
+                    f.seek(offset[h] + at)
+                    f.write(data)
+
+            def flip(h: bytes, at: int, bit: int) -> None:
+                with open(path[h][0], "rb") as f:
+                    f.seek(offset[h] + at)
+                    b = f.read(1)
+                rewrite(h, at, bytes([b[0] ^ bit]))
+
+            rewrite(victims[0], 4096 + block_bytes // 2, bytes(block_bytes // 2))   # torn: its second half never written
+            damage[victims[0]] = "torn"
+            flip(victims[1], 4096 + 1234, 0x10)
             damage[victims[1]] = "payload bit flip"
-            with open(files[victims[2]], "r+b") as f:                       # header bit flip
-                f.seek(20)
-                b = f.read(1)
-                f.seek(20)
-                f.write(bytes([b[0] ^ 0x01]))
+            flip(victims[2], 20, 0x01)
             damage[victims[2]] = "header bit flip"
-            open(files[victims[3]], "wb").close()                            # emptied
-            damage[victims[3]] = "emptied"
-            shutil.copyfile(files[victims[5]], files[victims[4]])           # another block's file
-            damage[victims[4]] = "another block's file"
-            os.unlink(files[victims[5]])                                    # vanished
-            damage[victims[5]] = "deleted"
+            rewrite(victims[3], 0, bytes(4096 + block_bytes))                  # the whole slot zeroed
+            damage[victims[3]] = "zeroed"
+            with open(path[victims[5]][0], "rb") as f:                       # another block's slot
+                f.seek(offset[victims[5]])
+                rewrite(victims[4], 0, f.read(4096 + block_bytes))
+            damage[victims[4]] = "another block's slot"
+            rewrite(victims[5], 0, bytes(4096))                                # header erased
+            damage[victims[5]] = "header erased"
             got = c.get(ns, hs)
             wrong = sum(1 for h, g in zip(hs, got) if g is not None and not is_exact(h, g, block_bytes))
             damaged_served = sum(1 for h, g in zip(hs, got) if h in damage and g is not None)

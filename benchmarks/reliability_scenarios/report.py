@@ -83,7 +83,7 @@ def render_markdown(report: dict) -> str:
             out.append(_row(f"unwritable dir at start ({case})", g.get("message", g.get("skipped", "")), "", "", ""))
         g = r.get("corrupt_files", {})
         if g:
-            out.append(_row("block files truncated / bit-flipped / emptied / swapped / deleted under a running daemon",
+            out.append(_row("blocks torn / bit-flipped (payload, header) / zeroed / swapped / header-erased in the slab files under a running daemon",
                             f"{g['damaged']} damaged blocks -> misses ({g['damaged_served']} served); "
                             f"{g['intact_missing']} intact blocks missing; stored again: {g['served_again_exact']}/6 exact",
                             0, g["wrong"], f"corrupt_dropped={g['corrupt_dropped_counter']}, "

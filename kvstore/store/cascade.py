@@ -259,7 +259,7 @@ class Cascade:
 
     def sync_durable(self) -> bool:
         """Make a batch of durable writes durable: the payloads were written without an fsync
-        each (group commit), so one filesystem flush and one directory sync cover them all;
+        each (group commit), so one flush of each file written covers them all;
         False (counted) if it failed, and the batch is then reported "stored", not "persisted"."""
         try:
             self.tiers[self.durable_index].sync()  # type: ignore[index]

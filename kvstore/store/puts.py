@@ -120,7 +120,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
         disk.finish()
     finally:
         disk.settle()   # after a failure, the blocks written before it stay
-        # one filesystem flush and one directory sync cover the whole batch
+        # one flush of each file written covers the whole batch
         if on_durable and cascade.sync_durable():
             for k in on_durable:
                 results[k] = "persisted"

@@ -9,7 +9,9 @@ a buffer of this module's, never the cascade's scratch, which a promotion's demo
 
 Several blocks whose fastest copies sit below the CPU tier (NVMe, Redis) are read a few at a
 time (``read_blocks``): each read waits on the disk or the network with the GIL released, so
-their waits overlap instead of adding up.
+their waits overlap instead of adding up. On a tier that keeps neighbouring blocks side by side
+(``Tier.reads_in_runs``: NVMe slabs) each of those reads is a run of up to ``RUN_BYTES`` of
+blocks, read with one call (``Tier.read_many_into``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvstore.store.io_pools import LazyPool
 _payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
 READS_IN_FLIGHT = 4   # slow-tier reads of one call at once (queue depth for NVMe)
+RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)
 _readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
 
 
@@ -50,19 +53,85 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     if len(slow) < 2:
         return [read_block(cascade, namespace_id, h, dst, accept) for h, dst in zip(hashes, dsts)]
     pool = _readers.get()
-    reads = {i: pool.submit(_read_fastest, cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
-             for i in slow}
+    per_run = max(1, RUN_BYTES // max(1, max(dsts[i].nbytes for i in slow)))
+    chunks = [slow[k:k + per_run] for k in range(0, len(slow), per_run)]
+    reads = {}   # block index -> the read of the chunk holding it
+    for chunk in chunks:
+        f = pool.submit(_read_chunk, cascade, namespace_id, hashes, dsts, accept, chunk)
+        reads.update((i, f) for i in chunk)
+    taken: dict[int, _Read | None] = {}
     out = []
     try:
         for i, h in enumerate(hashes):
-            got = reads.pop(i).result() if i in reads else _read_fastest(cascade, namespace_id, h, dsts[i], accept,
-                                                                          _payloads)
+            if i in reads:
+                if i not in taken:
+                    taken.update(reads[i].result())
+                got = taken.pop(i)
+                del reads[i]
+            else:
+                got = _read_fastest(cascade, namespace_id, h, dsts[i], accept, _payloads)
             out.append(None if got is None else _deliver(cascade, got))
     except BaseException:
-        for f in reads.values():   # reads still in flight keep their pins until delivered: release them
-            got = None if f.exception() is not None else f.result()
-            if got is not None:
+        # reads done or still in flight keep their pins until delivered: release them
+        for f in {id(f): f for f in reads.values()}.values():
+            if f.exception() is None:
+                taken.update(f.result())
+        with cascade.lock:
+            for i, got in taken.items():
+                if got is not None and i in reads:
+                    cascade.unpin(got.entry)
+        raise
+    return out
+
+
+def _read_chunk(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
+                accept: Collection[int], chunk: Sequence[int]) -> dict[int, _Read | None]:
+    """``_read_fastest`` for the blocks ``chunk`` (on a pool thread): those whose fastest copy is
+    on a tier that reads runs, as stored, are pinned together and read with one
+    ``read_many_into``; a copy that fails its check is dropped and its block read again alone
+    (the next copy, or a miss), as is every other block of the chunk."""
+    tiers = cascade.tiers
+    together: list[tuple[int, object, int, int]] = []   # (block index, entry, tier, codec)
+    alone: list[int] = []
+    with cascade.lock:
+        for i in chunk:
+            entry = cascade.pin(namespace_id, hashes[i])
+            if entry is None:
+                alone.append(i)   # _read_fastest counts the miss
+                continue
+            t = entry.fastest
+            codec = entry.copies[t].codec
+            if tiers[t].reads_in_runs and (codec == 0 or codec in accept) and (not together or together[0][2] == t):
+                together.append((i, entry, t, codec))
+            else:
+                cascade.unpin(entry)
+                alone.append(i)
+    out: dict[int, _Read | None] = {}
+    if together:
+        t = together[0][2]
+        try:
+            sizes = tiers[t].read_many_into([e.key for _, e, _, _ in together], [dsts[i] for i, _, _, _ in together])
+        except BaseException:
+            with cascade.lock:
+                for _, entry, _, _ in together:
+                    cascade.unpin(entry)
+            raise
+        for (i, entry, t, codec), n in zip(together, sizes):
+            if isinstance(n, Exception):
                 with cascade.lock:
+                    if isinstance(n, BlockCorrupt):
+                        cascade.discard_corrupt_copy(entry, t)
+                    cascade.unpin(entry)
+                alone.append(i)
+            else:
+                out[i] = _Read(entry, t, n, codec, dsts[i][:n], None)
+    try:
+        for i in alone:
+            out[i] = _read_fastest(cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
+    except BaseException:
+        with cascade.lock:   # nothing of this chunk is delivered: none stays pinned
+            for got in out.values():
+                if got is not None:
                     cascade.unpin(got.entry)
         raise
     return out
@@ -89,13 +158,41 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
     def one(entry, t, dst):
         return dst[:cascade.tiers[t].read_into(entry.key, dst)]
 
+    def run(t, ks):   # neighbours on a tier that reads runs: one read_many_into
+        sizes = cascade.tiers[t].read_many_into([copies[k][0].key for k in ks], [dsts[k] for k in ks])
+        return [n if isinstance(n, Exception) else dsts[k][:n] for k, n in zip(ks, sizes)]
+
     if len(copies) == 1:
         try:
             return [one(*copies[0], dsts[0])]
         except Exception as e:  # noqa: BLE001 - handed back in its place
             return [e]
-    reads = [_readers.get().submit(one, entry, t, dst) for (entry, t), dst in zip(copies, dsts)]
-    return [f.exception() or f.result() for f in reads]
+    pool = _readers.get()
+    reads: list[tuple[list[int], object]] = []   # (copy indices, the read of them)
+    k = 0
+    while k < len(copies):
+        t = copies[k][1]
+        if not cascade.tiers[t].reads_in_runs:
+            reads.append(([k], pool.submit(one, copies[k][0], t, dsts[k])))
+            k += 1
+            continue
+        ks, nbytes = [k], spans[k]
+        while k + len(ks) < len(copies) and copies[k + len(ks)][1] == t and nbytes + spans[k + len(ks)] <= RUN_BYTES:
+            nbytes += spans[k + len(ks)]
+            ks.append(k + len(ks))
+        reads.append((ks, pool.submit(run, t, ks)))
+        k += len(ks)
+    out: list = [None] * len(copies)
+    for ks, f in reads:
+        if f.exception() is not None:
+            for j in ks:
+                out[j] = f.exception()
+        elif len(ks) == 1 and not cascade.tiers[copies[ks[0]][1]].reads_in_runs:
+            out[ks[0]] = f.result()
+        else:
+            for j, got in zip(ks, f.result()):
+                out[j] = got
+    return out
 
 
 def _read_resident(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
