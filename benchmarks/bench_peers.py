@@ -122,14 +122,15 @@ _SHM = ("not like for like: Mooncake's client holds the store's memory itself, s
 _INPROC = ("the Store's per-block bookkeeping in Python (reserve slots, index and chain the block, eviction policy; no "
            "RPC in this row): {kv_us:.0f} us a block against {peer_us:.0f} us for Mooncake's C++ and {ceil_us:.0f} us "
            "for the memcpy alone.")
-_DISK_PUT = ("kvstore promises more for the same ceiling: its put returns `persisted`, each block's file written "
-             "with O_DIRECT and renamed, up to 4 at once (puts.DiskWrites), then one filesystem flush and one "
-             "directory fsync for the batch (group commit), all inside the timed put; LMCache's disk backend writes "
+_DISK_PUT = ("kvstore promises more for the same ceiling: its put returns `persisted`, each block written "
+             "with O_DIRECT into its slot of a slab file, up to 4 at once (puts.DiskWrites), then one fdatasync per "
+             "slab file for the batch (group commit), all inside the timed put; LMCache's disk backend writes "
              "with O_DIRECT from 4 I/O threads and never flushes (a finished write may still sit in the device's "
              "cache, and a crash can lose it). Both against raw O_DIRECT writes without fsync: kvstore at "
              "{kv_x:.2f}x, LMCache at {peer_x:.2f}x. How much of a gap the flush is was not measured apart.")
 _DISK_GET = ("both read a batch several blocks at a time with O_DIRECT into page-aligned memory (kvstore 4 in flight, "
-             "LMCache 4 threads); kvstore at {kv_x:.2f}x and LMCache at {peer_x:.2f}x the single-stream O_DIRECT read "
+             "each a run of neighbouring slots of up to 1 MiB in one preadv; LMCache 4 threads, a block each); "
+             "kvstore at {kv_x:.2f}x and LMCache at {peer_x:.2f}x the single-stream O_DIRECT read "
              "measured around each. This virtio disk varies from pass to pass by more than that gap (see the read "
              "ceiling's min-max); no further reason established.")
 REASONS: dict[tuple, str] = {
@@ -788,7 +789,7 @@ HOW = [
     f"right before and right after it in both rounds ({LOCAL_PASSES} + {LOCAL_PASSES} each); the ceilings table "
     "gives the passes at the start and end of each block size. Per-round figures are in the JSON (`rounds`). Disk "
     "puts are judged against raw O_DIRECT writes without fsync, both kvstore's (durable on return: the batch's "
-    "files are flushed once, group commit) and LMCache's (never flushed); raw write + fsync per file is shown "
+    "slab files are flushed once each, group commit) and LMCache's (never flushed); raw write + fsync per file is shown "
     "for reference. "
     "The machine is shared and noisy: compare rows of this run, not figures of other runs.",
 ]

@@ -266,8 +266,8 @@ def markdown(r: dict) -> str:
         "traffic the tier itself has); memcpy hot: the same two buffers over and over (cache-resident "
         "for small blocks, shown for reference only). NVMe: raw O_DIRECT write + fsync per file, and "
         "O_DIRECT read into an aligned buffer, same sizes, same directory. NVMe put = one block per "
-        "put call (its file written and renamed, then a filesystem flush and a directory fsync: group commit "
-        "of a batch of one); batch = the whole chain in one call (one flush and one directory fsync for all).",
+        "put call (written into its slot of a slab file, then an fdatasync of the slab: group commit of a "
+        "batch of one); batch = the whole chain in one call (one fdatasync per slab file for all).",
         "",
         "| block | memcpy hot | memcpy | CPU put | put/memcpy | CPU put (16/call) | batch/memcpy | CPU get "
         "| get/memcpy | GPU(cpu) put | GPU(cpu) get |",
@@ -293,10 +293,11 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         "Write-back and batched reads: *write-back* = puts into a one-block CPU tier, so every block "
-        "reaches NVMe as a demotion (no fsync each; one filesystem flush at the end of the round, "
+        "reaches NVMe as a demotion (no fsync each; one flush of the slab at the end of the round, "
         "counted), against raw O_DIRECT writes without fsync (what LMCache's local disk backend does); "
         "the last block of each round stays in the CPU tier (at most 1/32 of the bytes). *get (batch)* "
-        "= the whole chain in one get_into call, NVMe reads up to 4 in flight, against the raw O_DIRECT "
+        "= the whole chain in one get_into call, NVMe reads up to 4 in flight (each a run of neighbouring "
+        "slots of up to 1 MiB), against the raw O_DIRECT "
         "reads above (one at a time).",
         "",
         "| block | O_DIRECT write, no fsync | NVMe write-back | write-back/raw | NVMe get (batch) | batch get/raw |",
