@@ -421,6 +421,38 @@ def test_nvme_holds_at_most_max_slabs_block_sizes(tmp_path):
     with pytest.raises(TierFull, match=f"{MAX_SLABS} different sizes"):
         tier.allocate(rec(999, (MAX_SLABS + 1) * 4096))
     tier.allocate(rec(998, 4096))   # a size it holds already still fits
+    tier.drop(rec(MAX_SLABS - 1, 1).key)   # the only block of the largest size: its slab goes
+    tier.allocate(rec(999, (MAX_SLABS + 1) * 4096))
+
+
+def test_nvme_a_slab_left_empty_is_deleted_and_its_size_starts_afresh(tmp_path):
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    small, big = [rec(i, 8192) for i in range(3)], [rec(10 + i, 50_000) for i in range(2)]
+    for r in [*small, *big]:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], r.stored_size))
+    assert len(_slabs(d)) == 2
+    big_slab = tier.location(big[0].key)[0]
+    for r in big:
+        tier.drop(r.key)
+    assert _slabs(d) == [os.path.basename(tier.location(small[0].key)[0])] and not os.path.exists(big_slab)
+    assert tier.stats()["slab_files"] == 1
+    again = rec(20, 50_000)
+    tier.allocate(again)
+    tier.write(again, payload(20, 50_000))
+    assert tier.location(again.key)[1] == 0 and tier.location(again.key)[0] != big_slab
+    path, offset = tier.location(again.key)
+    tier.close()
+    with open(path, "r+b") as f:   # its only header erased: a slab found empty at recovery goes too
+        f.seek(offset)
+        f.write(bytes(HEADER_BYTES))
+    restarted = NvmeTier(d, 64 << 20)
+    assert sorted(x.key for x in restarted.recover()) == sorted(r.key for r in small)
+    assert not os.path.exists(path) and len(_slabs(d)) == 1
+    for r in small:
+        restarted.drop(r.key)
+    assert _slabs(d) == []
 
 
 # -- GPU tier (device-agnostic torch) --------------------------------------------------------------

@@ -383,7 +383,9 @@ class NvmeTier(Tier):
 
     def drop(self, key: bytes) -> None:
         """Release the block's slot; its header is erased first (``Slab.punch``), so the slot's
-        next block never sits behind a stale header, and a restart does not bring the block back."""
+        next block never sits behind a stale header, and a restart does not bring the block back.
+        A slab left without blocks is removed, so sizes no longer stored do not count against
+        ``MAX_SLABS``."""
         with self._lock:
             entry = self._blocks.pop(key, None)
             if entry is None:
@@ -392,6 +394,19 @@ class NvmeTier(Tier):
             self.used_bytes -= slab.slot_bytes
             slab.punch(slot)
             slab.give_back(slot)
+            if not slab.used:
+                self._retire(slab)
+
+    def _retire(self, slab: Slab) -> None:
+        """Forget an empty slab and delete its file (under the lock: no block is in it, so no read
+        or write of it is in flight)."""
+        if self._slabs.get(slab.slot_bytes) is slab:
+            del self._slabs[slab.slot_bytes]
+        self._unflushed.discard(slab)
+        self._written.discard(slab)
+        if slab.fd >= 0 and slab.linked():
+            unlink_quietly(slab.path)
+        slab.close()
 
     def record(self, key: bytes) -> BlockRecord:
         return self._blocks[key][0]
@@ -478,6 +493,9 @@ class NvmeTier(Tier):
             used.append(slot)
             yield record
         slab.adopt(used, count)
+        if not used:
+            with self._lock:
+                self._retire(slab)
 
     def _payload_intact(self, slab: Slab, slot: int, record: BlockRecord, view: memoryview) -> bool:
         padded = _round_up(record.stored_size)
