@@ -35,6 +35,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -45,8 +46,8 @@ import xxhash
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
-from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, fsync_dir,
-                                         open_regular, unlink_quietly)
+from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, file_kind,
+                                         fsync_dir, open_regular, unlink_quietly)
 from kvstore.tiers.slabs import SLAB_NAME, Slab
 
 log = logging.getLogger("kvstore.tiers.nvme")
@@ -272,7 +273,7 @@ class NvmeTier(Tier):
         n = record.stored_size
         padded = _round_up(n)
         dst = as_bytes(out)
-        direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
+        direct = _lands_in_place(dst, n)
         stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
         if slab.fd < 0:
             self._corrupt(key, "its slab file was never written")
@@ -302,13 +303,8 @@ class NvmeTier(Tier):
         i = 0
         while i < len(keys):
             j = self._run_end(keys, i)
-            if j - i == 1:
-                try:
-                    got[i] = self.read_into(keys[i], outs[i])
-                except (KeyError, BlockCorrupt) as e:
-                    got[i] = e
-            else:
-                got[i:j] = self._read_run(keys[i:j], outs[i:j])
+            run = self._read_run if j - i > 1 else super().read_many_into
+            got[i:j] = run(keys[i:j], outs[i:j])
             i = j
         return got
 
@@ -336,7 +332,7 @@ class NvmeTier(Tier):
             n = record.stored_size
             padded = _round_up(n)
             dst = as_bytes(out)
-            direct = padded == n and dst.nbytes >= n and _page_aligned(dst)
+            direct = _lands_in_place(dst, n)
             plans.append((n, padded, dst, direct, staged))
             staged += HEADER_BYTES + (0 if direct else padded)
         stage = self._staging.get(staged)
@@ -451,14 +447,13 @@ class NvmeTier(Tier):
 
     def _remove_legacy(self, path: str) -> None:
         try:
-            fd = open_regular(path)
-        except NotRegularFile as e:
-            self.recovery_skipped_not_regular += 1
-            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, e.kind)
-            return
+            mode = os.lstat(path).st_mode
         except OSError:
             return
-        os.close(fd)
+        if not stat.S_ISREG(mode):
+            self.recovery_skipped_not_regular += 1
+            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, file_kind(mode))
+            return
         unlink_quietly(path)
 
     def _recover_slab(self, slab: Slab) -> Iterator[BlockRecord]:
@@ -467,18 +462,10 @@ class NvmeTier(Tier):
         used: list[int] = []
         page = self._staging.get(max(HEADER_BYTES, slab.slot_bytes if self.verify_on_recover else 0))
         view = memoryview(page)
-        for slot in range(count):
-            off = slab.offset(slot)
-            try:
-                got = os.preadv(slab.fd, [view[:HEADER_BYTES]], off)
-                record = decode_header(page[:HEADER_BYTES]) if got == HEADER_BYTES else None
-            except ValueError:
-                record = None
-                if any(page[:HEADER_BYTES]):   # a damaged header, not an empty slot
-                    self.corrupt_dropped += 1
-                    slab.punch(slot)
-            except OSError:
-                record = None
+        for slot, record, damaged in _slot_headers(slab.fd, count, slab.slot_bytes, page):
+            if damaged:   # a header that is not one, in a slot that is not empty
+                self.corrupt_dropped += 1
+                slab.punch(slot)
             if record is None:
                 continue
             fp = HEADER_BYTES + _round_up(record.stored_size)
@@ -532,15 +519,39 @@ def find_blocks(directory: str) -> dict[bytes, tuple[str, int]]:
         except (NotRegularFile, OSError):
             continue
         try:
-            for offset in range(0, os.fstat(fd).st_size - slot_bytes + 1, slot_bytes):
-                try:
-                    record = decode_header(os.pread(fd, HEADER_BYTES, offset))
-                except ValueError:
-                    continue
-                found.setdefault(record.key, (path, offset))
+            page = np.empty(HEADER_BYTES, np.uint8)
+            for slot, record, _ in _slot_headers(fd, os.fstat(fd).st_size // slot_bytes, slot_bytes, page):
+                if record is not None:
+                    found.setdefault(record.key, (path, slot * slot_bytes))
         finally:
             os.close(fd)
     return found
+
+
+def _slot_headers(fd: int, count: int, slot_bytes: int, page) -> Iterator[tuple[int, BlockRecord | None, bool]]:
+    """``(slot, record or None, damaged)`` for the first ``count`` slots of a slab, read into
+    ``page`` (page-aligned where ``fd`` is O_DIRECT) at slot starts only; ``damaged``: the slot
+    holds bytes where its header should be that are not a valid header."""
+    view = memoryview(page)[:HEADER_BYTES]
+    for slot in range(count):
+        try:
+            got = os.preadv(fd, [view], slot * slot_bytes)
+        except OSError:
+            yield slot, None, False
+            continue
+        if got < HEADER_BYTES:
+            yield slot, None, False
+            continue
+        try:
+            yield slot, decode_header(page[:HEADER_BYTES]), False
+        except ValueError:
+            yield slot, None, bool(np.any(np.frombuffer(view, np.uint8)))
+
+
+def _lands_in_place(dst: np.ndarray, n: int) -> bool:
+    """Whether an O_DIRECT read of an ``n``-byte payload can fill ``dst`` itself: a whole number
+    of pages, at a page boundary, with room for it."""
+    return n == _round_up(n) and dst.nbytes >= n and _page_aligned(dst)
 
 
 def _page_aligned(a: np.ndarray) -> bool:

@@ -68,15 +68,12 @@ class Slab:
     def give_back(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
         self.used -= 1
-        if not self.used:   # nothing left: the file starts over from slot 0
-            self._free.clear()
-            self._end = 0
 
     def adopt(self, used_slots: list[int], slot_count: int) -> None:
         """After recovery: ``used_slots`` hold blocks, the rest of the file's ``slot_count`` are free."""
         taken = set(used_slots)
-        self._end = max(slot_count, max(taken, default=-1) + 1)
-        self._free = [s for s in range(self._end) if s not in taken]
+        self._end = slot_count
+        self._free = [s for s in range(slot_count) if s not in taken]
         heapq.heapify(self._free)
         self.used = len(taken)
 
@@ -87,7 +84,7 @@ class Slab:
 
     def open(self, fd: int | None = None) -> int:
         """The file's descriptor, creating the file 0600 (``create_exclusive``) the first time;
-        ``fd``: one recovery already opened read-write."""
+        ``fd``: the read-only descriptor recovery already opened."""
         if fd is not None:
             self.fd = fd
         if self.fd < 0:

@@ -158,7 +158,7 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
     def one(entry, t, dst):
         return dst[:cascade.tiers[t].read_into(entry.key, dst)]
 
-    def run(t, ks):   # neighbours on a tier that reads runs: one read_many_into
+    def run(t, ks):   # one read_many_into: neighbours on a tier that reads runs, else one copy
         sizes = cascade.tiers[t].read_many_into([copies[k][0].key for k in ks], [dsts[k] for k in ks])
         return [n if isinstance(n, Exception) else dsts[k][:n] for k, n in zip(ks, sizes)]
 
@@ -172,26 +172,17 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
     k = 0
     while k < len(copies):
         t = copies[k][1]
-        if not cascade.tiers[t].reads_in_runs:
-            reads.append(([k], pool.submit(one, copies[k][0], t, dsts[k])))
-            k += 1
-            continue
         ks, nbytes = [k], spans[k]
-        while k + len(ks) < len(copies) and copies[k + len(ks)][1] == t and nbytes + spans[k + len(ks)] <= RUN_BYTES:
+        while (cascade.tiers[t].reads_in_runs and k + len(ks) < len(copies) and copies[k + len(ks)][1] == t
+               and nbytes + spans[k + len(ks)] <= RUN_BYTES):
             nbytes += spans[k + len(ks)]
             ks.append(k + len(ks))
         reads.append((ks, pool.submit(run, t, ks)))
         k += len(ks)
     out: list = [None] * len(copies)
-    for ks, f in reads:
-        if f.exception() is not None:
-            for j in ks:
-                out[j] = f.exception()
-        elif len(ks) == 1 and not cascade.tiers[copies[ks[0]][1]].reads_in_runs:
-            out[ks[0]] = f.result()
-        else:
-            for j, got in zip(ks, f.result()):
-                out[j] = got
+    for ks, f in reads:   # a read that raised stands in for each of its copies
+        for j, got in zip(ks, f.result() if f.exception() is None else [f.exception()] * len(ks)):
+            out[j] = got
     return out
 
 
