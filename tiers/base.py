@@ -71,6 +71,9 @@ class BlockRecord:
 class Tier(ABC):
     name: str = "tier"
     durable: bool = False
+    #: writes are memory copies (microseconds): the store may make them under its lock. Copies into
+    #: any other tier (a disk, a network) leave the lock where the store can (``Cascade.clear_room``)
+    in_memory: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = int(capacity_bytes)

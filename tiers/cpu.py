@@ -40,6 +40,7 @@ from kvstore.tiers.slots import SlotTable
 class CpuTier(Tier):
     name = "cpu"
     durable = False
+    in_memory = True
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
                  pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None,

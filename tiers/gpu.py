@@ -22,6 +22,7 @@ def _torch():
 class GpuTier(Tier):
     name = "gpu"
     durable = False
+    in_memory = True
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, device: str = "cuda") -> None:
         torch = _torch()

@@ -11,8 +11,11 @@ A new block is charged to its tenant's quota when it is reserved and released wh
 
 One lock (``Cascade.lock``) guards the index, the policies and the accounting; every method here
 that changes them expects it held unless its docstring says otherwise. Payload copies to and from
-RAM run outside it, under a pin. Demotion to NVMe runs under the lock (simple and safe; it stalls
-other requests for the duration of one disk write).
+RAM run outside it, under a pin. A call that needs room in a memory tier whose victims go down to
+a disk or network tier (a put, a same-host put's reservation, a promotion, staging for a same-host
+get) writes them there with the lock released first (``clear_room``): a get of other blocks never
+waits on that write. What it leaves undone (a race lost to another caller, a flush, a demotion
+from NVMe into Redis) runs under the lock: it stalls other requests for one write.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ DOOMED_POLL_S = 0.005
 DOOMED_WAITERS = 4
 #: the longest such a put waits: within a client's default 5 s deadline
 DOOMED_WAIT_MAX_S = 3.0
+#: victims one ``clear_room`` call evicts at most before leaving the rest to ``make_room`` (a
+#: tier split by tenant can evict other tenants' blocks without making room for this one)
+CLEAR_ROOM_MAX_VICTIMS = 64
 
 
 class Cascade:
@@ -67,6 +73,8 @@ class Cascade:
         self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
         # page-aligned: the NVMe tier reads into it with O_DIRECT
         self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
+        # clear_room's own: the make_room it calls may demote through ``_scratch`` on the same thread
+        self._write_down_scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
 
     # -- pins ------------------------------------------------------------------------------------
 
@@ -107,6 +115,8 @@ class Cascade:
         key = block_key(namespace_id, h)
         tenant = self.namespaces.get(namespace_id).tenant
         self.wait_out_doomed(key)
+        if key not in self.index.entries:   # (checked again below) a block present needs no room
+            self.clear_room(t, staged.placement(t).record.stored_size if staged is not None else nbytes, namespace_id)
         with self.lock:
             existing = self.index.entries.get(key)
             if existing is not None and existing.doomed:   # doomed again while we waited
@@ -282,6 +292,82 @@ class Cascade:
                 raise TierFull(f"{tier.name} tier is full and every block in it is pinned")
             self._evict_copy(t, victim)
 
+    def clear_room(self, t: int, nbytes: int, namespace_id: bytes) -> None:
+        """``make_room`` for a caller that does not hold the lock, where tier ``t`` is memory and
+        its victims go down to a disk (or network) tier: each victim's copy there is written with
+        the lock released, so other requests (a get of hot blocks) never wait on the disk, only
+        this caller does. The victim is pinned meanwhile (nobody else evicts it; a delete dooms
+        it) and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once
+        there is room, or leaves what it could not do (every block pinned, a race lost to another
+        put, a tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
+        if not self._writes_down_slowly(t):
+            return
+        tier, policy = self.tiers[t], self.index.policies[t]
+        try:
+            need = tier.footprint(nbytes)
+        except BlockTooLarge:
+            return
+        if tier.free_bytes_for(namespace_id) >= need:   # the common case, without the lock (make_room rechecks)
+            return
+        for _ in range(CLEAR_ROOM_MAX_VICTIMS):
+            with self.lock:
+                if tier.free_bytes_for(namespace_id) >= need:
+                    return
+                key = policy.pick_victim(self._is_pinned)
+                if key is None:
+                    return
+                entry = self.index.entries[key]
+                if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
+                    self._evict_copy(t, key)
+                    continue
+                entry.pins += 1
+                entry.writing_down = True
+            self._write_down(entry, t)
+
+    def _writes_down_slowly(self, t: int) -> bool:
+        """Whether a victim of tier ``t`` is demoted by a disk or network write (not a memory copy)."""
+        return t + 1 < len(self.tiers) and self.tiers[t].in_memory and not self.tiers[t + 1].in_memory
+
+    def _write_down(self, entry: Entry, t: int) -> None:
+        """Demote a pinned victim of memory tier ``t`` to the slower tier below, the write outside the
+        lock, then evict its copy in ``t`` (kept if someone pinned it meanwhile: it is then clean, and
+        a later eviction is a drop). A failed demotion loses the block, as under the lock."""
+        d, record = t + 1, entry.copies[t]
+        placed, allocated, unexpected = None, False, None
+        try:
+            data = self.read_copy(entry, t, self._write_down_scratch)   # pinned: its slots stay put
+            placed = self.transcoder.place(entry.namespace_id, entry.raw_size, d, record, data, downward=True)
+            with self.lock:
+                self.make_room(d, placed.record.stored_size, entry.namespace_id)
+                self.tiers[d].allocate(placed.record)
+                allocated = True
+            self.tiers[d].write_unsynced(placed.record, placed.payload, durable=False)
+        except PLACEMENT_ERRORS:
+            placed = None
+        except BaseException as e:   # noqa: BLE001 - unpinned below, then raised
+            placed, unexpected = None, e
+        with self.lock:
+            entry.writing_down = False
+            if allocated and (placed is None or entry.doomed):
+                self.tiers[d].drop(entry.key)   # a copy half written, or one nobody will read
+            if placed is None:
+                self.counters["demotion_failures"] += 1
+            elif not entry.doomed:
+                entry.copies[d] = placed.record
+                self.transcoder.count(d, placed, entry.raw_size)
+                self.index.track_copy(entry, d)
+                self._copies_changed(entry)
+                self.counters["demotions"] += 1
+                self.counters["demotions_outside_lock"] += 1
+            self.unpin(entry)   # doomed: freed here, every copy with it
+            if (unexpected is None and self.index.entries.get(entry.key) is entry and t in entry.copies
+                    and not self._is_pinned(entry.key)):
+                self.drop_copy(entry, t)
+                if not entry.copies:
+                    self.counters["evictions"] += 1
+        if unexpected is not None:
+            raise unexpected
+
     def _evict_copy(self, t: int, key: bytes) -> None:
         entry = self.index.entries[key]
         lower = [i for i in entry.copies if i > t]
@@ -305,10 +391,14 @@ class Cascade:
         # so an fsync each here stalled every other call.
         self.store_copy(entry, dst, data, record, sync=False, downward=True, durable=False)
 
+    def promotion_target(self, t: int) -> int:
+        """The tier a hit on tier ``t`` is copied up to: the CPU tier when it is faster, else the first."""
+        return self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
+
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster tier. ``payload``: its copy's
         stored bytes; ``decoded``: its raw bytes when the reader decoded them already."""
-        target = self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
+        target = self.promotion_target(t)
         if target in entry.copies:
             return
         try:

@@ -35,6 +35,7 @@ class Entry:
     linked: bool = False         # listed in its parent's ``children``
     charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
     held: bool = False           # in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted
+    writing_down: bool = False   # its demotion's disk write runs outside the lock (``Cascade.clear_room``)
     key: bytes = dataclasses.field(init=False, repr=False, compare=False)   # block_key(namespace, hash)
 
     def __post_init__(self) -> None:

@@ -286,6 +286,8 @@ class Leases:
         leased = 0
         try:
             payloads = read_copies(cascade, [(e, src) for e, src, _ in staging], [n for _, _, n in staging])
+            # room for the run first: victims bound for disk are written with the lock released
+            cascade.clear_room(c, sum(e.raw_size for e, _, _ in staging), staging[0][0].namespace_id)
             with cascade.lock:
                 for (entry, src, _), payload in zip(staging, payloads):
                     if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:

@@ -328,6 +328,8 @@ def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst:
 def _deliver(cascade: Cascade, got: _Read) -> tuple[int, int]:
     """Count the hit, promote a slower tier's copy from the payload just read, unpin."""
     entry, t = got.entry, got.tier
+    if t > 0 and cascade.config.promote_on_hit and not entry.doomed:   # room for the promotion, outside the lock
+        cascade.clear_room(cascade.promotion_target(t), entry.raw_size, entry.namespace_id)
     with cascade.lock:
         cascade.counters[f"hits_{cascade.tiers[t].name}"] += 1
         cascade.counters["bytes_out"] += got.n

@@ -340,6 +340,8 @@ class Store:
             for entry in list(self._index.values()):
                 if not entry.ready or not entry.copies or d in entry.copies:  # no copies: evicted by this loop
                     continue
+                if entry.writing_down:   # its demotion is writing that copy now (Cascade.clear_room)
+                    continue
                 src = entry.fastest
                 try:
                     cascade.make_room(d, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
