@@ -118,8 +118,11 @@ def run(block: int, cpu_bytes: int, seconds: float, directory: str) -> dict:
             hot = ChainHasher(seed=1).chain(np.arange(HOT_BLOCKS * 16), 16)
             want = [np.random.default_rng(100 + i).integers(0, 256, block, dtype=np.uint8) for i in range(HOT_BLOCKS)]
             assert client.put(ns, hot, want) == ["stored"] * HOT_BLOCKS
-            return {name: phase(d, client, ns, hot, want, block, writer, seconds)
-                    for name, writer in zip(PHASES, (None, "delete", "keep"))}
+            out = {name: phase(d, client, ns, hot, want, block, writer, seconds)
+                   for name, writer in zip(PHASES, (None, "delete", "keep"))}
+            # the daemon's full collections pause every request: the reader's largest waits may be these
+            out["daemon_full_collections"] = client.stats()["server"].get("gc", {}).get("generations", {}).get("2")
+            return out
     finally:
         d.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -139,7 +142,8 @@ def markdown(r: dict) -> str:
            "| of them outside the lock |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for size, phases in r["sizes"].items():
-        for name, v in phases.items():
+        for name in PHASES:
+            v = phases[name]
             out.append(f"| {size} | {name} | {v['gets']} | {v['p50_us']} | {v['p99_us']} | {v['max_us']} | "
                        f"{v.get('writer_blocks_per_s', '-')} | {v['demotions']} | {v['demotions_outside_lock']} |")
     out += ["", "Reader's latency with demoting puts / with puts that fit (same run; 1.0 = demotion costs "
@@ -147,6 +151,12 @@ def markdown(r: dict) -> str:
     for size, phases in r["sizes"].items():
         fit, dem = phases["puts that fit"], phases["puts that demote"]
         out.append(f"- {size}: p50 {dem['p50_us'] / fit['p50_us']:.2f}x, p99 {dem['p99_us'] / fit['p99_us']:.2f}x")
+    full = {size: p["daemon_full_collections"] for size, p in r["sizes"].items() if p.get("daemon_full_collections")}
+    if full:
+        out += ["", "The daemon's full garbage collections over all three phases (every thread stands still "
+                    "meanwhile; start-up's objects are kept out of them): "
+                + "; ".join(f"{size}: {g['collections']}, the longest {g['pause_max_ms']:.1f} ms"
+                            for size, g in full.items()) + "."]
     return "\n".join(out) + "\n"
 
 

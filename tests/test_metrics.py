@@ -123,6 +123,23 @@ def test_every_series_the_dashboard_uses_is_exported(fleet_daemon, traffic):
     assert not missing, f"the dashboard plots series the daemon does not export: {missing}"
 
 
+def test_collection_pauses_are_shown_and_start_up_objects_are_frozen(fleet_daemon, traffic):
+    """Every garbage collection stops every request in flight: the daemon times each (per
+    generation) and keeps what start-up built out of later collections (gc.freeze), so a full
+    collection no longer walks tens of thousands of objects that live for good."""
+    samples = scrape(fleet_daemon.metrics_port)
+    frozen = samples["kvstore_gc_frozen_objects"][0].value
+    assert frozen > 10_000   # the imported modules, gRPC's and numpy's among them
+    assert {s.labels["generation"] for s in samples["kvstore_gc_pause_seconds_total"]} == {"0", "1", "2"}
+    assert {s.labels["generation"] for s in samples["kvstore_gc_pause_max_seconds"]} == {"0", "1", "2"}
+    with fleet_daemon.client(token="ops-token") as ops, fleet_daemon.client(token="alice-token") as alice:
+        gc_stats = ops.stats()["server"]["gc"]
+        assert "gc" not in alice.stats()["server"]   # store-wide figures: admins only
+    assert gc_stats["frozen_objects"] == frozen
+    young = gc_stats["generations"]["0"]
+    assert young["collections"] > 0 and 0 < young["pause_max_ms"] <= young["pause_total_ms"]
+
+
 def test_tenant_and_namespace_series_are_bounded_with_other(fleet_daemon, traffic):
     ns_a, _, ns_b = traffic
     samples = scrape(fleet_daemon.metrics_port)

@@ -26,6 +26,7 @@ from kvstore.service.auth import Authenticator
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
+from kvstore.service.gc_pauses import GcPauseCollector, GcPauses
 from kvstore.service.http_endpoint import RouteOverHttp
 from kvstore.service.metrics import Metrics
 from kvstore.service.metrics_breakdown import FleetCollector, TenantCollector
@@ -169,6 +170,10 @@ class Daemon:
             self.store.close()
             raise
         self.metrics.watch(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
+        self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in stats and metrics
+        self.gc_pauses.install()
+        self.servicer.gc_pauses = self.gc_pauses
+        self.metrics.watch(GcPauseCollector(self.gc_pauses))
         self.reloader = None
         if reload_settings is not None:
             self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics)
@@ -266,6 +271,7 @@ class Daemon:
         self.store.expire_leases(now=float("inf"))
         self.metrics.close()
         self.store.close()
+        self.gc_pauses.uninstall()
         log.info("kvstore stopped; %d blocks flushed to the durable tier", flushed)
         return flushed
 
@@ -305,6 +311,10 @@ def run(settings: Settings, ready_file: str | None = None,
     daemon.start()
     while not daemon.wait_ready(0.2) and not stop.is_set():
         pass
+    # what start-up built (modules, tiers, the recovered index) lives for good: out of the collector's
+    # walks, so a full collection pauses requests for what was made since, not for all of it
+    frozen = daemon.gc_pauses.freeze_startup_objects()
+    log.info("%d objects made at start-up kept out of garbage collections", frozen)
     info = daemon.ready_info()
     if ready_file:
         tmp = ready_file + ".tmp"

@@ -45,6 +45,7 @@ class ServicerBase:
         self.local_lookups = local_lookups   # same-host Lookup over a Unix socket, else None
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
+        self.gc_pauses = None  # kvstore.service.gc_pauses.GcPauses (set by the daemon)
         self.started = time.time()
         # one pre-touched, page-aligned payload buffer per worker thread, for bodies that run on one
         # thread from start to end (a gRPC stream's steps may hop threads: they own their buffers)

@@ -158,6 +158,8 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
                            "client_leases": len(self.client_leases), "open_streams": self.stalls.open_calls,
                            "stalled_streams_cancelled": self.stalls.cancelled}
+        if self.gc_pauses is not None:
+            stats["server"]["gc"] = self.gc_pauses.stats()
         if self.fleet is not None:
             stats["fleet"] = self.fleet.stats()
         return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
