@@ -17,6 +17,7 @@ fit, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import write_report
+from kvstore.service.gc_pauses import GcPauses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOT_BLOCKS = 4
@@ -118,8 +120,17 @@ def run(block: int, cpu_bytes: int, seconds: float, directory: str) -> dict:
             hot = ChainHasher(seed=1).chain(np.arange(HOT_BLOCKS * 16), 16)
             want = [np.random.default_rng(100 + i).integers(0, 256, block, dtype=np.uint8) for i in range(HOT_BLOCKS)]
             assert client.put(ns, hot, want) == ["stored"] * HOT_BLOCKS
-            out = {name: phase(d, client, ns, hot, want, block, writer, seconds)
-                   for name, writer in zip(PHASES, (None, "delete", "keep"))}
+            # the reader's own collector stops it too: out of the way like the daemon's, and counted
+            reader_gc = GcPauses()
+            reader_gc.install()
+            reader_gc.freeze_startup_objects()
+            try:
+                out = {name: phase(d, client, ns, hot, want, block, writer, seconds)
+                       for name, writer in zip(PHASES, (None, "delete", "keep"))}
+            finally:
+                reader_gc.uninstall()
+                gc.unfreeze()
+            out["reader_full_collections"] = reader_gc.stats()["generations"]["2"]
             # the daemon's full collections pause every request: the reader's largest waits may be these
             out["daemon_full_collections"] = client.stats()["server"].get("gc", {}).get("generations", {}).get("2")
             return out
@@ -151,12 +162,13 @@ def markdown(r: dict) -> str:
     for size, phases in r["sizes"].items():
         fit, dem = phases["puts that fit"], phases["puts that demote"]
         out.append(f"- {size}: p50 {dem['p50_us'] / fit['p50_us']:.2f}x, p99 {dem['p99_us'] / fit['p99_us']:.2f}x")
-    full = {size: p["daemon_full_collections"] for size, p in r["sizes"].items() if p.get("daemon_full_collections")}
-    if full:
-        out += ["", "The daemon's full garbage collections over all three phases (every thread stands still "
-                    "meanwhile; start-up's objects are kept out of them): "
-                + "; ".join(f"{size}: {g['collections']}, the longest {g['pause_max_ms']:.1f} ms"
-                            for size, g in full.items()) + "."]
+    for who in ("daemon", "reader"):
+        full = {size: p[f"{who}_full_collections"] for size, p in r["sizes"].items() if p.get(f"{who}_full_collections")}
+        if full:
+            out += ["", f"The {who}'s full garbage collections over all three phases (every thread of it stands still "
+                        "meanwhile; objects made before the phases are kept out of them, gc.freeze): "
+                    + "; ".join(f"{size}: {g['collections']}, the longest {g['pause_max_ms']:.1f} ms"
+                                for size, g in full.items()) + "."]
     return "\n".join(out) + "\n"
 
 
