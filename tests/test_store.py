@@ -657,3 +657,31 @@ def test_shared_arena_describes_the_cpu_segment(harness):
     h.store.complete_load(lease.id)
     assert h.store.largest_block_bytes == 64 * NVME_FP
     assert harness(cpu_blocks=0).store.shared_arena() is None
+
+
+def test_blocks_that_fill_slots_badly_are_warned_of_and_their_slack_counted(caplog):
+    """64 KiB blocks in 256 KiB slots leave three quarters of the arena unused: the operator is
+    told once per namespace, at registration, and the CPU tier's stats count the slack as it fills."""
+    import logging
+
+    slot, small_block = 256 * 1024, 64 * 1024
+    store = Store([CpuTier(16 * slot, slot_bytes=slot)])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+            small = store.register_namespace(Namespace(layout(small_block)))
+            store.register_namespace(Namespace(layout(small_block)))   # again: the same namespace
+            whole = store.register_namespace(Namespace(layout(2 * slot)))   # two whole slots: nothing to say
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert "75% of it unused" in warnings[0] and "cpu_slot_bytes" in warnings[0] and "cpu tier" in warnings[0]
+        short, long = chain(4), chain(2, start=5000)
+        assert store.put(small, short, [data(h, small_block) for h in short]) == ["stored"] * 4
+        assert store.put(whole, long, [data(h, 2 * slot) for h in long]) == ["stored"] * 2
+        cpu = store.stats()["tiers"]["cpu"]
+        assert cpu["payload_bytes"] == 4 * small_block + 2 * 2 * slot
+        assert cpu["slack_bytes"] == 4 * (slot - small_block) == cpu["used_bytes"] - cpu["payload_bytes"]
+        assert store.delete(small, short) + store.delete(whole, long) == 6
+        cpu = store.stats()["tiers"]["cpu"]
+        assert cpu["payload_bytes"] == cpu["slack_bytes"] == 0
+    finally:
+        store.close()

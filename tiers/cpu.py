@@ -153,7 +153,8 @@ class CpuTier(Tier):
         self.arena = None  # the mmap closes once no view of it is left
 
     def stats(self) -> dict[str, int]:
-        out = {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes}
+        out = {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes,
+               "payload_bytes": self.slots.payload_bytes, "slack_bytes": self.used_bytes - self.slots.payload_bytes}
         if self.segmented:
             out["segments"] = self.slots.num_segments
             out["segment_bytes"] = self.slots.segment_bytes

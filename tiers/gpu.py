@@ -93,4 +93,5 @@ class GpuTier(Tier):
         self.used_bytes -= self.slots.release(key)
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "blocks": len(self.slots)}
+        return {**super().stats(), "blocks": len(self.slots), "payload_bytes": self.slots.payload_bytes,
+                "slack_bytes": self.used_bytes - self.slots.payload_bytes}

@@ -42,6 +42,7 @@ class SlotTable:
         self.generations = [1] * n_segments
         self._on_reassign = on_reassign
         self._blocks: dict[bytes, tuple[list[Extent], int, list[int]]] = {}
+        self.payload_bytes = 0   # the blocks' own bytes; the rest of their slots is slack
         self._lock = threading.Lock()
 
     @property
@@ -95,6 +96,7 @@ class SlotTable:
                     slots.reverse()   # the order n pops would have taken them in
                     extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
                 self._blocks[key] = (extents, nbytes, slots)
+                self.payload_bytes += nbytes
                 return extents
             free = self._free_slots_for(owner)
             if n > free:
@@ -112,6 +114,7 @@ class SlotTable:
                 slots += [self._free[s].pop() for _ in range(take)]
             extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
             self._blocks[key] = (extents, nbytes, slots)
+            self.payload_bytes += nbytes
             return extents
 
     def takes_runs(self, nbytes: int) -> bool:
@@ -135,6 +138,7 @@ class SlotTable:
             del free[len(free) - n:]
             for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
                 blocks[key] = ([(slot * slot_bytes, nbytes)], nbytes, [slot])
+            self.payload_bytes += n * nbytes
             return n
 
     def _claim(self, s: int, owner: str | None) -> None:
@@ -154,6 +158,7 @@ class SlotTable:
             entry = self._blocks.pop(key, None)
             if entry is None:
                 return 0
+            self.payload_bytes -= entry[1]
             slots = entry[2]
             for slot in sorted(slots, reverse=True):
                 self._free[slot // self.segment_slots].append(slot)

@@ -12,6 +12,7 @@ eviction; two-phase zero-copy operations are delegated to ``leases.Leases``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -32,6 +33,10 @@ from kvstore.store.recovery import recover
 from kvstore.store.views import BlockState, PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
 from kvstore.wire import Lookup
+
+log = logging.getLogger("kvstore.store")
+#: a memory tier taking more than this many times a block's bytes for it is worth a warning
+SLACK_WARN_RATIO = 1.1
 
 
 class Store:
@@ -57,6 +62,7 @@ class Store:
         self.cpu_index = self._cascade.cpu_index
         recover(self._cascade)
         self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
+        self._slack_warned: set[bytes] = set()
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -79,7 +85,28 @@ class Store:
         except QuotaExceeded:
             self._count("namespaces_refused_cap")
             raise
+        self._warn_of_slack(ns)
         return ns.id
+
+    def _warn_of_slack(self, ns: Namespace) -> None:
+        """Log once per namespace where its blocks fill a memory tier's slots badly: that tier then
+        holds fewer of them than its size says (64 KiB blocks in 256 KiB slots: a quarter). The
+        tiers' ``slack_bytes`` in stats show what it costs as blocks arrive."""
+        if ns.id in self._slack_warned:
+            return
+        self._slack_warned.add(ns.id)
+        for tier in self.tiers:
+            if not tier.in_memory:
+                continue
+            try:
+                room = tier.footprint(ns.block_bytes)
+            except BlockTooLarge:
+                continue
+            if room > ns.block_bytes * SLACK_WARN_RATIO:
+                log.warning("namespace %s (%s): each %d-byte block takes %d bytes of the %s tier, %.0f%% of it "
+                            "unused; a slot size that divides the block size (cpu_slot_bytes) wastes nothing",
+                            ns.id.hex()[:16], ns.layout.model, ns.block_bytes, room, tier.name,
+                            100 * (1 - ns.block_bytes / room))
 
     def _count(self, counter: str) -> None:
         with self._lock:
