@@ -670,6 +670,7 @@ def test_blocks_that_fill_slots_badly_are_warned_of_and_their_slack_counted(capl
         with caplog.at_level(logging.WARNING, logger="kvstore.store"):
             small = store.register_namespace(Namespace(layout(small_block)))
             store.register_namespace(Namespace(layout(small_block)))   # again: the same namespace
+            store.register_namespace(Namespace(layout(small_block), cache_salt="b"))   # another, same size
             whole = store.register_namespace(Namespace(layout(2 * slot)))   # two whole slots: nothing to say
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1, warnings

@@ -35,8 +35,10 @@ from kvstore.tiers.base import Tier
 from kvstore.wire import Lookup
 
 log = logging.getLogger("kvstore.store")
-#: a memory tier taking more than this many times a block's bytes for it is worth a warning
+#: a memory tier taking more than this many times a block's bytes for it is worth a warning ...
 SLACK_WARN_RATIO = 1.1
+#: ... for this many block sizes at most
+SLACK_WARNINGS = 32
 
 
 class Store:
@@ -62,7 +64,7 @@ class Store:
         self.cpu_index = self._cascade.cpu_index
         recover(self._cascade)
         self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
-        self._slack_warned: set[bytes] = set()
+        self._slack_warned: set[int] = set()   # block sizes already judged
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -89,24 +91,26 @@ class Store:
         return ns.id
 
     def _warn_of_slack(self, ns: Namespace) -> None:
-        """Log once per namespace where its blocks fill a memory tier's slots badly: that tier then
+        """Log once per block size whose blocks fill a memory tier's slots badly: that tier then
         holds fewer of them than its size says (64 KiB blocks in 256 KiB slots: a quarter). The
-        tiers' ``slack_bytes`` in stats show what it costs as blocks arrive."""
-        if ns.id in self._slack_warned:
+        tiers' ``slack_bytes`` in stats show what it costs as blocks arrive. Callers choose block
+        sizes, so at most ``SLACK_WARNINGS`` sizes are logged, and nothing a caller named (a model)."""
+        size = ns.block_bytes
+        if size in self._slack_warned or len(self._slack_warned) >= SLACK_WARNINGS:
             return
-        self._slack_warned.add(ns.id)
+        self._slack_warned.add(size)
         for tier in self.tiers:
             if not tier.in_memory:
                 continue
             try:
-                room = tier.footprint(ns.block_bytes)
+                room = tier.footprint(size)
             except BlockTooLarge:
                 continue
-            if room > ns.block_bytes * SLACK_WARN_RATIO:
-                log.warning("namespace %s (%s): each %d-byte block takes %d bytes of the %s tier, %.0f%% of it "
-                            "unused; a slot size that divides the block size (cpu_slot_bytes) wastes nothing",
-                            ns.id.hex()[:16], ns.layout.model, ns.block_bytes, room, tier.name,
-                            100 * (1 - ns.block_bytes / room))
+            if room > size * SLACK_WARN_RATIO:
+                log.warning("namespace %s: each %d-byte block takes %d bytes of the %s tier, %.0f%% of it unused; a "
+                            "slot size that divides the block size (cpu_slot_bytes) wastes nothing%s",
+                            ns.id.hex()[:16], size, room, tier.name, 100 * (1 - size / room),
+                            "" if len(self._slack_warned) < SLACK_WARNINGS else " (the last such warning)")
 
     def _count(self, counter: str) -> None:
         with self._lock:
