@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -170,13 +171,18 @@ def test_a_victim_read_while_it_is_written_keeps_its_arena_copy(setup):
     assert s.exact(s.new)
 
 
-def test_a_flush_during_the_write_leaves_that_block_to_its_demotion(setup):
+def test_a_flush_during_the_write_leaves_that_block_to_its_demotion_and_waits_for_it(setup):
     s = setup
     waiting = s.pool.submit(_put, s)
     assert s.nvme.writing.wait(NOT_STUCK_S)
-    flushed = s.pool.submit(s.store.flush).result(NOT_STUCK_S)   # before: it waited on the lock
-    assert flushed == CPU_BLOCKS - 1   # every resident block but the one being written down
+    flushing = s.pool.submit(s.store.flush)
+    deadline = time.monotonic() + NOT_STUCK_S   # it writes the other blocks down meanwhile ...
+    while len(find_blocks(s.nvme.path)) < CPU_BLOCKS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(find_blocks(s.nvme.path)) == CPU_BLOCKS   # the cold block and every resident one but the victim
+    assert not flushing.done()   # ... and does not return before the victim's copy is written and synced
     s.nvme.release.set()
+    assert flushing.result(NOT_STUCK_S) == CPU_BLOCKS - 1   # written by the flush itself
     waiting.result(NOT_STUCK_S)
     assert s.tiers_of(s.victim) == (1,) and s.exact(s.victim)
     assert s.nvme.used_bytes == (CPU_BLOCKS + 1) * (HEADER_BYTES + BLOCK)   # one slot each: no copy twice

@@ -39,6 +39,8 @@ log = logging.getLogger("kvstore.store")
 SLACK_WARN_RATIO = 1.1
 #: ... for this many block sizes at most
 SLACK_WARNINGS = 32
+#: the longest ``flush`` waits for demotions writing blocks down when it starts
+FLUSH_WAITS_S = 10.0
 
 
 class Store:
@@ -361,17 +363,21 @@ class Store:
         return n
 
     def flush(self) -> int:
-        """Write every block that has no durable copy to the durable tier (write-back drain)."""
+        """Write every block that has no durable copy to the durable tier (write-back drain); a
+        block whose demotion is writing that copy right now is left to it and waited for (at most
+        ``FLUSH_WAITS_S``), so the one sync at the end covers it too. Returns the blocks written here."""
         d = self.durable_index
         if d is None:
             return 0
         cascade = self._cascade
         written = 0
+        demoting = []
         with self._lock:
             for entry in list(self._index.values()):
                 if not entry.ready or not entry.copies or d in entry.copies:  # no copies: evicted by this loop
                     continue
                 if entry.writing_down:   # its demotion is writing that copy now (Cascade.clear_room)
+                    demoting.append(entry)
                     continue
                 src = entry.fastest
                 try:
@@ -380,6 +386,9 @@ class Store:
                     written += 1
                 except PLACEMENT_ERRORS:
                     self.counters["flush_failures"] += 1
+        deadline = time.monotonic() + FLUSH_WAITS_S
+        while any(e.writing_down for e in demoting) and time.monotonic() < deadline:
+            time.sleep(0.001)   # a write takes milliseconds; its end needs the lock this loop let go
         self.tiers[d].sync()  # also covers blocks demoted earlier without a sync
         return written
 
