@@ -54,12 +54,13 @@ def data(h: bytes) -> np.ndarray:
 
 
 class Setup:
-    """A CPU tier of ``CPU_BLOCKS`` blocks over a held NVMe tier. ``cold`` was put first and
-    pushed down to NVMe; ``resident`` fill the CPU tier, the first of them its LRU victim."""
+    """A CPU tier of ``CPU_BLOCKS`` blocks over a held ``lower`` tier (NVMe unless given).
+    ``cold`` was put first and pushed down there; ``resident`` fill the CPU tier, the first of
+    them its LRU victim."""
 
     def __init__(self, path: str, lower=None) -> None:
-        self.nvme = lower if lower is not None else HeldNvme(path, 64 * (HEADER_BYTES + BLOCK))
-        self.store = Store([CpuTier(CPU_BLOCKS * BLOCK, slot_bytes=BLOCK), self.nvme],
+        self.lower = lower if lower is not None else HeldNvme(path, 64 * (HEADER_BYTES + BLOCK))
+        self.store = Store([CpuTier(CPU_BLOCKS * BLOCK, slot_bytes=BLOCK), self.lower],
                            StoreConfig(eviction_policy="lru"))
         lay = KVLayout(model="test/demotion", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
                        block_tokens=16, block_bytes=BLOCK)
@@ -70,7 +71,7 @@ class Setup:
         for h in [self.cold] + self.resident:   # one by one: each its own chain's root
             assert self.store.put(self.ns, [h], [data(h)]) == ["stored"]
         assert self.tiers_of(self.cold) == (1,) and all(self.tiers_of(h) == (0,) for h in self.resident)
-        self.nvme.hold = block_key(self.ns, self.victim)
+        self.lower.hold = block_key(self.ns, self.victim)
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
 
     def tiers_of(self, h: bytes) -> tuple[int, ...] | None:
@@ -87,7 +88,7 @@ class Setup:
         return self.store.stats()["counters"]
 
     def close(self) -> None:
-        self.nvme.release.set()
+        self.lower.release.set()
         self.pool.shutdown(wait=True)
         self.store.close()
 
@@ -129,13 +130,13 @@ def _same_host_get_staging(s: Setup) -> None:
 def test_other_calls_run_while_a_victim_is_written_to_disk(setup, needs_room):
     s = setup
     waiting = s.pool.submit(needs_room, s)
-    assert s.nvme.writing.wait(NOT_STUCK_S), "the call never started writing its victim down"
+    assert s.lower.writing.wait(NOT_STUCK_S), "the call never started writing its victim down"
     # the victim's disk write is in flight: a get of a hot block, a lookup and a delete answer now
     assert s.pool.submit(s.exact, s.hot).result(NOT_STUCK_S)
     assert s.pool.submit(lambda: s.store.lookup(s.ns, [s.hot], lease=False).num_hit).result(NOT_STUCK_S) == 1
     assert s.pool.submit(s.store.delete, s.ns, [s.resident[1]]).result(NOT_STUCK_S) == 1
     assert not waiting.done()   # ... and the call that needs the room waits on its own write
-    s.nvme.release.set()
+    s.lower.release.set()
     waiting.result(NOT_STUCK_S)
     assert s.tiers_of(s.victim) == (1,) and s.exact(s.victim)   # on disk only, every byte
     assert s.counters()["demotions_outside_lock"] >= 1
@@ -145,23 +146,23 @@ def test_other_calls_run_while_a_victim_is_written_to_disk(setup, needs_room):
 def test_a_victim_deleted_while_it_is_written_is_freed_in_both_tiers(setup):
     s = setup
     waiting = s.pool.submit(_put, s)
-    assert s.nvme.writing.wait(NOT_STUCK_S)
+    assert s.lower.writing.wait(NOT_STUCK_S)
     assert s.store.delete(s.ns, [s.victim]) == 1   # pinned by its demotion: doomed, gone to readers now
     assert not s.exact(s.victim)
-    s.nvme.release.set()
+    s.lower.release.set()
     waiting.result(NOT_STUCK_S)
     assert s.tiers_of(s.victim) is None
-    assert s.nvme.used_bytes == HEADER_BYTES + BLOCK   # the cold block's slot only: none left behind
-    assert set(find_blocks(s.nvme.path)) == {block_key(s.ns, s.cold)}   # its slot's header erased on disk too
+    assert s.lower.used_bytes == HEADER_BYTES + BLOCK   # the cold block's slot only: none left behind
+    assert set(find_blocks(s.lower.path)) == {block_key(s.ns, s.cold)}   # its slot's header erased on disk too
     assert s.exact(s.new) and s.exact(s.cold)
 
 
 def test_a_victim_read_while_it_is_written_keeps_its_arena_copy(setup):
     s = setup
     waiting = s.pool.submit(_put, s)
-    assert s.nvme.writing.wait(NOT_STUCK_S)
+    assert s.lower.writing.wait(NOT_STUCK_S)
     lease = s.store.prepare_load(s.ns, [s.victim])   # a same-host reader pins the victim's arena slots
-    s.nvme.release.set()
+    s.lower.release.set()
     waiting.result(NOT_STUCK_S)
     got = np.concatenate([np.asarray(v) for v in s.store.shared_arena().views(lease.extents[0])])[:BLOCK]
     s.store.complete_load(lease.id)
@@ -174,26 +175,26 @@ def test_a_victim_read_while_it_is_written_keeps_its_arena_copy(setup):
 def test_a_flush_during_the_write_leaves_that_block_to_its_demotion_and_waits_for_it(setup):
     s = setup
     waiting = s.pool.submit(_put, s)
-    assert s.nvme.writing.wait(NOT_STUCK_S)
+    assert s.lower.writing.wait(NOT_STUCK_S)
     flushing = s.pool.submit(s.store.flush)
     deadline = time.monotonic() + NOT_STUCK_S   # it writes the other blocks down meanwhile ...
-    while len(find_blocks(s.nvme.path)) < CPU_BLOCKS and time.monotonic() < deadline:
+    while len(find_blocks(s.lower.path)) < CPU_BLOCKS and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(find_blocks(s.nvme.path)) == CPU_BLOCKS   # the cold block and every resident one but the victim
+    assert len(find_blocks(s.lower.path)) == CPU_BLOCKS   # the cold block and every resident one but the victim
     assert not flushing.done()   # ... and does not return before the victim's copy is written and synced
-    s.nvme.release.set()
+    s.lower.release.set()
     assert flushing.result(NOT_STUCK_S) == CPU_BLOCKS - 1   # written by the flush itself
     waiting.result(NOT_STUCK_S)
     assert s.tiers_of(s.victim) == (1,) and s.exact(s.victim)
-    assert s.nvme.used_bytes == (CPU_BLOCKS + 1) * (HEADER_BYTES + BLOCK)   # one slot each: no copy twice
+    assert s.lower.used_bytes == (CPU_BLOCKS + 1) * (HEADER_BYTES + BLOCK)   # one slot each: no copy twice
 
 
 def test_a_failed_demotion_write_loses_only_its_victim(setup):
     s = setup
-    s.nvme.hold = None
-    slabs = [f for f in os.listdir(s.nvme.path) if f.endswith(".kvs")]
+    s.lower.hold = None
+    slabs = [f for f in os.listdir(s.lower.path) if f.endswith(".kvs")]
     assert len(slabs) == 1
-    os.unlink(os.path.join(s.nvme.path, slabs[0]))   # the disk copy's file is gone: its write fails
+    os.unlink(os.path.join(s.lower.path, slabs[0]))   # the disk copy's file is gone: its write fails
     _put(s)
     assert s.tiers_of(s.victim) is None and not s.exact(s.victim)   # a miss, as under the lock before
     assert s.counters()["demotion_failures"] == 1
@@ -205,9 +206,9 @@ def test_a_victim_bound_for_redis_is_written_outside_the_lock_too(tmp_path, redi
     s = Setup(str(tmp_path), lower=HeldRedis(1 << 30, redis_url, key_prefix=prefix, ttl_s=60))
     try:
         waiting = s.pool.submit(_put, s)
-        assert s.nvme.writing.wait(NOT_STUCK_S)
+        assert s.lower.writing.wait(NOT_STUCK_S)
         assert s.pool.submit(s.exact, s.hot).result(NOT_STUCK_S)   # no wait on the network write
-        s.nvme.release.set()
+        s.lower.release.set()
         waiting.result(NOT_STUCK_S)
         assert s.tiers_of(s.victim) == (1,) and s.exact(s.victim)
         assert s.counters()["demotions_outside_lock"] >= 1

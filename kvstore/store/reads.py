@@ -155,16 +155,13 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
         dsts.append(buf[at:at + span])
         at += span
 
-    def one(entry, t, dst):
-        return dst[:cascade.tiers[t].read_into(entry.key, dst)]
-
     def run(t, ks):   # one read_many_into: neighbours on a tier that reads runs, else one copy
         sizes = cascade.tiers[t].read_many_into([copies[k][0].key for k in ks], [dsts[k] for k in ks])
         return [n if isinstance(n, Exception) else dsts[k][:n] for k, n in zip(ks, sizes)]
 
-    if len(copies) == 1:
+    if len(copies) == 1:   # on this thread: no pool hop for one read
         try:
-            return [one(*copies[0], dsts[0])]
+            return run(copies[0][1], [0])
         except Exception as e:  # noqa: BLE001 - handed back in its place
             return [e]
     pool = _readers.get()
