@@ -231,6 +231,7 @@ def test_nvme_a_chain_lies_in_adjacent_slots_and_a_dropped_slot_is_reused(tmp_pa
         tier.write(r, payload(r.block_hash[0], 50_000))
     assert [tier.location(r.key)[1] for r in records] == [i * fp for i in range(6)]
     tier.drop(records[2].key)
+    tier.finish_drops()   # its slot erased: free for the next block
     assert _slot_bytes(tier, records[3].key, 0, 8) == b"KVSBLK02"
     late = rec(9, 50_000)
     tier.allocate(late)
@@ -422,6 +423,7 @@ def test_nvme_holds_at_most_max_slabs_block_sizes(tmp_path):
         tier.allocate(rec(999, (MAX_SLABS + 1) * 4096))
     tier.allocate(rec(998, 4096))   # a size it holds already still fits
     tier.drop(rec(MAX_SLABS - 1, 1).key)   # the only block of the largest size: its slab goes
+    tier.finish_drops()
     tier.allocate(rec(999, (MAX_SLABS + 1) * 4096))
 
 
@@ -436,6 +438,7 @@ def test_nvme_a_slab_left_empty_is_deleted_and_its_size_starts_afresh(tmp_path):
     big_slab = tier.location(big[0].key)[0]
     for r in big:
         tier.drop(r.key)
+    tier.finish_drops()
     assert _slabs(d) == [os.path.basename(tier.location(small[0].key)[0])] and not os.path.exists(big_slab)
     assert tier.stats()["slab_files"] == 1
     again = rec(20, 50_000)
@@ -452,6 +455,7 @@ def test_nvme_a_slab_left_empty_is_deleted_and_its_size_starts_afresh(tmp_path):
     assert not os.path.exists(path) and len(_slabs(d)) == 1
     for r in small:
         restarted.drop(r.key)
+    restarted.finish_drops()
     assert _slabs(d) == []
 
 

@@ -34,7 +34,10 @@ Primitive by primitive:
   tells such a tier whose each namespace is.
 * ``extents(key)`` — for tiers a same-host client can map: the (offset, length) pieces of the
   payload inside the shared segment, else None.
-* ``drop(key)`` — release the space; idempotent.
+* ``drop(key)`` — release the space; idempotent. Called under the Store lock, so bookkeeping
+  only: I/O a drop needs (erasing a slot on disk) waits for ``finish_drops()``.
+* ``finish_drops()`` — the I/O of the drops so far (erasing their slots), then their space is
+  reusable. The Store calls it with its lock released; volatile tiers have none (no-op).
 * ``recover()`` — for durable tiers: yield the ``BlockRecord`` of every intact block found at
   start-up (torn or corrupt ones are deleted and counted, never yielded).
 * ``close()`` — flush and release resources.
@@ -136,6 +139,9 @@ class Tier(ABC):
 
     @abstractmethod
     def drop(self, key: bytes) -> None: ...
+
+    def finish_drops(self) -> None:
+        pass
 
     def recover(self) -> Iterator[BlockRecord]:
         return iter(())

@@ -10,9 +10,11 @@ Durable: ``write`` is a positional write and an ``fdatasync``. The batched form
 (``write_unsynced`` + ``sync``) flushes each slab written since the last ``sync`` once (group
 commit), and the directory once when a slab file was created. A crash before then may lose or
 tear such a block; the header's and payload's checksums turn a torn or mixed slot (a reused
-slot half overwritten) into a counted miss. Dropping a block punches its slot out of the file
-(its header reads back as zeros), so a restart does not bring it back; where that cannot be
-made durable in time (a crash right after the drop) the old block may come back, whole and
+slot half overwritten) into a counted miss. Dropping a block forgets it at once (no I/O: the
+store drops under its lock); ``finish_drops``, run without the store lock, then punches its slot
+out of the file (its header reads back as zeros) and only then hands the slot out again, so a
+restart does not bring it back and no new block sits behind its stale header. Where that cannot
+be made durable in time (a crash right after the drop) the old block may come back, whole and
 checksummed. Every read verifies the header (its key and footprint must match) and the payload
 checksum; a bad slot is dropped, counted and reported as ``BlockCorrupt`` (the store turns that
 into a miss). Warm restart: ``recover()`` rebuilds the index from the slots' headers.
@@ -136,6 +138,7 @@ class NvmeTier(Tier):
         self._blocks: dict[bytes, tuple[BlockRecord, Slab, int]] = {}  # key -> (record, slab, slot)
         self._slabs: dict[int, Slab] = {}   # footprint -> its slab
         self._lock = threading.Lock()
+        self._to_punch: list[tuple[bytes, Slab, int]] = []   # dropped, slot not yet erased: (key, slab, slot)
         self._unflushed: set[Slab] = set()   # slabs written without a flush since the last sync()
         self._written: set[Slab] = set()     # slabs written at all since the last sync()
         self._new_files = False              # a slab file created since the last directory fsync
@@ -378,20 +381,34 @@ class NvmeTier(Tier):
         raise BlockCorrupt(f"nvme block {key.hex()[:24]}... dropped: {why}")
 
     def drop(self, key: bytes) -> None:
-        """Release the block's slot; its header is erased first (``Slab.punch``), so the slot's
-        next block never sits behind a stale header, and a restart does not bring the block back.
-        A slab left without blocks is removed, so sizes no longer stored do not count against
-        ``MAX_SLABS``."""
+        """Forget the block; its slot stays taken until ``finish_drops`` has erased it."""
         with self._lock:
             entry = self._blocks.pop(key, None)
             if entry is None:
                 return
             _, slab, slot = entry
             self.used_bytes -= slab.slot_bytes
-            slab.punch(slot)
-            slab.give_back(slot)
-            if not slab.used:
-                self._retire(slab)
+            self._to_punch.append((key, slab, slot))
+
+    def finish_drops(self) -> None:
+        """Erase the slots of the blocks dropped so far (``punch``), then free them; a slab left
+        without blocks is removed, so sizes no longer stored do not count against ``MAX_SLABS``."""
+        if not self._to_punch:
+            return
+        with self._lock:
+            punching, self._to_punch = self._to_punch, []
+        for key, slab, slot in punching:
+            self.punch(key, slab, slot)
+        with self._lock:
+            for _, slab, slot in punching:
+                slab.give_back(slot)
+                if not slab.used:
+                    self._retire(slab)
+
+    def punch(self, key: bytes, slab: Slab, slot: int) -> None:
+        """Erase dropped block ``key``'s slot on disk (``Slab.punch``): the slot's next block never
+        sits behind a stale header, and a restart does not bring the block back."""
+        slab.punch(slot)
 
     def _retire(self, slab: Slab) -> None:
         """Forget an empty slab and delete its file (under the lock: no block is in it, so no read
@@ -493,6 +510,7 @@ class NvmeTier(Tier):
         return got >= record.stored_size and xxhash.xxh3_64_intdigest(view[:record.stored_size]) == record.checksum
 
     def close(self) -> None:
+        self.finish_drops()
         with self._lock:
             for slab in self._slabs.values():
                 slab.close()

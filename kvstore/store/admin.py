@@ -138,7 +138,7 @@ class StoreAdmin:
                 self.cascade.doom(entry)
             else:
                 self.cascade.drop_entry(entry)
-        self.cascade.counters["admin_dropped_blocks"] += freed.blocks
+        self.cascade.count("admin_dropped_blocks", freed.blocks)
         return freed
 
     # -- pins and warming -------------------------------------------------------------------------

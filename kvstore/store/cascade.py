@@ -9,13 +9,18 @@ durable tier before it is acknowledged as persisted.
 A new block is charged to its tenant's quota when it is reserved and released when it leaves
 (``quotas.TenantQuotas``), so puts, same-host reservations and peer fetches are all counted.
 
-One lock (``Cascade.lock``) guards the index, the policies and the accounting; every method here
-that changes them expects it held unless its docstring says otherwise. Payload copies to and from
-RAM run outside it, under a pin. A call that needs room in a memory tier whose victims go down to
-a disk or network tier (a put, a same-host put's reservation, a promotion, staging for a same-host
-get) writes them there with the lock released first (``clear_room``): a get of other blocks never
-waits on that write. What it leaves undone (a race lost to another caller, a flush, a demotion
-from NVMe into Redis) runs under the lock: it stalls other requests for one write.
+The cascade owns the books: the index, every tier's policy, pins, quotas, counters and the
+listeners' callbacks change only through its methods, under its one lock (``Cascade.lock``); a
+method here that changes them expects it held unless its docstring says it takes it itself.
+Payload copies to and from RAM run outside it, under a pin. A call that needs room in a memory
+tier whose victims go down to a disk or network tier (a put, a same-host put's reservation, a
+promotion, staging for a same-host get) writes them there with the lock released first
+(``clear_room``): a get of other blocks never waits on that write.
+
+Locks are taken in one order only: the store lock (``Cascade.lock``), then a tier's own lock (its
+slot or file table), then a thread pool's or scratch buffer's lock. Nothing holding a tier's lock
+calls into the store, and the namespace registry's lock (registering persists a file) is never
+taken with the store lock held.
 """
 
 from __future__ import annotations
@@ -55,6 +60,34 @@ DOOMED_WAIT_MAX_S = 3.0
 CLEAR_ROOM_MAX_VICTIMS = 64
 
 
+class StoreLock:
+    """The store lock: reentrant. A thread's last release of it finishes the tiers' drops (erasing
+    dropped slots on disk, ``Tier.finish_drops``) with it released: drops happen under the lock,
+    their I/O never does."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._lock = threading.RLock()
+        self._held = threading.local()   # .depth: this thread's nesting
+        self._finishing = [t for t in tiers if type(t).finish_drops is not Tier.finish_drops]
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        held = self._held
+        held.depth = getattr(held, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        held = self._held
+        held.depth -= 1
+        self._lock.release()
+        if held.depth == 0:
+            for tier in self._finishing:
+                tier.finish_drops()
+
+    def held(self) -> bool:
+        """Whether the calling thread holds it."""
+        return getattr(self._held, "depth", 0) > 0
+
+
 class Cascade:
     def __init__(self, tiers: Sequence[Tier], config: StoreConfig, namespaces: NamespaceRegistry,
                  clock: Callable[[], float]) -> None:
@@ -62,11 +95,11 @@ class Cascade:
         self.config = config
         self.namespaces = namespaces
         self.clock = clock
-        self.lock = threading.RLock()
+        self.lock = StoreLock(self.tiers)
         self.index = BlockIndex(make_tier_policies(config.eviction_policy, [t.name for t in self.tiers]))
         self.counters: dict[str, int] = defaultdict(int)
         self.listeners = Listeners()
-        self.transcoder = Transcoder(self.tiers, config, namespaces, self.counters)
+        self.transcoder = Transcoder(self.tiers, config, namespaces, self.count)
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self.quotas = TenantQuotas(config.tenant_quotas)
@@ -82,13 +115,26 @@ class Cascade:
         """Hold a visible block in place (no eviction, freed only on the last unpin); None if absent."""
         entry = self.index.visible(namespace_id, block_hash)
         if entry is not None:
-            entry.pins += 1
+            self.pin_entry(entry)
+        return entry
+
+    def pin_entry(self, entry: Entry) -> Entry:
+        """Pin a visible block the caller found in the index (caller holds the lock)."""
+        assert entry.visible and self.index.entries.get(entry.key) is entry, "pinned a block the index does not serve"
+        entry.pins += 1
         return entry
 
     def unpin(self, entry: Entry) -> None:
+        """Let go of one pin (caller holds the lock); a deleted block is freed on its last."""
+        assert entry.pins > 0, "unpinned a block nobody pinned"
         entry.pins -= 1
         if entry.pins == 0 and entry.doomed:
             self.drop_entry(entry)
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of the store's counters (takes the lock itself: increments are never lost)."""
+        with self.lock:
+            self.counters[counter] += n
 
     def unpin_keys(self, keys: Sequence[bytes]) -> None:
         """Unpin blocks by key (takes the lock itself)."""
@@ -320,7 +366,7 @@ class Cascade:
                 if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
                     self._evict_copy(t, key)
                     continue
-                entry.pins += 1
+                self.pin_entry(entry)
                 entry.writing_down = True
             self._write_down(entry, t)
 

@@ -240,7 +240,7 @@ class Leases:
                         entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
                         if entry is None or not entry.visible:
                             if not staging:   # (after a run to stage, it is met again once that is leased)
-                                cascade.counters["misses"] += 1  # a zero-copy reader's miss counts like get's
+                                cascade.count("misses")  # a zero-copy reader's miss counts like get's
                                 stopped = True
                             break
                         if c not in entry.copies:
@@ -248,7 +248,7 @@ class Leases:
                             size = entry.copies[src].stored_size
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES):
                                 break
-                            entry.pins += 1
+                            cascade.pin_entry(entry)
                             staging.append((entry, src, size))
                             staged_bytes += size
                             i += 1
@@ -261,12 +261,12 @@ class Leases:
                             # it; the server reads such blocks for it through get_into instead
                             stopped = True
                             break
-                        entry.pins += 1
+                        cascade.pin_entry(entry)
                         i += 1
                         touch(entry.key)
                         hits += 1
                         lease.add(entry.key, cpu.extents(entry.key), record)
-                    cascade.counters["hits_cpu"] += hits
+                    cascade.count("hits_cpu", hits)
                 if staging:
                     stopped = not self._stage_run(staging, c, cpu, accept, lease)
         except BaseException:
@@ -296,7 +296,7 @@ class Leases:
                     if not self._place_staged(entry, c, src, payload, accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
-                    cascade.counters["hits_cpu"] += 1
+                    cascade.count("hits_cpu")
                     lease.add(entry.key, cpu.extents(entry.key), entry.copies[c])
                     leased += 1
         finally:
@@ -355,5 +355,5 @@ class Leases:
                 cascade.unpin_keys(lease.keys)
             else:
                 self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
-        cascade.counters["leases_expired"] += len(dead)
+        cascade.count("leases_expired", len(dead))
         return len(dead)

@@ -60,7 +60,7 @@ class PinnedPrefixes(StoreListener):
             extra = len(new) * ns.block_bytes
             held = self.tenant_bytes[ns.tenant]
             if self.limit_bytes is not None and held + extra > self.limit_bytes:
-                cascade.counters["pins_refused_limit"] += 1
+                cascade.count("pins_refused_limit")
                 raise QuotaExceeded(
                     f"{LIMIT_SETTING}: tenant {ns.tenant!r} has {held} bytes pinned; pinning {len(new)} more blocks "
                     f"({extra} bytes) would exceed its limit of {self.limit_bytes} bytes (unpin something, or raise "

@@ -210,9 +210,9 @@ def _read_resident(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes
             if p is None:
                 misses += 1
             else:
-                p[0].pins += 1
+                cascade.pin_entry(p[0])
         if misses:
-            cascade.counters["misses"] += misses
+            cascade.count("misses", misses)
     out: list[tuple[int, int] | None] = [None] * len(hashes)
     sizes = [0] * len(hashes)
     retry: set[int] = set()
@@ -248,7 +248,7 @@ def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: 
     """``_deliver`` for the pinned reads ``plan[start:stop]`` under one lock acquisition."""
     if start >= stop:
         return
-    counters, policies, tiers = cascade.counters, cascade.index.policies, cascade.tiers
+    policies, tiers = cascade.index.policies, cascade.tiers
     promote = cascade.config.promote_on_hit
     hits = [0] * len(tiers)
     nbytes = 0
@@ -268,9 +268,9 @@ def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: 
             out[i] = (n, codec)
         for t, k in enumerate(hits):   # counted once per run: the same totals, under the same lock
             if k:
-                counters[f"hits_{tiers[t].name}"] += k
+                cascade.count(f"hits_{tiers[t].name}", k)
         if any(hits):
-            counters["bytes_out"] += nbytes
+            cascade.count("bytes_out", nbytes)
 
 
 def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
@@ -295,7 +295,7 @@ def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst:
         with cascade.lock:
             entry = cascade.pin(namespace_id, block_hash)
             if entry is None:
-                cascade.counters["misses"] += 1
+                cascade.count("misses")
                 return None
             t = entry.fastest
         record = entry.copies[t]
@@ -328,8 +328,8 @@ def _deliver(cascade: Cascade, got: _Read) -> tuple[int, int]:
     if t > 0 and cascade.config.promote_on_hit and not entry.doomed:   # room for the promotion, outside the lock
         cascade.clear_room(cascade.promotion_target(t), entry.raw_size, entry.namespace_id)
     with cascade.lock:
-        cascade.counters[f"hits_{cascade.tiers[t].name}"] += 1
-        cascade.counters["bytes_out"] += got.n
+        cascade.count(f"hits_{cascade.tiers[t].name}")
+        cascade.count("bytes_out", got.n)
         cascade.index.policies[t].touch(entry.key)
         if t > 0 and cascade.config.promote_on_hit and not entry.doomed:
             cascade.promote(entry, t, got.payload, got.decoded)

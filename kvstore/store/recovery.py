@@ -28,7 +28,7 @@ def recover(cascade: Cascade) -> None:
                 if ns is not None:  # whatever the quota now: these bytes are already stored
                     cascade.quotas.restore(ns.tenant, record.raw_size)
             entry.copies[t] = record
-            cascade.counters["recovered_blocks"] += 1
+            cascade.count("recovered_blocks")
     for entry in index.entries.values():
         index.link(entry)
     for entry in index.entries.values():

@@ -115,8 +115,7 @@ class Store:
                             "" if len(self._slack_warned) < SLACK_WARNINGS else " (the last such warning)")
 
     def _count(self, counter: str) -> None:
-        with self._lock:
-            self.counters[counter] += 1
+        self._cascade.count(counter)
 
     def namespace(self, namespace_id: bytes) -> Namespace:
         return self._namespaces.get(namespace_id)
@@ -243,7 +242,7 @@ class Store:
                 if lease:
                     entry.pinned_until = max(entry.pinned_until, until)
                 tiers.append(self.tiers[entry.fastest].name)
-            self.counters["lookups"] += 1
+            self._cascade.count("lookups")
         return Lookup(len(tiers), tiers)
 
     def contains(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bool]:
@@ -303,7 +302,7 @@ class Store:
             try:
                 quotas.hold(ns.tenant, absent * ns.block_bytes)
             except QuotaExceeded:
-                self.counters["put_rejected_quota"] += 1
+                self._cascade.count("put_rejected_quota")
                 raise
         try:
             yield
@@ -385,7 +384,7 @@ class Store:
                     cascade.store_copy(entry, d, cascade.read_copy(entry, src), entry.copies[src], sync=False)
                     written += 1
                 except PLACEMENT_ERRORS:
-                    self.counters["flush_failures"] += 1
+                    self._cascade.count("flush_failures")
         deadline = time.monotonic() + FLUSH_WAITS_S
         while any(e.writing_down for e in demoting) and time.monotonic() < deadline:
             time.sleep(0.001)   # a write takes milliseconds; its end needs the lock this loop let go

@@ -17,7 +17,7 @@ pulls in torch, which a daemon without codecs never needs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -43,11 +43,12 @@ class Placement:
 
 class Transcoder:
     def __init__(self, tiers: Sequence[Tier], config: StoreConfig, namespaces: NamespaceRegistry,
-                 counters: dict[str, int]) -> None:
+                 count: Callable[..., None]) -> None:
+        """``count(name)``: adds one to a store counter (the books' own, so no increment is lost)."""
         self.tiers = tiers
         self.config = config
         self.namespaces = namespaces
-        self.counters = counters
+        self._count = count
         self.tally = CodecTally({t.name: config.tier_codecs.get(t.name, RAW) for t in tiers})
         self._choice: dict[tuple[int, bytes], str] = {}
 
@@ -79,7 +80,7 @@ class Transcoder:
                 self._choice[key] = name
             except (KeyError, CodecError):
                 self._choice[key] = RAW
-                self.counters["codec_layout_refusals"] += 1
+                self._count("codec_layout_refusals")
         return self._choice[key]
 
     def decode(self, namespace_id: bytes, raw_size: int, record: BlockRecord, payload, out=None) -> np.ndarray:
@@ -111,12 +112,12 @@ class Transcoder:
         try:
             codec_id, payload = codecs.encode_block(want, raw, self.namespaces.get(namespace_id).layout)
         except CodecError as e:
-            self.counters["codec_fallbacks_raw"] += 1  # NaN/Inf or similar: keep the exact bytes
+            self._count("codec_fallbacks_raw")  # NaN/Inf or similar: keep the exact bytes
             return Placement(raw_record, raw, "nonfinite" if getattr(e, "reason", "") == "nonfinite"
                              else "codec_error")
         if payload.nbytes >= raw_size:
             return Placement(raw_record, raw, "no_gain")
-        self.counters[f"encoded_{want}"] += 1
+        self._count(f"encoded_{want}")
         return Placement(dataclasses.replace(raw_record, codec=codec_id, stored_size=payload.nbytes, checksum=0),
                          payload, "encoded")
 

@@ -25,7 +25,7 @@ def warm(cascade: Cascade, entry: Entry) -> str:
     if c is None or entry.fastest <= c:
         return ALREADY_WARM
     src = entry.fastest
-    entry.pins += 1
+    cascade.pin_entry(entry)
     try:
         cascade.make_room(c, entry.raw_size, entry.namespace_id)   # before read_copy: making room may reuse its scratch buffer
         data = cascade.read_copy(entry, src)
@@ -35,9 +35,9 @@ def warm(cascade: Cascade, entry: Entry) -> str:
             cascade.discard_corrupt_copy(entry, src)
         return CORRUPT
     except PLACEMENT_ERRORS:
-        cascade.counters["prewarm_no_room"] += 1
+        cascade.count("prewarm_no_room")
         return NO_ROOM
     finally:
         cascade.unpin(entry)
-    cascade.counters["prewarmed"] += 1
+    cascade.count("prewarmed")
     return WARMED
