@@ -150,7 +150,8 @@ def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Te
 def check_payload(codec_id: int, payload, layout: KVLayout) -> None:
     """Raise ``CodecError`` unless ``payload`` is a whole, intact block of ``layout`` encoded with
     ``codec_id``: what ``decode_block`` checks before it writes a byte (the header's magic, CRC32
-    and fields, the body's length and xxh3-64, the codec's parameter, the block's shape and dtype),
+    and fields, the body's length and xxh3-64, the codec's parameter, the block's shape and dtype,
+    a decoded size the body declares),
     without decoding. A raw (0) payload must be exactly a block. For a payload from elsewhere (a
     client's own encoding) before it is stored as it is."""
     codec = codec_for_id(codec_id)
@@ -174,6 +175,7 @@ def _checked_header(codec: Codec, host: np.ndarray, layout: KVLayout):
                          f"{codec.header_param(layout)} for this layout")
     header.check_layout(layout)
     verify_body(header, view[HEADER_BYTES:])
+    codec.check_body(host[HEADER_BYTES:], layout)
     return header
 
 

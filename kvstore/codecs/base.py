@@ -74,6 +74,10 @@ class Codec:
         """The parameter this codec writes in headers for ``layout`` (decode insists on it)."""
         return self.param
 
+    def check_body(self, body: np.ndarray, layout: KVLayout) -> None:
+        """Refuse (``CodecError``) a body that would decode to more than a block, from what it
+        declares alone (sections are sized by the layout: nothing to check for them)."""
+
     def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
         """Encode ``raw`` (flat uint8 tensor of ``layout.block_bytes``) into header + body."""
         raise NotImplementedError

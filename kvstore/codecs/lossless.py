@@ -44,13 +44,12 @@ class ZstdCodec(Codec):
         payload[HEADER_BYTES:] = np.frombuffer(body, np.uint8)
         return payload
 
+    def check_body(self, body: np.ndarray, layout: KVLayout) -> None:
+        declared_size(body, layout.block_bytes)
+
     def decode(self, header: Header, body: np.ndarray, layout: KVLayout, out: torch.Tensor) -> None:
         planes = header.param  # decode_block has checked it against header_param()
-        try:
-            data = zstandard.ZstdDecompressor().decompress(body,
-                                                           max_output_size=layout.block_bytes)
-        except zstandard.ZstdError as e:
-            raise CodecError(f"zstd payload does not decompress: {e}") from e
+        data = bounded_decompress(body, layout.block_bytes)
         if len(data) != layout.block_bytes:
             raise CodecError(f"zstd payload decompressed to {len(data)} bytes, the block is "
                              f"{layout.block_bytes}")
@@ -61,3 +60,41 @@ class ZstdCodec(Codec):
             out.numpy().reshape(arr.shape)[...] = arr
         else:
             out.copy_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)))
+
+
+def bounded_decompress(body: np.ndarray, limit: int) -> bytes:
+    """Decompress one zstd frame into at most ``limit`` bytes, never allocating more.
+
+    A frame names its content size and window, and ``ZstdDecompressor.decompress`` allocates what
+    the frame declares before ``max_output_size`` is consulted, so a few KiB that declare a GiB
+    would cost a GiB. Here a frame that declares another size than ``limit`` is refused from its
+    header alone, the window the decoder may allocate is capped near ``limit``, and the output is
+    streamed in pieces that together never pass ``limit + 1`` bytes."""
+    declared_size(body, limit)
+    window = max(1 << 10, 1 << (limit - 1).bit_length())   # the encoder never needs a wider one
+    pieces, got = [], 0
+    try:
+        with zstandard.ZstdDecompressor(max_window_size=window).stream_reader(body) as reader:
+            while got <= limit:
+                piece = reader.read(limit + 1 - got)
+                if not piece:
+                    break
+                pieces.append(piece)
+                got += len(piece)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstd payload does not decompress: {e}") from e
+    if got > limit:
+        raise CodecError(f"zstd payload decompresses past the {limit}-byte block: refused")
+    return b"".join(pieces)
+
+
+def declared_size(body: np.ndarray, limit: int) -> int:
+    """The size the zstd frame in ``body`` declares (-1: it does not say); ``CodecError`` unless
+    that is ``limit`` or unsaid."""
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstd payload has no valid frame header: {e}") from e
+    if declared not in (-1, limit):   # -1: unsaid; then the streaming cap of bounded_decompress decides
+        raise CodecError(f"zstd payload declares {declared} bytes, the block is {limit}: refused unread")
+    return declared

@@ -1,0 +1,99 @@
+"""Bounded decoding against a real ``kvstore serve`` (issue 35, item 3).
+
+A client sends its own zstd payload with a valid codec header whose frame declares far more than
+a block: a few KiB that decompress (or claim to decompress) to 1 GiB. The daemon must refuse it
+naming the block without ever allocating more than a block for it: before the fix it allocated
+the declared size first (peak RSS +1 GiB, seconds) and refused only afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import zstandard
+
+import codec_blocks
+from kvstore import codecs
+from kvstore.codecs.header import make_header
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVLayout, Namespace
+from kvstore.ops.local_daemon import start_local_daemon
+
+MiB, GiB = 1 << 20, 1 << 30
+LAYOUT = KVLayout(model="test/zstd-bomb", num_layers=8, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                  block_tokens=32, layout="kv,layer,token,head,dim")   # 128 KiB blocks: a bomb (33 KB) is smaller, so the client sends it
+#: the most the daemon's peak RSS may rise while refusing the bombs (a block is 128 KiB; the rest is
+#: the request itself and allocator noise)
+PEAK_SLACK = 96 * MiB
+
+
+@functools.cache
+def bomb(declared: bool) -> np.ndarray:
+    """A codec payload (valid header, valid checksum) whose zstd frame decompresses to 1 GiB of
+    zeros; ``declared``: the frame header says so. Built by streaming: nothing here holds 1 GiB."""
+    compressor = zstandard.ZstdCompressor(level=1, write_content_size=declared)
+    stream = compressor.compressobj(size=GiB if declared else -1)
+    zeros = bytes(8 * MiB)
+    body = b"".join(stream.compress(zeros) for _ in range(GiB // len(zeros))) + stream.flush()
+    assert len(body) < 128 * 1024 and zstandard.frame_content_size(body) == (GiB if declared else -1)
+    planes = codecs.get_codec("zstd").header_param(LAYOUT)
+    header = make_header(codecs.CODEC_IDS["zstd"], planes, LAYOUT, memoryview(body))
+    return np.frombuffer(header + body, dtype=np.uint8)
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.fixture(scope="module")
+def raw_daemon(tmp_path_factory):
+    """A daemon whose CPU tier keeps blocks raw: a client's zstd payload is decoded on the way in."""
+    workdir = tmp_path_factory.mktemp("zstd-bomb")
+    d = start_local_daemon(workdir, "--shm-dir", str(workdir), cpu_bytes="16MiB", nvme_bytes="64MiB")
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("transport", ["grpc", "bulk", "shm"])
+def test_a_zstd_bomb_is_refused_without_allocating_what_it_declares(raw_daemon, transport, monkeypatch):
+    hashes, blocks = codec_blocks.chain(LAYOUT, 2, seed=71 + ["grpc", "bulk", "shm"].index(transport))
+    real = codecs.encode_block
+    with raw_daemon.client(transport=transport) as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt="bomb"))
+        assert c.put(ns, hashes[:1], blocks[:1], encode="zstd") == ["stored"]   # an honest payload decodes
+        before = peak_rss(raw_daemon.pid)
+        for declared in (True, False):
+            monkeypatch.setattr(codecs, "encode_block", lambda name, raw, layout: (6, bomb(declared)))
+            # a declared size is refused as the put is checked (naming the block); an unsaid one
+            # once decoding passes a block's bytes
+            with pytest.raises(InvalidArgument if declared else codecs.CodecError) as e:
+                c.put(ns, hashes[1:], blocks[1:], parent=hashes[0], encode="zstd")
+            monkeypatch.setattr(codecs, "encode_block", real)
+            assert "zstd" in str(e.value), e.value
+            if declared:
+                assert e.value.field == "blocks[0]", e.value
+        grown = peak_rss(raw_daemon.pid) - before
+        assert grown < PEAK_SLACK, f"peak RSS rose {grown / MiB:.0f} MiB refusing a 1 GiB zstd bomb"
+        assert c.exists(ns, hashes) == [True, False]
+        # the daemon serves on: an honest payload after the bombs decodes (other hashes: over shared
+        # memory a CompleteStore that failed keeps its lease's hashes until the lease runs out)
+        again, blocks2 = codec_blocks.chain(LAYOUT, 2, seed=81 + ["grpc", "bulk", "shm"].index(transport))
+        assert c.put(ns, again, blocks2, encode="zstd") == ["stored"] * 2
+        assert c.get(ns, [hashes[0], *again]) == [b.tobytes() for b in (blocks[0], *blocks2)]
+        assert c.active_transport == transport
+
+
+def test_the_bound_holds_in_the_codec_itself():
+    """``decode_block`` refuses both bombs from a 128 KiB block's budget (here, in-process)."""
+    for declared in (True, False):
+        with pytest.raises(codecs.CodecError, match="zstd"):
+            codecs.decode_block(6, bomb(declared), LAYOUT)
+    codec_id, payload = codecs.encode_block("zstd", codec_blocks.kv_block(LAYOUT, 5), LAYOUT)
+    assert codecs.decode_block(codec_id, payload, LAYOUT).numpy().tobytes() == \
+        codec_blocks.kv_block(LAYOUT, 5).tobytes()
