@@ -9,7 +9,9 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
       "engine": {LLM kwargs: model, block_size, max_model_len, kv_cache_memory_bytes,
                  enable_prefix_caching, ...},
       "kv_transfer_config": {...} | null,
-      "steps": [{"generate": [[token ids], ...], "max_tokens": 8, "timed": false,
+      "steps": [{"generate": [[token ids] | "text", ...], "max_tokens": 8, "timed": false,
+                                            # text prompts need the model's tokenizer:
+                                            # "engine": {"skip_tokenizer_init": false}
                  "lose_after_lookup": false,   # fault injection, see lose_blocks_after_lookup()
                  "logprobs": null},            # N: also the first generated token's top-N logprobs
                                                # (-1: all of the vocabulary; the engine needs
@@ -20,6 +22,7 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
                 {"kill": PID},              # SIGKILL a process (the daemon) between steps
                 {"sleep": SECONDS}]}
 RESULT: {"steps": [{"outputs": [[ids]], "num_cached_tokens": [n], "seconds": [s],
+                    "texts": ["decoded output"], "prompt_tokens": [n] (when the engine has its tokenizer),
                     "first_logprobs": [{token id: logprob}] (with "logprobs")}, ...],
          "connector": {"namespace": {...}, "namespace_id": hex, "worker": {totals}, "scheduler": {totals}}}
 
@@ -143,7 +146,8 @@ def main() -> None:
         if "generate" in step:
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                     logprobs=step.get("logprobs"))
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in step["generate"]]
+            prompts = [{"prompt": p} if isinstance(p, str) else TokensPrompt(prompt_token_ids=p)
+                       for p in step["generate"]]
             undo = lose_blocks_after_lookup(scheduler) if step.get("lose_after_lookup") else None
             if step.get("timed"):
                 outs, secs = [], []
@@ -159,6 +163,9 @@ def main() -> None:
                 undo()
             out = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                    "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": secs}
+            if not kwargs["skip_tokenizer_init"]:
+                out["texts"] = [o.outputs[0].text for o in outs]
+                out["prompt_tokens"] = [len(o.prompt_token_ids) for o in outs]
             if step.get("logprobs") is not None:
                 out["first_logprobs"] = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
         elif "serve" in step:
