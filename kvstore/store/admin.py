@@ -153,16 +153,16 @@ class StoreAdmin:
         return self.pins.by_tenant()
 
     def prewarm(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Warmed:
-        """Copy the stored blocks of ``hashes`` into the CPU tier, one at a time under the lock
-        (each copy is one read from its tier), so requests interleave with a long prewarm."""
+        """Copy the stored blocks of ``hashes`` into the CPU tier, one at a time, each read and
+        written with the lock released (``warming.warm``), so requests interleave with a long prewarm."""
         result = Warmed()
         for h in dict.fromkeys(hashes):
             with self.cascade.lock:
                 entry = self.cascade.index.visible(namespace_id, h)
-                if entry is None:
-                    result.missing += 1
-                    continue
-                done = warm(self.cascade, entry)
+            if entry is None:
+                result.missing += 1
+                continue
+            done = warm(self.cascade, entry)
             if done == WARMED:
                 result.warmed += 1
             elif done == ALREADY_WARM:

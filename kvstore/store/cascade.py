@@ -12,10 +12,14 @@ A new block is charged to its tenant's quota when it is reserved and released wh
 The cascade owns the books: the index, every tier's policy, pins, quotas, counters and the
 listeners' callbacks change only through its methods, under its one lock (``Cascade.lock``); a
 method here that changes them expects it held unless its docstring says it takes it itself.
-Payload copies to and from RAM run outside it, under a pin. A call that needs room in a memory
-tier whose victims go down to a disk or network tier (a put, a same-host put's reservation, a
-promotion, staging for a same-host get) writes them there with the lock released first
-(``clear_room``): a get of other blocks never waits on that write.
+
+No I/O runs under that lock. Under it the cascade plans (picks victims, allocates room, pins what
+a copy reads) and records what was done; disk and network reads and writes run between the two
+with it released, the blocks they touch pinned: a victim written down (``clear_room``), a
+write-through, a flush, a prewarm or a promotion into a disk tier (``copy_out``), a dropped
+block's slot erased (``StoreLock`` runs ``Tier.finish_drops`` on release). Under the lock only
+memory copies run (a GPU victim into the CPU tier, a promotion into RAM); ``make_room`` there
+refuses with ``RoomNotReady`` when room needs a write down, and the caller clears it and retries.
 
 Locks are taken in one order only: the store lock (``Cascade.lock``), then a tier's own lock (its
 slot or file table), then a thread pool's or scratch buffer's lock. Nothing holding a tier's lock
@@ -34,7 +38,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
-from kvstore.errors import BlockBusy, BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
+from kvstore.errors import (BlockBusy, BlockCorrupt, BlockTooLarge, CodecError, QuotaExceeded, StoreFull, TierFull,
+                            TierIOError)
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import BlockIndex, Entry
@@ -58,6 +63,20 @@ DOOMED_WAIT_MAX_S = 3.0
 #: victims one ``clear_room`` call evicts at most before leaving the rest to ``make_room`` (a
 #: tier split by tenant can evict other tenants' blocks without making room for this one)
 CLEAR_ROOM_MAX_VICTIMS = 64
+#: times a caller without the lock makes room and tries its allocation again when another caller
+#: took the room between its ``clear_room`` and its ``make_room``
+ROOM_ATTEMPTS = 3
+#: what ``Cascade.copy_out`` did
+COPIED, NO_ROOM, CORRUPT = "copied", "no_room", "corrupt"
+
+
+class RoomNotReady(TierFull):
+    """Room in tier ``tier`` needs a victim written down (disk or network I/O), which never runs
+    under the lock: the caller lets go of it, calls ``clear_room`` and tries again."""
+
+    def __init__(self, tier: int, message: str) -> None:
+        super().__init__(message)
+        self.tier = tier
 
 
 class StoreLock:
@@ -106,8 +125,9 @@ class Cascade:
         self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
         # page-aligned: the NVMe tier reads into it with O_DIRECT
         self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
-        # clear_room's own: the make_room it calls may demote through ``_scratch`` on the same thread
-        self._write_down_scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
+        # copy_out's, one per source tier: writing a victim down to make room below reads through the next one's
+        self._copy_scratch = [Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
+                              for _ in self.tiers]
 
     # -- pins ------------------------------------------------------------------------------------
 
@@ -157,43 +177,67 @@ class Cascade:
         quota (``QuotaExceeded`` if it does not fit there) for its ``nbytes`` raw bytes. With
         ``staged``, the room is for the block's form in the tier it lands in (encoded when that
         tier has a codec; ``staged.placement(entry.fastest)`` is the payload to write); without,
-        for ``nbytes`` raw bytes. Takes the lock itself."""
+        for ``nbytes`` raw bytes. Victims bound for a disk or network tier are written down with
+        the lock released (``clear_room``), and the allocation retried when another caller took
+        the room meanwhile. Takes the lock itself."""
         key = block_key(namespace_id, h)
         tenant = self.namespaces.get(namespace_id).tenant
         self.wait_out_doomed(key)
-        if key not in self.index.entries:   # (checked again below) a block present needs no room
-            self.clear_room(t, staged.placement(t).record.stored_size if staged is not None else nbytes, namespace_id)
-        with self.lock:
-            existing = self.index.entries.get(key)
-            if existing is not None and existing.doomed:   # doomed again while we waited
-                self.counters["put_rejected_busy"] += 1
-                raise BlockBusy(key)
-            if existing is not None:  # present, or being written by someone else
-                return None
-            try:
-                self.quotas.charge(tenant, nbytes)
-            except QuotaExceeded:
-                self.counters["put_rejected_quota"] += 1
-                raise
-            record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
-            entry = Entry(namespace_id, h, parent, nbytes, charged_to=tenant)
-            while True:
-                if staged is not None:
-                    record = dataclasses.replace(staged.placement(t).record)
+        clear = t   # the tier to clear room in before the next try
+        for attempt in range(ROOM_ATTEMPTS):
+            if key not in self.index.entries:   # (checked again below) a block present needs no room
+                self.clear_room(clear, staged.placement(clear).record.stored_size if staged is not None else nbytes,
+                                namespace_id)
+            with self.lock:
+                existing = self.index.entries.get(key)
+                if existing is not None and existing.doomed:   # doomed again while we waited
+                    self.counters["put_rejected_busy"] += 1
+                    raise BlockBusy(key)
+                if existing is not None:  # present, or being written by someone else
+                    return None
                 try:
-                    self.make_room(t, record.stored_size, namespace_id)
-                    self.tiers[t].allocate(record)
-                    break
-                except (TierFull, BlockTooLarge) as e:
-                    if t + 1 < len(self.tiers) and not only_this_tier:
-                        t += 1
-                        continue
+                    self.quotas.charge(tenant, nbytes)
+                except QuotaExceeded:
+                    self.counters["put_rejected_quota"] += 1
+                    raise
+                try:
+                    return self._new_entry(namespace_id, h, parent, nbytes, tenant, t, only_this_tier, staged,
+                                           last_try=attempt + 1 == ROOM_ATTEMPTS)
+                except RoomNotReady as e:
                     self.quotas.release(tenant, nbytes)
-                    self.counters["put_rejected_full"] += 1
-                    raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
-            entry.copies[t] = record
-            self.index.entries[key] = entry
-            return entry
+                    clear = e.tier
+        raise AssertionError("unreachable: the last try falls through to slower tiers")
+
+    def _new_entry(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int, tenant: str, t: int,
+                   only_this_tier: bool, staged: StagedBlock | None, last_try: bool) -> Entry:
+        """``reserve``'s allocation under the lock, its quota charged: room in tier ``t`` or, where
+        there is none, a slower one. ``RoomNotReady`` when a victim must be written down first,
+        except on the ``last_try``, which then goes on to the next tier. Caller holds the lock."""
+        key = block_key(namespace_id, h)
+        record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
+        while True:
+            if staged is not None:
+                record = dataclasses.replace(staged.placement(t).record)
+            try:
+                self.make_room(t, record.stored_size, namespace_id)
+                self.tiers[t].allocate(record)
+                break
+            except RoomNotReady:
+                if not last_try:
+                    raise
+                e: Exception = TierFull(f"{self.tiers[t].name} tier has no room without a write down")
+            except (TierFull, BlockTooLarge) as err:
+                e = err
+            if t + 1 < len(self.tiers) and not only_this_tier:
+                t += 1
+                continue
+            self.quotas.release(tenant, nbytes)
+            self.counters["put_rejected_full"] += 1
+            raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
+        entry = Entry(namespace_id, h, parent, nbytes, charged_to=tenant)
+        entry.copies[t] = record
+        self.index.entries[key] = entry
+        return entry
 
     def reserve_run(self, ns, hashes: Sequence[bytes], parents: Sequence, start: int, t: int,
                     limit: int) -> list[Entry | None]:
@@ -271,33 +315,37 @@ class Cascade:
             self._doomed_waiters.release()
 
     def publish(self, entry: Entry, data) -> bool:
-        """Make a written entry visible; write through to the durable tier if configured. Returns
-        whether it has a durable copy, which the caller reports as "persisted" after
-        ``sync_durable``. Takes the lock itself."""
+        """Make a written entry visible, after writing it through to the durable tier if
+        configured (``write_through``). Returns whether it has a durable copy, which the caller
+        reports as "persisted" after ``sync_durable``. Takes the lock itself."""
+        durable = self._write_through(entry, data)
         with self.lock:
-            t = self._show(entry)
-            d = self.durable_index
-            if d is not None and d in entry.copies:
-                return True
-            if d is not None and self.config.write_through:
-                try:
-                    # group commit: the caller's sync_durable flushes the batch before "persisted"
-                    self.store_copy(entry, d, data, entry.copies[t], sync=False, downward=True, durable=False)
-                    return True
-                except PLACEMENT_ERRORS:
-                    self.counters["write_through_failures"] += 1
-        return False
+            self._show(entry)
+        return durable
 
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
-        """``publish`` for written entries, in order, under one lock acquisition (listeners hear
-        each block's "added" and "moved" in turn, as from ``publish``); returns the positions of
-        those with a durable copy (see ``publish``). Takes the lock itself."""
+        """``publish`` for written entries, in order, the visible step under one lock acquisition
+        (listeners hear each block's "added" and "moved" in turn); returns the positions of those
+        with a durable copy (see ``publish``). Takes the lock itself."""
+        durable = [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self._write_through(entry, data)]
         with self.lock:
-            if self.durable_index is not None:   # a copy may go down with each: one by one
-                return [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self.publish(entry, data)]
             for entry in entries:
                 self._show(entry)
-        return []
+        return durable
+
+    def _write_through(self, entry: Entry, data) -> bool:
+        """Give a written, still invisible entry its durable copy when ``write_through`` asks for
+        one (the write outside the lock: nobody else touches an invisible entry); whether it has
+        one. The write is not synced: the caller's ``sync_durable`` commits the batch."""
+        d = self.durable_index
+        if d is None or d in entry.copies:
+            return d is not None
+        if not self.config.write_through:
+            return False
+        if self.copy_out(entry, entry.fastest, d, data) == COPIED:
+            return True
+        self.count("write_through_failures")
+        return False
 
     def _show(self, entry: Entry) -> int:
         """Make a written entry visible in its fastest tier (returned): the policy, the chain,
@@ -329,7 +377,9 @@ class Cascade:
     def make_room(self, t: int, nbytes: int, namespace_id: bytes) -> None:
         """Evict from tier ``t`` until ``nbytes`` more of ``namespace_id`` fit (where the tier
         splits its room by tenant, evictions go on until one of the tenant's segments has room or
-        a segment empties: the victims are demoted, not lost)."""
+        a segment empties: the victims are demoted, not lost). No I/O: a victim whose demotion
+        would be a disk or network write raises ``RoomNotReady`` (``clear_room`` writes it down
+        without the lock). Caller holds the lock."""
         tier = self.tiers[t]
         need = tier.footprint(nbytes)
         while tier.free_bytes_for(namespace_id) < need:
@@ -339,13 +389,14 @@ class Cascade:
             self._evict_copy(t, victim)
 
     def clear_room(self, t: int, nbytes: int, namespace_id: bytes) -> None:
-        """``make_room`` for a caller that does not hold the lock, where tier ``t`` is memory and
-        its victims go down to a disk (or network) tier: each victim's copy there is written with
-        the lock released, so other requests (a get of hot blocks) never wait on the disk, only
-        this caller does. The victim is pinned meanwhile (nobody else evicts it; a delete dooms
-        it) and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once
-        there is room, or leaves what it could not do (every block pinned, a race lost to another
-        put, a tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
+        """Make room as ``make_room`` does, for a caller that does not hold the lock, where tier
+        ``t``'s victims go down by a disk or network write (or are read from disk): each victim's
+        copy below is written with the lock released, so other requests (a get of hot blocks) never
+        wait on the I/O, only this caller does. The victim is pinned meanwhile (nobody else evicts
+        it; a delete dooms it) and marked ``writing_down`` (nobody else writes it down). Best
+        effort: it returns once there is room, or leaves what it could not do (every block pinned,
+        a race lost to another put, a tier split by tenant) to the caller's ``make_room``. Takes
+        the lock itself."""
         if not self._writes_down_slowly(t):
             return
         tier, policy = self.tiers[t], self.index.policies[t]
@@ -371,40 +422,26 @@ class Cascade:
             self._write_down(entry, t)
 
     def _writes_down_slowly(self, t: int) -> bool:
-        """Whether a victim of tier ``t`` is demoted by a disk or network write (not a memory copy)."""
-        return t + 1 < len(self.tiers) and self.tiers[t].in_memory and not self.tiers[t + 1].in_memory
+        """Whether demoting a victim of tier ``t`` is I/O (a disk or network read or write), not a
+        copy from memory to memory."""
+        return t + 1 < len(self.tiers) and not (self.tiers[t].in_memory and self.tiers[t + 1].in_memory)
 
     def _write_down(self, entry: Entry, t: int) -> None:
-        """Demote a pinned victim of memory tier ``t`` to the slower tier below, the write outside the
-        lock, then evict its copy in ``t`` (kept if someone pinned it meanwhile: it is then clean, and
-        a later eviction is a drop). A failed demotion loses the block, as under the lock."""
-        d, record = t + 1, entry.copies[t]
-        placed, allocated, unexpected = None, False, None
+        """Demote a pinned victim of tier ``t`` to the tier below (``copy_out``: the I/O outside the
+        lock), then evict its copy in ``t`` (kept if someone pinned it meanwhile: it is then clean,
+        and a later eviction is a drop). A failed demotion loses the block, as any eviction does."""
+        outcome, unexpected = None, None
         try:
-            data = self.read_copy(entry, t, self._write_down_scratch)   # pinned: its slots stay put
-            placed = self.transcoder.place(entry.namespace_id, entry.raw_size, d, record, data, downward=True)
-            with self.lock:
-                self.make_room(d, placed.record.stored_size, entry.namespace_id)
-                self.tiers[d].allocate(placed.record)
-                allocated = True
-            self.tiers[d].write_unsynced(placed.record, placed.payload, durable=False)
-        except PLACEMENT_ERRORS:
-            placed = None
+            outcome = self.copy_out(entry, t, t + 1)
         except BaseException as e:   # noqa: BLE001 - unpinned below, then raised
-            placed, unexpected = None, e
+            unexpected = e
         with self.lock:
             entry.writing_down = False
-            if allocated and (placed is None or entry.doomed):
-                self.tiers[d].drop(entry.key)   # a copy half written, or one nobody will read
-            if placed is None:
-                self.counters["demotion_failures"] += 1
-            elif not entry.doomed:
-                entry.copies[d] = placed.record
-                self.transcoder.count(d, placed, entry.raw_size)
-                self.index.track_copy(entry, d)
-                self._copies_changed(entry)
+            if outcome == COPIED:
                 self.counters["demotions"] += 1
                 self.counters["demotions_outside_lock"] += 1
+            else:
+                self.counters["demotion_failures"] += 1
             self.unpin(entry)   # doomed: freed here, every copy with it
             if (unexpected is None and self.index.entries.get(entry.key) is entry and t in entry.copies
                     and not self._is_pinned(entry.key)):
@@ -414,13 +451,87 @@ class Cascade:
         if unexpected is not None:
             raise unexpected
 
+    def copy_out(self, entry: Entry, src: int, dst: int, data=None, decoded=None) -> str:
+        """Copy a block the caller has pinned (or that is still invisible) from tier ``src`` to
+        tier ``dst`` with the lock released for every I/O: the read of ``src`` (skipped when
+        ``data`` holds its payload already; ``decoded``: its raw bytes, if at hand), room in
+        ``dst`` (``clear_room``, then ``make_room`` under the lock, tried again if another caller
+        took it), the write. The copy is recorded only if the block is still wanted (not deleted
+        meanwhile). Returns ``COPIED`` (or ``dst`` had a copy already), ``NO_ROOM`` (the tier
+        refused it, or its write failed) or ``CORRUPT`` (the ``src`` copy was damaged: dropped,
+        counted). Takes the lock itself."""
+        record = entry.copies.get(src)
+        if dst in entry.copies:
+            return COPIED
+        if record is None:
+            return NO_ROOM
+        if data is None:
+            # room below first, and into this tier's own buffer: writing another victim down to
+            # make that room reads it through the next tier's
+            self.clear_room(dst, record.stored_size, entry.namespace_id)
+            try:
+                data = self.read_copy(entry, src, self._copy_scratch[src])
+            except (BlockCorrupt, CodecError, KeyError):
+                with self.lock:
+                    if entry.copies.get(src) is record:
+                        self.discard_corrupt_copy(entry, src)
+                return CORRUPT
+        try:
+            placed = self.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, data,
+                                           downward=dst > src, decoded=decoded)
+        except (BlockCorrupt, CodecError):
+            with self.lock:
+                if entry.copies.get(src) is record:
+                    self.discard_corrupt_copy(entry, src)
+            return CORRUPT
+        target = placed.record
+        for attempt in range(ROOM_ATTEMPTS):
+            if attempt:
+                self.clear_room(dst, target.stored_size, entry.namespace_id)
+            with self.lock:
+                if dst in entry.copies:
+                    return COPIED
+                try:
+                    self.make_room(dst, target.stored_size, entry.namespace_id)
+                    self.tiers[dst].allocate(target)
+                    break
+                except RoomNotReady:
+                    continue
+                except PLACEMENT_ERRORS:
+                    return NO_ROOM
+        else:
+            return NO_ROOM
+        try:
+            self.tiers[dst].write_unsynced(target, placed.payload, durable=False)
+        except PLACEMENT_ERRORS:
+            with self.lock:
+                self.tiers[dst].drop(target.key)
+            return NO_ROOM
+        except BaseException:
+            with self.lock:
+                self.tiers[dst].drop(target.key)
+            raise
+        with self.lock:
+            if entry.doomed or self.index.entries.get(entry.key) is not entry:
+                self.tiers[dst].drop(target.key)   # a copy nobody will read
+                return NO_ROOM
+            entry.copies[dst] = target
+            self.transcoder.count(dst, placed, entry.raw_size)
+            self.index.track_copy(entry, dst)
+            self._copies_changed(entry)
+        return COPIED
+
     def _evict_copy(self, t: int, key: bytes) -> None:
         entry = self.index.entries[key]
         lower = [i for i in entry.copies if i > t]
         if not lower and t + 1 < len(self.tiers):
+            if self._writes_down_slowly(t):
+                raise RoomNotReady(t, f"{self.tiers[t].name} tier: its victim must be written down first")
             try:
                 self._demote(entry, t, t + 1)
                 self.counters["demotions"] += 1
+            except RoomNotReady:
+                raise
             except PLACEMENT_ERRORS:
                 self.counters["demotion_failures"] += 1
         self.drop_copy(entry, t)
@@ -428,22 +539,33 @@ class Cascade:
             self.counters["evictions"] += 1
 
     def _demote(self, entry: Entry, src: int, dst: int) -> None:
+        """A copy from memory tier ``src`` into memory tier ``dst`` (GPU into CPU), under the lock."""
         record = entry.copies[src]
         self.make_room(dst, record.stored_size, entry.namespace_id)  # first: making room may reuse the scratch buffer
         data = self.read_copy(entry, src)
-        # a demoted block was never acknowledged as persisted: neither its payload nor its directory
-        # entry is fsynced now (group commit: the next sync covers it). A crash before then loses
-        # or tears it: a miss, its checksum catches a torn one. Demotions run under the store lock,
-        # so an fsync each here stalled every other call.
-        self.store_copy(entry, dst, data, record, sync=False, downward=True, durable=False)
+        self.store_copy(entry, dst, data, record, downward=True)
 
     def promotion_target(self, t: int) -> int:
         """The tier a hit on tier ``t`` is copied up to: the CPU tier when it is faster, else the first."""
         return self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
 
+    def prepare_promotion(self, entry: Entry, t: int, payload, decoded=None) -> bool:
+        """Before a hit on tier ``t`` is delivered, outside the lock: room in the tier it is copied
+        up to (``clear_room``) and True, leaving the copy to ``promote`` under the lock; or, when
+        that tier is not memory (a store without one), the whole copy (``copy_out``) and False."""
+        target = self.promotion_target(t)
+        if self.tiers[target].in_memory:
+            self.clear_room(target, entry.raw_size, entry.namespace_id)
+            return True
+        if target not in entry.copies:
+            done = self.copy_out(entry, t, target, payload, decoded)
+            self.count("promotions" if done == COPIED else "promotion_failures")
+        return False
+
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
-        """Copy a block just read from tier ``t`` into a faster tier. ``payload``: its copy's
-        stored bytes; ``decoded``: its raw bytes when the reader decoded them already."""
+        """Copy a block just read from tier ``t`` into a faster memory tier (see
+        ``prepare_promotion``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes
+        when the reader decoded them already. Caller holds the lock."""
         target = self.promotion_target(t)
         if target in entry.copies:
             return
@@ -469,22 +591,20 @@ class Cascade:
         out = (scratch or self._scratch).get(record.stored_size)
         return out[:tier.read_into(entry.key, out)]
 
-    def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, sync: bool = True,
-                   downward: bool = False, decoded=None, durable: bool = True) -> None:
-        """Place a copy of ``data`` (a payload encoded as ``like`` says) in tier ``t``, evicting
-        there first; ``downward``/``decoded`` as in ``Transcoder.place``. ``sync=False`` leaves a
-        durable tier's directory entry to the caller's ``sync()``; ``durable=False`` (with it) the
-        payload's fsync too (``Tier.write_unsynced``)."""
+    def store_copy(self, entry: Entry, t: int, data, like: BlockRecord, downward: bool = False,
+                   decoded=None) -> None:
+        """Place a copy of ``data`` (a payload encoded as ``like`` says) in memory tier ``t``,
+        evicting there first; ``downward``/``decoded`` as in ``Transcoder.place``. A memory copy
+        under the lock: a copy into a disk or network tier goes through ``copy_out``. Caller holds
+        the lock."""
+        assert self.tiers[t].in_memory, "a disk or network write under the store lock"
         placed = self.transcoder.place(entry.namespace_id, entry.raw_size, t, like, data,
                                        downward=downward, decoded=decoded)
         record, data = placed.record, placed.payload
         self.make_room(t, record.stored_size, entry.namespace_id)
         self.tiers[t].allocate(record)
         try:
-            if sync:
-                self.tiers[t].write(record, data)
-            else:
-                self.tiers[t].write_unsynced(record, data, durable=durable)
+            self.tiers[t].write(record, data)
         except Exception:
             self.tiers[t].drop(record.key)
             raise

@@ -72,16 +72,17 @@ class PinnedPrefixes(StoreListener):
             outcome = PinOutcome(pinned=len(new))
             for h in new:
                 pins[h] = None
+            stored = []
             for h in hashes:   # every block named, new or not: an earlier pin may predate its arrival
                 entry = cascade.index.visible(ns.id, h)
                 if entry is None:
                     continue
                 entry.held = True
-                outcome.stored += 1
-                if warm(cascade, entry) == WARMED:
-                    outcome.warmed += 1
+                stored.append(entry)
+            outcome.stored = len(stored)
             outcome.tenant_pinned_bytes = self.tenant_bytes[ns.tenant]
-            return outcome
+        outcome.warmed = sum(1 for entry in stored if warm(cascade, entry) == WARMED)   # its I/O without the lock
+        return outcome
 
     def unpin(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> PinOutcome:
         """Release the pins of ``hashes`` (None: every pin of the namespace); blocks stay stored,

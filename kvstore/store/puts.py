@@ -198,8 +198,8 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
                 tier.write_unsynced(entry.copies[0], data)
             written += 1
     finally:
+        done, payloads, at = [], [], []   # the entries to publish, their payloads, their result indices
         with cascade.lock:
-            done, payloads, at = [], [], []   # the published entries, their payloads, their result indices
             for k, entry in enumerate(run):
                 if entry is None:
                     if k < written:
@@ -211,7 +211,7 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
                     done.append(entry)
                     payloads.append(arrays[start + k])
                     at.append(len(results) - 1)
-            on_durable.extend(at[k] for k in cascade.publish_run(done, payloads))
+        on_durable.extend(at[k] for k in cascade.publish_run(done, payloads))
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,

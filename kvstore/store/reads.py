@@ -325,13 +325,13 @@ def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst:
 def _deliver(cascade: Cascade, got: _Read) -> tuple[int, int]:
     """Count the hit, promote a slower tier's copy from the payload just read, unpin."""
     entry, t = got.entry, got.tier
-    if t > 0 and cascade.config.promote_on_hit and not entry.doomed:   # room for the promotion, outside the lock
-        cascade.clear_room(cascade.promotion_target(t), entry.raw_size, entry.namespace_id)
+    promote = (t > 0 and cascade.config.promote_on_hit and not entry.doomed   # its I/O outside the lock
+               and cascade.prepare_promotion(entry, t, got.payload, got.decoded))
     with cascade.lock:
         cascade.count(f"hits_{cascade.tiers[t].name}")
         cascade.count("bytes_out", got.n)
         cascade.index.policies[t].touch(entry.key)
-        if t > 0 and cascade.config.promote_on_hit and not entry.doomed:
+        if promote and not entry.doomed:
             cascade.promote(entry, t, got.payload, got.decoded)
         cascade.unpin(entry)
     return got.n, got.codec

@@ -22,7 +22,7 @@ from kvstore.buffers import writable_bytes
 from kvstore.errors import BlockTooLarge, InvalidArgument, QuotaExceeded, TierIOError
 from kvstore.keys import Namespace
 from kvstore.store.admin import StoreAdmin
-from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.store.cascade import COPIED, Cascade
 from kvstore.store.config import StoreConfig
 from kvstore.store.leases import Lease, Leases
 from kvstore.store.listeners import StoreListener
@@ -362,29 +362,38 @@ class Store:
         return n
 
     def flush(self) -> int:
-        """Write every block that has no durable copy to the durable tier (write-back drain); a
-        block whose demotion is writing that copy right now is left to it and waited for (at most
-        ``FLUSH_WAITS_S``), so the one sync at the end covers it too. Returns the blocks written here."""
+        """Write every block that has no durable copy to the durable tier (write-back drain), each
+        pinned while its copy is read and written with the lock released; a block whose demotion
+        is writing that copy right now is left to it and waited for (at most ``FLUSH_WAITS_S``),
+        so the one sync at the end covers it too. Returns the blocks written here."""
         d = self.durable_index
         if d is None:
             return 0
         cascade = self._cascade
         written = 0
-        demoting = []
+        demoting, todo = [], []
         with self._lock:
-            for entry in list(self._index.values()):
-                if not entry.ready or not entry.copies or d in entry.copies:  # no copies: evicted by this loop
+            for entry in self._index.values():
+                if not entry.visible or not entry.copies or d in entry.copies:
                     continue
                 if entry.writing_down:   # its demotion is writing that copy now (Cascade.clear_room)
                     demoting.append(entry)
                     continue
-                src = entry.fastest
-                try:
-                    cascade.make_room(d, entry.copies[src].stored_size, entry.namespace_id)  # before filling scratch
-                    cascade.store_copy(entry, d, cascade.read_copy(entry, src), entry.copies[src], sync=False)
+                todo.append((cascade.pin_entry(entry), entry.fastest))
+        try:
+            for k, (entry, src) in enumerate(todo):
+                if cascade.copy_out(entry, src, d) == COPIED:
                     written += 1
-                except PLACEMENT_ERRORS:
-                    self._cascade.count("flush_failures")
+                else:
+                    self._count("flush_failures")
+                with self._lock:
+                    cascade.unpin(entry)
+                todo[k] = None
+        finally:
+            with self._lock:   # after a failure: the rest let go
+                for left in todo:
+                    if left is not None:
+                        cascade.unpin(left[0])
         deadline = time.monotonic() + FLUSH_WAITS_S
         while any(e.writing_down for e in demoting) and time.monotonic() < deadline:
             time.sleep(0.001)   # a write takes milliseconds; its end needs the lock this loop let go

@@ -8,36 +8,31 @@ tier's codec applied), so a warmed block is indistinguishable from one promoted 
 
 from __future__ import annotations
 
-from kvstore.errors import BlockCorrupt, CodecError
-from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.store.cascade import COPIED, NO_ROOM, Cascade
 from kvstore.store.index import Entry
 
 #: what ``warm`` did for one block
-WARMED, ALREADY_WARM, NO_ROOM, CORRUPT = "warmed", "already", "no_room", "corrupt"
+WARMED, ALREADY_WARM = "warmed", "already"   # or copy_out's NO_ROOM, CORRUPT
 
 
 def warm(cascade: Cascade, entry: Entry) -> str:
     """Copy ``entry``'s fastest copy into the CPU tier unless it already has one there (or in a
-    faster tier). Caller holds the store lock; ``entry`` is pinned here while it is copied, so
-    making room in the CPU tier (which may demote into the very tier being read) cannot take the
-    source copy away."""
+    faster tier, or the block is gone). Takes the lock itself: the block is pinned while its copy
+    is read and room is made, both with the lock released (``Cascade.copy_out``)."""
     c = cascade.cpu_index
-    if c is None or entry.fastest <= c:
-        return ALREADY_WARM
-    src = entry.fastest
-    cascade.pin_entry(entry)
+    with cascade.lock:
+        if c is None or not entry.visible or entry.fastest <= c:
+            return ALREADY_WARM
+        src = entry.fastest
+        cascade.pin_entry(entry)
     try:
-        cascade.make_room(c, entry.raw_size, entry.namespace_id)   # before read_copy: making room may reuse its scratch buffer
-        data = cascade.read_copy(entry, src)
-        cascade.store_copy(entry, c, data, entry.copies[src])
-    except (BlockCorrupt, CodecError):
-        if src in entry.copies:
-            cascade.discard_corrupt_copy(entry, src)
-        return CORRUPT
-    except PLACEMENT_ERRORS:
-        cascade.count("prewarm_no_room")
-        return NO_ROOM
+        done = cascade.copy_out(entry, src, c)
     finally:
-        cascade.unpin(entry)
-    cascade.count("prewarmed")
-    return WARMED
+        with cascade.lock:
+            cascade.unpin(entry)
+    if done == COPIED:
+        cascade.count("prewarmed")
+        return WARMED
+    if done == NO_ROOM:
+        cascade.count("prewarm_no_room")
+    return done
