@@ -251,3 +251,42 @@ def test_a_tenant_cannot_list_drop_pin_evict_or_prewarm_another_tenants_namespac
         assert admin_cli.prefix_call(alice, "Unpin", ns_a, [])["blocks"] == 2   # a tenant manages its own
         assert admin_cli.drop_namespace(ops, ns_b)["blocks"] == 0
         assert [r["namespace_id"] for r in admin_cli.list_namespaces(ops)] == [ns_a.hex()]
+
+
+SMALL_BLOCKS = KVLayout(model="test/pins", num_layers=1, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                        block_tokens=BLOCK_TOKENS, block_bytes=2048)
+
+
+def small_payloads(hashes: list[bytes]) -> list[np.ndarray]:
+    return [np.random.default_rng(int.from_bytes(h[:8], "little")).integers(0, 256, 2048, np.uint8) for h in hashes]
+
+
+def test_one_tenants_pins_cannot_starve_another_tenant_of_the_cpu_tier(two_tenant_daemon):
+    """A 16 MiB CPU tier of 256 KiB slots, split into 256 KiB tenant segments: a 2 KiB block takes
+    a slot and keeps a whole segment. A pin costs that footprint, so alice's pin of all her 64
+    blocks (the whole tier) is refused whole, and one pin at a time she gets the default limit,
+    a quarter of the tier: 16 blocks. Bob's 32 blocks then still enter the CPU tier, and stay
+    there when read."""
+    d = two_tenant_daemon
+    with d.client(token="alice-token") as alice, d.client(token="bob-token") as bob:
+        ns_a = alice.register_namespace(Namespace(SMALL_BLOCKS))
+        mine = chain(64, start=0)
+        alice.put(ns_a, mine, small_payloads(mine))
+        with pytest.raises(QuotaExceeded, match="max_pinned_bytes_per_tenant") as refused:
+            admin_cli.prefix_call(alice, "Pin", ns_a, mine)
+        assert "16777216 bytes of the CPU tier" in str(refused.value)   # 64 slots of 256 KiB, not 64 x 2 KiB
+        assert admin_cli.list_namespaces(alice)[0]["pinned_blocks"] == 0   # refused whole
+        pinned = 0
+        for h in mine:   # then as many as she is let, one at a time
+            try:
+                done = admin_cli.prefix_call(alice, "Pin", ns_a, [h])
+            except QuotaExceeded:
+                break
+            pinned += 1
+        assert pinned == 16 and done["bytes"] == 4 << 20
+        ns_b = bob.register_namespace(Namespace(SMALL_BLOCKS))
+        hot = chain(32, start=500_000)
+        bob.put(ns_b, hot, small_payloads(hot))
+        assert bob.get(ns_b, hot) == [p.tobytes() for p in small_payloads(hot)]
+        assert bob.lookup(ns_b, hot, lease=False).tiers == ["cpu"] * 32
+        assert alice.lookup(ns_a, mine[:16], lease=False).tiers == ["cpu"] * 16   # her pins held too

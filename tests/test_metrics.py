@@ -151,7 +151,7 @@ def test_tenant_and_namespace_series_are_bounded_with_other(fleet_daemon, traffi
     assert hits[("alice", "hit")] == 4 and hits[("alice", "miss")] == 2 and hits[("other", "hit")] == 2
     assert {s.labels["tenant"]: s.value for s in samples["kvstore_tenant_quota_bytes"]} == {"alice": 8 << 20}
     assert {s.labels["tenant"]: s.value for s in samples["kvstore_tenant_pinned_bytes"]}["alice"] == \
-        2 * LAYOUT.block_bytes
+        2 * (256 << 10)   # what 2 pins hold of the CPU tier: a 256 KiB slot (and segment) each
     fleet = {s.labels["event"] for s in samples["kvstore_fleet_events_total"]}
     assert {"fetched_blocks", "peer_errors", "redis_errors", "heartbeats"} <= fleet
     assert samples["kvstore_fleet_connected"][0].value == 1

@@ -84,6 +84,15 @@ class CpuTier(Tier):
         """Tenant segments (see the module docstring) rather than one shared file."""
         return self.slots.owned
 
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of one tenant segment (0: no segments)."""
+        return self.slots.segment_bytes if self.segmented else 0
+
+    def segments_of(self, keys) -> set[int]:
+        """The tenant segments holding any of the blocks ``keys`` (those held here)."""
+        return self.slots.segments_of(keys) if self.segmented else set()
+
     def assign_owners(self, owner_of: Callable[[bytes], str | None]) -> None:
         """Tell the tier whose a namespace's blocks are (the Store: its tenant)."""
         self._owner_of = owner_of

@@ -174,6 +174,11 @@ class SlotTable:
     def segment_of(self, offset: int) -> int:
         return offset // self.segment_bytes
 
+    def segments_of(self, keys) -> set[int]:
+        """The segments holding a slot of any of the blocks ``keys`` held here."""
+        with self._lock:
+            return {slot // self.segment_slots for key in keys if key in self._blocks for slot in self._blocks[key][2]}
+
     def if_owned_by(self, s: int, owner: str, action: Callable[[], object]) -> object | None:
         """``action()`` if segment ``s`` belongs to ``owner``, atomically with respect to the
         segment passing to another owner (which cannot happen while ``action`` runs); else None."""

@@ -80,7 +80,7 @@ class TenantCollector(Collector):
                                     "(blocks plus reservations in flight)", labels=["tenant"])
         quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "Each tenant's byte quota (tenants with one)",
                                   labels=["tenant"])
-        pinned = GaugeMetricFamily("kvstore_tenant_pinned_bytes", "Bytes of pinned prefixes per tenant",
+        pinned = GaugeMetricFamily("kvstore_tenant_pinned_bytes", "Bytes of the CPU tier each tenant's pinned prefixes hold (slot footprints, segments kept)",
                                    labels=["tenant"])
         count = GaugeMetricFamily("kvstore_tenant_namespaces", "Registered namespaces per tenant", labels=["tenant"])
         lookups = CounterMetricFamily("kvstore_tenant_lookup_blocks", "Blocks asked by lookups, by tenant and "

@@ -7,16 +7,18 @@ arrive (this is a store listener). A held block (``Entry.held``) is skipped by e
 eviction. A client's Delete still removes it (the tenant's own data), and a later put of the same
 block is held again; ``kvstore ns drop`` forgets the namespace's pins with it.
 
-Bound: each tenant may pin at most ``limit_bytes`` (None: unbounded), counted at pin time as
-``blocks x block_bytes`` whether stored yet or not, so one tenant cannot pin the CPU tier away
-from the others; a pin beyond it is refused whole (``QuotaExceeded`` naming the setting). Pins
-live in memory: a restarted daemon starts with none.
+Bound: each tenant may pin at most ``limit_bytes`` (None: unbounded) of the CPU tier, counted as
+what its pins hold there, whether their blocks are stored yet or not: each pinned block's slot
+footprint (a 2 KiB block in a 256 KiB slot costs 256 KiB) and, with tenant segments, every
+segment a pinned block keeps from passing to another tenant (at least the footprints rounded up
+to whole segments). So one tenant cannot pin the CPU tier away from the others: a pin beyond it is
+refused whole (``QuotaExceeded`` naming the setting) and leaves nothing pinned. Pins live in
+memory: a restarted daemon starts with none.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.errors import QuotaExceeded
@@ -41,82 +43,110 @@ class PinOutcome:
 
 
 class PinnedPrefixes(StoreListener):
-    """Pinned hashes per namespace and pinned bytes per tenant. Takes the store lock itself,
+    """Pinned hashes per namespace, and what each tenant's pins hold. Takes the store lock itself,
     except in the listener callbacks, which the cascade calls with it held."""
 
     def __init__(self, cascade: Cascade, limit_bytes: int | None = None) -> None:
         self.cascade = cascade
         self.limit_bytes = limit_bytes
         self._hashes: dict[bytes, dict[bytes, None]] = {}   # namespace id -> pinned hashes (ordered)
-        self._block_bytes: dict[bytes, int] = {}
-        self._tenant_of: dict[bytes, str] = {}
-        self.tenant_bytes: Counter[str] = Counter()
+        self._namespaces: dict[bytes, Namespace] = {}
 
     def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> PinOutcome:
         cascade = self.cascade
         with cascade.lock:
-            mine = self._hashes.get(ns.id, {})
-            new = list(dict.fromkeys(h for h in hashes if h not in mine))
-            extra = len(new) * ns.block_bytes
-            held = self.tenant_bytes[ns.tenant]
-            if self.limit_bytes is not None and held + extra > self.limit_bytes:
-                cascade.count("pins_refused_limit")
-                raise QuotaExceeded(
-                    f"{LIMIT_SETTING}: tenant {ns.tenant!r} has {held} bytes pinned; pinning {len(new)} more blocks "
-                    f"({extra} bytes) would exceed its limit of {self.limit_bytes} bytes (unpin something, or raise "
-                    f"{LIMIT_SETTING})", field=LIMIT_SETTING)
             pins = self._hashes.setdefault(ns.id, {})
-            self._block_bytes[ns.id] = ns.block_bytes
-            self._tenant_of[ns.id] = ns.tenant
-            self.tenant_bytes[ns.tenant] += extra
-            outcome = PinOutcome(pinned=len(new))
+            self._namespaces[ns.id] = ns
+            new = [h for h in dict.fromkeys(hashes) if h not in pins]
             for h in new:
                 pins[h] = None
             stored = []
             for h in hashes:   # every block named, new or not: an earlier pin may predate its arrival
                 entry = cascade.index.visible(ns.id, h)
-                if entry is None:
-                    continue
-                entry.held = True
-                stored.append(entry)
-            outcome.stored = len(stored)
-            outcome.tenant_pinned_bytes = self.tenant_bytes[ns.tenant]
-        outcome.warmed = sum(1 for entry in stored if warm(cascade, entry) == WARMED)   # its I/O without the lock
-        return outcome
+                if entry is not None:
+                    entry.held = True
+                    stored.append(entry)
+            self._refuse_beyond_limit(ns, new)
+        warmed = sum(1 for entry in stored if warm(cascade, entry) == WARMED)   # its I/O without the lock
+        with cascade.lock:   # the copies just made may keep more segments than the footprints say
+            self._refuse_beyond_limit(ns, new)
+            return PinOutcome(pinned=len(new), stored=len(stored), warmed=warmed,
+                              tenant_pinned_bytes=self._cost(ns.tenant))
+
+    def _refuse_beyond_limit(self, ns: Namespace, new: Sequence[bytes]) -> None:
+        """Take back the pins of ``new`` and raise ``QuotaExceeded`` naming the setting if the
+        tenant's pins now hold more than ``limit_bytes``. Caller holds the lock."""
+        if self.limit_bytes is None:
+            return
+        cost = self._cost(ns.tenant)
+        if cost <= self.limit_bytes:
+            return
+        self._release(ns.id, new)
+        self.cascade.counters["pins_refused_limit"] += 1
+        raise QuotaExceeded(
+            f"{LIMIT_SETTING}: with {len(new)} more blocks pinned, tenant {ns.tenant!r}'s pins would hold {cost} "
+            f"bytes of the CPU tier (slot footprints{', and the segments they keep' if self._segment_bytes() else ''}), "
+            f"which would exceed its limit of {self.limit_bytes} bytes; nothing was pinned (unpin something, or raise "
+            f"{LIMIT_SETTING})", field=LIMIT_SETTING)
+
+    def _cpu(self):
+        c = self.cascade.cpu_index
+        return None if c is None else self.cascade.tiers[c]
+
+    def _segment_bytes(self) -> int:
+        cpu = self._cpu()
+        return cpu.segment_bytes if cpu is not None else 0
+
+    def _cost(self, tenant: str) -> int:
+        """What ``tenant``'s pins hold of the CPU tier (see the module docstring). Caller holds the lock."""
+        cpu = self._cpu()
+        footprints, held_keys = 0, []
+        for nsid, pins in self._hashes.items():
+            ns = self._namespaces[nsid]
+            if ns.tenant != tenant or not pins:
+                continue
+            footprints += len(pins) * (cpu.footprint(ns.block_bytes) if cpu is not None else ns.block_bytes)
+            held_keys += [nsid + h for h in pins]
+        segment = self._segment_bytes()
+        if not segment:
+            return footprints
+        return max(-(-footprints // segment), len(cpu.segments_of(held_keys))) * segment
+
+    def _release(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bytes]:
+        """Forget the pins of ``hashes``; their blocks stay stored, evictable again. Returns those
+        that were pinned. Caller holds the lock."""
+        pins = self._hashes.get(namespace_id, {})
+        gone = [h for h in dict.fromkeys(hashes) if h in pins]
+        for h in gone:
+            del pins[h]
+            entry = self.cascade.index.find(namespace_id, h)
+            if entry is not None:
+                entry.held = False   # still in its tiers' policies: evictable again
+        if not pins:
+            self._hashes.pop(namespace_id, None)
+            self._namespaces.pop(namespace_id, None)
+        return gone
 
     def unpin(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> PinOutcome:
         """Release the pins of ``hashes`` (None: every pin of the namespace); blocks stay stored,
         evictable again."""
         with self.cascade.lock:
-            pins = self._hashes.get(namespace_id, {})
-            gone = [h for h in (list(pins) if hashes is None else dict.fromkeys(hashes)) if h in pins]
-            for h in gone:
-                del pins[h]
-                entry = self.cascade.index.find(namespace_id, h)
-                if entry is not None:
-                    entry.held = False   # still in its tiers' policies: evictable again
-            tenant = self._tenant_of.get(namespace_id, "")
-            self.tenant_bytes[tenant] -= len(gone) * self._block_bytes.get(namespace_id, 0)
-            if not pins:
-                self._forget(namespace_id)
-            return PinOutcome(pinned=len(gone), tenant_pinned_bytes=self.tenant_bytes[tenant])
-
-    def _forget(self, namespace_id: bytes) -> None:
-        self._hashes.pop(namespace_id, None)
-        self._block_bytes.pop(namespace_id, None)
-        tenant = self._tenant_of.pop(namespace_id, None)
-        if tenant is not None and self.tenant_bytes[tenant] <= 0:
-            del self.tenant_bytes[tenant]
+            ns = self._namespaces.get(namespace_id)
+            gone = self._release(namespace_id, list(self._hashes.get(namespace_id, {})) if hashes is None else hashes)
+            return PinOutcome(pinned=len(gone), tenant_pinned_bytes=self._cost(ns.tenant) if ns is not None else 0)
 
     def of_namespace(self, namespace_id: bytes) -> tuple[int, int]:
         """(pinned blocks, pinned bytes) declared for one namespace."""
         with self.cascade.lock:
             n = len(self._hashes.get(namespace_id, ()))
-            return n, n * self._block_bytes.get(namespace_id, 0)
+            ns = self._namespaces.get(namespace_id)
+            return n, n * (ns.block_bytes if ns is not None else 0)
 
     def by_tenant(self) -> dict[str, int]:
+        """What each tenant's pins hold of the CPU tier (tenants with pins only)."""
         with self.cascade.lock:
-            return {t: n for t, n in self.tenant_bytes.items() if n > 0}
+            tenants = {self._namespaces[nsid].tenant for nsid, pins in self._hashes.items() if pins}
+            return {t: self._cost(t) for t in tenants}
 
     # -- listener: blocks of a pinned prefix that arrive after the pin ----------------------------
 
