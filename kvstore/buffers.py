@@ -21,6 +21,7 @@ from itertools import accumulate, count
 import numpy as np
 
 from kvstore.errors import CodecError, InvalidArgument
+from kvstore.threads import BUDGET
 
 Extent = tuple[int, int]  # (byte offset in an arena, length)
 
@@ -176,7 +177,7 @@ def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, th
 
 #: ``copy_each`` splits a run into parts of about this many bytes, copied by at most this many threads
 COPY_PART_BYTES = 2 << 20
-COPY_THREADS = min(4, len(os.sched_getaffinity(0)))
+COPY_THREADS = BUDGET.copy
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 

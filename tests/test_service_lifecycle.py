@@ -170,8 +170,11 @@ def test_cli_health_and_stats(kv_daemon):
                            env=env)
     assert stats.returncode == 0, stats.stderr
     assert set(json.loads(stats.stdout)["tiers"]) == {"cpu", "nvme"}
+    threads = json.loads(stats.stdout)["server"]["threads"]   # every pool, sized from the daemon's cores
+    assert threads["cores"] == len(os.sched_getaffinity(0)) and threads["rpc"] >= 16 and threads["slow_reads"] >= 4
     table = subprocess.run(run + ["stats", "--url", kv_daemon.address], capture_output=True, text=True, env=env)
     assert table.returncode == 0 and "cpu" in table.stdout and "capacity" in table.stdout
+    assert "threads:" in table.stdout and f"cores {threads['cores']}," in table.stdout and f"rpc {threads['rpc']}," in table.stdout
     down = subprocess.run(run + ["health", "--url", "127.0.0.1:1", "--timeout", "1"], capture_output=True,
                           text=True, env=env)
     assert down.returncode == 1

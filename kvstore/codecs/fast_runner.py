@@ -7,7 +7,7 @@ every tensor's units) that the caller's thread and ``n - 1`` pool threads take i
 costs one hand-off per extra thread, a thread slowed by another process on its core delays the
 call by one piece at most, there is no second OpenMP runtime spinning against torch's, and
 concurrent requests from the daemon's threads simply run side by side. ``n`` is
-``torch.get_num_threads()``; small blocks run on the caller's thread alone.
+``kvstore.threads.BUDGET.codec``; small blocks run on the caller's thread alone.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvstore.codecs import layout as kvlayout
+from kvstore.threads import BUDGET
 
 #: below this many elements a block runs on the caller's thread alone (a hand-off costs ~20 us)
 MIN_PARALLEL_ELEMENTS = 1 << 17
@@ -102,9 +103,9 @@ PIECES_PER_THREAD = 4
 
 
 def run(jobs: Sequence[Job], numel: int) -> list[int]:
-    """Run every job over all of its units, on up to ``torch.get_num_threads()`` threads; each
-    job's summed result."""
-    n = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, min(torch.get_num_threads(), max(u for _, u in jobs)))
+    """Run every job over all of its units, on up to ``BUDGET.codec`` threads; each job's summed
+    result."""
+    n = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, min(BUDGET.codec, max(u for _, u in jobs)))
     if n == 1:
         return [fn(0, units) or 0 for fn, units in jobs]
     pieces = iter([(j, units * p // (n * PIECES_PER_THREAD), units * (p + 1) // (n * PIECES_PER_THREAD))

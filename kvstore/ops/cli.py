@@ -159,6 +159,9 @@ def cmd_stats(args) -> int:
     for k, v in sorted(stats.get("counters", {}).items()):
         counters.add_row(k, str(v))
     console.print(counters)
+    threads = stats.get("server", {}).get("threads")
+    if threads:   # what every pool of the daemon is sized to (kvstore/threads.py)
+        console.print("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
     return 0
 
 

@@ -136,7 +136,7 @@ class Settings(BaseSettings):
                                       validate_default=True)
 
     listen: str = "127.0.0.1:7373"
-    workers: int = Field(16, ge=1, le=256)
+    workers: int | None = Field(None, ge=1, le=256)   # None: sized from the cores (kvstore.threads)
     max_message_bytes: Size = Field(16 * MiB, ge=64 * KiB, le=1 * GiB)
     chunk_bytes: Size = Field(1 * MiB, ge=4 * KiB, le=8 * MiB)
 

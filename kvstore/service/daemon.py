@@ -31,8 +31,9 @@ from kvstore.service.http_endpoint import RouteOverHttp
 from kvstore.service.metrics import Metrics
 from kvstore.service.metrics_breakdown import FleetCollector, TenantCollector
 from kvstore.service.reload import Reloader
-from kvstore.service.server import build_server
+from kvstore.service.grpc_server import build_server
 from kvstore.store import Store, StoreConfig
+from kvstore.threads import BUDGET
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
 
@@ -160,7 +161,7 @@ class Daemon:
         auth = Authenticator(settings.tokens, settings.admin_tenants)
         try:
             self.server, self.servicer, self.health, self.port = build_server(
-                self.store, listen=settings.listen, workers=settings.workers,
+                self.store, listen=settings.listen, workers=BUDGET.with_rpc(settings.workers).rpc,
                 max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
                 metrics=self.metrics, shm_dir=settings.shm_dir,
                 offer_shm=True,

@@ -38,6 +38,7 @@ from kvstore.service.lookup_indexes import LookupIndexes
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
+from kvstore.threads import BUDGET
 from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
 from kvstore.transport.local_calls import CallServer
@@ -117,7 +118,7 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def build_server(store: Store, *, listen: str, workers: int = 16, max_message_bytes: int = 16 << 20,
+def build_server(store: Store, *, listen: str, workers: int | None = None, max_message_bytes: int = 16 << 20,
                  chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
                  tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0,
@@ -134,7 +135,7 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
         else None
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
-                               stream_idle_s=stream_idle_s, segments=segments)
+                               stream_idle_s=stream_idle_s, segments=segments, threads=BUDGET.with_rpc(workers))
     if offer_shm:   # a same-host client's scheduler asks here instead of over gRPC
         servicer.local_lookups = LocalLookupServer(
             shm_dir, servicer.local_lookup, servicer.local_lookup_told,
@@ -147,7 +148,7 @@ def build_server(store: Store, *, listen: str, workers: int = 16, max_message_by
         with open(tls_cert, "rb") as f:
             cert = f.read()
         credentials = grpc.ssl_server_credentials([(key, cert)])
-    server = GrpcServer(workers)
+    server = GrpcServer(BUDGET.with_rpc(workers).rpc)
 
     async def assemble():
         # created on the loop that will run it

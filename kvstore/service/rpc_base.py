@@ -12,6 +12,7 @@ import secrets
 import time
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
+from kvstore.threads import BUDGET, ThreadBudget
 from kvstore.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
@@ -32,8 +33,9 @@ class ServicerBase:
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
                  stream_idle_s: float = 30.0, segments: SegmentBroker | None = None,
-                 local_lookups: LocalLookupServer | None = None) -> None:
+                 local_lookups: LocalLookupServer | None = None, threads: ThreadBudget = BUDGET) -> None:
         self.store = store
+        self.threads = threads   # what every pool of the process is sized to (``kvstore stats``)
         self.auth = auth or Authenticator()
         self.metrics = metrics
         self.shm_dir = shm_dir

@@ -157,7 +157,7 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
         stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
                            "client_leases": len(self.client_leases), "open_streams": self.stalls.open_calls,
-                           "stalled_streams_cancelled": self.stalls.cancelled}
+                           "stalled_streams_cancelled": self.stalls.cancelled, "threads": self.threads.as_dict()}
         if self.gc_pauses is not None:
             stats["server"]["gc"] = self.gc_pauses.stats()
         if self.fleet is not None:

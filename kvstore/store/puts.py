@@ -15,6 +15,7 @@ from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
 from kvstore.store.io_pools import LazyPool
 from kvstore.store.transcoding import RAW, StagedBlock
+from kvstore.threads import BUDGET
 from kvstore.tiers.base import BlockRecord
 
 
@@ -127,7 +128,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     return results
 
 
-WRITES_IN_FLIGHT = 4   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
+WRITES_IN_FLIGHT = BUDGET.disk_writes   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
 _writers = LazyPool(WRITES_IN_FLIGHT, "kvstore-disk-write")
 
 

@@ -24,12 +24,13 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
 from kvstore.store.cascade import Cascade
 from kvstore.store.io_pools import LazyPool
+from kvstore.threads import BUDGET
 
 # Not the cascade's scratch: a read payload must outlive the promotion it feeds, which can demote
 # another block through the cascade's buffer.
 _payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
-READS_IN_FLIGHT = 4   # slow-tier reads of one call at once (queue depth for NVMe)
+READS_IN_FLIGHT = BUDGET.slow_reads   # slow-tier reads of one call at once (queue depth for NVMe)
 RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)
 _readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.threads import BUDGET
 from kvstore.transport.local_lookup import CALL, MAX_FRAME, frame, greeting, peer_closed, recv_frame
 from kvstore.transport.unix_server import Connection
 
@@ -39,7 +40,7 @@ LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "
 _RPCS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
 REQUESTS = {m: getattr(pb, _RPCS[m].input_type.name) for m in LEASE_METHODS}     # message class of each call
 RESPONSES = {m: getattr(pb, _RPCS[m].output_type.name) for m in LEASE_METHODS}   # and of its answer
-CALL_WORKERS = 4       # lease calls of all same-host clients run on this many daemon threads
+CALL_WORKERS = BUDGET.local_calls   # lease calls of all same-host clients run on this many daemon threads
 KEEP_IDLE = 8          # connections a client keeps open between calls
 _META_LEN = struct.Struct("!H")
 
