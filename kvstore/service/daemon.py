@@ -10,6 +10,7 @@ the pin bound and the log level (``reload.py``); a bad file is refused and logge
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -90,7 +91,20 @@ def check_memory(cpu_bytes: int) -> None:
 
 
 def build_tiers(settings: Settings) -> list:
-    tiers = []
+    """The tiers, fastest first. A tier that cannot be built closes those built before it (the CPU
+    arena is a file in RAM-backed ``shm_dir``: left behind, it would hold that memory)."""
+    tiers: list = []
+    try:
+        _add_tiers(settings, tiers)
+    except BaseException:
+        for tier in reversed(tiers):
+            with contextlib.suppress(Exception):
+                tier.close()
+        raise
+    return tiers
+
+
+def _add_tiers(settings: Settings, tiers: list) -> None:
     if settings.gpu_bytes:
         from kvstore.tiers.gpu import GpuTier
         tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
@@ -102,7 +116,6 @@ def build_tiers(settings: Settings) -> list:
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
     if settings.redis_tier.enabled:
         tiers.append(build_redis_tier(settings))
-    return tiers
 
 
 def tenant_segment_bytes(settings: Settings) -> int:
@@ -149,9 +162,21 @@ class Daemon:
         else:
             self._warm.set()
         self.settings = settings
+        self._stop = threading.Event()
+        self._tiers: list = []
+        self.store = self.metrics = self.server = self.servicer = self.fleet = self.gc_pauses = None
+        try:
+            self._assemble(settings, reload_settings, tier_codecs)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings] | None,
+                  tier_codecs: dict[str, str]) -> None:
         check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
-        self.store = Store(build_tiers(settings), StoreConfig(
+        self._tiers = build_tiers(settings)
+        self.store = Store(self._tiers, StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
             promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
             tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
@@ -159,17 +184,13 @@ class Daemon:
         self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
-        try:
-            self.server, self.servicer, self.health, self.port = build_server(
-                self.store, listen=settings.listen, workers=BUDGET.with_rpc(settings.workers).rpc,
-                max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
-                metrics=self.metrics, shm_dir=settings.shm_dir,
-                offer_shm=True,
-                bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-                stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)
-        except Exception:
-            self.store.close()
-            raise
+        self.server, self.servicer, self.health, self.port = build_server(
+            self.store, listen=settings.listen, workers=BUDGET.with_rpc(settings.workers).rpc,
+            max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
+            metrics=self.metrics, shm_dir=settings.shm_dir,
+            offer_shm=True,
+            bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+            stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)
         self.metrics.watch(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
         self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in stats and metrics
         self.gc_pauses.install()
@@ -179,17 +200,11 @@ class Daemon:
         if reload_settings is not None:
             self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics)
             self.servicer.reloader = self.reloader
-        self.fleet = None
         if settings.fleet.enabled:
-            try:
-                self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret
-            except Exception:
-                self.store.close()
-                raise
+            self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret
             self.servicer.fleet = self.fleet
             self.metrics.watch(FleetCollector(self.fleet))
         self.metrics_port: int | None = None
-        self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
 
     def _build_fleet(self, settings: Settings):
@@ -225,6 +240,14 @@ class Daemon:
         return self._warm.wait(timeout_s)
 
     def start(self) -> None:
+        """Serve. A step that fails undoes every one before it (``abandon``) and raises."""
+        try:
+            self._start()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _start(self) -> None:
         if self._warm_up is not None:
             for name in ("", "kvstore.v1.KVStore"):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -276,6 +299,34 @@ class Daemon:
         log.info("kvstore stopped; %d blocks flushed to the durable tier", flushed)
         return flushed
 
+    def abandon(self) -> None:
+        """Undo a start that failed part-way: close whatever was built or started, so nothing it
+        made outlives it (the arena file in RAM-backed ``shm_dir``, the service sockets there,
+        the ports, the fleet's entries). Safe at any step; each part is closed on its own."""
+        self._stop.set()
+        parts = [self.metrics.close if self.metrics is not None else None,
+                 self.fleet.close if self.fleet is not None else None,
+                 self._stop_server if self.server is not None else None]
+        if self.servicer is not None:
+            parts += [self.servicer.bulk and self.servicer.bulk.close,
+                      self.servicer.segments and self.servicer.segments.close,
+                      self.servicer.local_lookups and self.servicer.local_lookups.close]
+        parts.append(self.store.close if self.store is not None else
+                     lambda: [tier.close() for tier in reversed(self._tiers)])
+        parts.append(self.gc_pauses.uninstall if self.gc_pauses is not None else None)
+        for close in parts:
+            if close:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - the rest must still be closed
+                    log.exception("closing after a failed start")
+
+    def _stop_server(self) -> None:
+        if self.server.aio is None:
+            self.server.discard()
+        else:
+            self.server.stop(0).wait(5)
+
     def ready_info(self) -> dict:
         arena = self.store.shared_arena()
         return {"address": self.address, "port": self.port, "metrics_port": self.metrics_port,
@@ -294,6 +345,20 @@ def reload_on_signal(daemon: Daemon) -> None:
         pass   # logged by the reloader; the running configuration stays
 
 
+def write_ready_file(path: str, info: dict) -> None:
+    """Write ``info`` to ``path`` whole or not at all: a reader never sees half of it, and a
+    write that fails leaves neither the file nor its temporary behind."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def run(settings: Settings, ready_file: str | None = None,
         reload_settings: Callable[[], Settings] | None = None) -> int:
     """Serve until SIGTERM/SIGINT (SIGHUP: reload); exit code 0 after a clean shutdown."""
@@ -310,18 +375,19 @@ def run(settings: Settings, ready_file: str | None = None,
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, lambda *_: reload_asked.set())   # handled below, off the signal frame
     daemon.start()
-    while not daemon.wait_ready(0.2) and not stop.is_set():
-        pass
-    # what start-up built (modules, tiers, the recovered index) lives for good: out of the collector's
-    # walks, so a full collection pauses requests for what was made since, not for all of it
-    frozen = daemon.gc_pauses.freeze_startup_objects()
-    log.info("%d objects made at start-up kept out of garbage collections", frozen)
-    info = daemon.ready_info()
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, ready_file)
+    try:
+        while not daemon.wait_ready(0.2) and not stop.is_set():
+            pass
+        # what start-up built (modules, tiers, the recovered index) lives for good: out of the collector's
+        # walks, so a full collection pauses requests for what was made since, not for all of it
+        frozen = daemon.gc_pauses.freeze_startup_objects()
+        log.info("%d objects made at start-up kept out of garbage collections", frozen)
+        info = daemon.ready_info()
+        if ready_file:
+            write_ready_file(ready_file, info)
+    except BaseException:
+        daemon.abandon()
+        raise
     print(f"kvstore: serving on {info['address']}"
           + (f", metrics on :{info['metrics_port']}" if info["metrics_port"] else ""), flush=True)
     while not stop.wait(0.2):
