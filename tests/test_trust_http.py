@@ -1,0 +1,140 @@
+"""The daemon's HTTP port against slow and hostile clients (issue 35, item 4), on a real
+``kvstore serve`` in fleet mode (so ``/v1/route`` answers) and real attacker processes.
+
+Before: the timeout was per read and a 32-slot semaphore was held for a whole connection, so 40
+connections sending one header byte every 2 s made every scrape and route call answer 503 for as
+long as they lasted; half a MiB of nested JSON got no answer and a RecursionError traceback in
+the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from daemon_util import start_daemon
+from kvstore import KVLayout, Namespace
+
+SLOW_CLIENTS = 100
+HELD_S = 14.0          # longer than the daemon's whole-request deadline (10 s)
+LAYOUT = KVLayout(model="test/http-trust", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, redis_url):
+    workdir = tmp_path_factory.mktemp("http-trust")
+    config = workdir / "kv.yaml"
+    config.write_text(textwrap.dedent(f"""
+        fleet:
+          enabled: true
+          redis_url: {redis_url}
+          key_prefix: kvstest-{uuid.uuid4().hex[:12]}
+          secret: test-fleet-secret-0123456789abcdef
+        """))
+    d = start_daemon(workdir, "--config", str(config), "--metrics-port", "0", cpu_bytes="16MiB", nvme_bytes="64MiB")
+    yield d
+    assert d.stop() == 0
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, float]:
+    """(HTTP status, seconds it took); a connection the server drops counts as status 0."""
+    t0 = time.perf_counter()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        e.read()
+        status = e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        status = 0
+    return status, time.perf_counter() - t0
+
+
+def test_metrics_and_route_answer_while_slow_clients_are_held(daemon):
+    with daemon.client() as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt="http"))
+    route = json.dumps({"namespace_id": ns.hex(), "token_ids": list(range(64))}).encode()
+    attacker = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "slow_http_client.py"),
+                                 str(daemon.metrics_port), str(SLOW_CLIENTS), str(HELD_S)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout.readline().strip() == "ready"
+        answers = []
+        end = time.monotonic() + HELD_S - 2
+        while time.monotonic() < end:
+            answers.append(("metrics",) + request(daemon.metrics_port, "GET", "/metrics"))
+            answers.append(("route",) + request(daemon.metrics_port, "POST", "/v1/route", route))
+            time.sleep(0.2)
+        outcome = json.loads(attacker.stdout.readline())
+    finally:
+        attacker.kill()
+        attacker.wait()
+    statuses = sorted({(what, status) for what, status, _ in answers})
+    assert statuses == [("metrics", 200), ("route", 200)], statuses
+    slowest = max(seconds for _, _, seconds in answers)
+    assert slowest < 2.0, f"an answer took {slowest:.2f} s while slow clients were held"
+    # none of the slow connections outlived the whole-request deadline
+    assert outcome == {"closed": SLOW_CLIENTS, "open": 0}, outcome
+
+
+def test_a_slow_body_is_cut_at_the_whole_request_deadline(daemon):
+    """Headers complete, body one byte a second: the answer is 408 at the deadline (10 s), not
+    a connection held for as long as the client likes."""
+    with socket.create_connection(("127.0.0.1", daemon.metrics_port), timeout=20) as s:
+        s.sendall(b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        s.setblocking(False)
+        answer = b""
+        while time.monotonic() - t0 < 16 and not answer:
+            try:
+                answer = s.recv(4096)
+                break
+            except BlockingIOError:
+                pass
+            try:
+                s.send(b" ")
+            except OSError:
+                break
+            time.sleep(1.0)
+        took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert 9.0 < took < 13.0, took
+
+
+@pytest.mark.parametrize("body,why", [
+    (b"[" * (512 << 10), "nested arrays"),
+    (b'{"a":' * (100 << 10) + b"1" + b"}" * (100 << 10), "nested objects"),
+    (b"\xff\xfe not json", "not JSON"),
+    (b'{"namespace_id": 7}', "a field of the wrong type"),
+])
+def test_hostile_bodies_get_a_status_never_a_traceback(daemon, body, why):
+    status, _ = request(daemon.metrics_port, "POST", "/v1/route", body)
+    assert status == 400, (why, status)
+    assert "Traceback" not in daemon.log(), daemon.log()[-3000:]
+    assert request(daemon.metrics_port, "GET", "/metrics")[0] == 200
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /metrics HTTP/1.1\r\n" + b"X-Long: " + b"a" * (64 << 10) + b"\r\n\r\n",
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n",
+])
+def test_malformed_requests_get_a_status(daemon, raw):
+    with socket.create_connection(("127.0.0.1", daemon.metrics_port), timeout=5) as s:
+        s.sendall(raw)
+        answer = s.recv(4096)
+    assert answer[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 413", b"HTTP/1.1 431"), answer[:100]
+    assert "Traceback" not in daemon.log()
