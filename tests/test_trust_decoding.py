@@ -64,12 +64,13 @@ def raw_daemon(tmp_path_factory):
 def test_a_zstd_bomb_is_refused_without_allocating_what_it_declares(raw_daemon, transport, monkeypatch):
     hashes, blocks = codec_blocks.chain(LAYOUT, 2, seed=71 + ["grpc", "bulk", "shm"].index(transport))
     real = codecs.encode_block
+    bombs = {declared: bomb(declared) for declared in (True, False)}   # built before any call's deadline runs
     with raw_daemon.client(transport=transport) as c:
         ns = c.register_namespace(Namespace(LAYOUT, cache_salt="bomb"))
         assert c.put(ns, hashes[:1], blocks[:1], encode="zstd") == ["stored"]   # an honest payload decodes
         before = peak_rss(raw_daemon.pid)
         for declared in (True, False):
-            monkeypatch.setattr(codecs, "encode_block", lambda name, raw, layout: (6, bomb(declared)))
+            monkeypatch.setattr(codecs, "encode_block", lambda name, raw, layout: (6, bombs[declared]))
             # a declared size is refused as the put is checked (naming the block); an unsaid one
             # once decoding passes a block's bytes
             with pytest.raises(InvalidArgument if declared else codecs.CodecError) as e:
