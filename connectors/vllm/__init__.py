@@ -39,6 +39,11 @@ With ``blocks_per_chunk`` N > 1 one kvstore block is a *chunk* of N consecutive 
 repacked into the byte order its layout name describes for N x block_size tokens (``chunks``);
 hashes, lookups and saves then go by whole chunks (docs/vllm.md, "Chunks").
 
+Roles (``roles``): ``kv_role: kv_producer`` (prefill) saves and never loads, and names the prompt
+blocks it saves in the finished request's ``kv_transfer_params``; ``kv_consumer`` (decode) loads,
+never saves prompt blocks, and, handed those params, defers the request until its daemon holds
+exactly those blocks, for at most ``pd_wait_s`` (``handoff``; docs/pd.md); ``kv_both`` does both.
+
 Failure model: the daemon being down, slow or missing a block is a *miss*. Lookups that fail count
 as zero hits; a load that fails reports its vLLM block ids through
 ``get_block_ids_with_load_errors`` and the connector sets ``kv_load_failure_policy="recompute"``,

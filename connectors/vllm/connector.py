@@ -16,11 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.client import CircuitBreaker, NamespaceHandle
 from kvstore.connectors.vllm.chunks import ChunkPacking
+from kvstore.connectors.vllm.handoff import HandoffWaiter, Wait
 from kvstore.connectors.vllm.identity import checked_hasher, namespace_for
 from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorStats
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 from kvstore.connectors.vllm.ranks import lookup_namespaces, worker_ranks
+from kvstore.connectors.vllm.roles import Role
 from kvstore.connectors.vllm.saver import SaveQueue
 from kvstore.connectors.vllm.scheduler_side import RequestState, SchedulerSide
 from kvstore.connectors.vllm.settings import ConnectorSettings
@@ -35,11 +37,13 @@ logger = logging.getLogger("kvstore.connectors.vllm")
 
 
 class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
-    """kvstore as vLLM's external prefix cache (both roles; see the package docstring)."""
+    """kvstore as vLLM's external prefix cache, and as the hand-off between prefill and decode
+    engines (``kv_role``: ``roles``, ``handoff``; see the package docstring)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.kv_role = Role.of(self._kv_transfer_config.kv_role, self.settings)
         # A failed load must mean "recompute", never "fail the request" (vLLM's default).
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             try:
@@ -61,9 +65,17 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, BlockTransfer] = {}
         self._lookup_links: list[NamespaceHandle] = []
+        self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
+        self._handoff_waits: dict[str, Wait] = {}
+        self._handoff_expected: dict[str, tuple[int, str]] = {}   # blocks named, how the wait ended
         if self.enabled and role == KVConnectorRole.SCHEDULER:
+            namespaces = lookup_namespaces(vllm_config, kv_cache_config, self.settings)
             self._lookup_links = [self._daemon_handle(self.settings.lookup_timeout_s, "lookup", ns)
-                                  for ns in lookup_namespaces(vllm_config, kv_cache_config, self.settings)]
+                                  for ns in namespaces]
+            if self.kv_role.loads and namespaces:
+                self._handoff_waiter = HandoffWaiter(
+                    [self._daemon_handle(self.settings.lookup_timeout_s, "hand-off", ns) for ns in namespaces],
+                    self.settings.pd_poll_s)
         # worker side
         self._paged: PagedBlocks | None = None
         self._packing: ChunkPacking | None = None
@@ -121,6 +133,8 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     # -- lifetime ---------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._handoff_waiter is not None:
+            self._handoff_waiter.close()
         if self._saver is not None:
             self._saver.close()
             self._saver.handle.close()

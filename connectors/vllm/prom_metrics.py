@@ -31,6 +31,18 @@ SERIES: dict[str, tuple[str, str]] = {
     "save_skipped_blocks": ("vllm:kvstore_save_skipped_blocks", "Blocks not saved: already stored"),
     "save_dropped_blocks": ("vllm:kvstore_save_dropped_blocks", "Blocks not saved: the save queue was full"),
     "save_gather_seconds": ("vllm:kvstore_save_gather_seconds", "Seconds spent copying blocks out to save"),
+    # prefill/decode hand-off (handoff.py)
+    "pd_offered_blocks": ("vllm:kvstore_pd_offered_blocks", "Producer: prompt blocks named to decode engines"),
+    "pd_waits": ("vllm:kvstore_pd_waits", "Consumer: requests that waited for a producer's blocks"),
+    "pd_wait_seconds": ("vllm:kvstore_pd_wait_seconds", "Consumer: seconds requests waited for them"),
+    "pd_loaded_requests": ("vllm:kvstore_pd_loaded_requests", "Consumer: hand-offs whose blocks were all there"),
+    "pd_loaded_blocks": ("vllm:kvstore_pd_loaded_blocks", "Consumer: blocks of those hand-offs"),
+    "pd_recomputes": ("vllm:kvstore_pd_recomputes", "Consumer: hand-offs that recomputed blocks"),
+    "pd_recomputed_blocks": ("vllm:kvstore_pd_recomputed_blocks", "Consumer: named blocks recomputed"),
+    "pd_recomputes_timeout": ("vllm:kvstore_pd_recomputes_timeout", "... because pd_wait_s passed"),
+    "pd_recomputes_unavailable": ("vllm:kvstore_pd_recomputes_unavailable", "... because the daemon did not answer"),
+    "pd_recomputes_evicted": ("vllm:kvstore_pd_recomputes_evicted", "... because blocks were evicted after arriving"),
+    "pd_params_refused": ("vllm:kvstore_pd_params_refused", "Consumer: hand-off params refused (malformed, other prompt or model)"),
 }
 
 

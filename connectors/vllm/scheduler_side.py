@@ -25,6 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvstore.connectors.vllm.handoff import Handoff
 from kvstore.connectors.vllm.identity import block_hashes, prompt_block_hashes
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMetadata
 from kvstore.connectors.vllm.ranks import hits_on_every_rank
@@ -59,17 +60,94 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
+            if self._awaiting_handoff(request):
+                return None, False     # vLLM asks again next pass; the request stays queued
             n = self._matched_tokens(request, num_computed_tokens)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
             return 0, False
         return n, n > 0 and self.settings.load_mode == "async"
 
+    # -- prefill/decode hand-off (``handoff``) ------------------------------------------------------
+
+    def _awaiting_handoff(self, request: "Request") -> bool:
+        """True while a consumer's request waits for the blocks its producer named; the waiter
+        polls the daemon, so each pass here is a dictionary read. False once they arrived, the
+        wait timed out or the daemon did not answer (the lookup that follows then finds what
+        there is), and for requests without a hand-off."""
+        rid = request.request_id
+        if self._handoff_waiter is None or rid in self._requests:
+            return False
+        wait = self._handoff_waits.get(rid)
+        if wait is None:
+            hashes = self._handoff_blocks(request)
+            if not hashes:
+                return False
+            self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s)
+            self._add_stat("pd_waits")
+            return True
+        if wait.outcome is None:
+            return True
+        del self._handoff_waits[rid]
+        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome)
+        self._add_stat("pd_wait_seconds", wait.seconds)
+        return False
+
+    def _handoff_blocks(self, request: "Request") -> list[bytes] | None:
+        """The hashes of the blocks named by the request's hand-off params, when they name blocks
+        of this very prompt in this namespace; None (counted, logged) when they do not."""
+        try:
+            handoff = Handoff.from_params(request.kv_transfer_params)
+            if handoff is None or handoff.blocks == 0:
+                return None
+            hashes = prompt_block_hashes(self.hasher, request, self.chunk_tokens)
+            why = handoff.mismatch(self.namespace.id, self.chunk_tokens, hashes)
+        except Exception as e:  # noqa: BLE001 - malformed params, or a prompt kvstore cannot key
+            why = str(e)
+        if why is not None:
+            logger.warning("kvstore connector: hand-off params of %s refused: %s", request.request_id, why)
+            self._add_stat("pd_params_refused")
+            return None
+        return hashes[:handoff.blocks]
+
+    def _settle_handoff(self, request: "Request", num_hit: int) -> None:
+        """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks."""
+        expected, outcome = self._handoff_expected.pop(request.request_id, (0, ""))
+        if not expected:
+            return
+        if num_hit >= expected:
+            self._add_stat("pd_loaded_requests")
+            self._add_stat("pd_loaded_blocks", expected)
+            return
+        reason = "evicted" if outcome == "arrived" else outcome
+        self._add_stat("pd_recomputes")
+        self._add_stat(f"pd_recomputes_{reason}")
+        self._add_stat("pd_recomputed_blocks", expected - num_hit)
+        logger.warning("kvstore connector: %s: %d of the %d blocks its prefill named are in the daemon (%s); "
+                       "recomputing the rest", request.request_id, num_hit, expected,
+                       {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s",
+                        "unavailable": "the daemon did not answer",
+                        "evicted": "evicted after they arrived"}[reason])
+
+    def _offered_handoff(self, request: "Request", state: RequestState | None) -> dict[str, Any] | None:
+        """A producer's finished request: ``kv_transfer_params`` naming the prompt blocks it saves
+        (asked for by ``kv_producer``, or by a ``kv_both`` request with ``do_remote_decode``)."""
+        params = request.kv_transfer_params or {}
+        if state is None or not state.cacheable or not self.kv_role.saves_prompt:
+            return None
+        if not (self.kv_role.is_producer or (isinstance(params, dict) and params.get("do_remote_decode"))):
+            return None
+        n = min(state.num_stored, len(request.prompt_token_ids or ()) // self.chunk_tokens, len(state.hashes))
+        if n == 0:
+            return None
+        self._add_stat("pd_offered_blocks", n)
+        return Handoff(self.namespace.id, n, self.chunk_tokens, state.hashes[n - 1], self.settings.url).to_params()
+
     def cached_prompt_tokens(self, request: "Request") -> int:
         """Leading prompt tokens the daemon holds (cache-aware admission asks on arrival; the
         lookup, and its pins, are the one ``get_num_new_matched_tokens`` then reuses). 0 when
         the lookup fails: an unknown request is a cold one."""
-        if not self.enabled or not self.settings.load:
+        if not self.enabled or not self.kv_role.loads:
             return 0
         try:
             state = self._state(request)
@@ -82,7 +160,7 @@ class SchedulerSide:
         self._add_stat("admitted_hits" if hit else "admitted_misses")
 
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
-        if not self.enabled or not self.settings.load and not self.settings.save:
+        if not self.enabled or not self.kv_role.loads and not self.kv_role.saves:
             return 0
         state = self._state(request)
         state.match_start = num_computed_tokens
@@ -104,8 +182,13 @@ class SchedulerSide:
         except Exception as e:  # noqa: BLE001 - an extra key kvstore cannot encode: no caching
             logger.info("kvstore connector: request %s not cacheable (%s)", request.request_id, e)
             hashes, cacheable = [], False
-        num_hit = self._lookup(hashes) if hashes and self.settings.load else 0
-        return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=num_hit)
+        num_hit = self._lookup(hashes) if hashes and self.kv_role.loads else 0
+        self._settle_handoff(request, num_hit)
+        # a consumer saves no prompt block: blocks before the first one generated tokens fill
+        # count as stored
+        prompt_blocks = len(request.prompt_token_ids or ()) // self.chunk_tokens
+        stored = num_hit if self.kv_role.saves_prompt else max(num_hit, prompt_blocks)
+        return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=stored)
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading chunks that every rank's namespace holds (each lookup pins its blocks)."""
@@ -144,7 +227,7 @@ class SchedulerSide:
         meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()), load_mode=self.settings.load_mode,
                                         preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
         self._pending_loads.clear()
-        if not self.enabled or not self.settings.save:
+        if not self.enabled or not self.kv_role.saves:
             return meta
         try:
             scheduled = scheduler_output.num_scheduled_tokens
@@ -174,7 +257,7 @@ class SchedulerSide:
             return
         request, n = state.request, self.chunk_blocks
         end = min(computed, request.num_tokens) // self.chunk_tokens
-        if not self.settings.save_decode:
+        if not self.kv_role.saves_decode:
             end = min(end, len(request.prompt_token_ids) // self.chunk_tokens)
         end = min(end, len(state.block_ids) // n)
         start = state.num_stored
@@ -208,4 +291,7 @@ class SchedulerSide:
         # get_finished once nothing reads its blocks any more.
         state = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        return state is not None and state.saved_any, None
+        if self._handoff_waits.pop(request.request_id, None) is not None:   # aborted while waiting
+            self._handoff_waiter.cancel(request.request_id)
+        self._handoff_expected.pop(request.request_id, None)
+        return state is not None and state.saved_any, self._offered_handoff(request, state)

@@ -15,6 +15,8 @@ SAVE_MODES = ("step", "layer")
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
 #: a chunk of 1024 blocks of 16 tokens is already a 16k-token prompt: beyond that only misses grow
 MAX_BLOCKS_PER_CHUNK = 1024
+#: a decode request held longer than this waits on a prefill that is not coming: recompute instead
+MAX_PD_WAIT_S = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class ConnectorSettings:
     # cache-aware admission (``admission``): a request goes first when at least this fraction of
     # its prompt is cached
     admission_hit_fraction: float = 0.5
+    # prefill/decode hand-off (``handoff``): how long a consumer waits for the blocks a producer
+    # named before it recomputes them, and how often it asks its daemon meanwhile
+    pd_wait_s: float = 2.0
+    pd_poll_s: float = 0.005
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -73,4 +79,9 @@ class ConnectorSettings:
         if not 0.0 <= out.get("admission_hit_fraction", 0.5) <= 1.0:
             raise ValueError(f"kv_connector_extra_config.admission_hit_fraction: "
                              f"{out['admission_hit_fraction']!r} is not in [0, 1]")
+        if not 0.0 <= out.get("pd_wait_s", 2.0) <= MAX_PD_WAIT_S:
+            raise ValueError(f"kv_connector_extra_config.pd_wait_s: {out['pd_wait_s']!r} is not in "
+                             f"[0, {MAX_PD_WAIT_S}] (seconds a consumer waits for a producer's blocks)")
+        if not 0.0 < out.get("pd_poll_s", 0.005) <= 1.0:
+            raise ValueError(f"kv_connector_extra_config.pd_poll_s: {out['pd_poll_s']!r} is not in (0, 1]")
         return cls(**out)

@@ -77,7 +77,7 @@ class WorkerSide:
         self._load_link = self._daemon_handle(self.settings.timeout_s, "load")
         if self.settings.load_mode != "sync":
             self._loader = BackgroundLoader(self._load_link, self._add_stat)
-        if self.settings.save and is_writer(self.namespace, self.tp_rank):
+        if self.kv_role.saves and is_writer(self.namespace, self.tp_rank):
             self._saver = SaveQueue(self._daemon_handle(self.settings.timeout_s, "save"), paged,
                                     self.settings.max_pending_saves, self._add_stat, packing)
         logger.info("kvstore connector: %d layers, %d bytes per block (%d vLLM blocks), namespace %s (%s), "

@@ -23,6 +23,7 @@ MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "
 
 LAZY_COMMANDS = {"plan": ("kvstore.ops.plan", "main"), "top": ("kvstore.ops.top", "main"),
                  "route": ("kvstore.fleet", "route_main"),
+                 "pd-proxy": ("kvstore.ops.pd_proxy", "main"),   # prefill/decode front end (docs/pd.md)
                  # operator commands (kvstore/ops/admin_cli.py)
                  "ns": ("kvstore.ops.admin_cli", "ns_main"), "evict": ("kvstore.ops.admin_cli", "evict_main"),
                  "pin": ("kvstore.ops.admin_cli", "pin_main"), "unpin": ("kvstore.ops.admin_cli", "unpin_main"),
