@@ -297,54 +297,28 @@ class GetChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., hit: _Optional[bool] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes", "table")
+    __slots__ = ("namespace_id", "hashes", "parent", "block_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TABLE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     block_bytes: int
-    table: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., table: _Optional[bool] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes", "accept_codecs", "table")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "accept_codecs")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
-    TABLE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
-    table: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., table: _Optional[bool] = ...) -> None: ...
-
-class Extent(_message.Message):
-    __slots__ = ("offset", "length", "generation")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    offset: int
-    length: int
-    generation: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
-
-class BlockSlots(_message.Message):
-    __slots__ = ("present", "extents", "codec", "size")
-    PRESENT_FIELD_NUMBER: _ClassVar[int]
-    EXTENTS_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    present: bool
-    extents: _containers.RepeatedCompositeFieldContainer[Extent]
-    codec: int
-    size: int
-    def __init__(self, present: _Optional[bool] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., codec: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("extent_counts", "offsets", "lengths", "generations", "codecs", "sizes", "present")
@@ -365,16 +339,14 @@ class BlockTable(_message.Message):
     def __init__(self, extent_counts: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., codecs: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "blocks", "expires_in", "table")
+    __slots__ = ("lease_id", "expires_in", "table")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockSlots]
     expires_in: float
     table: BlockTable
-    def __init__(self, lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockSlots, _Mapping]]] = ..., expires_in: _Optional[float] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in: _Optional[float] = ..., table: _Optional[_Union[BlockTable, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id", "codec", "sizes")

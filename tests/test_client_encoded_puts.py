@@ -18,6 +18,7 @@ import codec_blocks
 
 from kvstore import codecs
 from kvstore.client.rpc_errors import error_from_rpc
+from kvstore.client.shm_path import lease_slots
 from kvstore.codecs import CODEC_IDS, decode_block, encode_block
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout, Namespace
@@ -212,14 +213,15 @@ def send(c, transport: str, ns_id: bytes, hashes, payloads, codec: int, sizes) -
         lease = c.call("PrepareStore", pb.PrepareStoreRequest(namespace_id=ns_id, hashes=hashes,
                                                               block_bytes=LAYOUT.block_bytes))
         arena = c.mapped_arena
-        for blk, p in zip(lease.blocks, payloads):
-            arena.ensure(blk.extents)
+        blocks, pieces = lease_slots(lease)
+        arena.ensure(list(pieces))
+        for blk, p in zip(blocks, payloads):
             pos = 0
-            for e in blk.extents:
-                take = min(e.length, p.nbytes - pos)
+            for offset, length in blk.extents:
+                take = min(length, p.nbytes - pos)
                 if take <= 0:
                     break
-                arena.copy_in([(e.offset, take)], p[pos:pos + take])
+                arena.copy_in([(offset, take)], p[pos:pos + take])
                 pos += take
         c.call("CompleteStore", pb.LeaseRequest(lease_id=lease.lease_id, codec=codec, sizes=sizes))
         return

@@ -218,7 +218,7 @@ STALLER = textwrap.dedent("""
     from kvstore.transport import local_calls as C, local_lookup as L
     path, ticket, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
     hashes = [bytes.fromhex(h) for h in open(sys.argv[4]).read().split()]
-    request = C.encode_call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes, table=True)
+    request = C.encode_call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes)
                             .SerializeToString())
     def queued(s):   # bytes waiting in our receive queue: answers we have not read
         return struct.unpack("i", fcntl.ioctl(s, termios.FIONREAD, bytes(4)))[0]

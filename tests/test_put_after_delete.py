@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.client.shm_path import lease_slots
 from kvstore.errors import BlockBusy
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -35,7 +36,7 @@ def _held_by_a_reader(reader, ns: bytes, hashes: list[bytes]) -> int:
     """Store ``hashes`` (block i = ``_block(i)``) and pin them with a load lease; its id."""
     assert reader.put(ns, hashes, [_block(i) for i in range(len(hashes))])
     lease = reader.call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes))
-    assert len(lease.blocks) == len(hashes)
+    assert len(lease_slots(lease)[0]) == len(hashes)
     return lease.lease_id
 
 

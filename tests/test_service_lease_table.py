@@ -1,7 +1,6 @@
-"""A lease answered as a ``BlockTable`` (the client asks with ``table``; issue 14) says exactly
-what the per-block ``BlockSlots`` messages say: the same extents, sizes, codecs, present flags
-and segment generations, read back by the client's ``lease_slots``; a daemon that predates it
-answers with ``blocks``, which the same reader takes."""
+"""A lease is answered as a ``BlockTable`` (parallel arrays): read back by the client's
+``lease_slots``, it says exactly what the store's lease says: each block's extents, whether it is
+present already, its stored size and codec, and each extent's segment generation."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def slots(resp: pb.LeaseResponse) -> tuple[list, list]:
     return blocks, list(pieces)
 
 
-def answer(store: Store, lease: Lease, present_none: bool, table: bool) -> pb.LeaseResponse:
-    resp = LeaseRpcs._lease_response(_Answering(store), lease, 7, present_none, BLOCK, table)
+def answer(store: Store, lease: Lease, present_none: bool) -> pb.LeaseResponse:
+    resp = LeaseRpcs._lease_response(_Answering(store), lease, 7, present_none, BLOCK)
     return pb.LeaseResponse.FromString(resp.SerializeToString())   # as the client receives it
 
 
@@ -59,8 +58,25 @@ def churned(store: Store, ns: bytes) -> list[bytes]:
     return hashes
 
 
+def expected(store: Store, lease: Lease, present_none: bool) -> tuple[list, list]:
+    """What the lease says, as ``lease_slots`` reads a table: per block (extents, size, codec,
+    present), and every extent with its segment's generation."""
+    arena = store.shared_arena()
+    generation = arena.generation_at if arena.segmented else (lambda _off: 0)
+    codecs = lease.codecs or [0] * len(lease.extents)
+    sizes = lease.sizes or [BLOCK] * len(lease.extents)
+    blocks = [(list(e or []), n, c, e is None and present_none) for e, n, c in zip(lease.extents, sizes, codecs)]
+    pieces = [(off, length, generation(off)) for e in lease.extents for off, length in e or []]
+    return blocks, pieces
+
+
+def read(resp: pb.LeaseResponse) -> tuple[list, list]:
+    blocks, pieces = slots(resp)
+    return [(list(b.extents), b.size, b.codec, b.present) for b in blocks], [tuple(p) for p in pieces]
+
+
 @pytest.mark.parametrize("segment_bytes", [None, 8 * SLOT])
-def test_store_and_load_leases_read_the_same_from_a_table_as_from_blocks(segment_bytes):
+def test_store_and_load_leases_read_back_exactly_from_their_table(segment_bytes):
     store, ns = make(segment_bytes)
     try:
         old = churned(store, ns)
@@ -68,33 +84,29 @@ def test_store_and_load_leases_read_the_same_from_a_table_as_from_blocks(segment
         hashes = [old[1], old[3]] + fresh + [old[5]]     # some present already
         lease = store.prepare_store(ns, hashes)
         assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
-        as_blocks, as_table = answer(store, lease, True, False), answer(store, lease, True, True)
-        assert not as_blocks.HasField("table") and not as_table.blocks
-        assert slots(as_table) == slots(as_blocks)
-        blocks, pieces = slots(as_table)
-        assert [b.present for b in blocks] == [e is None for e in lease.extents]
-        assert [b.extents for b in blocks if not b.present] == [list(e) for e in lease.extents if e is not None]
+        got = read(answer(store, lease, True))
+        assert got == expected(store, lease, True)
+        assert [b[3] for b in got[0]] == [e is None for e in lease.extents]
         if segment_bytes:
-            assert {p.generation for p in pieces} >= {1}
+            assert {p[2] for p in got[1]} >= {1}
         store.complete_store(lease.id)
 
         load = store.prepare_load(ns, hashes)
         load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
         load.sizes = [BLOCK, 1234] + load.sizes[2:]
-        got_blocks, got_table = slots(answer(store, load, False, False)), slots(answer(store, load, False, True))
-        assert got_table == got_blocks
-        assert [(b.codec, b.size) for b in got_table[0][:2]] == [(0, BLOCK), (3, 1234)]
+        got = read(answer(store, load, False))
+        assert got == expected(store, load, False)
+        assert [(b[2], b[1]) for b in got[0][:2]] == [(0, BLOCK), (3, 1234)]
         store.complete_load(load.id)
     finally:
         store.close()
 
 
-def test_an_empty_load_lease_is_no_blocks_either_way():
+def test_an_empty_load_lease_is_no_blocks():
     store, ns = make()
     try:
         lease = store.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
-        for table in (False, True):
-            assert slots(answer(store, lease, False, table)) == ([], [])
+        assert slots(answer(store, lease, False)) == ([], [])
     finally:
         store.close()
 
@@ -105,20 +117,20 @@ def test_an_inconsistent_table_is_refused_like_a_lost_daemon():
         lease_slots(resp)
 
 
-def test_a_lease_of_one_extent_blocks_reads_the_same_either_way():
+def test_a_lease_of_one_extent_blocks_reads_back_exactly():
     store, ns = make()
     try:
         hashes = ChainHasher().chain(list(range(16 * 5)), 16)
         store.put(ns, hashes[:2], [np.ones(BLOCK, dtype=np.uint8)] * 2)
         lease = store.prepare_store(ns, hashes)
         assert all(e is None or len(e) == 1 for e in lease.extents)
-        assert slots(answer(store, lease, True, True)) == slots(answer(store, lease, True, False))
+        assert read(answer(store, lease, True)) == expected(store, lease, True)
         store.abort_store(lease.id)
     finally:
         store.close()
 
 
-def test_present_blocks_beside_a_two_extent_block_read_the_same_either_way():
+def test_present_blocks_beside_a_two_extent_block_read_back_exactly():
     """Extent counts 0 and 2 add up to one per block: not the one-extent-each case."""
     store, ns = make()
     try:
@@ -127,7 +139,7 @@ def test_present_blocks_beside_a_two_extent_block_read_the_same_either_way():
         store.put(ns, hashes[:1], [np.ones(BLOCK, dtype=np.uint8)])
         lease = store.prepare_store(ns, hashes)
         assert [0 if e is None else len(e) for e in lease.extents] == [0, 2]
-        assert slots(answer(store, lease, True, True)) == slots(answer(store, lease, True, False))
+        assert read(answer(store, lease, True)) == expected(store, lease, True)
         store.abort_store(lease.id)
     finally:
         store.close()

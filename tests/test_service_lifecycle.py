@@ -53,7 +53,7 @@ KILLED_CLIENT = textwrap.dedent("""
     hashes = ChainHasher(seed=1).chain(np.arange(16 * 8), 16)
     load = c.call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes[:4]))
     store = c.call("PrepareStore", pb.PrepareStoreRequest(namespace_id=ns, hashes=hashes[4:]))
-    print(len(load.blocks), sum(not b.present for b in store.blocks), flush=True)
+    print(len(load.table.extent_counts), sum(n > 0 for n in store.table.extent_counts), flush=True)
     sys.stdin.read()   # hold the leases until killed
 """)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.client.shm_path import lease_slots
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import segments
@@ -50,7 +51,7 @@ def segments_of(client, ns: bytes, hashes: list[bytes], segment_bytes: int) -> s
     lease = client.call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes,
                                                              block_bytes=LAYOUT.block_bytes))
     client.call("CompleteLoad", pb.LeaseRequest(lease_id=lease.lease_id))
-    return {e.offset // segment_bytes for b in lease.blocks for e in b.extents}
+    return {e.offset // segment_bytes for e in lease_slots(lease)[1]}
 
 
 def handshake(client) -> pb.HandshakeResponse:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore import Namespace
 from kvstore.client import Client
+from kvstore.client.shm_path import lease_slots
 from kvstore.errors import KVStoreError
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
@@ -142,8 +143,8 @@ def tenancy(workdir: str, writers: int = 8, block_bytes: int = 16 * KiB) -> dict
                 with contextlib.suppress(KVStoreError):
                     thief.call("CompleteStore", pb.LeaseRequest(lease_id=guess))
                     hijacked += 1
-            for blk, h in zip(lease.blocks, hs):
-                victim.mapped_arena.copy_in([(e.offset, e.length) for e in blk.extents], payload(h, block_bytes))
+            for blk, h in zip(lease_slots(lease)[0], hs):
+                victim.mapped_arena.copy_in(blk.extents, payload(h, block_bytes))
             results = [r for r in victim.call("CompleteStore", pb.LeaseRequest(lease_id=lease.lease_id)).results]
             exact = sum(is_exact(h, g, block_bytes) for h, g in zip(hs, victim.get(ns, hs)))
         out["lease_hijack"] = {"guesses": 202, "hijacked": hijacked, "victim_completed": len(results), "victim_exact": exact}

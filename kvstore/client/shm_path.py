@@ -52,7 +52,7 @@ class _Completion(NamedTuple):
 
 
 class _Extent(NamedTuple):
-    """An extent as ``ArenaMap.ensure`` / ``SegmentMap.ensure`` read it (like ``pb.Extent``)."""
+    """An extent of a lease's table, as ``ArenaMap.ensure`` / ``SegmentMap.ensure`` read it."""
     offset: int
     length: int
     generation: int
@@ -68,11 +68,7 @@ class _Slots(NamedTuple):
 
 def lease_slots(lease) -> tuple[list[_Slots], Iterator[_Extent]]:
     """Each block of a ``pb.LeaseResponse``, and every extent it names (made as they are read: a
-    whole mapped arena reads none), from its ``table`` (asked for: parallel arrays read a field at
-    a time) or, from a daemon that predates it, its ``blocks`` messages."""
-    if not lease.HasField("table"):
-        blocks = [_Slots([(e.offset, e.length) for e in b.extents], b.size, b.codec, b.present) for b in lease.blocks]
-        return blocks, (_Extent(e.offset, e.length, e.generation) for b in lease.blocks for e in b.extents)
+    whole mapped arena reads none), from its ``table`` (parallel arrays, read a field at a time)."""
     t = lease.table
     counts, offsets, lengths, sizes = list(t.extent_counts), list(t.offsets), list(t.lengths), list(t.sizes)
     n = len(counts)
@@ -103,8 +99,6 @@ def _direct_copies(lease, sinks, start: int):
     extent that lands straight in its caller's host buffer (the usual get: small blocks are bound
     by per-block Python, and this is the least of it), else None and the caller takes the general
     path. Read from the lease's ``table``."""
-    if not lease.HasField("table"):
-        return None
     t = lease.table
     counts = list(t.extent_counts)
     n = len(counts)
@@ -140,7 +134,7 @@ class ShmPath:
         written at the start of its block's slots and CompleteStore names their sizes.
 
         One store lease per window of blocks (``put_windows``; a put of at most
-        ``FIRST_WINDOW_BLOCKS`` is one lease, as before): window k+1's lease is asked for before
+        ``FIRST_WINDOW_BLOCKS`` is one lease): window k+1's lease is asked for before
         window k is copied, and window k is completed while k+1 is copied, completions in order
         (a chain is published parent first). The daemon's per-block work, reserving slots and
         then indexing and publishing the blocks, thus runs while this process copies instead of
@@ -152,7 +146,7 @@ class ShmPath:
         def prepare(a: int, b: int):
             return self.negotiation.start_same_daemon("PrepareStore", pb.PrepareStoreRequest(
                 namespace_id=ns_id, hashes=hashes[a:b], parent=(hashes[a - 1] if a else parent) or b"",
-                block_bytes=block_bytes, table=True), wait=len(spans) == 1)
+                block_bytes=block_bytes), wait=len(spans) == 1)
 
         ahead, filled, completing = prepare(*spans[0]), None, None
         try:
@@ -256,8 +250,7 @@ class ShmPath:
             self.settle()  # our previous pins are released before we pin more (small arenas)
             t0 = time.monotonic()
             lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
-                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept,
-                table=True))
+                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept))
             got = []
             count = 0
             try:

@@ -22,7 +22,7 @@ from kvstore.wire import MAX_BATCH
 
 #: a BulkPut stores small blocks a run at a time: one Store.put per run shares its per-call work and
 #: lock rounds among the run's blocks. Runs stay this small so the socket keeps filling while a run
-#: is stored (a larger block is a run of its own, as every block was before).
+#: is stored (a larger block is a run of its own).
 RUN_BYTES = 1 << 20
 
 

@@ -93,24 +93,15 @@ class LeaseRpcs(ServicerBase):
     def _store_lease(self, context, public_id: int) -> int:
         return self.client_leases.redeem(public_id, self.tenant_of(context))
 
-    def _lease_response(self, lease, public_id: int, present_none: bool, size: int,
-                        table: bool = False) -> pb.LeaseResponse:
-        """Where each block's slots are; a load lease also says what each holds (codec, bytes).
-        ``table``: as parallel arrays (``BlockTable``, filled a field at a time), which the
-        client asked for; else one ``BlockSlots`` message per block, as older clients read."""
+    def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
+        """Where each block's slots are, as parallel arrays (``BlockTable``, filled a field at a
+        time); a load lease also says what each holds (codec, bytes)."""
         resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
         codecs = lease.codecs or [RAW_CODEC] * len(lease.extents)
         sizes = lease.sizes or [size] * len(lease.extents)
         arena = self.store.shared_arena()
         segmented = arena is not None and arena.segmented
-        generation_at = arena.generation_at if segmented else lambda _off: 0
-        if table:
-            _fill_table(resp.table, lease.extents, codecs, sizes, present_none, generation_at if segmented else None)
-            return resp
-        for ext, codec, stored in zip(lease.extents, codecs, sizes):
-            b = resp.blocks.add(present=ext is None and present_none, codec=codec, size=stored)
-            for off, length in ext or ():
-                b.extents.add(offset=off, length=length, generation=generation_at(off))
+        _fill_table(resp.table, lease.extents, codecs, sizes, present_none, arena.generation_at if segmented else None)
         return resp
 
     def _require_shared_arena(self) -> None:
@@ -132,8 +123,7 @@ class LeaseRpcs(ServicerBase):
             lease = self.store.prepare_store(ns.id, hashes, parent)
         self.moved("in", "shm", ns.block_bytes * sum(ext is not None for ext in lease.extents))   # slots to fill
         self.identify(context)
-        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes,
-                                    request.table)
+        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes)
 
     def CompleteStore(self, request, context):
         results = self.store.complete_store(self._store_lease(context, request.lease_id), request.codec,
@@ -152,8 +142,7 @@ class LeaseRpcs(ServicerBase):
         stop = len(lease.extents)
         self.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # bytes leased out
         self.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
-        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes,
-                                    request.table)
+        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes)
 
     def CompleteLoad(self, request, context):
         self.store.complete_load(self._store_lease(context, request.lease_id))

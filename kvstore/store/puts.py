@@ -98,7 +98,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     a copy takes microseconds, so a run is invisible only briefly), are taken a run at a time
     (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
     publish it, in order); any other block (eviction, a codec, a quota near its limit, another
-    tier, a disk or network first tier) goes through ``_put_one``, as every block did before."""
+    tier, a disk or network first tier) goes through ``_put_one``, one at a time."""
     results: list[str] = []
     on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
     parents = [parent] + list(hashes[:-1])

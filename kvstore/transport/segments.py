@@ -163,7 +163,7 @@ class SegmentMap:
 
     def ensure(self, extents) -> None:
         """Map (again) every segment an extent of a lease lies in whose generation we lack;
-        ``extents`` have ``offset`` and ``generation`` (``pb.Extent``)."""
+        ``extents`` have ``offset`` and ``generation`` (``shm_path.lease_slots``' pieces)."""
         wanted = {e.offset // self.segment_bytes: e.generation for e in extents}
         missing = sorted(s for s, g in wanted.items() if self._maps.get(s, (None,))[0] != g)
         for at in range(0, len(missing), MAX_SEGMENTS_PER_REQUEST):
