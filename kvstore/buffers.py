@@ -69,6 +69,17 @@ def writable_bytes(buf, field: str) -> np.ndarray:
     return arr
 
 
+def as_byte_array(buf, field: str) -> np.ndarray:
+    """``as_byte_tensor`` without torch (the core install's codecs, raw and zstd): a flat uint8
+    numpy view of bytes, bytearray, memoryview or a C-contiguous numpy array, copying nothing;
+    anything else is refused with ``CodecError`` naming ``field``."""
+    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+        raise CodecError(f"{field}: array must be C-contiguous")
+    if not isinstance(buf, (np.ndarray, bytes, bytearray, memoryview)):
+        raise CodecError(f"{field}: expected bytes, a numpy array or a torch tensor, got {type(buf).__name__}")
+    return as_bytes(buf, field)
+
+
 def as_byte_tensor(buf, field: str):
     """``as_bytes`` as a flat uint8 torch tensor, for code that computes in torch (the codecs):
     bytes, bytearray, memoryview, a numpy array or a tensor on any device (kept there), copying
@@ -80,11 +91,7 @@ def as_byte_tensor(buf, field: str):
         if not buf.is_contiguous():
             raise CodecError(f"{field}: tensor must be contiguous")
         return buf.reshape(-1).view(torch.uint8)
-    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
-        raise CodecError(f"{field}: array must be C-contiguous")
-    if not isinstance(buf, (np.ndarray, bytes, bytearray, memoryview)):
-        raise CodecError(f"{field}: expected bytes, a numpy array or a torch tensor, got {type(buf).__name__}")
-    arr = as_bytes(buf, field)
+    arr = as_byte_array(buf, field)
     if arr.flags.writeable:
         return torch.from_numpy(arr)
     with warnings.catch_warnings():  # read-only buffers are only ever read from

@@ -86,7 +86,7 @@ class Negotiation:
             self._negotiated = True
 
     def _decodable(self, stored: list[int]) -> tuple[int, ...]:
-        """The daemon's stored codecs this process can decode (none without torch)."""
+        """The daemon's stored codecs this process can decode (without torch: zstd only)."""
         if not stored or not self.compressed_transfer:
             return ()
         try:
@@ -94,7 +94,7 @@ class Negotiation:
         except ImportError:
             return ()
         known = set(codecs.CODEC_IDS.values())
-        return tuple(c for c in stored if c in known)
+        return tuple(c for c in stored if c in known and not codecs.unavailable(c))
 
     def live_bulk(self) -> BulkChannel | None:
         """The side channel for the next transfer. The daemon closes sessions that idle past its

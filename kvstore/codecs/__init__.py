@@ -29,30 +29,68 @@ See docs/codecs.md for formats, fidelity and speed.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from kvstore.buffers import as_byte_tensor
-from kvstore.codecs.base import Codec
-from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.buffers import as_byte_array, as_byte_tensor
+from kvstore.codecs.codec import Codec
 from kvstore.codecs.header import HEADER_BYTES, parse_header, verify_body
-from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.lossless import RawCodec, ZstdCodec
 from kvstore.codecs.refusal import REASONS, Refused, reason_of
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-__all__ = ["CODEC_IDS", "Codec", "CodecError", "REASONS", "Refused", "check_layout", "check_payload",
-           "codec_for_id", "compiled_on_cpu", "decode_block", "encode_block", "get_codec", "reason_of", "warm_up"]
+try:
+    import torch
+except ImportError:   # the core install: raw and zstd work, the lossy codecs say what to install
+    torch = None
 
-_CODECS: tuple[Codec, ...] = (
-    RawCodec(),
-    Fp8Codec("fp8", 1, per_head=False),
-    Fp8Codec("fp8_head", 2, per_head=True),
-    Int4Codec("int4_g32", 3, group=32),
-    Int4Codec("int4_g64", 4, group=64),
-    Int4Codec("int4_g128", 5, group=128),
-    ZstdCodec("zstd", 6),
-)
+__all__ = ["CODEC_IDS", "Codec", "CodecError", "INSTALL_HINT", "REASONS", "Refused", "check_layout", "check_payload",
+           "codec_for_id", "compiled_on_cpu", "decode_block", "encode_block", "get_codec", "reason_of",
+           "unavailable", "warm_up"]
+
+#: what makes the lossy codecs run where they do not (torch computes them; numba compiles their CPU kernels)
+INSTALL_HINT = "pip install 'kvstore[codecs]'"
+
+#: the lossy codecs: (name, id, kind, parameter). Ids are stored with blocks: never renumber one.
+_LOSSY = (("fp8", 1, "fp8", False), ("fp8_head", 2, "fp8", True),
+          ("int4_g32", 3, "int4", 32), ("int4_g64", 4, "int4", 64), ("int4_g128", 5, "int4", 128))
+
+
+class NeedsTorch(Codec):
+    """A lossy codec in an install without torch: every use raises ``CodecError`` naming the
+    extra to install, so a daemon or planner can refuse at start in one line (``unavailable``)."""
+
+    lossy = True
+
+    def __init__(self, name: str, codec_id: int) -> None:
+        self.name, self.codec_id = name, codec_id
+
+    @property
+    def reason(self) -> str:
+        return f"{self.name} needs torch, which this install lacks: {INSTALL_HINT}"
+
+    def check_layout(self, layout: KVLayout) -> None:
+        raise CodecError(self.reason)
+
+    def header_param(self, layout: KVLayout) -> int:
+        raise CodecError(self.reason)
+
+    def encode(self, raw, layout: KVLayout) -> np.ndarray:
+        raise CodecError(self.reason)
+
+    def decode(self, header, body, layout: KVLayout, out) -> None:
+        raise CodecError(self.reason)
+
+
+def _lossy_codecs() -> tuple[Codec, ...]:
+    if torch is None:
+        return tuple(NeedsTorch(name, codec_id) for name, codec_id, _, _ in _LOSSY)
+    from kvstore.codecs.fp8 import Fp8Codec
+    from kvstore.codecs.int4 import Int4Codec
+    return tuple(Fp8Codec(name, codec_id, per_head=param) if kind == "fp8" else Int4Codec(name, codec_id, group=param)
+                 for name, codec_id, kind, param in _LOSSY)
+
+
+_CODECS: tuple[Codec, ...] = (RawCodec(), *_lossy_codecs(), ZstdCodec("zstd", 6))
 _BY_ID = {c.codec_id: c for c in _CODECS}
 _BY_NAME = {c.name: c for c in _CODECS}
 
@@ -85,21 +123,39 @@ def check_layout(name_or_id: str | int, layout: KVLayout) -> None:
     get_codec(name_or_id).check_layout(layout)
 
 
+def unavailable(name_or_id: str | int) -> str | None:
+    """Why this codec cannot run in this install (one line naming what to install), or None."""
+    codec = get_codec(name_or_id)
+    return codec.reason if isinstance(codec, NeedsTorch) else None
+
+
 def compiled_on_cpu(name_or_id: str | int, layout: KVLayout) -> bool:
     """Whether encoding and decoding blocks of ``layout`` on the CPU runs the compiled kernels
     (bf16, numba installed, a layout whose rows they can address), not the eager torch reference."""
     codec = get_codec(name_or_id)
-    if not codec.lossy:
+    if not codec.lossy or isinstance(codec, NeedsTorch):
         return False
     return codec.fast_modules(codec.shape_of(layout), torch.device("cpu")) is not None
 
 
-def _block_bytes(raw, layout: KVLayout, field: str) -> torch.Tensor:
-    t = as_byte_tensor(raw, field)
-    if t.numel() != layout.block_bytes:
-        raise CodecError(f"{field}: is {t.numel()} bytes; blocks of this layout are "
+def _numel(t) -> int:
+    return t.size if isinstance(t, np.ndarray) else t.numel()
+
+
+def _block_bytes(raw, layout: KVLayout, field: str):
+    """A flat uint8 view of ``raw``: a torch tensor when torch is installed, else a numpy array."""
+    t = as_byte_tensor(raw, field) if torch is not None else as_byte_array(raw, field)
+    if _numel(t) != layout.block_bytes:
+        raise CodecError(f"{field}: is {_numel(t)} bytes; blocks of this layout are "
                          f"{layout.block_bytes} bytes")
     return t
+
+
+def _host(t) -> np.ndarray:
+    """Host numpy bytes of a view from ``_block_bytes`` (a device tensor is copied back)."""
+    if isinstance(t, np.ndarray):
+        return t
+    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
 
 
 def encode_block(name_or_id: str | int, raw, layout: KVLayout) -> tuple[int, np.ndarray]:
@@ -112,11 +168,11 @@ def encode_block(name_or_id: str | int, raw, layout: KVLayout) -> tuple[int, np.
     codec = get_codec(name_or_id)
     t = _block_bytes(raw, layout, "raw")
     if codec.codec_id == 0:
-        return 0, t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
-    return codec.codec_id, codec.encode(t, layout)
+        return 0, _host(t)
+    return codec.codec_id, codec.encode(t if codec.lossy else _host(t), layout)
 
 
-def _writable_out(out, layout: KVLayout) -> torch.Tensor:
+def _writable_out(out, layout: KVLayout):
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise CodecError("out: array is read-only")
     if isinstance(out, (bytes, memoryview)):
@@ -124,24 +180,31 @@ def _writable_out(out, layout: KVLayout) -> torch.Tensor:
     return _block_bytes(out, layout, "out")
 
 
-def decode_block(codec_id: int, payload, layout: KVLayout, out=None) -> torch.Tensor:
+def decode_block(codec_id: int, payload, layout: KVLayout, out=None):
     """Decode one block into ``out`` (or a new CPU buffer) and return it as a flat torch uint8
-    tensor of ``layout.block_bytes`` (sharing memory with ``out`` when given).
+    tensor of ``layout.block_bytes`` (sharing memory with ``out`` when given); without torch (the
+    core install: raw and zstd only) as a flat numpy uint8 array.
 
     ``payload``: bytes-like, numpy array or torch tensor. Its header is read and checksummed on
     the host (a CUDA payload is copied back for that); decoding runs on ``out``'s device.
     """
     codec = codec_for_id(codec_id)
-    dst = (torch.empty(layout.block_bytes, dtype=torch.uint8) if out is None
-           else _writable_out(out, layout))
-    src = as_byte_tensor(payload, "payload")
+    if out is not None:
+        dst = _writable_out(out, layout)
+    else:
+        dst = (torch.empty(layout.block_bytes, dtype=torch.uint8) if torch is not None
+               else np.empty(layout.block_bytes, dtype=np.uint8))
+    src = as_byte_tensor(payload, "payload") if torch is not None else as_byte_array(payload, "payload")
     if codec.codec_id == 0:
-        if src.numel() != layout.block_bytes:
-            raise CodecError(f"payload: raw block is {src.numel()} bytes; blocks of this layout "
+        if _numel(src) != layout.block_bytes:
+            raise CodecError(f"payload: raw block is {_numel(src)} bytes; blocks of this layout "
                              f"are {layout.block_bytes} bytes")
-        dst.copy_(src)
+        if isinstance(dst, np.ndarray):
+            dst[...] = _host(src)
+        else:
+            dst.copy_(src)
         return dst
-    host = (src.cpu() if src.device.type != "cpu" else src).numpy()
+    host = _host(src)
     header = _checked_header(codec, host, layout)
     codec.decode(header, host[HEADER_BYTES:], layout, dst)
     return dst
@@ -155,13 +218,13 @@ def check_payload(codec_id: int, payload, layout: KVLayout) -> None:
     without decoding. A raw (0) payload must be exactly a block. For a payload from elsewhere (a
     client's own encoding) before it is stored as it is."""
     codec = codec_for_id(codec_id)
-    src = as_byte_tensor(payload, "payload")
+    src = as_byte_tensor(payload, "payload") if torch is not None else as_byte_array(payload, "payload")
     if codec.codec_id == 0:
-        if src.numel() != layout.block_bytes:
-            raise CodecError(f"payload: raw block is {src.numel()} bytes; blocks of this layout "
+        if _numel(src) != layout.block_bytes:
+            raise CodecError(f"payload: raw block is {_numel(src)} bytes; blocks of this layout "
                              f"are {layout.block_bytes} bytes")
         return
-    _checked_header(codec, (src.cpu() if src.device.type != "cpu" else src).numpy(), layout)
+    _checked_header(codec, _host(src), layout)
 
 
 def _checked_header(codec: Codec, host: np.ndarray, layout: KVLayout):
@@ -181,7 +244,10 @@ def _checked_header(codec: Codec, host: np.ndarray, layout: KVLayout):
 
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) the CPU kernels now, so the first demotion does
-    not pay seconds of JIT. Safe to call from a background thread at daemon start."""
+    not pay seconds of JIT. Safe to call from a background thread at daemon start. Without torch
+    there is nothing to compile (raw and zstd are not compiled)."""
+    if torch is None:
+        return
     layout = KVLayout("kvstore/warm-up", num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
                       block_tokens=32, layout="kv,layer,token,head,dim")
     raw = torch.linspace(-1, 1, layout.block_bytes // 2).to(torch.bfloat16)

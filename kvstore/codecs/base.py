@@ -22,6 +22,7 @@ import torch
 
 from kvstore.buffers import as_byte_tensor
 from kvstore.codecs import layout as kvlayout
+from kvstore.codecs.codec import Codec
 from kvstore.codecs.header import HEADER_BYTES, Header, make_header
 from kvstore.codecs.refusal import Refused
 from kvstore.errors import CodecError
@@ -57,35 +58,6 @@ class Section:
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class Codec:
-    """One encoding. ``codec_id`` is stored with every block: never renumber or reuse one."""
-
-    name: str = ""
-    codec_id: int = -1
-    param: int = 0          # stored in the header (group size, ...); decode checks it
-    lossy: bool = False
-
-    def check_layout(self, layout: KVLayout) -> None:
-        """Raise ``CodecError`` if blocks of ``layout`` cannot be encoded (caller stores raw)."""
-
-    def header_param(self, layout: KVLayout) -> int:
-        """The parameter this codec writes in headers for ``layout`` (decode insists on it)."""
-        return self.param
-
-    def check_body(self, body: np.ndarray, layout: KVLayout) -> None:
-        """Refuse (``CodecError``) a body that would decode to more than a block, from what it
-        declares alone (sections are sized by the layout: nothing to check for them)."""
-
-    def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
-        """Encode ``raw`` (flat uint8 tensor of ``layout.block_bytes``) into header + body."""
-        raise NotImplementedError
-
-    def decode(self, header: Header, body: np.ndarray, layout: KVLayout, out: torch.Tensor) -> None:
-        """Write the block into ``out`` (flat uint8, ``layout.block_bytes``, on any device) from
-        ``body`` (the payload after its header: host bytes, checksum verified)."""
-        raise NotImplementedError
 
 
 class SectionCodec(Codec):

@@ -5,15 +5,16 @@ It first splits elements into byte planes (all first bytes, then all second byte
 sign/exponent bytes of bf16/fp16 KV are highly repetitive, the mantissa bytes are noise, and
 zstd does much better on them apart. The header's parameter holds the plane count (element
 size). Whether it pays for itself is measured in benchmarks/bench_codecs.py.
+
+Both work on host bytes with numpy alone: they run in the core install, without torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 import zstandard
 
-from kvstore.codecs.base import Codec
+from kvstore.codecs.codec import Codec
 from kvstore.codecs.header import HEADER_BYTES, Header, make_header
 from kvstore.errors import CodecError
 from kvstore.keys import DTYPE_SIZES, KVLayout
@@ -32,9 +33,9 @@ class ZstdCodec(Codec):
     def header_param(self, layout: KVLayout) -> int:
         return DTYPE_SIZES[layout.dtype]  # byte planes
 
-    def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
+    def encode(self, raw: np.ndarray, layout: KVLayout) -> np.ndarray:
         planes = self.header_param(layout)
-        data = raw.cpu().numpy()
+        data = raw
         if planes > 1:
             data = np.ascontiguousarray(data.reshape(-1, planes).T)
         body = zstandard.ZstdCompressor(level=self.level).compress(data)
@@ -47,7 +48,7 @@ class ZstdCodec(Codec):
     def check_body(self, body: np.ndarray, layout: KVLayout) -> None:
         declared_size(body, layout.block_bytes)
 
-    def decode(self, header: Header, body: np.ndarray, layout: KVLayout, out: torch.Tensor) -> None:
+    def decode(self, header: Header, body: np.ndarray, layout: KVLayout, out) -> None:
         planes = header.param  # decode_block has checked it against header_param()
         data = bounded_decompress(body, layout.block_bytes)
         if len(data) != layout.block_bytes:
@@ -56,9 +57,12 @@ class ZstdCodec(Codec):
         arr = np.frombuffer(data, np.uint8)
         if planes > 1:
             arr = arr.reshape(planes, -1).T
-        if out.device.type == "cpu":
+        if isinstance(out, np.ndarray):
+            out.reshape(arr.shape)[...] = arr
+        elif out.device.type == "cpu":
             out.numpy().reshape(arr.shape)[...] = arr
-        else:
+        else:   # a device tensor (torch is installed, or there would be none)
+            import torch
             out.copy_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)))
 
 
