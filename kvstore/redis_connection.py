@@ -7,6 +7,20 @@ both depend down on it instead of on each other.
 from __future__ import annotations
 
 
+#: the URL forms ``connect`` takes
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+
+
+def url_problem(redis_url: str) -> str | None:
+    """What is wrong with ``redis_url`` as ``connect`` would see it (its scheme), or None. Never
+    quotes the URL: it may hold a password."""
+    if not isinstance(redis_url, str) or not redis_url.startswith(SCHEMES):
+        scheme = redis_url.partition("://")[0] + "://" if isinstance(redis_url, str) and "://" in redis_url else None
+        got = f" (this one starts with {scheme})" if scheme and "@" not in scheme else ""
+        return f"must start with one of {', '.join(SCHEMES)}{got}"
+    return None
+
+
 def connect(redis_url: str, socket_timeout_s: float = 0.5):
     """A redis-py client for ``redis://``/``rediss://``/``unix://`` or a cluster client for
     ``redis+cluster://host:port``. Short timeouts: the directory is advice, never worth a stall."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kvstore.errors import KVStoreError
 from kvstore.fleet.directory import Directory
 from kvstore.keys import ChainHasher
+from kvstore.redis_connection import url_problem
 
 SECRET_ENV = "KVSTORE_FLEET__SECRET"
 
@@ -28,6 +29,27 @@ def _secret(args, parser: argparse.ArgumentParser) -> str:
     if not secret:
         parser.error(f"the fleet secret is needed to trust the directory: set {SECRET_ENV} or give --secret-file")
     return secret
+
+
+def redacted(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+
+def why_no_route(directory: Directory, namespace_id: bytes, key_prefix: str) -> str | None:
+    """Why a route found no node, when the answer is not simply "no node holds the first block":
+    node entries that do not verify (another fleet's secret), no node in this namespace, or no
+    directory at all under this key prefix. None: live, verified nodes, none holding the block."""
+    rejected = sum(n for key, n in directory.counters.items() if key.startswith("rejected_"))
+    if rejected:
+        return (f"{rejected} node entries of namespace {namespace_id.hex()} are not signed with this secret; "
+                f"give the fleet's own secret ({SECRET_ENV} or --secret-file)")
+    if directory.redis.hlen(directory.nodes_key(namespace_id)):
+        return None   # its nodes are there and verified (or expired): a plain miss
+    if next(iter(directory.redis.scan_iter(match=f"{key_prefix}:*", count=1000)), None) is None:
+        return (f"no fleet directory under key prefix {key_prefix!r} in this Redis; check --key-prefix "
+                "(the daemons' fleet.key_prefix)")
+    return f"no node of the fleet serves namespace {namespace_id.hex()} (check --namespace)"
 
 
 def route_main(argv: Sequence[str] | None = None) -> int:
@@ -63,6 +85,10 @@ def route_main(argv: Sequence[str] | None = None) -> int:
             p.error("--block-tokens is required with --tokens")
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
         hashes = ChainHasher(args.hash_algorithm, args.hash_seed).chain(tokens, args.block_tokens)
+    problem = url_problem(args.redis)
+    if problem:
+        print(f"kvstore route: --redis: {problem}", file=sys.stderr)
+        return 2
     secret = _secret(args, p)
     try:
         directory = Directory(args.redis, args.key_prefix, socket_timeout_s=2.0, secret=secret)
@@ -71,14 +97,18 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         routes = directory.route(ns, hashes, args.block_tokens)
+        why_empty = None if routes else why_no_route(directory, ns, args.key_prefix)
     except KVStoreError as e:
         print(f"kvstore route: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001
-        print(f"kvstore route: directory unreachable at {args.redis}: {e}", file=sys.stderr)
+        print(f"kvstore route: directory unreachable at {redacted(args.redis)}: {e}", file=sys.stderr)
         return 1
     finally:
         directory.close()
+    if why_empty:
+        print(f"kvstore route: {why_empty}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"blocks_requested": len(hashes), "nodes": [r.to_dict() for r in routes]}, indent=2))
     elif not routes:

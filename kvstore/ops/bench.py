@@ -214,13 +214,49 @@ def _lookups_per_s(client, ns_id: bytes, seconds: float = 1.0) -> dict:
     return {"sequential_per_s": sequential, "batched_per_s": batched, "batch": len(batch)}
 
 
+TRANSPORTS = ("grpc", "bulk", "shm")
+
+
+def check_transports(transports) -> list[str]:
+    """The transports asked for, or ``InvalidArgument`` naming the one that is not known."""
+    from kvstore.errors import InvalidArgument
+
+    for t in transports:
+        if t not in TRANSPORTS:
+            raise InvalidArgument("transports", f"{t!r} is not a transport; use some of {', '.join(TRANSPORTS)}")
+    return list(transports)
+
+
+def size_label(size: int) -> str:
+    """A block size as the report shows it: ``1MiB``, ``64KiB``, ``976.56KiB`` (1 MB)."""
+    from kvstore.units import format_size
+    return format_size(size, "exact")
+
+
+def _drop_namespaces(client, namespace_ids) -> None:
+    """Unregister what the bench registered on a daemon it did not start (best effort: the blocks
+    are deleted already; a daemon that refuses keeps an empty namespace)."""
+    from kvstore.ops.admin_cli import drop_namespace
+
+    for ns_id in namespace_ids:
+        try:
+            drop_namespace(client, ns_id)
+        except Exception:  # noqa: BLE001 - cleanup must not hide the measurements
+            pass
+
+
 def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 4 << 20, 16 << 20),
-              total_bytes: int = 256 << 20, transports=("grpc", "bulk", "shm"), reps: int = 3,
-              redis_url: str | None = "redis://127.0.0.1:6379/0", small: bool = False) -> dict:
+              total_bytes: int = 256 << 20, transports=TRANSPORTS, reps: int = 3,
+              redis_url: str | None = "redis://127.0.0.1:6379/0", small: bool = False, steps=None) -> dict:
     """Measure everything; returns a JSON-able report (see ``format_report``). ``small``: also
-    ``small_requests`` (needs 400 MiB of arena for its 1 MiB blocks)."""
+    ``small_requests`` (needs 400 MiB of arena for its 1 MiB blocks). ``steps``: a
+    ``kvstore.ops.progress.Steps`` told each measurement as it begins."""
     from kvstore.client import Client
     from kvstore.keys import KVLayout, Namespace
+
+    transports = check_transports(transports)
+    say = steps.advance if steps is not None else (lambda _label: None)
+    say("starting a private daemon" if not url else f"connecting to {url}")
 
     workdir = None if url else tempfile.mkdtemp(prefix="kvstore-bench-")
     daemon = None if url else start_local_daemon(
@@ -238,6 +274,7 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
                 c.close()
                 continue
             clients[t] = c
+        registered: dict = {}   # client -> namespace ids it registered (dropped at the end)
         for size in sizes:
             count = max(2, total_bytes // size)
             layout = KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
@@ -248,9 +285,12 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
             row: dict = {"count": count}
             try:
                 for t, c in clients.items():
+                    say(f"{size_label(size)} blocks over {t}")
                     ns_id = c.register_namespace(Namespace(layout, cache_salt="bench"))
+                    registered.setdefault(t, []).append(ns_id)
                     row[t] = service_gbps(c, ns_id, size, count, reps, tag=t, ceiling=memcpy if t == "shm" else tcp,
                                           get_ceiling=memcpy_cold if t == "shm" else None)
+                say(f"{size_label(size)} ceilings (memcpy, raw TCP)")
                 row["memcpy_gbps"] = memcpy.bytes / statistics.median(memcpy() for _ in range(3)) / GB
                 row["memcpy_cold_gbps"] = memcpy_cold.bytes / statistics.median(memcpy_cold() for _ in range(3)) / GB
                 if COPY_THREADS > 1:   # what the shm path's copy threads could reach together
@@ -275,13 +315,18 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
                     row[f"{t}_put_vs_tcp"] = row[t]["put_vs_ceiling"]
             report["sizes"][str(size)] = row
         if clients:
+            say("lookups")
             c = next(iter(clients.values()))
             ns_id = c.register_namespace(Namespace(KVLayout(model="bench", num_layers=1, num_kv_heads=1, head_dim=1,
                                                             dtype="uint8", block_tokens=16), cache_salt="lookup"))
             report["lookups"] = _lookups_per_s(c, ns_id)
+            registered.setdefault(next(iter(clients)), []).append(ns_id)
         if small and "shm" in clients:
+            say("small requests")
             report["small_requests"] = small_requests(address, token)
-        for c in clients.values():
+        for t, c in clients.items():
+            if url:   # a daemon the bench did not start is left with no namespace of the bench's
+                _drop_namespaces(c, dict.fromkeys(registered.get(t, [])))
             c.close()
     finally:
         if daemon is not None:
@@ -293,23 +338,24 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
 def format_report(report: dict) -> str:
     lines = [f"kvstore bench ({report['daemon']}; {report['machine']['cores']} cores, "
              f"load {report['machine']['load_avg_1m']:.1f}; medians of {report['reps']})", ""]
-    head = f"{'block':>7} {'path':<6} {'put GB/s':>9} {'get GB/s':>9}  ceiling"
+    head = f"{'block':>9} {'path':<6} {'put GB/s':>9} {'get GB/s':>9}  each divided by the ceiling it is shown beside"
     lines.append(head)
     for size, row in report["sizes"].items():
-        mib = f"{int(size) >> 20}MiB"
+        label = size_label(int(size))
+        lines.append(f"{label:>9} ceilings: memcpy {row['memcpy_gbps']:.2f} GB/s, memcpy from cold sources "
+                     f"{row['memcpy_cold_gbps']:.2f} GB/s, raw TCP {row['tcp_gbps']:.2f} GB/s")
         for t in ("shm", "bulk", "grpc", "redis"):
             r = row.get(t)
             if not r:
                 continue
             if t == "shm":
-                ceil = (f"memcpy {row['memcpy_gbps']:.2f} GB/s -> get {row['shm_get_vs_memcpy']:.2f}x, "
-                        f"put {row['shm_put_vs_memcpy']:.2f}x")
+                ceil = (f"put {row['shm_put_vs_memcpy']:.2f}x memcpy, "
+                        f"get {row['shm_get_vs_memcpy']:.2f}x memcpy from cold sources")
             elif t == "redis":
-                ceil = "peer"
+                ceil = "a peer (redis-py pipeline), no ratio"
             else:
-                ceil = (f"raw TCP {row['tcp_gbps']:.2f} GB/s -> get {row[f'{t}_get_vs_tcp']:.2f}x, "
-                        f"put {row[f'{t}_put_vs_tcp']:.2f}x")
-            lines.append(f"{mib:>7} {t:<6} {r['put_gbps']:>9.2f} {r['get_gbps']:>9.2f}  {ceil}")
+                ceil = f"put {row[f'{t}_put_vs_tcp']:.2f}x, get {row[f'{t}_get_vs_tcp']:.2f}x raw TCP"
+            lines.append(f"{label:>9} {t:<6} {r['put_gbps']:>9.2f} {r['get_gbps']:>9.2f}  {ceil}")
     if "lookups" in report:
         lk = report["lookups"]
         lines += ["", f"lookups: {lk['sequential_per_s']:,.0f}/s one chain per RPC, "

@@ -59,6 +59,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--promote-on-hit", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--lease-seconds", type=float)
     p.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (0 = any free port)")
+    p.add_argument("--metrics-host", help="address the metrics endpoint listens on (default 127.0.0.1)")
     p.add_argument("--token", action="append", metavar="TOKEN=TENANT",
                    help="accept this bearer token as TENANT (repeatable; enables auth)")
     p.add_argument("--quota", action="append", metavar="TENANT=SIZE", help="per-tenant byte quota (repeatable)")
@@ -92,6 +93,7 @@ def cmd_serve(args) -> int:
              "gpu_bytes": args.gpu_bytes, "eviction_policy": args.eviction_policy,
              "write_through": args.write_through, "promote_on_hit": args.promote_on_hit,
              "lease_seconds": args.lease_seconds, "metrics_port": args.metrics_port,
+             "metrics_host": args.metrics_host,
              "tokens": _pairs(args.token, "--token"), "quotas": _pairs(args.quota, "--quota"),
              "tls_cert": args.tls_cert, "tls_key": args.tls_key, "bulk_channel": args.bulk_channel,
              "log_level": args.log_level}
@@ -102,6 +104,14 @@ def cmd_serve(args) -> int:
         return 2
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvstore.service.daemon import run
+    from kvstore.service.preflight import run_checks
+
+    try:
+        for warning in run_checks(settings, os.environ):
+            logging.getLogger("kvstore.service.preflight").warning("%s", warning)
+    except ConfigError as e:
+        print(f"kvstore serve: cannot start: {e}", file=sys.stderr)
+        return 1
 
     try:   # SIGHUP / `kvstore reload` read the configuration again the same way
         return run(settings, ready_file=args.ready_file, reload_settings=lambda: load_settings(args.config, **flags))
@@ -142,6 +152,9 @@ def cmd_stats(args) -> int:
     from kvstore.units import format_size
 
     console = Console()
+    if "tiers" not in stats:   # a tenant's own view: the daemon shows store-wide figures to admins only
+        print_tenant_stats(stats, c.address, console)
+        return 0
     # light tables whose cells wrap rather than being cut with '…' in 80 columns or a pipe
     tiers = Table(title=f"kvstore at {c.address}: {stats['blocks']} blocks, {stats['namespaces']} namespaces, "
                         f"{stats.get('leases', 0)} leases",  # a non-admin tenant's view has no store-wide figures
@@ -166,19 +179,48 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def print_tenant_stats(stats: dict, address: str, console) -> None:
+    """What a tenant's token may see: its own namespaces, and how to see more."""
+    from rich import box
+    from rich.table import Table
+
+    from kvstore.units import format_size
+
+    quota = stats.get("quota_bytes")
+    print(f"kvstore at {address}, tenant {stats.get('tenant')!r}: {stats.get('namespaces', 0)} namespaces, "
+          f"{stats.get('blocks', 0)} blocks, {format_size(stats.get('bytes', 0), 'readable')}"
+          + (f" of a {format_size(quota, 'readable')} quota" if quota else ""))
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("namespace", "blocks", "bytes"):
+        table.add_column(col, justify="left" if col == "namespace" else "right", overflow="fold")
+    for ns, row in sorted(stats.get("by_namespace", {}).items()):
+        table.add_row(ns, str(row["blocks"]), format_size(row["bytes"], "readable"))
+    if stats.get("by_namespace"):
+        console.print(table)
+    print(f"This is tenant {stats.get('tenant')!r}'s own view. Tiers and counters are shown to an admin token only\n"
+          "(a tenant named in the daemon's admin_tenants setting).")
+
+
 def cmd_bench(args) -> int:
-    from kvstore.errors import InvalidArgument
-    from kvstore.ops.bench import format_report, run_bench
+    from kvstore.errors import InvalidArgument, KVStoreError
+    from kvstore.ops.bench import check_transports, format_report, run_bench
+    from kvstore.ops.progress import Steps
     from kvstore.units import parse_size
 
     try:
         sizes = [parse_size(s, "sizes") for s in args.sizes.split(",")]
         total = parse_size(args.total, "total")
+        transports = check_transports([t.strip() for t in args.transports.split(",") if t.strip()])
     except InvalidArgument as e:
         print(f"kvstore bench: {e}", file=sys.stderr)
         return 2
-    report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=total,
-                       transports=args.transports.split(","))
+    try:
+        with Steps("kvstore bench", total=len(sizes) * (len(transports) + 1) + 2) as steps:
+            report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=total,
+                               transports=transports, steps=steps)
+    except (KVStoreError, RuntimeError, TimeoutError, OSError) as e:   # no daemon there, or ours did not start
+        print(f"kvstore bench: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -196,6 +238,17 @@ def _lazy(name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvstore ...``; a reader that stops early (``kvstore stats --json | head``) ends the
+    command quietly with exit 1, as other Unix tools do, instead of a BrokenPipeError traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)   # the interpreter flushes stdout at exit: let it
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LAZY_COMMANDS:
         return _lazy(argv[0], argv[1:])

@@ -27,7 +27,7 @@ from kvstore.ops import workload as workloads
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.plan_cost import (CODECS, DEFAULT_BANDWIDTH_GBPS, Codec, CostModel, measure_bandwidth,
                                    parse_bandwidth, recommend)
-from kvstore.ops.plan_replay import (Candidate, ReplayResult, TraceClock, ideal_hit_rate, parse_policy, replay,
+from kvstore.ops.plan_replay import (Candidate, codec_unavailable, ReplayResult, TraceClock, ideal_hit_rate, parse_policy, replay,
                                      sweep)
 from kvstore.ops.plan_report import gib, plot, render_table, write_markdown
 from kvstore.store import StoreConfig
@@ -128,7 +128,10 @@ def _replay_workload(spec: str, args: argparse.Namespace, layout: KVLayout, cand
                      cost: CostModel, config: StoreConfig, slot_bytes: int, say) -> tuple[dict, list[dict]]:
     """Load one workload and replay every candidate on it: (its summary, one result per candidate)."""
     t0 = time.perf_counter()
-    requests = workloads.load(spec, args.block_tokens, args.requests, args.seed)
+    try:
+        requests = workloads.load(spec, args.block_tokens, args.requests, args.seed)
+    except OSError as e:
+        raise InvalidArgument("workload", f"cannot read {spec}: {e.strerror or e}") from None
     load_s = time.perf_counter() - t0
     if not requests:
         raise InvalidArgument("workload", f"{spec}: no requests")
@@ -170,10 +173,20 @@ def run(args: argparse.Namespace, console=None) -> dict:
             console.print(text)
 
     if args.codec_table:
-        with open(args.codec_table) as f:
-            for name, d in json.load(f).items():
-                CODECS[name] = Codec(float(d["ratio"]), float(d.get("decode_gbps", math.inf)))
+        try:
+            with open(args.codec_table) as f:
+                for name, d in json.load(f).items():
+                    CODECS[name] = Codec(float(d["ratio"]), float(d.get("decode_gbps", math.inf)))
+        except OSError as e:
+            raise InvalidArgument("codec_table", f"cannot read {args.codec_table}: {e.strerror or e}") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise InvalidArgument("codec_table", f"{args.codec_table} is not {{codec: {{ratio, decode_gbps}}}}: "
+                                                 f"{type(e).__name__}: {e}") from None
     codecs = _names(args.codec, CODECS, "codec")
+    for codec in codecs:   # a codec the planner encodes for real must run in this install
+        reason = codec_unavailable(codec)
+        if reason:
+            raise InvalidArgument("codec", reason)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for policy in policies:
         parse_policy(policy)   # refuses an unknown policy or tier before any replay

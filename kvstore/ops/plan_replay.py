@@ -160,6 +160,16 @@ def daemon_codec(codec: str) -> str | None:
     return name if name in CODEC_IDS else None
 
 
+def codec_unavailable(codec: str) -> str | None:
+    """Why the planner cannot model ``codec`` in this install (it encodes a real block with the
+    daemon's codec, and fp8 / int4 need torch), or None."""
+    name = daemon_codec(codec)
+    if name is None:
+        return None
+    from kvstore.codecs import unavailable
+    return unavailable(name)
+
+
 def modelled_layout(layout: KVLayout) -> KVLayout:
     """The planner knows a model's shape, not its engine's byte order: an opaque layout is sized as
     the canonical order, which the codecs read."""
@@ -168,7 +178,7 @@ def modelled_layout(layout: KVLayout) -> KVLayout:
 
 def sample_block(layout: KVLayout) -> np.ndarray:
     """A finite block of ``layout`` (section codecs' payload size does not depend on the values)."""
-    import torch
+    import torch   # only for the lossy codecs, which need it (``codec_unavailable``)
     dtype = getattr(torch, layout.dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         return np.zeros(layout.block_bytes, dtype=np.uint8)

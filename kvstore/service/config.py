@@ -22,6 +22,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import KVStoreError
+from kvstore.redis_connection import url_problem
 from kvstore.units import GiB, KiB, MiB, TiB, format_size, parse_size
 
 
@@ -62,6 +63,13 @@ def _text_not_echoed(value: Any) -> Any:
     return value if value is None or isinstance(value, (str, SecretStr)) else str(value)
 
 
+def _redis_url(v: str) -> str:
+    problem = url_problem(v)
+    if problem:
+        raise ValueError(problem)
+    return v
+
+
 class FleetSettings(BaseModel):
     """Sharing blocks between daemons through a Redis directory (kvstore.fleet)."""
 
@@ -80,6 +88,11 @@ class FleetSettings(BaseModel):
     secret: Annotated[SecretStr | None, BeforeValidator(_text_not_echoed)] = None
     peer_tls_ca: str | None = None    # CA (PEM file): talk to peers over TLS and check their certificates
     max_peer_clients: int = Field(64, ge=1, le=4096)   # open peer connections kept (least recently used go)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, v: str) -> str:
+        return _redis_url(v)
 
 
 CodecName = Literal["raw", "fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "zstd"]
@@ -110,6 +123,11 @@ class RedisTierSettings(BaseModel):
     codec: CodecName = "raw"                    # blocks are encoded as they move into the pool
     key_prefix: str = Field("kvs", min_length=1, max_length=64, pattern=r"^[^{}\s]+$")
     socket_timeout_s: float = Field(2.0, gt=0, le=60)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        return _redis_url(v)
 
     @property
     def connect_url(self) -> str:
@@ -277,7 +295,7 @@ _SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes",
 
 # Settings that hold secrets. A bad value must not be echoed, nor, under ``tokens`` (token ->
 # tenant), the key: the key *is* the token.
-_SECRET_KEYS = {"tokens", "peer_token", "secret", "url"}   # a Redis URL may hold a password
+_SECRET_KEYS = {"tokens", "peer_token", "secret", "url", "redis_url"}   # a Redis URL may hold a password
 
 
 def _redacted(loc: tuple) -> tuple[list[str], bool]:

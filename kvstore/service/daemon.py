@@ -23,7 +23,9 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2
 
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
+from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
+from kvstore.service.banner import banner_lines
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
@@ -155,8 +157,9 @@ class Daemon:
         # NOT_SERVING and writes its ready file only once they are (see ``start``, ``wait_ready``).
         self._warm = threading.Event()
         self._warm_up = None
+        preflight.check_codecs(settings)    # fp8/int4 without torch: refused now, naming the extra
         if tier_codecs:
-            from kvstore import codecs  # needs torch; fail at start, not at the first demotion
+            from kvstore import codecs
             self._warm_up = threading.Thread(target=self._compile_codecs, args=(codecs.warm_up,),
                                              name="kvstore-codec-warm-up", daemon=True)
         else:
@@ -176,11 +179,13 @@ class Daemon:
         check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
         self._tiers = build_tiers(settings)
+        opened = time.monotonic()
         self.store = Store(self._tiers, StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
             promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
             tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
             min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant))
+        self.open_s = time.monotonic() - opened   # the store built: after a restart, its blocks recovered
         self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
@@ -388,8 +393,7 @@ def run(settings: Settings, ready_file: str | None = None,
     except BaseException:
         daemon.abandon()
         raise
-    print(f"kvstore: serving on {info['address']}"
-          + (f", metrics on :{info['metrics_port']}" if info["metrics_port"] else ""), flush=True)
+    print("\n".join(banner_lines(settings, info, daemon.store.stats()["tiers"], daemon.open_s)), flush=True)
     while not stop.wait(0.2):
         if reload_asked.is_set():
             reload_asked.clear()

@@ -1,0 +1,150 @@
+"""Checks ``kvstore serve`` runs on its settings before it builds anything: what would otherwise
+fail late, or be silently wrong, is refused or warned of now, in one line naming the setting.
+
+* A tier codec this install cannot run (fp8 / int4 without torch) is refused, naming the extra to
+  install (``check_codecs``); raw and zstd run in the core install.
+* A ``KVSTORE_*`` environment variable that is no setting is warned of, naming the nearest real
+  one (``unknown_environment``): pydantic-settings reads only the names it knows, so a typo
+  would otherwise fall back to the default without a word.
+* A port taken by another process is refused naming ``listen`` or ``metrics_port``
+  (``check_ports``), before gRPC's own bind logs a C-level error line.
+* An NVMe tier larger than the filesystem under it can hold is refused (``check_nvme_room``):
+  it would fill the disk and then fail every demotion. The CPU arena's RAM and tmpfs room are
+  checked where it is allocated (``daemon.check_memory``, ``CpuTier``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import os
+import socket
+from collections.abc import Iterator, Mapping
+
+from kvstore.service.config import ConfigError, Settings
+from kvstore.units import format_size
+
+#: ``KVSTORE_*`` variables that are read by something other than the daemon's settings
+OTHER_VARIABLES = {"KVSTORE_CONFIG", "KVSTORE_URL", "KVSTORE_TOKEN", "KVSTORE_NO_REEXEC",
+                   "KVSTORE_CODECS_REFERENCE", "KVSTORE_FLEET_REDIS_URL", "KVSTORE_FLEET_KEY_PREFIX",
+                   "KVSTORE_DEPLOY_DIR"}
+OTHER_PREFIXES = ("KVSTORE_VENV_",)   # scripts/engine-venv.sh, scripts/test.sh
+
+
+def tier_codecs(settings: Settings) -> dict[str, str]:
+    """Setting name -> codec, for every tier codec set to something other than raw."""
+    named = {f"codecs.{tier}": codec for tier, codec in settings.codecs.model_dump().items()}
+    named["redis_tier.codec"] = settings.redis_tier.codec
+    return {key: codec for key, codec in named.items() if codec != "raw"}
+
+
+def check_codecs(settings: Settings) -> None:
+    """Raise ``ConfigError`` (one line naming the setting) if a tier's codec cannot run here."""
+    wanted = tier_codecs(settings)
+    if not wanted:
+        return
+    from kvstore import codecs
+    for key, codec in wanted.items():
+        reason = codecs.unavailable(codec)
+        if reason:
+            raise ConfigError(f"{key}: {reason}")
+
+
+def setting_variables() -> set[str]:
+    """Every environment variable name the settings read (nested ones with ``__``)."""
+    names = set()
+    for name, field in Settings.model_fields.items():
+        names.add(f"KVSTORE_{name.upper()}")
+        sub = field.annotation
+        if isinstance(sub, type) and hasattr(sub, "model_fields"):
+            names |= {f"KVSTORE_{name.upper()}__{inner.upper()}" for inner in sub.model_fields}
+    return names
+
+
+def unknown_environment(environ: Mapping[str, str]) -> Iterator[str]:
+    """One warning per ``KVSTORE_*`` variable in ``environ`` that nothing reads (its value is
+    never shown: it may be a secret)."""
+    known = setting_variables()
+    for var in sorted(environ):
+        if not var.startswith("KVSTORE_") or var in known or var in OTHER_VARIABLES:
+            continue
+        if var.startswith(OTHER_PREFIXES):
+            continue
+        near = difflib.get_close_matches(var, sorted(known | OTHER_VARIABLES), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else "; see docs/config.md for the settings"
+        yield f"environment variable {var} is not a kvstore setting and is ignored{hint}"
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _bytes_held(path: str) -> int:
+    """Bytes the files directly in ``path`` take on disk now (the tier's slabs: a restarted tier
+    may grow back into what it already holds)."""
+    held = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    held += entry.stat(follow_symlinks=False).st_blocks * 512
+    except OSError:
+        pass
+    return held
+
+
+def check_nvme_room(settings: Settings) -> None:
+    """Raise ``ConfigError`` naming ``nvme_bytes`` if the NVMe tier could outgrow its filesystem."""
+    if not settings.nvme_bytes:
+        return
+    path = os.path.abspath(os.path.expanduser(settings.nvme_path))
+    try:
+        free = os.statvfs(_existing_parent(path))
+    except OSError:
+        return   # the tier says why it cannot use the directory when it opens it
+    room = free.f_bavail * free.f_frsize + _bytes_held(path)
+    if settings.nvme_bytes > room:
+        raise ConfigError(f"nvme_bytes: {format_size(settings.nvme_bytes, 'readable')} asked for the NVMe tier in "
+                          f"{path}, but its filesystem has room for {format_size(room, 'readable')}; "
+                          "lower nvme_bytes or point nvme_path at a larger disk")
+
+
+def _address_in_use(host: str, port: int) -> str | None:
+    """Whether binding ``host:port`` fails now because something holds it (its error text)."""
+    host = host.strip("[]") or None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None   # an unknown host: the server says so when it binds
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the servers bind (TIME_WAIT is no owner)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return e.strerror
+    return None
+
+
+def check_ports(settings: Settings) -> None:
+    """Raise ``ConfigError`` naming ``listen`` or ``metrics_port`` when that port is taken: said
+    before gRPC's own bind logs its C-level error, and with the setting to change."""
+    wanted = [("listen", settings.host, settings.port)]
+    if settings.metrics_port:
+        wanted.append(("metrics_port", settings.metrics_host, settings.metrics_port))
+    for key, host, port in wanted:
+        if port and (problem := _address_in_use(host, port)):
+            raise ConfigError(f"{key}: {host}:{port} is taken ({problem}); another process listens there: "
+                              f"stop it or choose another port")
+
+
+def run_checks(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """Refuse what cannot work (``ConfigError``); return warnings for what is only suspicious."""
+    check_ports(settings)
+    check_codecs(settings)
+    check_nvme_room(settings)
+    return list(unknown_environment(environ))
