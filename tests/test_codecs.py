@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.codecs import (CODEC_IDS, check_layout, check_payload, codec_for_id, decode_block, encode_block,
+from kvstore.codecs import (CODEC_IDS, Refused, check_layout, check_payload, codec_for_id, decode_block, encode_block,
                             get_codec)
 from kvstore.codecs.header import HEADER_BYTES
 from kvstore.errors import CodecError, KVStoreError
@@ -17,7 +17,7 @@ from kvstore.keys import KVLayout
 AXES = ("kv", "layer", "token", "head", "dim")
 LAYOUTS = ["kv,layer,token,head,dim", "kv,token,layer,head,dim", "kv,head,token,layer,dim",
            "layer,kv,token,head,dim", "vllm_cpu"]
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8"]
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -75,7 +75,7 @@ def roundtrip(codec, block: torch.Tensor, layout: KVLayout) -> torch.Tensor:
 def test_codec_ids_are_pinned():
     # Stored blocks name their codec by id: these numbers may never change.
     assert CODEC_IDS == {"raw": 0, "fp8": 1, "fp8_head": 2, "int4_g32": 3, "int4_g64": 4,
-                         "int4_g128": 5, "zstd": 6}
+                         "int4_g128": 5, "zstd": 6, "int4_g64_k16": 7, "int8": 8}
     for name, cid in CODEC_IDS.items():
         assert get_codec(name) is codec_for_id(cid) is get_codec(cid)
 
@@ -142,30 +142,85 @@ def test_elementwise_error_bounds(codec, dtype):
     out = roundtrip(codec, pack_block(k, v, layout.layout), layout)
     k2, v2 = unpack_block(out, layout.layout, L, T, H, D)
     eps = torch.finfo(TORCH_DTYPES[dtype]).eps
-    for x, y, is_key in ((k.float(), k2.float(), True), (v.float(), v2.float(), False)):
-        err = (y - x).abs()
+    for x, x2, is_key in ((k.float(), k2.float(), True), (v.float(), v2.float(), False)):
+        err = (x2 - x).abs()
+        if codec == "int8":   # half a step of each (token, head) row's amax / 127
+            amax = x.abs().amax(dim=3, keepdim=True)
+            # (the scale is rounded up to bf16: up to 2**-8 coarser than amax / 127)
+            assert bool((err <= amax / 127 / 2 * (1 + 2 ** -7) + x2.abs() * eps).all())
+            continue
         if codec.startswith("fp8"):
             dims = (1, 3) if codec == "fp8_head" else (3,)
             amax = x.abs().amax(dim=dims, keepdim=True)
             # e4m3 rounds to 3 mantissa bits: half an ulp is 1/16 of the value; subnormals
             # have a fixed spacing of amax/448 * 2^-9.
-            bound = x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + y.abs() * eps
+            bound = x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + x2.abs() * eps
         else:
-            if is_key:  # per channel, groups of min(group, T) tokens
-                g = min(int(codec.split("_g")[1]), T)
+            if is_key:  # per channel, groups of min(key group, T) tokens
+                g = min(int(codec.split("_k")[1]) if "_k" in codec else int(codec.split("_g")[1]), T)
                 xg = x.view(L, T // g, g, H, D)
                 rng = (xg.amax(2, keepdim=True) - xg.amin(2, keepdim=True)).expand_as(xg).reshape(x.shape)
             else:       # per token, groups of min(group, D) dims
-                g = min(int(codec.split("_g")[1]), D)
+                g = min(int(codec.split("_g")[1].split("_")[0]), D)
                 xg = x.view(L, T, H, D // g, g)
                 rng = (xg.amax(4, keepdim=True) - xg.amin(4, keepdim=True)).expand_as(xg).reshape(x.shape)
             # half a step, a little slack for the stored scale being rounded up to the
             # block's dtype, plus the output's own rounding
-            bound = rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps + y.abs() * eps
+            bound = rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps + x2.abs() * eps
         assert bool((err <= bound).all()), float((err - bound).max())
 
 
 # --- known answers ----------------------------------------------------------------------------
+
+def test_int8_known_answer():
+    """A row whose amax is 127 gets scale 1.0: integers decode exactly and encode to themselves."""
+    L, T, H, D = 1, 1, 1, 8
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    row = torch.tensor([127, -127, 3, 0, -1, 64, 5, -100])
+    block = pack_block(row.view(1, 1, 1, D), (row * 2).view(1, 1, 1, D), layout.layout).to(torch.bfloat16)
+    cid, payload = encode_block("int8", as_bytes(block), layout)
+    codes = payload[HEADER_BYTES:HEADER_BYTES + 2 * D].view(np.int8)
+    assert codes[:D].tolist() == row.tolist() and codes[D:].tolist() == row.tolist()
+    scales = torch.from_numpy(payload[HEADER_BYTES + 16:HEADER_BYTES + 20].copy()).view(torch.bfloat16)
+    assert scales.tolist() == [1.0, 2.0]
+    assert torch.equal(decode_block(cid, payload, layout).view(torch.bfloat16), block)
+
+
+def test_int8_beats_fp8_at_the_same_size_on_rows_without_outliers():
+    """int8 has FP8's bytes (a byte per element, a bf16 scale per row) and a uniform grid of
+    amax / 127: on values (no outlier channels) its error is a fraction of e4m3's."""
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k, v = realistic_kv(L, T, H, D, seed=30)
+    block = pack_block(k, v, layout.layout)
+    sizes = {c: len(encode_block(c, as_bytes(block), layout)[1]) for c in ("fp8", "int8")}
+    assert sizes["fp8"] == sizes["int8"]
+    errors = {}
+    for codec in ("fp8", "int8"):
+        _, v2 = unpack_block(roundtrip(codec, block, layout), layout.layout, L, T, H, D)
+        errors[codec] = float((v2.float() - v.float()).norm() / v.float().norm())
+    assert errors["int8"] * 3 < errors["fp8"], errors
+
+
+def test_int4_g64_k16_groups_keys_over_16_tokens():
+    """Keys per channel over 16 tokens (values per token over 64 dims, as int4_g64): twice
+    int4_g64's key statistics, and both group sizes in the header's parameter."""
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    block = as_bytes(pack_block(*realistic_kv(L, T, H, D, seed=31), layout.layout))
+    p16, p64 = encode_block("int4_g64_k16", block, layout)[1], encode_block("int4_g64", block, layout)[1]
+    key_stats = L * H * D * 2 * 2   # scale + min per (layer, head, channel) per 32 tokens, 2 bytes each
+    assert len(p16) - len(p64) == key_stats
+    assert int.from_bytes(bytes(p16[8:10]), "little") == 64 + 256 * 16
+    k = pack_block(*realistic_kv(L, T, H, D, seed=31), layout.layout)
+    k[:L * T * H * D].view(L, T, H, D)[:, :16] *= 40   # the first 16 tokens far larger
+    errs = {}
+    for codec in ("int4_g64", "int4_g64_k16"):
+        k2, _ = unpack_block(roundtrip(codec, k, layout), layout.layout, L, T, H, D)
+        k1 = k[:L * T * H * D].view(L, T, H, D)
+        errs[codec] = float((k2[:, 16:].float() - k1[:, 16:].float()).norm() / k1[:, 16:].float().norm())
+    assert errs["int4_g64_k16"] * 5 < errs["int4_g64"], errs
+
 
 def test_fp8_known_answer():
     """A row whose amax is 448 gets scale 1.0; e4m3-representable values decode exactly and

@@ -24,7 +24,7 @@ from kvstore.codecs import (CODEC_IDS, REASONS, Refused, check_layout, compiled_
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8"]
 L, T, H, D = 3, 16, 2, 64        # layers, tokens per block / page, KV heads, head_dim
 LATENT = 80                      # MLA kv_lora_rank + rope dims (64 + 16)
 BLOCKS = 3                       # blocks (pages) per engine tensor; the middle one is checked
@@ -212,13 +212,15 @@ def error_bound(codec: str, x: torch.Tensor, y: torch.Tensor, role: str) -> torc
     half an e4m3 step of each (token, head) row's (or head's) scale; int4 half a step of the group
     range, keys (and one-tensor blocks) per channel over the block's tokens, values per token."""
     eps = torch.finfo(BF16).eps
+    if codec == "int8":
+        return x.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) + y.abs() * eps
     if codec.startswith("fp8"):
         amax = x.abs().amax(dim=(1, 3) if codec == "fp8_head" else (3,), keepdim=True)
         return x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + y.abs() * eps
-    group = int(codec.split("_g")[1])
+    group = int(codec.split("_g")[1].split("_")[0])
     nl, nt, nh, nd = x.shape
     if role == "k":
-        g = min(group, nt)
+        g = min(int(codec.split("_k")[1]) if "_k" in codec else group, nt)
         xg = x.view(nl, nt // g, g, nh, nd)
         rng = (xg.amax(2, keepdim=True) - xg.amin(2, keepdim=True)).expand_as(xg).reshape(x.shape)
     else:

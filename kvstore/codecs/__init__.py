@@ -1,4 +1,4 @@
-"""KV block codecs: raw, FP8 e4m3, INT4 (KIVI-style), zstd — the API the store and client call.
+"""KV block codecs: raw, FP8 e4m3, INT8, INT4 (KIVI-style), zstd — the API the store and client call.
 
 Owns how a block's bytes become a smaller payload and back, for every layout it understands. It
 imports only the leaves ``kvstore.keys``, ``kvstore.errors`` and ``kvstore.buffers`` from the rest
@@ -52,7 +52,8 @@ INSTALL_HINT = "pip install 'kvstore[codecs]'"
 
 #: the lossy codecs: (name, id, kind, parameter). Ids are stored with blocks: never renumber one.
 _LOSSY = (("fp8", 1, "fp8", False), ("fp8_head", 2, "fp8", True),
-          ("int4_g32", 3, "int4", 32), ("int4_g64", 4, "int4", 64), ("int4_g128", 5, "int4", 128))
+          ("int4_g32", 3, "int4", 32), ("int4_g64", 4, "int4", 64), ("int4_g128", 5, "int4", 128),
+          ("int4_g64_k16", 7, "int4", (64, 16)), ("int8", 8, "int8", None))
 
 
 class NeedsTorch(Codec):
@@ -86,8 +87,16 @@ def _lossy_codecs() -> tuple[Codec, ...]:
         return tuple(NeedsTorch(name, codec_id) for name, codec_id, _, _ in _LOSSY)
     from kvstore.codecs.fp8 import Fp8Codec
     from kvstore.codecs.int4 import Int4Codec
-    return tuple(Fp8Codec(name, codec_id, per_head=param) if kind == "fp8" else Int4Codec(name, codec_id, group=param)
-                 for name, codec_id, kind, param in _LOSSY)
+    from kvstore.codecs.int8 import Int8Codec
+
+    def make(name: str, codec_id: int, kind: str, param) -> Codec:
+        if kind == "fp8":
+            return Fp8Codec(name, codec_id, per_head=param)
+        if kind == "int8":
+            return Int8Codec(name, codec_id)
+        group, key_group = param if isinstance(param, tuple) else (param, None)
+        return Int4Codec(name, codec_id, group=group, key_group=key_group)
+    return tuple(make(*spec) for spec in _LOSSY)
 
 
 _CODECS: tuple[Codec, ...] = (RawCodec(), *_lossy_codecs(), ZstdCodec("zstd", 6))

@@ -48,6 +48,8 @@ _SIGNATURES = {
     "int4_encode_values": types.int64(_IN16, _IN32, *_GEOM, _I, _I, _I, _U8, _U16, _U16),
     "int4_decode_keys": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I),
     "int4_decode_values": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I),
+    "int8_encode": types.int64(_IN16, *_GEOM, _I, _I, _U8, _U16),
+    "int8_decode": types.none(_IN16, _IN16, _U32, *_GEOM, _I, _I),
 }
 
 KERNEL_NAMES = tuple(_SIGNATURES)   # what ``warm_up`` compiles
@@ -343,3 +345,65 @@ def int4_decode_keys(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, u0, u
                 c = codes[i * D2:(i + 1) * D2]
                 for j in range(D2):
                     o[j] = _unpack(U32(c[j]), sf0[j], mf0[j], sf1[j], mf1[j])
+
+
+
+
+# --- INT8, symmetric, one scale per (token, head) row (``int8.py``) ------------------------------
+
+INT8_MAX = np.float32(127.0)
+
+
+@njit(inline="always")
+def _int8_code(v, safe):
+    return np.uint8(np.int8(np.int32(min(max(np.rint(v / safe), -INT8_MAX), INT8_MAX))))
+
+
+@kernel
+def int8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
+    """Units = (layer, token) rows; one scale ``amax / 127`` (rounded up to bf16) per (token,
+    head), codes ``rint(x / scale)`` as int8 bits. codes [U*H*D], scales [U*H]. Returns 1 if a
+    NaN/Inf was met (then nothing is valid)."""
+    bad = 0
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            row = _row(off, l, t, h, sl, st, sh)
+            x = src[row:row + D]
+            m = _abs_max(x, D)
+            if m >= BF16_NONFINITE:
+                bad = 1
+            s = bf16_round_up(bf16_to_f32(m) / INT8_MAX)
+            sf = bf16_to_f32(s)
+            safe = ONE if sf == ZERO else sf
+            i = u * H + h
+            scales[i] = s
+            c = codes[i * D:(i + 1) * D]
+            for d in range(D):
+                c[d] = _int8_code(bf16_to_f32(x[d]), safe)
+    return bad
+
+
+@njit(inline="always")
+def _int8_pair(w, sf):
+    """Two int8 codes (a 16-bit word, even element in the low byte) -> two bf16 in a 32-bit word:
+    code * scale in float32 (exact: 7 by 8 significant bits), rounded to bf16."""
+    x0 = np.float32(np.int8(np.uint8(w))) * sf
+    x1 = np.float32(np.int8(np.uint8(w >> _S8))) * sf
+    return or32(shr32(_bf16_high(x0), _S16), _bf16_high(x1))
+
+
+@kernel
+def int8_decode(codes, scales, out, off, T, H, D2, sl, st, sh, u0, u1):
+    """Units = (layer, token) rows; codes read as 16-bit pairs, the block written as 32-bit words
+    (geometry in words, ``D2`` = D/2)."""
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            i = u * H + h
+            sf = bf16_to_f32(scales[i])
+            row = _row(off, l, t, h, sl, st, sh)
+            o = out[row:row + D2]
+            c = codes[i * D2:(i + 1) * D2]
+            for j in range(D2):
+                o[j] = _int8_pair(c[j], sf)

@@ -31,9 +31,13 @@ LEVELS = 15
 
 
 class Int4Codec(SectionCodec):
-    def __init__(self, name: str, codec_id: int, group: int) -> None:
-        self.name, self.codec_id, self.group = name, codec_id, group
-        self.param = group
+    """``group``: tokens per key group and dims per value group; ``key_group`` (if given): tokens
+    per key group, stored in the header's parameter beside ``group`` (``group + 256 * key_group``).
+    """
+
+    def __init__(self, name: str, codec_id: int, group: int, key_group: int | None = None) -> None:
+        self.name, self.codec_id, self.group, self.key_group = name, codec_id, group, key_group or group
+        self.param = group if key_group is None else group + 256 * key_group
 
     @staticmethod
     def roles(s: BlockShape) -> tuple[str, ...]:
@@ -42,7 +46,7 @@ class Int4Codec(SectionCodec):
 
     def groups(self, s: BlockShape) -> tuple[int, int]:
         """(tokens per key group, dims per value group)."""
-        return min(self.group, s.tokens), min(self.group, s.dim)
+        return min(self.key_group, s.tokens), min(self.group, s.dim)
 
     def check_shape(self, s: BlockShape) -> None:
         kg, vg = self.groups(s)

@@ -1,0 +1,65 @@
+"""INT8, symmetric: one byte per element plus a bf16 scale per (token, head) — FP8's size, a
+uniform grid instead of a floating one.
+
+``scale = amax / 127`` (rounded up to bf16, so nothing saturates), ``code = rint(x / scale)`` in
+[-127, 127], ``x' = code * scale`` (exact in float32, then rounded to the block's dtype). A row's
+elements are within half a step (``amax / 254``) of the input, against e4m3's 1/16 of each value:
+coarser for values far below the row's largest, finer for the rest, and on a real model's KV
+(SmolLM2-135M: ``benchmarks/results/codec_screen_real.md``) the attention output and next-token
+distribution came out several times closer to the raw KV's than with FP8. For a one-tensor block
+(a K-only or V-only segment, an MLA latent: ``heads`` 1) the row is the token's vector.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.codecs.base import Section, SectionCodec
+from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
+from kvstore.codecs.fast_runner import words32_ok
+from kvstore.codecs.layout import BlockShape, canonical_shape, kv_views
+
+INT8_MAX = 127.0
+SCALE_DTYPE = torch.bfloat16
+
+
+class Int8Codec(SectionCodec):
+    def __init__(self, name: str, codec_id: int) -> None:
+        self.name, self.codec_id = name, codec_id
+        self.param = 0
+
+    def sections(self, s: BlockShape) -> list[Section]:
+        return [Section("codes", torch.uint8, canonical_shape(s)),
+                Section("scales", SCALE_DTYPE, canonical_shape(s)[:-1])]
+
+    def quantize(self, x: torch.Tensor, s: BlockShape, parts: dict[str, torch.Tensor],
+                 check: torch.Tensor) -> None:
+        amax = max_abs(x, 4)   # per (token, head) row; NaN/Inf propagate
+        finiteness_check(amax, check)
+        scale = round_up(div_exact(amax, INT8_MAX), SCALE_DTYPE, out=parts["scales"])  # not amax / 127
+        x.div_(nonzero_or_one(scale)[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+        parts["codes"].view(torch.int8).copy_(x)
+
+    def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape, block: torch.Tensor) -> None:
+        x = parts["codes"].view(torch.int8).float()
+        scales = parts["scales"][..., None]
+        for view, i in kv_views(block, s):   # code * scale in float32, stored rounded
+            torch.mul(x[i], scales[i], out=view)
+
+    def fast_ok(self, s: BlockShape) -> bool:
+        return words32_ok(s)   # decode writes two bf16 per 32-bit word
+
+    def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
+        codes, scales = sections["codes"], sections["scales"]
+        nc, ns = codes.size // s.parts, scales.size // s.parts
+        jobs = []
+        for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
+            c, sc = codes[i * nc:(i + 1) * nc], scales[i * ns:(i + 1) * ns]
+            if encode:
+                jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh): kernels.int8_encode(
+                    w, *g, a, b, c, sc), L * T))
+            else:
+                g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)
+                jobs.append((lambda a, b, c=c.view("<u2"), sc=sc, w=words.view("<u4"), g=g: kernels.int8_decode(
+                    c, sc, w, *g, a, b), L * T))
+        return jobs
