@@ -25,6 +25,11 @@ if ! command -v systemd-analyze >/dev/null; then
   apt-get update -qq && apt-get install -y -qq systemd >/dev/null || true
 fi
 
+# tmux runs `kvstore top` on a terminal of a given size (tests/test_top_screen.py).
+if ! command -v tmux >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq tmux >/dev/null || true
+fi
+
 # Engine environments (vLLM, SGLang, LMCache) live outside the clone, keyed by their pins.
 for engine in $(ls connectors/requirements/*.txt 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.txt$//'); do
   path=$(scripts/engine-venv.sh "$engine")

@@ -12,6 +12,7 @@ the numbers, ``render()`` lays them out, and neither talks to a daemon.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -71,7 +72,7 @@ def view(stats: dict, prev: dict | None = None, dt: float | None = None) -> dict
         for t in tiers:
             out["rates"][f"hits_{t}"] = max(0, d_hits[t]) / dt
     usage = stats.get("namespace_usage") or []
-    out["namespace_usage"] = sorted(usage, key=lambda n: n.get("bytes", 0), reverse=True)[:5]
+    out["namespace_usage"] = sorted(usage, key=lambda n: n.get("bytes", 0), reverse=True)
     return out
 
 
@@ -87,31 +88,92 @@ def _bar(fraction: float, width: int = 20) -> Text:
 
 #: terminals at least this wide get the occupancy bars; narrower ones (80 columns, pipes) do not
 BAR_MIN_WIDTH = 100
+#: terminals at least this tall get the activity as a full table; shorter ones (24 rows) a compact block
+TALL_MIN_HEIGHT = 40
+#: namespaces listed at most (the daemon sends its largest ten)
+MAX_NAMESPACES = 10
 
 
-def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
+def _table(title: str | None, columns: list[str], left: tuple[str, ...]) -> Table:
     """A light table whose cells wrap instead of being cut with '…' when the terminal is narrow."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+                  show_edge=False)
     for col in columns:
         table.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return table
 
 
+def _lines(renderable, width: int | None) -> int:
+    """Rows ``renderable`` takes on a terminal ``width`` columns wide."""
+    console = Console(width=width or 200, record=True, color_system=None, file=io.StringIO())
+    console.print(renderable)
+    return len(console.export_text().splitlines())
+
+
+def _activity(v: dict, stats: dict, dt: float | None, tall: bool, width: int | None):
+    counters = stats.get("counters", {})
+    if tall:
+        rates = _table(f"activity (per second over {dt:.1f}s)" if dt else "activity (since start)",
+                       ["counter", "per second", "total"], left=("counter",))
+        for label, key, is_bytes in RATES:
+            r = v["rates"].get(key)
+            total = counters.get(key, 0)
+            rates.add_row(label, "—" if r is None else (f"{format_size(r, 'readable')}/s" if is_bytes else f"{r:,.1f}"),
+                          format_size(total, "readable") if is_bytes else f"{total:,}")
+        return rates
+    # a short terminal: every counter still shown, as "label rate" pairs filling lines of the width
+    pairs = []
+    for label, key, is_bytes in RATES:
+        r = v["rates"].get(key)
+        if r is None:
+            shown = format_size(counters.get(key, 0), "readable") if is_bytes else f"{counters.get(key, 0):,}"
+        else:
+            shown = f"{format_size(r, 'readable')}/s" if is_bytes else f"{r:,.1f}/s"
+        pairs.append((label, shown))
+    out = Text(f"activity per second over {dt:.1f}s:" if dt else "activity since start:", style="bold")
+    column = len(out.plain)
+    for label, shown in pairs:
+        piece = len(label) + 1 + len(shown)
+        if column + 2 + piece > (width or 80):
+            out.append("\n")
+            column = -2
+        else:
+            out.append("  ")
+        out.append(label, style="dim")
+        out.append(" " + shown)
+        column += 2 + piece
+    return out
+
+
+def _namespaces(rows: list[dict], limit: int) -> Table:
+    ns = _table("top namespaces (by bytes)", ["namespace", "model", "tenant", "bytes", "blocks", "hit %"],
+                left=("namespace", "model", "tenant"))
+    for n in rows[:limit]:
+        ratio = n.get("hit_ratio")
+        ns.add_row(str(n.get("id", ""))[:12], str(n.get("model", "")), str(n.get("tenant", "") or "-"),
+                   format_size(n.get("bytes", 0), "readable"), f"{n.get('blocks', 0):,}" if "blocks" in n else "—",
+                   "—" if ratio is None else f"{ratio:.0%}")
+    return ns
+
+
 def render(stats: dict, prev: dict | None = None, dt: float | None = None, address: str = "",
-           width: int | None = None) -> Group:
-    """One frame; ``width`` is the terminal's (None: wide enough for everything)."""
+           width: int | None = None, height: int | None = None) -> Group:
+    """One frame for a terminal ``width`` x ``height`` (None: as much room as it needs). On 80x24
+    it shows the tiers, the hit rates, every counter (compactly) and the top namespaces that fit;
+    a wider terminal adds occupancy bars, a taller one the activity table and more namespaces."""
     v = view(stats, prev, dt)
     server = v["server"]
     head = Text.assemble(("kvstore top", "bold"), f"  {address}" if address else "",
-                         f"  server {server.get('server_id', '?')}" if server else "",
                          f"  up {server.get('uptime_s', 0):.0f}s" if server else "",
-                         f"\nblocks {v['blocks']:,}  leases {v['leases']}  namespaces {v['namespaces']}")
+                         f"  server {server.get('server_id', '?')}" if server and (width or 200) >= 100 else "",
+                         f"\nblocks {v['blocks']:,}  namespaces {v['namespaces']}  leases {v['leases']}")
     hits = Text.assemble("hit rate ", ("now " + _pct(v["hit_rate_now"]), "bold cyan"),
                          f"   since start {_pct(v['hit_rate_total'])}  (",
                          ", ".join(f"{t} {_pct(s)}" for t, s in v["hit_share_total"].items()), ")")
 
     bars = width is None or width >= BAR_MIN_WIDTH
-    tiers = _table("tiers", ["tier", "used", "capacity", "use %"] + ([""] if bars else [])
+    tall = height is None or height >= TALL_MIN_HEIGHT
+    tiers = _table(None, ["tier", "used", "capacity", "use %"] + ([""] if bars else [])
                    + ["blocks", "hits", "hits/s", "corrupt"], left=("tier", ""))
     for t in v["tiers"]:
         rate = v["rates"].get(f"hits_{t['name']}")
@@ -120,23 +182,17 @@ def render(stats: dict, prev: dict | None = None, dt: float | None = None, addre
                       f"{t['occupancy']:.1%}", *([_bar(t["occupancy"])] if bars else []), f"{t['blocks']:,}",
                       f"{t['hits']:,}", "—" if rate is None else f"{rate:,.1f}", str(t["corrupt_dropped"]))
 
-    rates = _table(f"activity (per second over {dt:.1f}s)" if dt else "activity (since start)",
-                   ["counter", "per second", "total"], left=("counter",))
-    counters = stats.get("counters", {})
-    for label, key, is_bytes in RATES:
-        r = v["rates"].get(key)
-        total = counters.get(key, 0)
-        rates.add_row(label, "—" if r is None else (f"{format_size(r, 'readable')}/s" if is_bytes else f"{r:,.1f}"),
-                      format_size(total, "readable") if is_bytes else f"{total:,}")
-
-    parts = [head, hits, tiers, rates]
-    if v["namespace_usage"]:
-        ns = _table("top namespaces (by bytes)", ["namespace", "model", "tenant", "bytes", "blocks"],
-                    left=("namespace", "model", "tenant"))
-        for n in v["namespace_usage"]:
-            ns.add_row(str(n.get("id", ""))[:16], str(n.get("model", "")), str(n.get("tenant", "")),
-                       format_size(n.get("bytes", 0), "readable"), f"{n.get('blocks', 0):,}" if "blocks" in n else "—")
-        parts.append(ns)
+    parts = [head, hits, tiers, _activity(v, stats, dt, tall, width)]
+    usage = v["namespace_usage"]
+    if usage:
+        for limit in range(min(len(usage), MAX_NAMESPACES), -1, -1):   # as many as fit (a long model wraps)
+            tail = ([_namespaces(usage, limit)] if limit else []) + (
+                [Text(f"{len(usage) - limit} more namespaces: a taller terminal shows them, or kvstore ns list",
+                      style="dim")] if limit < len(usage) else [])
+            # keep the last row free: a frame as tall as the terminal scrolls it by one
+            if height is None or _lines(Group(*parts, *tail), width) < height:
+                break
+        parts += tail
     elif server.get("tenant_bytes") is not None:
         held = format_size(server["tenant_bytes"], "readable")
         parts.append(Text(f"tenant {server.get('tenant') or '(default)'}: {held}"))
@@ -177,14 +233,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(view(*frame), indent=2, sort_keys=True))
             else:
-                console.print(render(*frame, address=address, width=console.width))
+                console.print(render(*frame, address=address, width=console.width,
+                                     height=console.height if console.is_terminal else None))
             return 0
-        with Live(render(prev, address=address, width=console.width), console=console, refresh_per_second=4,
-                  screen=False) as live:
+        with Live(render(prev, address=address, width=console.width, height=console.height), console=console,
+                  refresh_per_second=4, screen=False) as live:
             while True:
                 time.sleep(args.interval)
                 now, now_t = client.stats(), time.monotonic()
-                live.update(render(now, prev, now_t - prev_t, address, width=console.width))
+                live.update(render(now, prev, now_t - prev_t, address, width=console.width, height=console.height))
                 prev, prev_t = now, now_t
     except DaemonUnavailable as e:
         print(f"kvstore top: daemon at {address} unavailable: {e}", file=sys.stderr)
