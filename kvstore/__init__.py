@@ -11,7 +11,18 @@ that only talks to a daemon never loads them. The packages under it each say in 
 ``__init__`` what they own and what they must not import.
 """
 
-from kvstore.keys import ChainHasher, KVLayout, Namespace
+import os as _os
+
+# Installed, ``kvstore.tiers``, ``.proto`` and ``.connectors`` are mapped in from top-level folders
+# (pyproject.toml's package-dir). Imported from a source checkout instead (a script run from the
+# repository root puts it first on sys.path), this package is the checkout's ``kvstore/``, and those
+# folders lie beside it: look there too, so the checkout imports whole rather than half.
+_beside = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "proto")) and \
+        _os.path.isfile(_os.path.join(_beside, "proto", "__init__.py")):
+    __path__.append(_beside)
+
+from kvstore.keys import ChainHasher, KVLayout, Namespace  # noqa: E402
 
 __all__ = ["Client", "AsyncClient", "KVLayout", "Namespace", "ChainHasher"]
 

@@ -78,3 +78,37 @@ def test_plan_measures_this_host_when_installed(installed_kvstore, tmp_path):
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["cost_model"]["bandwidth_source"].startswith("measured on this host")
     assert report["machine"]["cores"] == os.cpu_count()
+
+
+USER_SCRIPT = """
+import sys
+import numpy as np
+import kvstore
+from kvstore import Client, ChainHasher, KVLayout, Namespace
+layout = KVLayout("my-model", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+with Client(sys.argv[1]) as c:
+    ns = c.register_namespace(Namespace(layout))
+    hashes = ChainHasher().chain(list(range(32)), 16)
+    blocks = [np.full(layout.block_bytes, i, np.uint8) for i in range(2)]
+    assert c.put(ns, hashes, blocks) == ["stored", "stored"]
+    assert c.get(ns, hashes) == [b.tobytes() for b in blocks]
+print(kvstore.__file__)
+"""
+
+
+def test_a_user_script_runs_from_the_repo_root_with_a_plain_install(installed_kvstore, daemon_factory, tmp_path):
+    """README's "your own code" as a user runs it: a script in the checkout's root, run there with
+    the interpreter of a plain (make serve) install. Python puts the root first on sys.path, so the
+    checkout's kvstore/ is what it imports; it must import whole (tiers/, proto/ beside it)."""
+    d = daemon_factory()
+    script = os.path.join(REPO, f"user_script_{os.getpid()}.py")
+    with open(script, "w") as f:
+        f.write(USER_SCRIPT)
+    try:
+        python = os.path.join(os.path.dirname(installed_kvstore), "python")
+        r = subprocess.run([python, os.path.basename(script), d.address], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env=_clean_env())
+    finally:
+        os.unlink(script)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == os.path.join(REPO, "kvstore", "__init__.py")   # the checkout's, imported whole
