@@ -218,3 +218,43 @@ def test_a_policy_per_tier(tmp_path, capsys):
         argv[argv.index("--policy") + 1] = bad
         assert plan.main(argv) == 2
         assert named in capsys.readouterr().err
+
+
+def _plan_rows(cpu_sizes, policies=("prefix", "lru")):
+    """Result rows as ``kvstore plan`` writes them (hit rates and TTFTs made up for the picture)."""
+    rows = []
+    for i, policy in enumerate(policies):
+        for j, cpu in enumerate(cpu_sizes):
+            rows.append({"policy": policy, "codec": "raw", "cpu_bytes": cpu, "nvme_bytes": 0,
+                         "hit_rate": 0.3 + 0.1 * j, "hit_rate_per_tier": {"cpu": 0.3 + 0.1 * j},
+                         "ttft_ms": {"p50": 80.0 - j, "p90": 200.0 - 20 * j - i, "p99": 400.0, "mean": 90.0}})
+    return rows
+
+
+def test_picture_draws_the_optimised_percentile_and_the_targets():
+    """The TTFT panel plots the percentile the planner optimises (p90 here), never only p50/p99; the
+    targets are horizontal lines; the recommended candidate is marked."""
+    from kvstore.ops.plan_report import figure
+
+    rows = _plan_rows([8 << 30, 16 << 30, 32 << 30])
+    fig = figure(rows, "t", percentile=90, target_ttft_ms=170, target_hit_rate=0.45, recommendation=rows[2])
+    ax_hit, ax_ttft = fig.axes
+    ttft_lines = {tuple(line.get_ydata()) for line in ax_ttft.get_lines()}
+    assert (200.0, 180.0, 160.0) in ttft_lines                      # prefix's p90 per CPU size
+    assert (170, 170) in ttft_lines and (0.45, 0.45) in {tuple(line.get_ydata()) for line in ax_hit.get_lines()}
+    assert "recommended" in ax_ttft.get_legend_handles_labels()[1]
+    assert [t.get_text() for t in ax_hit.get_xticklabels()] == ["8GiB", "16GiB", "32GiB"]   # evenly spaced
+    # two series at one point are set apart, not drawn over each other
+    xs = [tuple(line.get_xdata()) for line in ax_ttft.get_lines() if len(line.get_xdata()) == 3]
+    assert len({x[0] for x in xs}) > 1
+
+
+def test_picture_with_one_cpu_size_is_bars_per_candidate():
+    from kvstore.ops.plan_report import figure
+
+    rows = _plan_rows([8 << 30], policies=("prefix", "lru", "s3fifo"))
+    fig = figure(rows, "t", percentile=99, target_ttft_ms=300)
+    ax_hit, ax_ttft = fig.axes
+    assert len(ax_hit.patches) == 3 and [p.get_height() for p in ax_ttft.patches] == [400.0] * 3   # p99 bars
+    assert [t.get_text() for t in ax_hit.get_xticklabels()] == ["lru, raw", "prefix, raw", "s3fifo, raw"]
+    assert (300, 300) in {tuple(line.get_ydata()) for line in ax_ttft.get_lines()}

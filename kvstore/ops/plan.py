@@ -256,7 +256,9 @@ def _write_outputs(report: dict, args: argparse.Namespace, layout: KVLayout) -> 
     specs = ", ".join(w["workload"] for w in report["workloads"])
     requests = sum(w["requests"] for w in report["workloads"])
     plot(report["results"], args.out + ".png", f"{layout.model}, {specs}, {requests:,} requests, "
-                                               f"block {args.block_tokens} tokens")
+                                               f"block {args.block_tokens} tokens",
+         percentile=args.ttft_percentile, target_ttft_ms=args.target_ttft_ms, target_hit_rate=args.target_hit_rate,
+         recommendation=report["recommendation"])
 
 
 def _say_recommendation(summary: dict, args: argparse.Namespace, console) -> None:

@@ -147,6 +147,8 @@ def metadata_tiers(c: Candidate, slot_bytes: int) -> list[MetadataTier]:
 
 #: cost-table codec names that stand for a daemon codec of another name
 DAEMON_CODECS = {"int4": "int4_g64"}
+#: a serial replay reports the requests it has replayed this often (seconds)
+PROGRESS_EVERY_S = 2.0
 #: the byte order the planner sizes a model's blocks in when it is not told one (a layout the codecs read)
 MODELLED_ORDER = "kv,layer,token,head,dim"
 
@@ -241,6 +243,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     hit_tiers: list[tuple[int, ...]] = []
     blocks = misses = rejected = n_requests = 0
     started = time.perf_counter()
+    next_report = started + PROGRESS_EVERY_S
     clock = TraceClock()
     store = Store(tiers, config, clock=clock)
     try:
@@ -269,8 +272,9 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
             blocks += len(hashes)
             misses += len(hashes) - n_hit
             n_requests += 1
-            if on_progress is not None and n_requests % 100_000 == 0:
-                on_progress(n_requests)
+            if on_progress is not None and n_requests % 1000 == 0 and time.perf_counter() >= next_report:
+                on_progress(n_requests)   # about every PROGRESS_EVERY_S of replay
+                next_report = time.perf_counter() + PROGRESS_EVERY_S
             if keep_hit_tiers:
                 hit_tiers.append(tuple(got[n] for n in names))
             if cost is not None:
@@ -327,7 +331,8 @@ def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[
           config: StoreConfig, slot_bytes: int, jobs: int, progress: Callable[[dict], None] | None = None,
           on_requests: Callable[[int], None] | None = None) -> list[dict]:
     """Replay every candidate (in ``jobs`` forked processes sharing the request list).
-    ``on_requests`` hears every 100,000 requests replayed, in the serial case only."""
+    ``on_requests`` hears how many requests are replayed, about every ``PROGRESS_EVERY_S``, in the
+    serial case only."""
     serial = jobs <= 1 or len(candidates) == 1
     for c in {c.codec for c in candidates}:
         stored_block_bytes(layout, c)   # sized once here, not in every forked worker

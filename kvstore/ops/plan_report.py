@@ -92,9 +92,26 @@ def render_table(results: list[dict], console) -> None:
 POLICY_STYLES = {"prefix": "-", "lru": "--", "s3fifo": "-."}
 
 
-def plot(results: list[dict], path: str, title: str) -> None:
-    """One workload: miss-ratio curves (hit rate vs CPU capacity, per NVMe size / codec / policy)
-    and TTFT percentiles vs capacity. Several: one hit-rate panel per workload."""
+MARKERS = "osD^vP*X"
+
+
+def plot(results: list[dict], path: str, title: str, percentile: int = 90, target_ttft_ms: float | None = None,
+         target_hit_rate: float | None = None, recommendation: dict | None = None) -> None:
+    """One workload: hit rate and TTFT (the ``percentile`` the planner optimises, solid; p50 faint)
+    per candidate series (policy / codec / NVMe size) against CPU capacity, with the targets drawn
+    as dashed lines and the recommended candidate circled. Several workloads: one hit-rate panel
+    each. The CPU sizes are evenly spaced categories (a sweep over 4 GiB..64 GiB stays readable),
+    series sharing a point are set slightly apart, and a sweep of one CPU size becomes bars."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, title, percentile, target_ttft_ms, target_hit_rate, recommendation)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(results: list[dict], title: str, percentile: int = 90, target_ttft_ms: float | None = None,
+           target_hit_rate: float | None = None, recommendation: dict | None = None):
+    """``plot``'s matplotlib figure (the caller closes it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,47 +119,103 @@ def plot(results: list[dict], path: str, title: str) -> None:
     by_workload: dict[str, list[dict]] = {}
     for r in results:
         by_workload.setdefault(r.get("workload", "").partition(":")[0], []).append(r)
+    p = f"p{percentile}"
     if len(by_workload) > 1:
-        fig, axes = plt.subplots(1, len(by_workload), figsize=(4.2 * len(by_workload), 4.5), squeeze=False)
+        fig, axes = plt.subplots(1, len(by_workload), figsize=(4.6 * len(by_workload), 4.8), squeeze=False)
         for ax, (workload, rows) in zip(axes[0], by_workload.items()):
-            _hit_curves(ax, rows, plt)
-            ax.set(xlabel="CPU tier capacity (GiB)", ylabel="block hit rate", title=workload, ylim=(0, 1))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+            _panels(rows, plt, ax, None, p, target_ttft_ms, target_hit_rate, None)
+            ax.set_title(workload)
     else:
-        fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(13, 5))
-        _hit_curves(ax_hit, results, plt, ax_ttft)
-        ax_hit.set(xlabel="CPU tier capacity (GiB)", ylabel="block hit rate", title="hit rate vs capacity",
-                   ylim=(0, 1))
-        ax_ttft.set(xlabel="CPU tier capacity (GiB)", ylabel="estimated TTFT (ms)",
-                    title="TTFT percentiles vs capacity")
-        for ax in (ax_hit, ax_ttft):
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+        fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(13, 5.2))
+        _panels(results, plt, ax_hit, ax_ttft, p, target_ttft_ms, target_hit_rate, recommendation)
+        one_size = len({r["cpu_bytes"] for r in results}) == 1
+        what = "per candidate (recommended: outlined)" if one_size else "vs CPU capacity (recommended: circled)"
+        ax_hit.set_title(f"hit rate {what}", fontsize=10)
+        ax_ttft.set_title(f"estimated TTFT {p}, optimised ({'p50: black tick' if one_size else 'p50: faint'})",
+                          fontsize=10)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _hit_curves(ax_hit, results: list[dict], plt, ax_ttft=None) -> None:
-    """Hit rate (total, and from CPU when there is an NVMe tier) vs CPU capacity per policy / codec /
-    NVMe size; TTFT p50/p99 on ``ax_ttft`` when given."""
+def _series(results: list[dict]) -> dict[tuple, list[dict]]:
     series: dict[tuple, list[dict]] = {}
     for r in results:
         series.setdefault((r["policy"], r["codec"], r["nvme_bytes"]), []).append(r)
+    return dict(sorted(series.items()))
+
+
+def _panels(results: list[dict], plt, ax_hit, ax_ttft, p: str, target_ttft_ms, target_hit_rate, rec) -> None:
+    series = _series(results)
+    sizes = sorted({r["cpu_bytes"] for r in results})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, ((policy, codec, nvme), rs) in enumerate(sorted(series.items())):
+    axes = [ax for ax in (ax_hit, ax_ttft) if ax is not None]
+    if len(sizes) == 1:
+        _bars(series, colors, ax_hit, ax_ttft, p, rec)
+        for ax in axes:
+            ax.set_xlabel(f"candidate (CPU tier {gib(sizes[0])})")
+    else:
+        _lines(series, sizes, colors, ax_hit, ax_ttft, p, rec)
+        for ax in axes:
+            ax.set_xticks(range(len(sizes)), [gib(s) for s in sizes])
+            ax.set_xlabel("CPU tier capacity")
+    ax_hit.set(ylabel="block hit rate", ylim=(0, 1.02))
+    if target_hit_rate is not None:
+        ax_hit.axhline(target_hit_rate, color="black", ls="--", lw=1, label=f"target hit rate {target_hit_rate:.0%}")
+    if ax_ttft is not None:
+        ax_ttft.set_ylabel(f"estimated TTFT {p} (ms)")
+        ax_ttft.set_ylim(bottom=0)
+        if target_ttft_ms is not None:
+            ax_ttft.axhline(target_ttft_ms, color="black", ls="--", lw=1, label=f"target {p} {target_ttft_ms:g} ms")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=7, loc="best")
+
+
+def _label(policy: str, codec: str, nvme: int) -> str:
+    return f"{policy}, {codec}" + (f", nvme {gib(nvme)}" if nvme else "")
+
+
+def _is(rec: dict | None, r: dict) -> bool:
+    return rec is not None and all(rec.get(k) == r[k] for k in ("policy", "codec", "cpu_bytes", "nvme_bytes"))
+
+
+def _lines(series, sizes, colors, ax_hit, ax_ttft, p, rec) -> None:
+    at = {s: i for i, s in enumerate(sizes)}
+    spread = 0.12 / max(1, len(series) - 1) if len(series) > 1 else 0.0
+    for i, ((policy, codec, nvme), rs) in enumerate(series.items()):
         rs = sorted(rs, key=lambda r: r["cpu_bytes"])
-        x = [r["cpu_bytes"] / GiB for r in rs]
-        color = colors[i % len(colors)]
-        label = f"{policy}, {codec}, nvme {gib(nvme)}"
-        ls = POLICY_STYLES.get(policy, ":")
-        ax_hit.plot(x, [r["hit_rate"] for r in rs], ls, marker="o", color=color, label=f"{label}: total")
+        x = [at[r["cpu_bytes"]] + (i - (len(series) - 1) / 2) * spread for r in rs]   # apart, not hidden
+        color, marker, ls = colors[i % len(colors)], MARKERS[i % len(MARKERS)], POLICY_STYLES.get(policy, ":")
+        label = _label(policy, codec, nvme)
+        ax_hit.plot(x, [r["hit_rate"] for r in rs], ls, marker=marker, color=color, label=label)
         if nvme:
-            ax_hit.plot(x, [r["hit_rate_per_tier"].get("cpu", 0) for r in rs], ls, marker=".", color=color,
-                        alpha=0.45, label=f"{label}: from cpu")
+            ax_hit.plot(x, [r["hit_rate_per_tier"].get("cpu", 0) for r in rs], ls, marker=marker, color=color,
+                        alpha=0.35, markersize=4, label=f"{label}: from cpu")
         if ax_ttft is not None:
-            ax_ttft.plot(x, [r["ttft_ms"]["p50"] for r in rs], ls, marker="o", color=color, label=f"{label}: p50")
-            ax_ttft.plot(x, [r["ttft_ms"]["p99"] for r in rs], ls, marker="^", color=color, alpha=0.6,
-                         label=f"{label}: p99")
+            ax_ttft.plot(x, [r["ttft_ms"][p] for r in rs], ls, marker=marker, color=color, lw=2, label=label)
+            ax_ttft.plot(x, [r["ttft_ms"]["p50"] for r in rs], ls, marker=marker, color=color, alpha=0.3,
+                         markersize=4, lw=1)
+        for xi, r in zip(x, rs):
+            if _is(rec, r):
+                ax_hit.plot([xi], [r["hit_rate"]], "o", ms=16, mfc="none", mec="black", mew=1.5, label="recommended")
+                if ax_ttft is not None:
+                    ax_ttft.plot([xi], [r["ttft_ms"][p]], "o", ms=16, mfc="none", mec="black", mew=1.5,
+                                 label="recommended")
+
+
+def _bars(series, colors, ax_hit, ax_ttft, p, rec) -> None:
+    names = [_label(*key) for key in series]
+    x = list(range(len(names)))
+    rows = [rs[0] for rs in series.values()]
+    face = [colors[i % len(colors)] for i in x]
+    edges = ["black" if _is(rec, r) else face[i] for i, r in enumerate(rows)]
+    ax_hit.bar(x, [r["hit_rate"] for r in rows], color=face, edgecolor=edges, linewidth=2)
+    if ax_ttft is not None:
+        ax_ttft.bar(x, [r["ttft_ms"][p] for r in rows], color=face, edgecolor=edges, linewidth=2)
+        ax_ttft.plot(x, [r["ttft_ms"]["p50"] for r in rows], "_", color="black", ms=18, mew=2, label="p50")
+    tilt = len(names) > 3
+    for ax in (ax_hit, ax_ttft):
+        if ax is not None:
+            ax.set_xticks(x, names, rotation=20 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
