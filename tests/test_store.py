@@ -381,7 +381,7 @@ def test_corrupt_nvme_file_is_a_miss_and_counted(harness, damage):
 
 
 def test_damaged_blocks_inside_a_run_read_are_misses_and_their_neighbours_exact(harness):
-    """A get of a chain on NVMe reads neighbouring slots in runs (``reads._read_chunk``): two
+    """A get of a chain on NVMe reads neighbouring slots in runs (``reads._read_run``): two
     damaged blocks in the middle of one run are each a counted miss, every other block of the
     run is served exactly, none stays pinned, and stored again both are served."""
     h = harness(cpu_blocks=0, nvme_blocks=64, promote_on_hit=False)

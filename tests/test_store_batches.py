@@ -1,6 +1,6 @@
 """Batched per-call work in the store (issue 14): a put reserves and publishes runs of raw blocks
-under one lock acquisition each (``Cascade.reserve_run``), a get of RAM-resident blocks pins and
-delivers them at once (``reads._read_resident``), and a lease answer may come as a ``BlockTable``.
+under one lock acquisition each (``Cascade.reserve_run``), and a get plans, reads and completes
+its blocks as one batch (``reads.read_blocks``).
 Each must behave exactly as the block-by-block path it shortcuts: same results, same listener
 events in the same order, same eviction order, same counters, pins and quota charges."""
 
@@ -15,6 +15,7 @@ import pytest
 from kvstore.errors import BlockCorrupt, QuotaExceeded, StoreFull
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig, StoreListener, puts, reads
+from kvstore.store import store as store_module
 from kvstore.store.cascade import Cascade
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
@@ -59,6 +60,17 @@ def make_store(tmp_path, name: str, cpu_blocks: int = 8, nvme_blocks: int = 64, 
     return store, store.register_namespace(Namespace(layout(), tenant="t"))
 
 
+def _resident_block_by_block(cascade, ns, hashes, dsts, accept=()):
+    """A get whose blocks are all absent or in RAM, one ``read_block`` at a time (what one batch
+    of them must equal); any other get as it is (its slow-tier reads overlap in any case)."""
+    slow = reads.slow_from(cascade)
+    with cascade.lock:
+        below = any((e := cascade.index.visible(ns, h)) is not None and e.fastest >= slow for h in hashes)
+    if below:
+        return reads.read_blocks(cascade, ns, hashes, dsts, accept)
+    return [reads.read_block(cascade, ns, h, dst, accept) for h, dst in zip(hashes, dsts)]
+
+
 @contextlib.contextmanager
 def block_by_block(monkeypatch):
     """The store as it was before batching: every put block through ``reserve``, every get block
@@ -67,7 +79,7 @@ def block_by_block(monkeypatch):
         m.setattr(Cascade, "reserve_run", lambda self, *a, **k: [])
         m.setattr(Cascade, "publish_run", lambda self, entries, payloads: [
             k for k, (entry, data) in enumerate(zip(entries, payloads)) if self.publish(entry, data)])
-        m.setattr(reads, "_read_resident", lambda *a, **k: None)
+        m.setattr(store_module, "read_blocks", _resident_block_by_block)
         yield
 
 

@@ -549,22 +549,34 @@ class Cascade:
         """The tier a hit on tier ``t`` is copied up to: the CPU tier when it is faster, else the first."""
         return self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
 
-    def prepare_promotion(self, entry: Entry, t: int, payload, decoded=None) -> bool:
-        """Before a hit on tier ``t`` is delivered, outside the lock: room in the tier it is copied
-        up to (``clear_room``) and True, leaving the copy to ``promote`` under the lock; or, when
-        that tier is not memory (a store without one), the whole copy (``copy_out``) and False."""
-        target = self.promotion_target(t)
-        if self.tiers[target].in_memory:
-            self.clear_room(target, entry.raw_size, entry.namespace_id)
-            return True
-        if target not in entry.copies:
-            done = self.copy_out(entry, t, target, payload, decoded)
-            self.count("promotions" if done == COPIED else "promotion_failures")
-        return False
+    def prepare_promotions(self, hits: Sequence[tuple[Entry, int, object, object]]) -> list[bool]:
+        """Before hits ``(entry, tier, payload, decoded)`` on slower tiers are delivered, outside
+        the lock: room in the memory tier each is copied up to, for all of them at once
+        (``clear_room``), and True, leaving the copy to ``promote`` under the lock; or, where that
+        tier is not memory (a store without one), the whole copy (``copy_out``) and False."""
+        room: dict[tuple[int, bytes], int] = {}   # (target tier, namespace) -> bytes to clear
+        out = []
+        for entry, t, payload, decoded in hits:
+            target = self.promotion_target(t)
+            if self.tiers[target].in_memory:
+                try:
+                    need = self.tiers[target].footprint(entry.raw_size)
+                except BlockTooLarge:
+                    need = 0
+                room[target, entry.namespace_id] = room.get((target, entry.namespace_id), 0) + need
+                out.append(True)
+                continue
+            if target not in entry.copies:
+                done = self.copy_out(entry, t, target, payload, decoded)
+                self.count("promotions" if done == COPIED else "promotion_failures")
+            out.append(False)
+        for (target, namespace_id), nbytes in room.items():
+            self.clear_room(target, nbytes, namespace_id)
+        return out
 
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster memory tier (see
-        ``prepare_promotion``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes
+        ``prepare_promotions``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes
         when the reader decoded them already. Caller holds the lock."""
         target = self.promotion_target(t)
         if target in entry.copies:

@@ -1,21 +1,26 @@
-"""Reading one block by value: its fastest copy into the caller's buffer, as stored or decoded.
+"""Reading blocks by value: each block's fastest copy into the caller's buffer, as stored or decoded.
 
-A reader names the codecs it decodes itself (``accept``): a copy encoded with one of them is
-handed over as stored (smaller; the caller learns the codec id), any other is decoded here. A
-copy that fails its checksum or its decode is dropped (counted) and the next copy tried; a hit
-on a slower tier is promoted, from the payload just read (no second read or decode). A payload
-decoded here is read in place when it is one piece of the CPU arena (the pin holds it), else into
-a buffer of this module's, never the cascade's scratch, which a promotion's demotions reuse.
+One path for every read, in three steps, as the cascade's books want them:
 
-Several blocks whose fastest copies sit below the CPU tier (NVMe, Redis) are read a few at a
-time (``read_blocks``): each read waits on the disk or the network with the GIL released, so
-their waits overlap instead of adding up. On a tier that keeps neighbouring blocks side by side
-(``Tier.reads_in_runs``: NVMe slabs) each of those reads is a run of up to ``RUN_BYTES`` of
-blocks, read with one call (``Tier.read_many_into``).
+1. ``_plan`` (under the lock, no I/O): pin each present block's fastest copy; count the misses.
+2. ``_execute`` (lock released): read each copy into the caller's buffer; a copy encoded with a
+   codec the reader does not decode itself (``accept``) is read and decoded here. Copies below the
+   CPU tier (NVMe, Redis) are read a few at a time when there are several: each read waits on the
+   disk or the network with the GIL released, so their waits overlap instead of adding up; on a
+   tier that keeps neighbouring blocks side by side (``Tier.reads_in_runs``: NVMe slabs) each of
+   those reads is a run of up to ``RUN_BYTES`` of blocks, read with one call.
+3. ``_complete`` (under the lock, once per batch): in the callers' order, count each hit, touch its
+   policy, promote a slower tier's copy from the payload just read (no second read or decode; the
+   room for it was made before, with the lock released) and unpin. A copy that failed its
+   checksum or its decode is dropped (counted) and its block planned again: the next copy, or a miss.
+
+A payload decoded here is read in place when it is one piece of the CPU arena (the pin holds it),
+else into a buffer of its own, never the cascade's scratch, which a promotion's demotions reuse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -23,119 +28,193 @@ import numpy as np
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
 from kvstore.store.cascade import Cascade
+from kvstore.store.index import Entry
 from kvstore.store.io_pools import LazyPool
 from kvstore.threads import BUDGET
-
-# Not the cascade's scratch: a read payload must outlive the promotion it feeds, which can demote
-# another block through the cascade's buffer.
-_payloads = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)   # one per thread
 
 READS_IN_FLIGHT = BUDGET.slow_reads   # slow-tier reads of one call at once (queue depth for NVMe)
 RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)
 _readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
 
-
-# a fresh buffer per read: a payload read on a pool thread must outlive that thread's next read
+# a fresh buffer per decoded read: its payload must outlive this thread's next read (a promotion
+# copies from it after the batch is read)
 _own_payloads = Scratch(trim_above=0, aligned=True)
+
+
+@dataclasses.dataclass(slots=True)
+class BlockRead:
+    """One pinned copy of a batch, on its way into the caller's buffer ``at``."""
+
+    at: int            # position in the call
+    entry: Entry       # pinned until ``_complete``
+    tier: int          # where its copy is read from
+    codec: int         # the copy's codec; 0 once decoded here
+    decode: bool       # encoded with a codec the reader does not take: decoded here
+    n: int = 0                 # bytes delivered
+    payload: object = None     # the copy's stored bytes (what a promotion copies)
+    decoded: object = None     # its raw bytes, when decoded here
+    failed: Exception | None = None   # BlockCorrupt / CodecError: dropped, planned again
+    promote: bool = False      # copied up into a memory tier under the lock (``Cascade.promote``)
 
 
 def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
                 accept: Collection[int] = ()) -> list[tuple[int, int] | None]:
-    """``read_block`` for each hash, in order. Blocks found below the CPU tier are read up to
-    ``READS_IN_FLIGHT`` at once when there are several; hits are still counted and promoted in
-    the callers' order (prefix-aware eviction keeps a promoted prefix together)."""
-    slow_from = cascade.cpu_index + 1 if cascade.cpu_index is not None else 0
-    resident = _read_resident(cascade, namespace_id, hashes, dsts, accept, slow_from)
-    if resident is not None:
-        return resident
-    with cascade.lock:
-        slow = [i for i, h in enumerate(hashes)
-                if (e := cascade.index.visible(namespace_id, h)) is not None and e.fastest >= slow_from]
-    if len(slow) < 2:
-        return [read_block(cascade, namespace_id, h, dst, accept) for h, dst in zip(hashes, dsts)]
-    pool = _readers.get()
-    per_run = max(1, RUN_BYTES // max(1, max(dsts[i].nbytes for i in slow)))
-    chunks = [slow[k:k + per_run] for k in range(0, len(slow), per_run)]
-    reads = {}   # block index -> the read of the chunk holding it
-    for chunk in chunks:
-        f = pool.submit(_read_chunk, cascade, namespace_id, hashes, dsts, accept, chunk)
-        reads.update((i, f) for i in chunk)
-    taken: dict[int, _Read | None] = {}
-    out = []
-    try:
-        for i, h in enumerate(hashes):
-            if i in reads:
-                if i not in taken:
-                    taken.update(reads[i].result())
-                got = taken.pop(i)
-                del reads[i]
-            else:
-                got = _read_fastest(cascade, namespace_id, h, dsts[i], accept, _payloads)
-            out.append(None if got is None else _deliver(cascade, got))
-    except BaseException:
-        # reads done or still in flight keep their pins until delivered: release them
-        for f in {id(f): f for f in reads.values()}.values():
-            if f.exception() is None:
-                taken.update(f.result())
-        with cascade.lock:
-            for i, got in taken.items():
-                if got is not None and i in reads:
-                    cascade.unpin(got.entry)
-        raise
+    """Copy each block's fastest copy into ``dsts[i]`` (at least a block long): per block
+    ``(bytes, codec id)`` (codec 0: the block itself), or None for a miss."""
+    out: list[tuple[int, int] | None] = [None] * len(hashes)
+    todo = range(len(hashes))
+    while todo:
+        reads = _plan(cascade, namespace_id, hashes, todo, accept)
+        try:
+            _execute(cascade, reads, dsts)
+        except BaseException:
+            with cascade.lock:   # nothing is delivered: every block stays stored, none pinned for good
+                for r in reads:
+                    cascade.unpin(r.entry)
+            raise
+        up = [r for r in reads if r.failed is None and r.tier > 0 and not r.entry.doomed] \
+            if cascade.config.promote_on_hit else []
+        if any(r.tier >= slow_from(cascade) for r in up):
+            # hits below the CPU tier are promoted one by one, in the callers' order, each after
+            # the room it needs is made (victims written down, lock released): the next block's
+            # room is then chosen knowing where this one went, as prefix-aware eviction wants
+            todo = []
+            for r in reads:
+                if r in up:
+                    r.promote = cascade.prepare_promotions([(r.entry, r.tier, r.payload, r.decoded)])[0]
+                todo += _complete(cascade, [r], out)
+        else:   # in RAM already: promoted (GPU) under the one lock acquisition
+            for r in up:
+                r.promote = True
+            todo = _complete(cascade, reads, out)
     return out
 
 
-def _read_chunk(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
-                accept: Collection[int], chunk: Sequence[int]) -> dict[int, _Read | None]:
-    """``_read_fastest`` for the blocks ``chunk`` (on a pool thread): those whose fastest copy is
-    on a tier that reads runs, as stored, are pinned together and read with one
-    ``read_many_into``; a copy that fails its check is dropped and its block read again alone
-    (the next copy, or a miss), as is every other block of the chunk."""
-    tiers = cascade.tiers
-    together: list[tuple[int, object, int, int]] = []   # (block index, entry, tier, codec)
-    alone: list[int] = []
+def slow_from(cascade: Cascade) -> int:
+    """The first tier whose reads wait on a disk or a network: the one below the CPU tier."""
+    return cascade.cpu_index + 1 if cascade.cpu_index is not None else 0
+
+
+def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
+               accept: Collection[int] = ()) -> tuple[int, int] | None:
+    """``read_blocks`` for one block."""
+    return read_blocks(cascade, namespace_id, [block_hash], [dst], accept)[0]
+
+
+def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int],
+          accept: Collection[int]) -> list[BlockRead]:
+    """Pin the fastest copy of each present block of ``todo`` and count the rest as misses (lock held here)."""
+    entries = cascade.index.entries
+    reads, misses = [], 0
     with cascade.lock:
-        for i in chunk:
-            entry = cascade.pin(namespace_id, hashes[i])
-            if entry is None:
-                alone.append(i)   # _read_fastest counts the miss
+        for i in todo:
+            entry = entries.get(namespace_id + hashes[i])   # index.visible, inlined: hot
+            if entry is None or not entry.visible:
+                misses += 1
                 continue
             t = entry.fastest
             codec = entry.copies[t].codec
-            if tiers[t].reads_in_runs and (codec == 0 or codec in accept) and (not together or together[0][2] == t):
-                together.append((i, entry, t, codec))
-            else:
-                cascade.unpin(entry)
-                alone.append(i)
-    out: dict[int, _Read | None] = {}
-    if together:
-        t = together[0][2]
-        try:
-            sizes = tiers[t].read_many_into([e.key for _, e, _, _ in together], [dsts[i] for i, _, _, _ in together])
-        except BaseException:
-            with cascade.lock:
-                for _, entry, _, _ in together:
-                    cascade.unpin(entry)
-            raise
-        for (i, entry, t, codec), n in zip(together, sizes):
-            if isinstance(n, Exception):
-                with cascade.lock:
-                    if isinstance(n, BlockCorrupt):
-                        cascade.discard_corrupt_copy(entry, t)
-                    cascade.unpin(entry)
-                alone.append(i)
-            else:
-                out[i] = _Read(entry, t, n, codec, dsts[i][:n], None)
+            decode = codec != 0 and codec not in accept
+            reads.append(BlockRead(i, cascade.pin_entry(entry), t, codec, decode))
+        if misses:
+            cascade.count("misses", misses)
+    return reads
+
+
+def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
+    """Read every planned copy into its buffer, the lock released: below the CPU tier several at
+    once (runs where the tier reads runs), the rest on this thread. A damaged copy sets ``failed``;
+    any other failure raises (the caller unpins)."""
+    slow = [r for r in reads if r.tier >= slow_from(cascade) and not r.decode]
+    if len(slow) < 2:
+        slow = []
+    in_flight = []
+    if slow:
+        pool = _readers.get()
+        k = 0
+        while k < len(slow):   # runs of neighbours on one tier that reads runs, else one copy each
+            run, nbytes = [slow[k]], dsts[slow[k].at].nbytes
+            tier = cascade.tiers[slow[k].tier]
+            while (tier.reads_in_runs and k + len(run) < len(slow) and slow[k + len(run)].tier == run[0].tier
+                   and nbytes + dsts[slow[k + len(run)].at].nbytes <= RUN_BYTES):
+                nbytes += dsts[slow[k + len(run)].at].nbytes
+                run.append(slow[k + len(run)])
+            in_flight.append(pool.submit(_read_run, cascade, run, dsts))
+            k += len(run)
+    taken = {id(r) for r in slow}
     try:
-        for i in alone:
-            out[i] = _read_fastest(cascade, namespace_id, hashes[i], dsts[i], accept, _own_payloads)
-    except BaseException:
-        with cascade.lock:   # nothing of this chunk is delivered: none stays pinned
-            for got in out.values():
-                if got is not None:
-                    cascade.unpin(got.entry)
-        raise
-    return out
+        for r in reads:
+            if id(r) not in taken:
+                _read_run(cascade, [r], dsts)
+    finally:
+        errors = [f.exception() for f in in_flight]   # waits for every read: none may outlive the pins
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
+    """Read ``run`` (copies of one tier; more than one only where it reads runs) into their buffers."""
+    tier = cascade.tiers[run[0].tier]
+    if len(run) == 1 and run[0].decode:
+        r = run[0]
+        record = r.entry.copies[r.tier]
+        try:
+            r.payload = cascade.read_copy(r.entry, r.tier, _own_payloads)
+            r.decoded = cascade.transcoder.decode(r.entry.namespace_id, r.entry.raw_size, record, r.payload,
+                                                  out=dsts[r.at])
+            r.n, r.codec = r.decoded.nbytes, 0
+        except (BlockCorrupt, CodecError) as e:
+            r.failed = e
+        return
+    if len(run) == 1:
+        r = run[0]
+        try:
+            r.n = tier.read_into(r.entry.key, dsts[r.at])
+            r.payload = dsts[r.at][:r.n]
+        except BlockCorrupt as e:
+            r.failed = e
+        return
+    sizes = tier.read_many_into([r.entry.key for r in run], [dsts[r.at] for r in run])
+    for r, n in zip(run, sizes):
+        if isinstance(n, BlockCorrupt):
+            r.failed = n
+        elif isinstance(n, Exception):
+            raise n
+        else:
+            r.n, r.payload = n, dsts[r.at][:n]
+
+
+def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
+    """Under one lock acquisition, in the callers' order: count, touch, promote and unpin each
+    read (``out[at]``: its size and codec); drop each damaged copy (counted) and unpin its block.
+    Returns the positions to plan again (their next copy, or a miss)."""
+    again: list[int] = []
+    policies, tiers = cascade.index.policies, cascade.tiers
+    hits = [0] * len(tiers)
+    nbytes = 0
+    with cascade.lock:
+        for r in reads:
+            entry = r.entry
+            if r.failed is not None:
+                if r.tier in entry.copies:
+                    cascade.discard_corrupt_copy(entry, r.tier)
+                cascade.unpin(entry)
+                again.append(r.at)
+                continue
+            hits[r.tier] += 1
+            nbytes += r.n
+            policies[r.tier].touch(entry.key)
+            if r.promote and not entry.doomed:
+                cascade.promote(entry, r.tier, r.payload, r.decoded)
+            cascade.unpin(entry)
+            out[r.at] = (r.n, r.codec)
+        for t, k in enumerate(hits):   # counted once per batch: the same totals, under the same lock
+            if k:
+                cascade.count(f"hits_{tiers[t].name}", k)
+        if any(hits):
+            cascade.count("bytes_out", nbytes)
+    return again
 
 
 #: where a staging run's copies land, one kept buffer per calling thread: touched once and reused,
@@ -184,155 +263,3 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
     return out
 
 
-def _read_resident(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
-                   accept: Collection[int], slow_from: int) -> list[tuple[int, int] | None] | None:
-    """The common batch, with two lock acquisitions instead of three per block: every block
-    absent, or with its fastest copy in RAM (a tier before ``slow_from``) in a form the reader
-    takes as it is (raw, or a codec in ``accept``). All are pinned at once, copied outside the
-    lock, then counted, touched, promoted and unpinned in the callers' order at once, as
-    ``_deliver`` does one by one. None (nothing pinned) when some block needs the per-block path:
-    a slower tier's read, or a decode. A copy that fails its check is dropped and its block read
-    again through ``read_block`` (the next copy, or a miss)."""
-    entries = cascade.index.entries
-    with cascade.lock:
-        plan: list[tuple[object, int] | None] = []
-        for h in hashes:
-            entry = entries.get(namespace_id + h)
-            if entry is None or not entry.visible:
-                plan.append(None)
-                continue
-            t = entry.fastest
-            codec = entry.copies[t].codec
-            if t >= slow_from or (codec != 0 and codec not in accept):
-                return None
-            plan.append((entry, t, codec))
-        misses = 0
-        for p in plan:
-            if p is None:
-                misses += 1
-            else:
-                cascade.pin_entry(p[0])
-        if misses:
-            cascade.count("misses", misses)
-    out: list[tuple[int, int] | None] = [None] * len(hashes)
-    sizes = [0] * len(hashes)
-    retry: set[int] = set()
-    tiers = cascade.tiers
-    try:
-        for i, p in enumerate(plan):
-            if p is None:
-                continue
-            entry, t, _ = p
-            try:
-                sizes[i] = tiers[t].read_into(entry.key, dsts[i])
-            except (BlockCorrupt, CodecError):
-                with cascade.lock:
-                    cascade.discard_corrupt_copy(entry, t)
-                    cascade.unpin(entry)
-                retry.add(i)
-    except BaseException:
-        with cascade.lock:   # nothing is delivered yet: every block stays stored, none pinned for good
-            for k, p in enumerate(plan):
-                if p is not None and k not in retry:
-                    cascade.unpin(p[0])
-        raise
-    start = 0
-    for k in sorted(retry) + [len(plan)]:
-        _deliver_run(cascade, plan, sizes, dsts, accept, start, k, out)
-        if k < len(plan):
-            out[k] = read_block(cascade, namespace_id, hashes[k], dsts[k], accept)
-        start = k + 1
-    return out
-
-
-def _deliver_run(cascade: Cascade, plan, sizes, dsts, accept, start: int, stop: int, out: list) -> None:
-    """``_deliver`` for the pinned reads ``plan[start:stop]`` under one lock acquisition."""
-    if start >= stop:
-        return
-    policies, tiers = cascade.index.policies, cascade.tiers
-    promote = cascade.config.promote_on_hit
-    hits = [0] * len(tiers)
-    nbytes = 0
-    with cascade.lock:
-        for i in range(start, stop):
-            p = plan[i]
-            if p is None:
-                continue
-            entry, t, codec = p
-            n = sizes[i]
-            hits[t] += 1
-            nbytes += n
-            policies[t].touch(entry.key)
-            if t > 0 and promote and not entry.doomed:
-                cascade.promote(entry, t, dsts[i][:n], None)
-            cascade.unpin(entry)
-            out[i] = (n, codec)
-        for t, k in enumerate(hits):   # counted once per run: the same totals, under the same lock
-            if k:
-                cascade.count(f"hits_{tiers[t].name}", k)
-        if any(hits):
-            cascade.count("bytes_out", nbytes)
-
-
-def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
-               accept: Collection[int] = ()) -> tuple[int, int] | None:
-    """Copy one block's fastest copy into ``dst`` (at least a block long): ``(bytes, codec id)``,
-    or None for a miss."""
-    got = _read_fastest(cascade, namespace_id, block_hash, dst, accept, _payloads)
-    return None if got is None else _deliver(cascade, got)
-
-
-class _Read:
-    """One copy read into the caller's buffer, its entry still pinned until ``_deliver``."""
-    __slots__ = ("entry", "tier", "n", "codec", "payload", "decoded")
-
-    def __init__(self, entry, tier: int, n: int, codec: int, payload, decoded) -> None:
-        self.entry, self.tier, self.n, self.codec, self.payload, self.decoded = entry, tier, n, codec, payload, decoded
-
-
-def _read_fastest(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
-                  accept: Collection[int], payloads: Scratch) -> _Read | None:
-    while True:
-        with cascade.lock:
-            entry = cascade.pin(namespace_id, block_hash)
-            if entry is None:
-                cascade.count("misses")
-                return None
-            t = entry.fastest
-        record = entry.copies[t]
-        tier = cascade.tiers[t]
-        decoded = None
-        try:
-            codec = record.codec
-            if codec != 0 and codec not in accept:
-                payload = cascade.read_copy(entry, t, payloads)
-                decoded = cascade.transcoder.decode(namespace_id, entry.raw_size, record, payload, out=dst)
-                n, codec = decoded.nbytes, 0
-            else:
-                n = tier.read_into(entry.key, dst)
-                payload = dst[:n]
-        except (BlockCorrupt, CodecError):
-            with cascade.lock:
-                cascade.discard_corrupt_copy(entry, t)
-                cascade.unpin(entry)
-            continue  # try the next copy, or report a miss
-        except BaseException:
-            with cascade.lock:   # any other failure: the block stays stored, but not pinned for good
-                cascade.unpin(entry)
-            raise
-        return _Read(entry, t, n, codec, payload, decoded)
-
-
-def _deliver(cascade: Cascade, got: _Read) -> tuple[int, int]:
-    """Count the hit, promote a slower tier's copy from the payload just read, unpin."""
-    entry, t = got.entry, got.tier
-    promote = (t > 0 and cascade.config.promote_on_hit and not entry.doomed   # its I/O outside the lock
-               and cascade.prepare_promotion(entry, t, got.payload, got.decoded))
-    with cascade.lock:
-        cascade.count(f"hits_{cascade.tiers[t].name}")
-        cascade.count("bytes_out", got.n)
-        cascade.index.policies[t].touch(entry.key)
-        if promote and not entry.doomed:
-            cascade.promote(entry, t, got.payload, got.decoded)
-        cascade.unpin(entry)
-    return got.n, got.codec
