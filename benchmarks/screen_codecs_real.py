@@ -1,0 +1,223 @@
+"""Screen KV quantisation variants cheaply on real KV: SmolLM2-135M (HF transformers) on the real-text
+corpus, each variant applied to the prompt's cached prefix block by block, next-token distribution
+compared with the unquantised cache's.
+
+    .venv/bin/python benchmarks/screen_codecs_real.py --step 16 --offset 0 [--variants fp8 int8 ...]
+
+Prototype quantisers in plain torch (not kvstore's codecs, which only some variants became): a
+variant that screens well is then implemented as a codec and confirmed through vLLM and a real
+daemon by ``bench_fidelity_real.py``. Per prompt: the model (float32 compute, the cache rounded to
+bf16 as an engine stores it) runs the prompt's full 32-token blocks (at least one token left),
+each variant quantises and dequantises that cached prefix per block (K and V ``[heads, 32, 64]``
+per layer), then the rest of the prompt runs on it; KL(unquantised || variant) of the next-token
+distribution over the full vocabulary and top-1 agreement. Needs transformers (the vLLM venv has
+it) and the real model (``scripts/real-model.sh``).
+
+Variants: ``K_chan(g)`` keys INT4 per channel over g tokens (KIVI; ``int4_gN`` is
+``K_chan(min(N, 32))`` + ``V_tok(N)``), ``V_tok(g)`` / ``K_tok(g)`` INT4 per token over g dims,
+``had`` a Hadamard rotation along head_dim before quantising and after dequantising (QuaRot),
+``fp8`` e4m3 per (token, head) row, ``fp8_kchan`` keys with per-channel scales, ``int8`` symmetric
+per row, ``+sink_fp8`` the sequence's first block in FP8 instead.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from prompts.corpus import load_prompts  # noqa: E402
+
+BLOCK = 32
+
+
+def hadamard(x):  # along last dim (64), orthonormal
+    D = x.shape[-1]; h = 1; y = x.float().clone()
+    while h < D:
+        y = y.view(*y.shape[:-1], D // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).view(*x.shape[:-2], x.shape[-2], D)
+        h *= 2
+    return y / math.sqrt(D)
+
+def int4(x, dim, group):
+    """asymmetric 4-bit along `dim` in groups of `group` (x float32)."""
+    x = x.movedim(dim, -1)
+    s = x.shape
+    g = x.reshape(*s[:-1], s[-1] // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    sc = ((hi - lo) / 15).clamp_min(1e-30)
+    q = ((g - lo) / sc).round().clamp(0, 15)
+    return (q * sc + lo).reshape(s).movedim(-1, dim)
+
+def fp8(x, dim=-1):
+    amax = x.abs().amax(dim, keepdim=True)
+    sc = (amax / 448).clamp_min(1e-30)
+    return (x / sc).to(torch.float8_e4m3fn).float() * sc
+
+def K_chan(g): return lambda k: int4(k, 1, min(g, k.shape[1]))            # per channel over tokens
+def K_tok(g, rot): return lambda k: (hadamard(int4(hadamard(k), 2, g)) if rot else int4(k, 2, g))
+def V_tok(g, rot): return lambda v: (hadamard(int4(hadamard(v), 2, g)) if rot else int4(v, 2, g))
+FP8 = lambda x: fp8(x, -1)
+def int8(x, dim=-1):
+    amax = x.abs().amax(dim, keepdim=True)
+    sc = (amax / 127).clamp_min(1e-30)
+    return (x / sc).round().clamp(-127, 127) * sc
+FP8_KCHAN = lambda k: fp8(k, 1)
+INT8_HAD = lambda x: hadamard(int8(hadamard(x)))
+
+VARIANTS = {
+    "fp8": (FP8, FP8),
+    "fp8_kchan": (FP8_KCHAN, FP8),
+    "int8": (lambda x: int8(x), lambda x: int8(x)),
+    "k_chan16+v_g64": (K_chan(16), V_tok(64, False)),
+    "k_chan8+v_g64": (K_chan(8), V_tok(64, False)),
+    "k_chan16+v_g32": (K_chan(16), V_tok(32, False)),
+    "int8_had": (INT8_HAD, INT8_HAD),
+    "int4_g64": (K_chan(64), V_tok(64, False)),
+    "int4_g32": (K_chan(32), V_tok(32, False)),
+    "k_chan+v_had64": (K_chan(64), V_tok(64, True)),
+    "k_chan16+v_had64": (K_chan(16), V_tok(64, True)),
+    "k_had64+v_had64": (K_tok(64, True), V_tok(64, True)),
+    "k_had32+v_had32": (K_tok(32, True), V_tok(32, True)),
+    "k_tok64+v_tok64": (K_tok(64, False), V_tok(64, False)),
+    "k_fp8+v_had64": (FP8, V_tok(64, True)),
+    "k_fp8+v_g64": (FP8, V_tok(64, False)),
+}
+SINK = {"int4_g64+sink_fp8", "k_chan+v_had64+sink_fp8", "k_had64+v_had64+sink_fp8", "k_chan16+v_g64+sink_fp8"}
+for name in list(SINK):
+    base = VARIANTS[name.replace("+sink_fp8", "")]
+    VARIANTS[name] = base + ("sink",)
+
+def apply(cache, P, fk, fv, sink):
+    for layer in cache.layers:
+        for attr, f in (("keys", fk), ("values", fv)):
+            t = getattr(layer, attr)  # [1, H, P, D]
+            x = t[0, :, :P].float()
+            out = []
+            for b in range(P // BLOCK):
+                blk = x[:, b * BLOCK:(b + 1) * BLOCK]
+                out.append(FP8(blk) if (sink and b == 0) else f(blk))
+            t[0, :, :P] = torch.cat(out, 1).to(t.dtype)
+
+
+def prefix(model, ids):
+    n = len(ids)
+    P = (n - 1) // BLOCK * BLOCK
+    with torch.no_grad():
+        cache = model(torch.tensor([ids[:P]]), use_cache=True).past_key_values
+    for layer in cache.layers:   # the KV an engine stores: bf16
+        layer.keys.copy_(layer.keys.bfloat16().float())
+        layer.values.copy_(layer.values.bfloat16().float())
+    return P, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers], cache
+
+
+def run(model, ids, variant, pre):
+    P, saved, cache = pre
+    for layer, (k, v) in zip(cache.layers, saved):
+        layer.keys, layer.values = k.clone(), v.clone()
+    with torch.no_grad():
+        if variant is not None:
+            fk, fv, *s = VARIANTS[variant]
+            apply(cache, P, fk, fv, bool(s))
+            for layer in cache.layers:
+                layer.keys = layer.keys.bfloat16().float()
+                layer.values = layer.values.bfloat16().float()
+        out = model(torch.tensor([ids[P:]]), past_key_values=cache, use_cache=True)
+    return out.logits[0, -1].float().log_softmax(-1)
+
+
+def machine() -> str:
+    from kvstore.ops.machine import machine_facts
+    m = machine_facts()
+    return (f"{m.get('cpu_model')}, {m.get('cores_usable')} usable cores, shared; load average "
+            f"{os.getloadavg()[0]:.1f} at the end; transformers in float32 on one thread; {m.get('time_utc')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.environ.get("KVSTORE_REAL_MODEL"), help="the real model's directory")
+    ap.add_argument("--step", type=int, default=16, help="every STEP-th prompt of the corpus")
+    ap.add_argument("--offset", type=int, default=0, help="starting at this one")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    prompts = load_prompts()[a.offset::a.step]
+    res = {v: {"top1": 0, "kl": []} for v in a.variants}
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        if len(ids) < BLOCK + 1:
+            continue
+        pre = prefix(model, ids)
+        ref = run(model, ids, None, pre)
+        for v in a.variants:
+            lp = run(model, ids, v, pre)
+            res[v]["top1"] += int(lp.argmax() == ref.argmax())
+            res[v]["kl"].append(float((ref.exp() * (ref - lp)).sum()))
+        print(i, len(prompts), f"{time.time() - t0:.0f}s", flush=True)
+    n = len(res[a.variants[0]]["kl"])
+    summary = {v: {"n": n, "top1": r["top1"] / n, "kl_mean": sum(r["kl"]) / n, "kl_max": max(r["kl"])}
+               for v, r in res.items()}
+    with open(a.out, "w") as f:
+        json.dump({"step": a.step, "offset": a.offset, "prompts": n, "variants": summary,
+                   "machine": machine(), "seconds": time.time() - t0}, f, indent=1)
+    for v, s in summary.items():
+        print(f"{v:28s} top1 {s['top1']:.3f} KL mean {s['kl_mean']:.2e} max {s['kl_max']:.2e}")
+
+
+def render(runs: list[dict]) -> str:
+    """A markdown table of one or more runs' results (each variant: mean over the runs' prompts)."""
+    names = list(dict.fromkeys(v for r in runs for v in r["variants"]))
+    n = sum(r["prompts"] for r in runs)
+    lines = ["# Codec variants screened on real KV (SmolLM2-135M, HF transformers)", "",
+             "Produced by `python benchmarks/screen_codecs_real.py` (method and variant names in its docstring): "
+             + "; ".join(f"every {r['step']}th corpus prompt from offset {r['offset']} ({r['prompts']} prompts, "
+                         f"{len(r['variants'])} variants)" for r in runs)
+             + ". Next-token distribution with the variant's prefix KV against the unquantised bf16 cache: KL over "
+             "the full vocabulary (nats) and top-1 agreement, over the prompts of the runs that tried the variant. "
+             "Screening only: what a codec does in a real engine is in [fidelity_real.md](fidelity_real.md).", "",
+             "| variant | payload / raw bytes (32-token block, head_dim 64) | prompts | KL mean | KL max | top-1 agreement |",
+             "|---|---:|---:|---:|---:|---:|"]
+    rows = []
+    for v in names:
+        mine = [r for r in runs if v in r["variants"]]
+        m = sum(r["prompts"] for r in mine)
+        kl = sum(r["variants"][v]["kl_mean"] * r["prompts"] for r in mine) / m
+        top1 = sum(r["variants"][v]["top1"] * r["prompts"] for r in mine) / m
+        rows.append((kl, v, m, max(r["variants"][v]["kl_max"] for r in mine), top1))
+    for kl, v, m, kl_max, top1 in sorted(rows):
+        lines.append(f"| {v} | {SIZES.get(v.replace('+sink_fp8', ''), '-')} | {m} | {kl:.2e} | {kl_max:.2e} "
+                     f"| {100 * top1:.1f}% |")
+    lines += ["", "Machine: " + runs[0].get("machine", "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+#: payload bytes over raw bytes per (layer, head) of a 32-token block, head_dim 64, bf16 statistics
+#: (a +sink_fp8 variant adds the first block's FP8 size once per sequence)
+SIZES = {"fp8": "0.52", "fp8_kchan": "0.52", "int8": "0.52", "int8_had": "0.52",
+         "int4_g64": "0.30", "int4_g32": "0.31", "k_chan16+v_g64": "0.33", "k_chan8+v_g64": "0.39",
+         "k_chan16+v_g32": "0.34", "k_chan+v_had64": "0.30", "k_chan16+v_had64": "0.33",
+         "k_had64+v_had64": "0.28", "k_had32+v_had32": "0.31", "k_tok64+v_tok64": "0.28",
+         "k_fp8+v_had64": "0.40", "k_fp8+v_g64": "0.40"}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:   # --render OUT.md RUN.json ...: the markdown of one or more runs
+        loaded = [json.load(open(f)) for f in sys.argv[3:]]
+        runs = [r for x in loaded for r in x.get("runs", [x])]   # (a file of several runs: {"runs": [...]})
+        with open(sys.argv[2], "w") as f:
+            f.write(render(runs))
+    else:
+        main()
