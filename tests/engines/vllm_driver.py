@@ -16,6 +16,10 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
                  "logprobs": null},            # N: also the first generated token's top-N logprobs
                                                # (-1: all of the vocabulary; the engine needs
                                                # "max_logprobs" >= N, or -1)
+                {"generate": [[token ids], ...], "logprobs_npy": PATH, "vocab": V, "batch": 16},
+                                            # one token per prompt; its log-probabilities over the
+                                            # whole vocabulary go to PATH (float32 [prompts, V]),
+                                            # not into RESULT (see first_logprobs_to_file())
                 {"serve": [[token ids], ...], "max_tokens": 16},  # all arrive at once; per-request
                                             # TTFT and inter-token latency (see serve())
                 {"drain": true},            # wait until the kvstore connector's saves reached the daemon
@@ -114,6 +118,33 @@ def serve(llm, prompts: list, max_tokens: int, tag: str) -> dict:
             "seconds": [wall]}
 
 
+def first_logprobs_to_file(llm, step: dict) -> dict:
+    """The first generated token's log-probabilities over the whole vocabulary, for every prompt,
+    written to ``step["logprobs_npy"]`` as float32 ``[prompts, vocab]``. Prompts go in batches of
+    ``step["batch"]`` (16) and nothing is detokenized: a full-vocabulary answer is ``vocab`` Python
+    objects per prompt, which for a real vocabulary (49,152) and hundreds of prompts at once would
+    take gigabytes."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=-1, detokenize=False)
+    prompts, batch = step["generate"], step.get("batch", 16)
+    dense = np.full((len(prompts), step["vocab"]), -np.inf, dtype=np.float32)
+    outputs, cached = [], []
+    t = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[start:start + batch]], params,
+                            use_tqdm=False)
+        for i, o in enumerate(outs, start):
+            first = o.outputs[0].logprobs[0]
+            dense[i, list(first)] = [lp.logprob for lp in first.values()]
+            outputs.append(list(o.outputs[0].token_ids))
+            cached.append(o.num_cached_tokens or 0)
+    np.save(step["logprobs_npy"], dense)
+    return {"outputs": outputs, "num_cached_tokens": cached, "seconds": [time.perf_counter() - t]}
+
+
 def main() -> None:
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
@@ -143,7 +174,9 @@ def main() -> None:
 
     for step in job["steps"]:
         out: dict = {}
-        if "generate" in step:
+        if "generate" in step and step.get("logprobs_npy"):
+            out = first_logprobs_to_file(llm, step)
+        elif "generate" in step:
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                     logprobs=step.get("logprobs"))
             prompts = [{"prompt": p} if isinstance(p, str) else TokensPrompt(prompt_token_ids=p)
