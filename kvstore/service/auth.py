@@ -14,8 +14,8 @@ Byte quotas are enforced by the store (``kvstore.store.quotas``), where every wr
 No token ever appears in a message this module raises.
 
 Reload (SIGHUP, ``kvstore reload``): ``replace`` swaps tokens and admins in one assignment, so a
-call sees either the old set or the new one, never a mix; calls and connections in flight are not
-touched, and the next call with a removed token is refused.
+call sees either the old set or the new one, never a mix; the next call with a removed token is
+refused, on gRPC and on every transport whose ticket was issued for it (``transport.tickets``).
 """
 
 from __future__ import annotations
@@ -34,16 +34,41 @@ class _Credentials:
         self.tenants = frozenset(tokens.values())
         self.admin_tenants = frozenset(admin_tenants)
         self.digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in tokens.items()]
+        self.by_tenant: dict[str, tuple[bytes, ...]] = {}
+        for digest, tenant in self.digests:
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, ()) + (digest,)
 
 
 class Authenticator:
+    """Also the token book the same-host and side-channel tickets are checked against
+    (``transport.tickets``): ``digests_of`` and ``generation``."""
+
     def __init__(self, tokens: Mapping[str, str] | None = None, admin_tenants: Iterable[str] = ()) -> None:
         self._credentials = _Credentials(dict(tokens or {}), admin_tenants)
+        self.generation = 0   # changes with every ``replace``: holders of tickets check them again
 
-    def replace(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> None:
+    def replace(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> set[str]:
         """New tokens and admins from the next call on (reload). Turning auth on or off is the
-        caller's to refuse: what the daemon offers (the shared arena) was decided at start."""
-        self._credentials = _Credentials(dict(tokens), admin_tenants)
+        caller's to refuse: what the daemon offers (the shared arena) was decided at start.
+        Returns the tenants that lost a token: what was issued for it is revoked."""
+        old, new = self._credentials, _Credentials(dict(tokens), admin_tenants)
+        self._credentials = new
+        self.generation += 1
+        return {tenant for tenant, digests in old.by_tenant.items()
+                if not set(digests) <= set(new.by_tenant.get(tenant, ()))}
+
+    def digests_of(self, tenant: str) -> tuple[bytes, ...]:
+        """The digests of ``tenant``'s current tokens (``(b"",)`` without auth: tickets are then
+        bound to the tenant alone)."""
+        credentials = self._credentials
+        if not credentials.digests:
+            return (b"",)
+        return credentials.by_tenant.get(tenant, ())
+
+    def token_digest(self, metadata) -> bytes:
+        """The digest of the caller's token (b"" without auth), for a ticket bound to it; raises
+        ``Unauthenticated`` as ``tenant`` does."""
+        return self._identify(metadata)[1]
 
     @property
     def enabled(self) -> bool:
@@ -56,9 +81,12 @@ class Authenticator:
 
     def tenant(self, metadata, requested: str = "") -> str:
         """The caller's tenant from its metadata (``requested`` counts only without auth)."""
+        return self._identify(metadata, requested)[0]
+
+    def _identify(self, metadata, requested: str = "") -> tuple[str, bytes]:
         credentials = self._credentials   # one snapshot for the whole check: reload may swap it
         if not credentials.digests:
-            return requested
+            return requested, b""
         header = ""
         for key, value in metadata or ():
             if key == "authorization":
@@ -76,7 +104,7 @@ class Authenticator:
                 found = tenant
         if found is None:
             raise Unauthenticated("authorization: unknown token")
-        return found
+        return found, offered
 
     def sees_store_wide(self, tenant: str) -> bool:
         """Whether an authenticated ``tenant`` may read store-wide figures and act on every

@@ -203,7 +203,8 @@ class Daemon:
         self.metrics.watch(GcPauseCollector(self.gc_pauses))
         self.reloader = None
         if reload_settings is not None:
-            self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics)
+            self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics,
+                                     revoke=self.servicer.revoke)
             self.servicer.reloader = self.reloader
         if settings.fleet.enabled:
             self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret

@@ -129,9 +129,9 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
     ``HealthStatus``; the caller starts and stops the server."""
     auth = auth or Authenticator()
     host = listen.rpartition(":")[0].strip("[]")
-    bulk = BulkServer(host) if bulk_channel and not tls_cert else None
+    bulk = BulkServer(host, tokens=auth) if bulk_channel and not tls_cert else None
     arena = store.shared_arena()
-    segments = SegmentBroker(shm_dir, arena.descriptor_for) if offer_shm and arena is not None and arena.segmented \
+    segments = SegmentBroker(shm_dir, arena.descriptor_for, tokens=auth) if offer_shm and arena is not None and arena.segmented \
         else None
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
@@ -140,7 +140,7 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
         servicer.local_lookups = LocalLookupServer(
             shm_dir, servicer.local_lookup, servicer.local_lookup_told,
             LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
-            CallServer(servicer.local_call) if arena is not None else None)
+            CallServer(servicer.local_call) if arena is not None else None, tokens=auth)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:

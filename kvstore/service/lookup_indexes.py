@@ -117,6 +117,15 @@ class LookupIndexes(StoreListener):
                     if len(h) >= MIN_HASH_BYTES:
                         table.remove(key_of(namespace_id, h))
 
+    def revoke(self, tenants: set[str]) -> None:
+        """Close the tables of ``tenants`` (flagged CLOSED: their readers ask the daemon); the
+        next client of such a tenant with a good ticket gets a new table."""
+        with self._lock:
+            owners = tenants if self.per_tenant else {None}
+            for owner in owners & self._tables.keys():
+                self._tables.pop(owner).close()
+            self._route.clear()
+
     def close(self) -> None:
         self._stop.set()
         with self._lock:

@@ -6,8 +6,9 @@ validated whole before anything changes: a bad value is refused with the key it 
 a token: ``config._describe`` redacts them) and the running configuration stays as it was.
 Turning authentication on or off is refused too: what the daemon offers its clients (the shared
 arena) was decided at start. Changed settings that need a restart (tier sizes, listen address,
-...) are reported and logged, not applied. Blocks, connections and calls in flight are not
-touched: new tokens count from the next call.
+...) are reported and logged, not applied. Blocks and calls in flight are not touched; new
+tokens count from the next call, and a removed or changed token is refused from its next call
+on every transport (the tickets issued for it are revoked: ``transport.tickets``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class Reloader:
     """Call it to reload; returns ``(applied, ignored)`` setting names or raises ``ConfigError``."""
 
     def __init__(self, settings: Settings, load: Callable[[], Settings], auth: Authenticator, store: Store,
-                 metrics=None) -> None:
+                 metrics=None, revoke: Callable[[set[str]], None] | None = None) -> None:
         self.settings = settings     # what runs now
         self.load = load
         self.auth = auth
         self.store = store
         self.metrics = metrics
+        self.revoke = revoke         # told the tenants that lost a token (``KVStoreServicer.revoke``)
         self._lock = threading.Lock()
 
     def __call__(self) -> tuple[list[str], list[str]]:
@@ -66,7 +68,9 @@ class Reloader:
 
     def _apply(self, running: Settings) -> None:
         """``running``: the settings now in force (the old ones, with the reloadable keys new)."""
-        self.auth.replace(running.tokens, running.admin_tenants)
+        revoked = self.auth.replace(running.tokens, running.admin_tenants)
+        if revoked and self.revoke is not None:
+            self.revoke(revoked)
         self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit)
         logging.getLogger().setLevel(running.log_level)
 

@@ -32,6 +32,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
     def Handshake(self, request, context):
         tenant = self.tenant_of(context)
+        token = self.auth.token_digest(context.invocation_metadata())   # the tickets are bound to it
         if request.nonce and not 16 <= len(request.nonce) <= 64:
             raise InvalidArgument("nonce", f"must be 16..64 bytes, got {len(request.nonce)}")
         resp = pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id=self.server_id,
@@ -43,7 +44,7 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
             if arena.segmented:   # auth on: this tenant's segments, by descriptor (transport.segments)
                 if self.segments is not None:
                     resp.segment_socket = self.segments.path
-                    resp.segment_ticket = self.segments.ticket_for(tenant)
+                    resp.segment_ticket = self.segments.ticket_for(tenant, token)
                     resp.segment_bytes = arena.segment_bytes
                     resp.arena_bytes = arena.nbytes
             else:
@@ -53,15 +54,22 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
                 resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
-            resp.bulk_ticket = self.bulk.ticket_for(tenant)  # opens sessions of this tenant only
+            resp.bulk_ticket = self.bulk.ticket_for(tenant, token)  # opens sessions of this tenant only
         if self.local_lookups is not None and request.nonce:
             if self.fleet is None:
                 resp.lookup_socket = self.local_lookups.path
-                resp.lookup_ticket = self.local_lookups.ticket_for(tenant)
+                resp.lookup_ticket = self.local_lookups.ticket_for(tenant, token)
             if arena is not None and self.offer_shm and self.local_lookups.takes_calls:
                 resp.lease_socket = self.local_lookups.path
-                resp.lease_ticket = self.local_lookups.ticket_for(tenant)
+                resp.lease_ticket = self.local_lookups.ticket_for(tenant, token)
         return resp
+
+    def revoke(self, tenants: set[str]) -> None:
+        """After a reload took a token from each of ``tenants``: their mapped lookup indexes stop
+        being kept (readers then ask the daemon, which refuses the revoked tickets); connections
+        and sessions opened with those tickets are closed by their servers (``transport.tickets``)."""
+        if self.local_lookups is not None and tenants:
+            self.local_lookups.revoke(tenants)
 
     def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:
         """Lookup for a same-host client over the Unix socket (``transport.local_lookup``): the

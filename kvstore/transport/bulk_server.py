@@ -8,18 +8,17 @@ Greeted connections become sessions (``kvstore.transport.bulk_sessions``): close
 goes, after ``SESSION_IDLE_S`` idle, or least-recently-used first when ``MAX_SESSIONS`` are open.
 All of it runs on a single epoll loop thread; RPC handlers borrow sessions' sockets.
 
-Tickets bind sessions to tenants: Handshake hands a caller ``ticket_for(its tenant)``, an HMAC of
-the tenant under a secret of this daemon run, and the session a ticket opens answers only RPCs
-of that tenant.
+Tickets bind sessions to tenants: Handshake hands a caller ``ticket_for(its tenant, its token's
+digest)`` (``transport.tickets``), and the session a ticket opens answers only RPCs of that
+tenant. A ticket whose token a reload removed or changed opens nothing, and the sessions it
+opened are closed within ``REVOKE_WITHIN_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
-import secrets
 import select
 import socket
 import threading
@@ -28,6 +27,7 @@ from collections import OrderedDict
 
 from kvstore.transport.bulk import GREETING_BYTES, MAGIC, TICKET_BYTES
 from kvstore.transport.bulk_sessions import Session, SessionTable
+from kvstore.transport.tickets import Tickets, TokenBook
 
 log = logging.getLogger("kvstore.transport.bulk_server")
 
@@ -35,7 +35,8 @@ GREETING_DEADLINE_S = 2.0      # a connection must send its greeting within this
 MAX_PENDING_GREETINGS = 64     # connections accepted and not yet greeted, at most
 SESSION_IDLE_S = 300.0         # a session unused this long is closed (its client reconnects on next use)
 MAX_SESSIONS = 1024            # open sessions; the least recently used idle one makes room for a new one
-MAX_TICKET_TENANTS = 4096      # tenants whose tickets are remembered (bounded by the configured tokens)
+MAX_TICKET_TENANTS = 4096      # tickets remembered (bounded by the configured tokens)
+REVOKE_WITHIN_S = 0.25         # sessions of a revoked token are closed this soon after the tokens change
 _WATCH_GREETING = select.EPOLLIN | select.EPOLLRDHUP
 
 
@@ -52,8 +53,9 @@ class BulkServer:
     """Daemon side: accepts side-channel connections and lends their sockets to RPC handlers."""
 
     def __init__(self, host: str, *, idle_s: float = SESSION_IDLE_S, greeting_deadline_s: float = GREETING_DEADLINE_S,
-                 max_pending_greetings: int = MAX_PENDING_GREETINGS, max_sessions: int = MAX_SESSIONS) -> None:
-        self._secret = secrets.token_bytes(32)
+                 max_pending_greetings: int = MAX_PENDING_GREETINGS, max_sessions: int = MAX_SESSIONS,
+                 tokens: TokenBook | None = None) -> None:
+        self.tickets = Tickets("side-channel", tokens, size=TICKET_BYTES)
         self._tenant_by_ticket: OrderedDict[bytes, str] = OrderedDict()
         self._tickets_lock = threading.Lock()
         self.greeting_deadline_s = greeting_deadline_s
@@ -79,9 +81,10 @@ class BulkServer:
 
     # -- what RPC handlers use ---------------------------------------------------------------------
 
-    def ticket_for(self, tenant: str) -> bytes:
-        """The ticket a Handshake of ``tenant`` hands out: it opens sessions of that tenant only."""
-        ticket = hmac.new(self._secret, tenant.encode("utf-8"), hashlib.sha256).digest()[:TICKET_BYTES]
+    def ticket_for(self, tenant: str, token_digest: bytes = b"") -> bytes:
+        """The ticket a Handshake of ``tenant`` hands out: it opens sessions of that tenant only,
+        while the token it was issued for is one of the tenant's."""
+        ticket = self.tickets.issue(tenant, token_digest)
         with self._tickets_lock:
             self._tenant_by_ticket[ticket] = tenant
             self._tenant_by_ticket.move_to_end(ticket)
@@ -131,10 +134,13 @@ class BulkServer:
         idle_tick = min(1.0, self.sessions.idle_s / 4)
         next_idle_check = time.monotonic() + idle_tick
         listener_fd, wake_fd = self._listener.fileno(), self._wake_reader.fileno()
+        swept = self.tickets.generation
         while not self._closed.is_set():
             now = time.monotonic()
             oldest = next(iter(self._greetings.values()), None)
-            wake_at = next_idle_check if oldest is None else min(next_idle_check, oldest.deadline)
+            wake_at = min(next_idle_check, now + REVOKE_WITHIN_S)
+            if oldest is not None:
+                wake_at = min(wake_at, oldest.deadline)
             try:
                 events = self._poller.poll(max(0.0, wake_at - now))
             except (OSError, ValueError):
@@ -151,6 +157,9 @@ class BulkServer:
                         self.sessions.on_readable(fd, mask)
                 except Exception:  # noqa: BLE001 - one bad connection must not stop the side channel
                     log.exception("side channel: handling a connection failed")
+            if swept != self.tickets.generation:
+                swept = self.tickets.generation
+                self.sessions.revoke(self.tickets.admits)
             now = time.monotonic()
             self._expire_greetings(now)
             if now >= next_idle_check:
@@ -192,12 +201,12 @@ class BulkServer:
             self._end_greeting(fd, "greetings_refused")
             return
         sock = self._end_greeting(fd, None, close=False)
-        self._open_session(sock, tenant)
+        self._open_session(sock, tenant, greeting.received[len(MAGIC):])
 
-    def _open_session(self, sock: socket.socket, tenant: str) -> None:
+    def _open_session(self, sock: socket.socket, tenant: str, ticket: bytes) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(True)   # handlers use blocking I/O; the stall watchdog bounds it
-        sid = self.sessions.open(sock, tenant)
+        sid = self.sessions.open(sock, tenant, ticket)
         if sid is None:
             sock.close()
             return
@@ -209,8 +218,10 @@ class BulkServer:
     def _tenant_of(self, greeting: bytes) -> str | None:
         if not hmac.compare_digest(greeting[:len(MAGIC)], MAGIC):
             return None
+        ticket = greeting[len(MAGIC):]
         with self._tickets_lock:
-            return self._tenant_by_ticket.get(greeting[len(MAGIC):])
+            tenant = self._tenant_by_ticket.get(ticket)
+        return tenant if tenant is not None and self.tickets.admits(ticket, tenant) else None
 
     def _expire_greetings(self, now: float) -> None:
         while self._greetings:

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvstore.transport.bulk import SESSION_ID_BYTES
 
@@ -32,10 +32,11 @@ _GONE = select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP
 class Session:
     """One side-channel connection and the tenant whose Handshake ticket opened it."""
 
-    def __init__(self, sid: bytes, sock: socket.socket, tenant: str) -> None:
+    def __init__(self, sid: bytes, sock: socket.socket, tenant: str, ticket: bytes = b"") -> None:
         self.sid = sid
         self.sock = sock
         self.tenant = tenant
+        self.ticket = ticket           # what opened it: checked again when the tokens change
         self.lock = threading.Lock()   # one transfer at a time on the socket
         self.users = 0                 # handlers holding or waiting for ``lock`` (guarded by the table)
         self.last_used = time.monotonic()
@@ -53,7 +54,7 @@ class SessionTable:
         self._by_fd: dict[int, Session] = {}
         self._lock = threading.Lock()
         self.counts = {"opened": 0, "closed_by_peer": 0, "idle_expired": 0, "evicted": 0, "refused_full": 0,
-                       "dropped": 0}
+                       "dropped": 0, "revoked": 0}
 
     def __len__(self) -> int:
         with self._lock:
@@ -65,14 +66,14 @@ class SessionTable:
         with self._lock:
             return len(self._sessions), dict(self.counts)
 
-    def open(self, sock: socket.socket, tenant: str) -> bytes | None:
+    def open(self, sock: socket.socket, tenant: str, ticket: bytes = b"") -> bytes | None:
         """Register a greeted connection; its new session id, or None when every slot is busy."""
         with self._lock:
             if len(self._sessions) >= self.max_sessions and not self._evict_one_idle():
                 self.counts["refused_full"] += 1
                 return None
             sid = secrets.token_bytes(SESSION_ID_BYTES)
-            session = Session(sid, sock, tenant)
+            session = Session(sid, sock, tenant, ticket)
             self._sessions[sid] = session
             self._by_fd[sock.fileno()] = session
             self._poller.register(sock.fileno(), WATCH_IDLE)
@@ -141,6 +142,12 @@ class SessionTable:
             session = self._sessions.get(sid)
             if session is not None:
                 self._close(session, "dropped")
+
+    def revoke(self, admits: Callable[[bytes, str], bool]) -> None:
+        """Close every session whose ticket ``admits(ticket, tenant)`` no longer admits."""
+        with self._lock:
+            for session in [s for s in self._sessions.values() if not admits(s.ticket, s.tenant)]:
+                self._close(session, "revoked")
 
     def close_all(self) -> None:
         with self._lock:

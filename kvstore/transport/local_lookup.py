@@ -4,7 +4,7 @@ cached?") without a gRPC call.
 An engine's scheduler asks once per request, hit or miss, and waits for the answer before it
 schedules anything; over gRPC that costs a round trip of several hundred microseconds in Python.
 Here a same-host client keeps one Unix-socket connection open (path and ticket from Handshake,
-the ticket an HMAC of its tenant under a secret of this daemon run, as for the side channel) and
+bound to its token: ``transport.tickets``, as for the side channel) and
 sends length-prefixed requests; the daemon answers each on one epoll thread
 (``unix_server.UnixServer``), straight from the store's index.
 
@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvstore.transport.lookup_index import IndexReader
+from kvstore.transport.tickets import TokenBook
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVLK"
@@ -58,6 +59,8 @@ class IndexProvider(Protocol):
     """What the server needs of the daemon's lookup indexes (``service.lookup_indexes``)."""
 
     def descriptor_for(self, tenant: str) -> int | None: ...
+
+    def revoke(self, tenants: set[str]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -150,13 +153,14 @@ class LocalLookupServer(UnixServer):
 
     def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]],
                  told: Callable[[str, bytes, list[bytes], int, bool], None] | None = None,
-                 indexes: IndexProvider | None = None, calls: CallTaker | None = None) -> None:
+                 indexes: IndexProvider | None = None, calls: CallTaker | None = None,
+                 tokens: TokenBook | None = None) -> None:
         self._handler, self._told = handler, told
         self._indexes = indexes if told is not None else None
         self._calls = calls
         if calls is not None:
             calls.send = self.send_soon
-        super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S)
+        super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S, tokens=tokens)
 
     @property
     def takes_calls(self) -> bool:
@@ -194,10 +198,10 @@ class LocalLookupServer(UnixServer):
         if len(conn.buf) < _HEAD.size + name_len:
             return False
         tenant = bytes(conn.buf[_HEAD.size:_HEAD.size + name_len]).decode("utf-8", "replace")
-        if not self.ticket_admits(ticket, tenant):
+        if not self.admit(conn, ticket, tenant):
             self.end(fd, "refused")
             return False
-        conn.tenant, conn.buf = tenant, conn.buf[_HEAD.size + name_len:]
+        conn.buf = conn.buf[_HEAD.size + name_len:]
         conn.deadline = time.monotonic() + IDLE_S
         self.counts["sessions"] += 1
         return True
@@ -240,6 +244,12 @@ class LocalLookupServer(UnixServer):
         except Exception as e:  # noqa: BLE001 - the error goes back to the caller, by class
             rest = _ANSWER.pack(1, 0) + f"{type(e).__name__}:{e}".encode("utf-8", "replace")[:4096]
         return frame(rest)
+
+    def revoke(self, tenants: set[str]) -> None:
+        """Stop keeping ``tenants``' mapped indexes (a reload took a token from each): a client
+        still mapping one finds it closed and asks here, where its revoked ticket is refused."""
+        if self._indexes is not None:
+            self._indexes.revoke(tenants)
 
     def close(self) -> None:
         super().close()

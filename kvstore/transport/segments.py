@@ -3,7 +3,8 @@
 With tokens configured the daemon's CPU arena is one sealed ``memfd`` per segment, each holding
 one tenant's blocks (``kvstore.tiers.cpu``). No path leads to them. A client gets the
 descriptors of its own tenant's segments over a Unix socket beside the old arena path: it sends
-the ticket Handshake gave it (an HMAC of its tenant under a secret of this daemon run) and the
+the ticket Handshake gave it (bound to its token and checked against the current tokens on every
+request: ``transport.tickets``) and the
 segment numbers a lease named; the daemon answers with ``SCM_RIGHTS`` descriptors only for
 segments that hold that tenant's blocks at that moment, else refuses the whole request.
 
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore.buffers import copy_each, copy_each_in, gather, scatter
+from kvstore.transport.tickets import TokenBook
 from kvstore.transport.unix_server import Connection, UnixServer
 
 MAGIC = b"KVSG"
@@ -77,9 +79,10 @@ class SegmentBroker(UnixServer):
     tenant's blocks now (a descriptor the broker closes after sending), None otherwise. One
     request per connection, answered and closed."""
 
-    def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None]) -> None:
+    def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None],
+                 tokens: TokenBook | None = None) -> None:
         self._descriptor_for = descriptor_for
-        super().__init__(shm_dir, "segment-broker", MAX_PENDING, REQUEST_DEADLINE_S, _MAX_REQUEST + 1)
+        super().__init__(shm_dir, "segment-broker", MAX_PENDING, REQUEST_DEADLINE_S, _MAX_REQUEST + 1, tokens=tokens)
 
     def received(self, fd: int, conn: Connection) -> None:
         try:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -26,6 +24,8 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
+
+from kvstore.transport.tickets import Tickets, TokenBook
 
 log = logging.getLogger("kvstore.transport.unix_server")
 
@@ -39,10 +39,12 @@ _READ = select.EPOLLIN | select.EPOLLRDHUP   # what a connection is watched for 
 class Connection:
     """One client's connection; ``busy`` while a call it sent runs on another thread, ``unsent``
     what ``send_soon`` left for this server's thread to write (``unsent_until``: by when)."""
-    __slots__ = ("sock", "buf", "deadline", "tenant", "busy", "unsent", "unsent_until")
+    __slots__ = ("sock", "buf", "deadline", "tenant", "ticket", "checked", "busy", "unsent", "unsent_until")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock, self.buf, self.deadline, self.tenant, self.busy = sock, bytearray(), deadline, None, False
+        self.ticket = b""
+        self.checked = 0   # the token book's generation its ticket was last checked at
         self.unsent: memoryview | None = None
         self.unsent_until = 0.0
 
@@ -51,14 +53,16 @@ class UnixServer:
     """Subclasses implement ``received(fd, conn)``: called with ``conn.buf`` grown by new bytes
     (it consumes what it can, answers on ``conn.sock``, may ``end(fd, reason)``).
 
-    Tickets: Handshake hands a caller ``ticket_for(its tenant)``, an HMAC of the tenant under a
-    secret of this daemon run and of this service (``name``), which the client presents here."""
+    Tickets (``transport.tickets``): Handshake hands a caller ``ticket_for(its tenant, its
+    token's digest)``, which the client presents here; a subclass that admits a connection with
+    one calls ``admit``. A connection whose ticket the current tokens no longer admit is ended
+    (``revoked``) before its next frame is read, and within a tick of the token change."""
 
     def __init__(self, shm_dir: str, name: str, max_connections: int, first_deadline_s: float,
-                 max_read: int = 1 << 16) -> None:
+                 max_read: int = 1 << 16, tokens: TokenBook | None = None) -> None:
         sweep_stale_sockets(shm_dir)
-        self._secret = secrets.token_bytes(32)
-        self._purpose = name.encode() + b":"
+        self.tickets = Tickets(name, tokens)
+        self._swept = self.tickets.generation
         self.max_connections, self.first_deadline_s, self.max_read = max_connections, first_deadline_s, max_read
         self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,11 +81,29 @@ class UnixServer:
     def received(self, fd: int, conn: Connection) -> None:
         raise NotImplementedError
 
-    def ticket_for(self, tenant: str) -> bytes:
-        return hmac.new(self._secret, self._purpose + tenant.encode("utf-8"), hashlib.sha256).digest()
+    def ticket_for(self, tenant: str, token_digest: bytes = b"") -> bytes:
+        return self.tickets.issue(tenant, token_digest)
 
     def ticket_admits(self, ticket: bytes, tenant: str) -> bool:
-        return hmac.compare_digest(ticket, self.ticket_for(tenant))
+        return self.tickets.admits(ticket, tenant)
+
+    def admit(self, conn: Connection, ticket: bytes, tenant: str) -> bool:
+        """Admit ``conn`` as ``tenant`` if ``ticket`` is good now; it is checked again whenever
+        the tokens change."""
+        generation = self.tickets.generation
+        if not self.tickets.admits(ticket, tenant):
+            return False
+        conn.tenant, conn.ticket, conn.checked = tenant, ticket, generation
+        return True
+
+    def _still_admitted(self, conn: Connection) -> bool:
+        generation = self.tickets.generation
+        if conn.tenant is None or conn.checked == generation:
+            return True
+        if not self.tickets.admits(conn.ticket, conn.tenant):
+            return False
+        conn.checked = generation
+        return True
 
     def _loop(self) -> None:
         while not self._closed.is_set():
@@ -102,8 +124,13 @@ class UnixServer:
                     log.exception("%s: handling a connection failed", self._thread.name)
                     self.end(fd, "failed")
             now = time.monotonic()
+            sweep = self._swept != self.tickets.generation
+            if sweep:
+                self._swept = self.tickets.generation
             for fd, conn in list(self.conns.items()):
-                if conn.deadline < now:
+                if sweep and not self._still_admitted(conn):
+                    self.end(fd, "revoked")
+                elif conn.deadline < now:
                     self.end(fd, "timed_out")
                 elif conn.unsent is not None and conn.unsent_until < now:
                     self.end(fd, "stalled")   # it does not take its answer
@@ -133,6 +160,9 @@ class UnixServer:
             chunk = b""
         if not chunk:
             self.end(fd, "closed")
+            return
+        if not self._still_admitted(conn):
+            self.end(fd, "revoked")
             return
         conn.buf += chunk
         self.conns.move_to_end(fd)
