@@ -31,6 +31,8 @@ from kvstore.transport.segments import SegmentMap
 from kvstore.wire import PROTOCOL_VERSION, SERVER_ID_KEY
 
 TRANSPORTS = ("auto", "shm", "bulk", "grpc")
+#: back-off between attempts to connect the lookup socket again: first, most (seconds)
+LOOKUP_BACKOFF_S = (0.05, 5.0)
 
 
 class Negotiation:
@@ -51,6 +53,9 @@ class Negotiation:
         self.arena: shm.ArenaMap | SegmentMap | None = None
         self.bulk: BulkChannel | None = None
         self.lookups: LocalLookup | None = None   # same-host Lookup over the daemon's Unix socket
+        self._lookup_offer = None      # the Handshake that offered it: connected again from it when lost
+        self._lookup_backoff = 0.0     # seconds to wait before the next attempt (0: at once)
+        self._lookup_retry_at = 0.0
         self.leases = LeaseCalls(rpc)   # the shm path's lease RPCs: over that socket too when offered
         self._negotiated = False
         self._lock = threading.Lock()
@@ -75,6 +80,8 @@ class Negotiation:
             if self.chunk_bytes is None:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)
+            self._lookup_offer = hs if hs.lookup_socket else None
+            self._lookup_backoff = 0.0
             self.lookups = self._local_lookups(hs)
             self.leases.local = self._local_calls(hs) if self.arena is not None and self.local_leases else None
             self.accept_codecs = self._decodable(hs.stored_codecs)
@@ -142,16 +149,35 @@ class Negotiation:
             return None
 
     def drop_local_lookups(self) -> None:
-        """The lookup connection broke: later lookups go over gRPC until the next negotiation."""
+        """The lookup connection broke (the daemon let it go): ``local_lookups`` connects again."""
         with self._lock:
             if self.lookups is not None:
                 self.lookups.close()
                 self.lookups = None
 
+    def local_lookups(self) -> LocalLookup | None:
+        """The same-host lookup connection, connected again from the last Handshake's offer when
+        the daemon let the old one go (pushed out, idle, revoked): at once the first time, then
+        with back-off (``LOOKUP_BACKOFF_S``, doubling) while attempts fail; None meanwhile (the
+        caller asks over gRPC)."""
+        lookups = self.lookups
+        if lookups is not None or self._lookup_offer is None or time.monotonic() < self._lookup_retry_at:
+            return lookups
+        with self._lock:
+            if self.lookups is None and self._lookup_offer is not None:
+                self.lookups = self._local_lookups(self._lookup_offer)
+                if self.lookups is None:
+                    self._lookup_backoff = min(max(2 * self._lookup_backoff, LOOKUP_BACKOFF_S[0]), LOOKUP_BACKOFF_S[1])
+                    self._lookup_retry_at = time.monotonic() + self._lookup_backoff
+                else:
+                    self._lookup_backoff = 0.0
+            return self.lookups
+
     def reset(self) -> None:
         """Forget the negotiated transport (the daemon may have restarted with a new arena)."""
         with self._lock:
             self._negotiated = False
+            self._lookup_offer = None
             if self.lookups is not None:
                 self.lookups.close()
                 self.lookups = None

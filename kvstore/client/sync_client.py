@@ -156,12 +156,14 @@ class Client:
         """Leading blocks of the chain present in the daemon (pinned for the lease time). On the
         daemon's host this goes over its Unix socket (``transport.local_lookup``), else gRPC."""
         self._negotiation.ensure()
-        local = self._negotiation.lookups
-        if local is not None and hashes:
+        for _ in range(2):   # a connection the daemon let go is connected again, once, at once
+            local = self._negotiation.local_lookups()
+            if local is None or not hashes:
+                break
             try:
                 return self._lookup_with(lambda h: local.lookup(ns_id, h, lease), hashes)
             except (LocalLookupError, Unframeable):
-                pass   # refused, or not for the socket: the RPC below answers, or raises the same error
+                break   # refused, or not for the socket: the RPC below answers, or raises the same error
             except (OSError, ValueError):
                 self._negotiation.drop_local_lookups()
 

@@ -4,8 +4,10 @@ Used by the segment broker (``segments``) and the lookup service (``local_lookup
 lives in ``shm_dir`` beside the arena (a path every same-host client, even in another container
 sharing that directory, can reach), mode 0666: what admits a client is the ticket it sends, not
 who it is. Nothing grows with idle or hostile connections: every connection has a deadline (the
-subclass moves it), at most ``max_connections`` are open (a new one pushes the least recently
-active out), and one thread serves them all. An answer another thread sends (``send_soon``) never
+subclass moves it); at most ``max_pending`` have not yet proved a tenant with a ticket (a new one
+pushes the oldest of those out) and at most ``max_connections`` per tenant are admitted (a new one
+pushes that tenant's least recently active out), so one tenant's connections, or anyone's
+unproven ones, never push out another tenant's; one thread serves them all. An answer another thread sends (``send_soon``) never
 waits for its reader: what the socket does not take at once, this thread writes later, and a
 connection that leaves it untaken for ``SEND_WITHIN_S`` is ended. Sockets left by daemons that
 died are swept at start.
@@ -59,11 +61,15 @@ class UnixServer:
     (``revoked``) before its next frame is read, and within a tick of the token change."""
 
     def __init__(self, shm_dir: str, name: str, max_connections: int, first_deadline_s: float,
-                 max_read: int = 1 << 16, tokens: TokenBook | None = None) -> None:
+                 max_read: int = 1 << 16, tokens: TokenBook | None = None, max_pending: int = 64,
+                 max_tenants: int = 16) -> None:
         sweep_stale_sockets(shm_dir)
         self.tickets = Tickets(name, tokens)
         self._swept = self.tickets.generation
         self.max_connections, self.first_deadline_s, self.max_read = max_connections, first_deadline_s, max_read
+        self.max_pending = min(max_pending, max_connections)
+        self.max_total = max_connections * max_tenants
+        self._per_tenant: Counter[str] = Counter()   # admitted connections by tenant
         self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -91,9 +97,12 @@ class UnixServer:
         """Admit ``conn`` as ``tenant`` if ``ticket`` is good now; it is checked again whenever
         the tokens change."""
         generation = self.tickets.generation
-        if not self.tickets.admits(ticket, tenant):
+        if not self.tickets.admits(ticket, tenant) or len(self.conns) > self.max_total:
             return False
+        if self._per_tenant[tenant] >= self.max_connections:   # a tenant's connections push out only its own
+            self.end(next(fd for fd, c in self.conns.items() if c.tenant == tenant), "pushed_out")
         conn.tenant, conn.ticket, conn.checked = tenant, ticket, generation
+        self._per_tenant[tenant] += 1
         return True
 
     def _still_admitted(self, conn: Connection) -> bool:
@@ -145,8 +154,9 @@ class UnixServer:
                 time.sleep(0.05)
                 return
             sock.setblocking(False)
-            if len(self.conns) >= self.max_connections:
-                self.end(next(iter(self.conns)), "pushed_out")
+            pending = [fd for fd, c in self.conns.items() if c.tenant is None]
+            if len(pending) >= self.max_pending:   # an unproven connection pushes out only unproven ones
+                self.end(pending[0], "pushed_out")
             self._poller.register(sock.fileno(), _READ)
             self.conns[sock.fileno()] = Connection(sock, time.monotonic() + self.first_deadline_s)
 
@@ -207,6 +217,10 @@ class UnixServer:
         conn = self.conns.pop(fd, None)
         if conn is None:
             return
+        if conn.tenant is not None:
+            self._per_tenant[conn.tenant] -= 1
+            if not self._per_tenant[conn.tenant]:
+                del self._per_tenant[conn.tenant]
         with contextlib.suppress(OSError, ValueError):
             self._poller.unregister(fd)
         conn.sock.close()
