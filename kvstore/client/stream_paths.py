@@ -27,6 +27,7 @@ from kvstore.transport.bulk import BulkChannel
 SLOW_LINK_BYTES_PER_S = 100e6   # deadline allowance per byte for data calls
 #: decode side-channel blocks on a worker thread while the next arrive only with more cores than this
 EARLY_DECODE_MIN_CORES = 3
+SETTLE_S = 0.5                  # how long a broken transfer waits for its RPC to say why
 
 
 def data_timeout(timeout_s: float, nbytes: int) -> float:
@@ -58,6 +59,21 @@ class BulkPath:
             self.negotiation.reset()
         return err
 
+    def _side_channel_failed(self, fut, e: Exception) -> KVStoreError:
+        """Why a transfer's session broke: the RPC's own refusal when it has one within
+        ``SETTLE_S`` (a revoked token is refused, and its sessions closed, at once:
+        ``Unauthenticated``), else ``DaemonUnavailable``."""
+        try:
+            fut.result(timeout=SETTLE_S)
+        except grpc.RpcError as rpc_error:
+            err = self._rpc_failed(rpc_error)
+            if not isinstance(err, DaemonUnavailable):
+                return err
+        except Exception:  # noqa: BLE001 - not settled in time, or cancelled: the channel failed
+            pass
+        fut.cancel()
+        return DaemonUnavailable(f"side channel failed: {e}")
+
     def put(self, bulk: BulkChannel, ns_id: bytes, hashes, arrays, parent, block_bytes: int,
             codec: int = 0) -> list[str]:
         """``codec``: ``arrays`` are payloads this client encoded (a block long: raw)."""
@@ -71,9 +87,8 @@ class BulkPath:
             except grpc.RpcError as e:
                 raise self._rpc_failed(e) from None
             except OSError as e:
-                fut.cancel()
                 self.negotiation.reset()
-                raise DaemonUnavailable(f"side channel failed: {e}") from None
+                raise self._side_channel_failed(fut, e) from None
 
     def get(self, bulk: BulkChannel, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
             byte_range: tuple[int, int] | None = None) -> list[int | None]:
@@ -101,11 +116,11 @@ class BulkPath:
                 except grpc.RpcError as e:
                     raise self._rpc_failed(e) from None
                 except (OSError, TimeoutError, InvalidArgument) as e:
-                    fut.cancel()
                     self.negotiation.reset()  # the socket is mid-frame: start a fresh one next time
                     if isinstance(e, InvalidArgument):
+                        fut.cancel()
                         raise
-                    raise DaemonUnavailable(f"side channel failed: {e}") from None
+                    raise self._side_channel_failed(fut, e) from None
         finally:
             early.settle()
         codecs += [0] * (len(sizes) - len(codecs))
