@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.errors import (BlockTooLarge, InvalidArgument, LeaseExpired, StoreFull, TierIOError,
+from kvstore.errors import (BlockTooLarge, InvalidArgument, LeaseExpired, QuotaExceeded, StoreFull, TierIOError,
                             UnknownNamespace, WrongBlockSize)
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig, StoreListener
@@ -613,6 +613,28 @@ def test_subscribe_returns_a_snapshot_then_events_until_unsubscribed(harness):
     h.store.unsubscribe(listener)
     h.put(chain(1, start=900))
     assert len(listener.events) == 2
+
+
+def test_all_tenants_pins_together_hold_at_most_half_the_cpu_tier(harness):
+    """With no per-tenant pin limit, two tenants pin half of an 8-block CPU tier between them; a
+    third tenant's pin of one more block is refused whole, and its puts still land in the CPU tier
+    (evicting only what is not pinned), every pinned block staying there too."""
+    h = harness(cpu_blocks=8, eviction_policy="lru")
+    h.store.admin.set_limits({}, None)
+    ns = {t: h.store.register_namespace(Namespace(layout(), tenant=t)) for t in "abc"}
+    mine = {t: chain(4, start=1000 * k) for k, t in enumerate("abc")}
+    for t in "ab":
+        h.store.put(ns[t], mine[t], [data(x) for x in mine[t]])
+        assert h.store.admin.pin(h.store.namespace(ns[t]), mine[t][:2]).pinned == 2
+    with pytest.raises(QuotaExceeded, match="more than the .* bytes \\(50% of it\\) pins may hold together"):
+        h.store.admin.pin(h.store.namespace(ns["c"]), chain(1, start=9000))
+    assert h.store.admin.pinned_bytes_by_tenant() == {"a": 2 * BLOCK, "b": 2 * BLOCK}   # nothing of c's
+    for k in range(3):   # c's traffic pushes everything unpinned out of the CPU tier
+        part = chain(4, start=20_000 + 1000 * k)
+        h.store.put(ns["c"], part, [data(x) for x in part])
+        assert [h.store.lookup(ns["c"], [x], lease=False).tiers for x in part] == [["cpu"]] * 4
+    for t in "ab":
+        assert h.store.lookup(ns[t], mine[t][:2], lease=False).tiers == ["cpu"] * 2
 
 
 def test_pinned_keeps_a_block_from_eviction_and_gives_none_for_a_missing_one(harness):

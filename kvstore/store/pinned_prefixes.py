@@ -12,8 +12,10 @@ what its pins hold there, whether their blocks are stored yet or not: each pinne
 footprint (a 2 KiB block in a 256 KiB slot costs 256 KiB) and, with tenant segments, every
 segment a pinned block keeps from passing to another tenant (at least the footprints rounded up
 to whole segments). So one tenant cannot pin the CPU tier away from the others: a pin beyond it is
-refused whole (``QuotaExceeded`` naming the setting) and leaves nothing pinned. Pins live in
-memory: a restarted daemon starts with none.
+refused whole (``QuotaExceeded`` naming the setting) and leaves nothing pinned. Whatever the
+limits add up to, all tenants' pins together hold at most ``PINNED_SHARE`` of the CPU tier: the
+rest always holds blocks eviction can move, so no tenant's put or promotion meets a wall of other
+tenants' pins. Pins live in memory: a restarted daemon starts with none.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from kvstore.store.warming import WARMED, warm
 
 #: the daemon setting that sets ``PinnedPrefixes.limit_bytes`` (named in refusals)
 LIMIT_SETTING = "max_pinned_bytes_per_tenant"
+#: the most of the CPU tier all tenants' pins together may hold
+PINNED_SHARE = 0.5
 
 
 @dataclasses.dataclass
@@ -74,20 +78,30 @@ class PinnedPrefixes(StoreListener):
                               tenant_pinned_bytes=self._cost(ns.tenant))
 
     def _refuse_beyond_limit(self, ns: Namespace, new: Sequence[bytes]) -> None:
-        """Take back the pins of ``new`` and raise ``QuotaExceeded`` naming the setting if the
-        tenant's pins now hold more than ``limit_bytes``. Caller holds the lock."""
-        if self.limit_bytes is None:
-            return
+        """Take back the pins of ``new`` and raise ``QuotaExceeded`` if the tenant's pins now hold
+        more than ``limit_bytes`` (naming the setting), or all tenants' more than ``PINNED_SHARE``
+        of the CPU tier. Caller holds the lock."""
         cost = self._cost(ns.tenant)
-        if cost <= self.limit_bytes:
-            return
-        self._release(ns.id, new)
-        self.cascade.counters["pins_refused_limit"] += 1
-        raise QuotaExceeded(
-            f"{LIMIT_SETTING}: with {len(new)} more blocks pinned, tenant {ns.tenant!r}'s pins would hold {cost} "
-            f"bytes of the CPU tier (slot footprints{', and the segments they keep' if self._segment_bytes() else ''}), "
-            f"which would exceed its limit of {self.limit_bytes} bytes; nothing was pinned (unpin something, or raise "
-            f"{LIMIT_SETTING})", field=LIMIT_SETTING)
+        if self.limit_bytes is not None and cost > self.limit_bytes:
+            self._release(ns.id, new)
+            self.cascade.counters["pins_refused_limit"] += 1
+            raise QuotaExceeded(
+                f"{LIMIT_SETTING}: with {len(new)} more blocks pinned, tenant {ns.tenant!r}'s pins would hold "
+                f"{cost} bytes of the CPU tier (slot footprints"
+                f"{', and the segments they keep' if self._segment_bytes() else ''}), which would exceed its limit "
+                f"of {self.limit_bytes} bytes; nothing was pinned (unpin something, or raise {LIMIT_SETTING})",
+                field=LIMIT_SETTING)
+        cpu = self._cpu()
+        if cpu is not None:
+            share = int(cpu.capacity_bytes * PINNED_SHARE)
+            total = sum(self._cost(t) for t in {self._namespaces[nsid].tenant for nsid in self._hashes})
+            if total > share:
+                self._release(ns.id, new)
+                self.cascade.counters["pins_refused_limit"] += 1
+                raise QuotaExceeded(
+                    f"pins: with {len(new)} more blocks pinned, all tenants' pins would hold {total} bytes of the "
+                    f"CPU tier, more than the {share} bytes ({PINNED_SHARE:.0%} of it) pins may hold together, so that "
+                    "every tenant keeps room; nothing was pinned (unpin something)", field="hashes")
 
     def _cpu(self):
         c = self.cascade.cpu_index
