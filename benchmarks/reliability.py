@@ -43,18 +43,21 @@ from reliability_scenarios.load import LOAD_OPS, load, run_load_worker
 from reliability_scenarios.memory import memory_refusals
 from reliability_scenarios.report import render_markdown
 from reliability_scenarios.tenancy import make_test_ca, tenancy
+from reliability_scenarios.trust import http_slowloris, revocation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "churn", "corrupt_files_while_running", "crash_test",
            "daemon_killed_mid_request", "dir_lost_while_running", "disk_full", "fuzz", "hashes", "is_exact",
-           "layout", "load", "machine", "main", "make_test_ca", "memory_refusals", "payload", "pinned_arena",
-           "redis_down", "render_markdown", "run_scenario", "slowloris", "tenancy", "unwritable_dir_at_start"]
+           "http_slowloris", "layout", "load", "machine", "main", "make_test_ca", "memory_refusals", "payload",
+           "pinned_arena", "redis_down", "render_markdown", "revocation", "run_scenario", "slowloris", "tenancy",
+           "unwritable_dir_at_start"]
 
 
 # -- driver ----------------------------------------------------------------------------------------
 
-SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "tenancy", "load", "deps", "churn")
+SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "http_slowloris", "tenancy", "revocation", "load", "deps",
+             "churn")
 
 
 def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
@@ -80,8 +83,12 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
             r = fuzz(workdir, requests=300 if quick else args.requests)
         elif name == "slowloris":
             r = slowloris(workdir, stallers=10 if quick else 40)
+        elif name == "http_slowloris":
+            r = http_slowloris(workdir, clients=100, held_s=14.0)
         elif name == "tenancy":
             r = tenancy(workdir)
+        elif name == "revocation":
+            r = revocation(workdir)
         elif name == "load":
             r = load(workdir, clients=16 if quick else args.clients, seconds=3 if quick else args.seconds)
         elif name == "churn":
@@ -101,7 +108,7 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
 
 
 CALLABLE = ("churn", "corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
-            "disk_full", "fuzz", "load", "memory_refusals", "pinned_arena", "redis_down", "slowloris", "tenancy",
+            "disk_full", "fuzz", "http_slowloris", "load", "memory_refusals", "pinned_arena", "redis_down", "revocation", "slowloris", "tenancy",
             "unwritable_dir_at_start")
 
 

@@ -25,6 +25,8 @@ import pytest
 from daemon_util import start_daemon
 from kvstore import KVLayout, Namespace
 
+SLOW_CLIENT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "reliability_scenarios",
+                           "slow_http_client.py")   # a script run as its own process (tests never import benchmarks/)
 SLOW_CLIENTS = 100
 HELD_S = 14.0          # longer than the daemon's whole-request deadline (10 s)
 LAYOUT = KVLayout(model="test/http-trust", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=16)
@@ -67,7 +69,7 @@ def test_metrics_and_route_answer_while_slow_clients_are_held(daemon):
     with daemon.client() as c:
         ns = c.register_namespace(Namespace(LAYOUT, cache_salt="http"))
     route = json.dumps({"namespace_id": ns.hex(), "token_ids": list(range(64))}).encode()
-    attacker = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "slow_http_client.py"),
+    attacker = subprocess.Popen([sys.executable, SLOW_CLIENT,
                                  str(daemon.metrics_port), str(SLOW_CLIENTS), str(HELD_S)],
                                 stdout=subprocess.PIPE, text=True)
     try:

@@ -139,6 +139,34 @@ def render_markdown(report: dict) -> str:
                 f"client was answered in {r['normal_client_answer_s']} s (exact: {r['normal_client_exact']}/2); "
                 f"stalled streams cancelled: {r['stalled_streams_cancelled']}; leases expired: {r['leases_expired']}; "
                 f"after expiry: {r['leaks_after_expiry']}; CPU blocks {r['cpu_blocks_before']} -> {r['cpu_blocks_after']}.", ""]
+    if "http_slowloris" in sc and "held" in sc["http_slowloris"]:
+        r = sc["http_slowloris"]
+        out += ["## Slow HTTP clients (metrics and /v1/route port)", "",
+                f"A separate process held {r['slow_clients']} connections to the HTTP port, each sending one header "
+                f"byte a second for {r['held_s']} s, while this process timed `GET /metrics` and `POST /v1/route` "
+                f"back to back; the same probes with nobody else connected, first, in the same run (load average "
+                f"{r['load_avg']:.1f}).", "",
+                _row("", "metrics p50 / p99 / max (ms)", "route p50 / p99 / max (ms)", "statuses"), _row(*["---"] * 4)]
+        for phase in ("quiet", "held"):
+            scrape, route = r[phase]["metrics"], r[phase]["route"]
+            out.append(_row(phase, f"{scrape['p50_ms']} / {scrape['p99_ms']} / {scrape['max_ms']}",
+                            f"{route['p50_ms']} / {route['p99_ms']} / {route['max_ms']}",
+                            f"{scrape['statuses']} / {route['statuses']}"))
+        out += ["", f"Slow connections let go by the whole-request deadline (10 s) or pushed out: "
+                f"{r['slow_connections_let_go']}; still open at the end: {r['slow_connections_still_open']}. "
+                f"Passed (p99 < 100 ms, every answer 200, none held): {r['ok']}.", ""]
+    if "revocation" in sc and "per_transport" in sc["revocation"]:
+        r = sc["revocation"]
+        out += ["## A reload that removes a token", "",
+                "Per transport: tenant A's client works, A's token is removed (config file + SIGHUP), then A's client "
+                "calls again; A's old tickets from a Handshake before the reload are tried on every socket.", "",
+                _row("transport", "reload applied (s)", "calls until refused", "refused with", "get / put / lookup / exists after",
+                     "old tickets", "other tenant served"), _row(*["---"] * 7)]
+        for t, p in r["per_transport"].items():
+            out.append(_row(t, p["reload_applied_s"], p["calls_until_refused"], p["refused_with"],
+                            " / ".join(p["get_put_lookup_exists_after"]),
+                            ", ".join(f"{k}: {v}" for k, v in p["old_tickets"].items()), p["other_tenant_served"]))
+        out += ["", f"Passed: {r['ok']}.", ""]
     if "tenancy" in sc:
         r = sc["tenancy"]
         iso, q = r["isolation"], r["quota"]

@@ -1,4 +1,5 @@
-"""A slowloris attacker, run as its own process: ``python slow_http_client.py PORT N SECONDS``.
+"""A slowloris attacker, run as its own process: ``python slow_http_client.py PORT N SECONDS``
+(benchmarks/reliability.py http_slowloris, tests/test_trust_http.py).
 
 Opens N connections to 127.0.0.1:PORT and sends each one byte of a request's headers every
 second, never finishing them, for SECONDS. Prints "ready" once all N are open, then at the end a
