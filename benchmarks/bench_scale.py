@@ -1,0 +1,155 @@
+"""How the store's cost grows with the number of blocks, in one process (no daemon, no wire).
+
+    .venv/bin/python benchmarks/bench_scale.py [--blocks N] [--dir DIR] [--out PREFIX]
+
+A Store over a 64 MiB CPU tier of 16 KiB slots and an NVMe tier large enough for every block: N
+blocks of 16 KiB are put in chains of 1,024 per call, so all but the last 4,096 reach NVMe as
+demotions. Against it, in the same run: raw O_DIRECT writes of the same N blocks of 16 KiB into
+one preallocated file (no fsync each: what a write-back demotion needs). Then the store is closed
+and opened again on the same directory (warm restart: the index rebuilt from the slots' headers),
+timed; and once more under ``tracemalloc`` for the bytes the index holds per recovered block.
+Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import tracemalloc
+
+import numpy as np
+
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import write_report
+from kvstore.store import Store, StoreConfig
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
+
+BLOCK = 16 * 1024
+CPU_BYTES = 64 << 20
+CHAIN = 1024
+
+
+def layout() -> KVLayout:
+    return KVLayout(model="bench/scale", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+                    block_tokens=16, block_bytes=BLOCK)
+
+
+def open_store(nvme_dir: str, blocks: int) -> Store:
+    return Store([CpuTier(CPU_BYTES, slot_bytes=BLOCK), NvmeTier(nvme_dir, blocks * (HEADER_BYTES + BLOCK) + (64 << 20))],
+                 StoreConfig(eviction_policy="lru"))
+
+
+def raw_o_direct_writes(directory: str, blocks: int) -> float:
+    """Seconds to write ``blocks`` blocks of 16 KiB with O_DIRECT pwrite into one file, in order."""
+    path = os.path.join(directory, "raw-o-direct")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError:
+        fd = os.open(path, flags, 0o600)
+    buf = mmap.mmap(-1, BLOCK)   # page-aligned, as O_DIRECT needs
+    buf.write(np.random.default_rng(1).integers(0, 256, BLOCK, dtype=np.uint8).tobytes())
+    try:
+        os.posix_fallocate(fd, 0, blocks * BLOCK)
+        t0 = time.perf_counter()
+        for k in range(blocks):
+            os.pwrite(fd, buf, k * BLOCK)
+        os.fdatasync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def run(blocks: int, directory: str) -> dict:
+    work = tempfile.mkdtemp(prefix="bench-scale-", dir=directory)
+    nvme_dir = os.path.join(work, "nvme")
+    try:
+        raw_s = raw_o_direct_writes(work, blocks)
+        store = open_store(nvme_dir, blocks)
+        ns = store.register_namespace(Namespace(layout()))
+        sources = [np.random.default_rng(k).integers(0, 256, BLOCK, dtype=np.uint8) for k in range(8)]
+        hasher = ChainHasher()
+        t0 = time.perf_counter()
+        for start in range(0, blocks, CHAIN):
+            n = min(CHAIN, blocks - start)
+            hashes = hasher.chain(np.arange(16 * n) + 16 * start, 16)
+            store.put(ns, hashes, [sources[k % 8] for k in range(n)])
+        store.tiers[-1].sync()   # the demotions' one flush, counted
+        put_s = time.perf_counter() - t0
+        on_nvme = store.stats()["tiers"]["nvme"]["blocks"]
+        store.close()
+
+        t0 = time.perf_counter()
+        again = open_store(nvme_dir, blocks)
+        restart_s = time.perf_counter() - t0
+        recovered = again.stats()["blocks"]
+        again.close()
+
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        measured = open_store(nvme_dir, blocks)
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        index_bytes = sum(s.size_diff for s in after.compare_to(before, "filename"))
+        measured.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "blocks": blocks, "block_bytes": BLOCK, "chain": CHAIN, "cpu_bytes": CPU_BYTES,
+        "put_s": put_s, "put_blocks_per_s": blocks / put_s, "put_gbps": blocks * BLOCK / put_s / 1e9,
+        "blocks_on_nvme": on_nvme,
+        "raw_o_direct_s": raw_s, "raw_o_direct_gbps": blocks * BLOCK / raw_s / 1e9,
+        "demoting_put_vs_raw_o_direct": raw_s / put_s,
+        "restart_s": restart_s, "recovered_blocks": recovered,
+        "restart_s_per_100k_blocks": restart_s / max(recovered, 1) * 100_000,
+        "index_bytes_per_block": index_bytes / max(recovered, 1),
+    }
+
+
+def markdown(r: dict) -> str:
+    m, x = r["machine"], r["scale"]
+    return "\n".join([
+        "# Store scale: demoting puts, warm restart, index bytes",
+        "",
+        f"`python benchmarks/bench_scale.py --blocks {x['blocks']}` — one process, a Store over a "
+        f"{x['cpu_bytes'] >> 20} MiB CPU tier of 16 KiB slots and an NVMe tier; {x['blocks']} blocks of 16 KiB put "
+        f"in chains of {x['chain']} per call (all but the CPU tier's last blocks reach NVMe as demotions, "
+        "one flush at the end counted).",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, NVMe dir on "
+        f"{m.get('dir_fs_type')} (O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'}), Python {m['python']}, at "
+        f"{m['time_utc']}; load average {r['load']} (shared with other work).",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| demoting puts | {x['put_blocks_per_s']:,.0f} blocks/s, {x['put_gbps']:.3f} GB/s |",
+        f"| raw O_DIRECT writes of the same blocks (one file, one fdatasync) | {x['raw_o_direct_gbps']:.3f} GB/s |",
+        f"| demoting puts vs raw O_DIRECT | {x['demoting_put_vs_raw_o_direct']:.2f}x |",
+        f"| warm restart | {x['restart_s']:.2f} s for {x['recovered_blocks']:,} blocks recovered "
+        f"({x['restart_s_per_100k_blocks']:.2f} s per 100k) |",
+        f"| index memory per recovered block (tracemalloc) | {x['index_bytes_per_block']:.0f} bytes |",
+        "",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=100_000)
+    ap.add_argument("--dir", default="/var/tmp", help="where the NVMe tier and the raw file go")
+    ap.add_argument("--out", default=None, help="output prefix (default benchmarks/results/scale)")
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = {"machine": machine_facts(args.dir), "load": " ".join(f"{v:.1f}" for v in os.getloadavg()),
+               "scale": run(args.blocks, args.dir)}
+    write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
+
+
+if __name__ == "__main__":
+    main()
