@@ -9,7 +9,9 @@ Cluster a namespace lives in one slot and its scripts touch only declared, co-lo
 * ``<prefix>:{<ns>}:nodes`` — HASH, field = slot number, value = signed ``"<expiry ms> <node id>
   <address> <mac>"``. A node takes the lowest free slot when it joins and refreshes its expiry
   with each heartbeat; a slot whose expiry has passed no longer counts anywhere; expiry 0 marks
-  it dead for good. A janitor (any live node, under a lock) clears dead slots' bits and frees them.
+  it dead for good. A janitor (any live node, under a lock) clears dead slots' bits and frees them,
+  and repairs a namespace whose keys broke a node's commands (``repair``): one namespace's broken
+  or full keys cost only that namespace, and only until then.
 
 Trust. Whatever this class reads back is checked before anyone acts on it: a node entry or a
 checksum whose MAC does not verify under the fleet secret, and any malformed value, is ignored
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+
+from redis.exceptions import ResponseError
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.fleet import lua
@@ -50,18 +54,36 @@ class _Batch:
 
     def script(self, script, keys: list, args: list) -> None:
         if self.pipe is None:
-            self.results.append(script(keys=keys, args=args))
+            self.results.append(_answer(lambda: script(keys=keys, args=args)))
         else:
             script(keys=keys, args=args, client=self.pipe)
 
     def call(self, command: str, *args) -> None:
         if self.pipe is None:
-            self.results.append(getattr(self.redis, command)(*args))
+            self.results.append(_answer(lambda: getattr(self.redis, command)(*args)))
         else:
             getattr(self.pipe, command)(*args)
 
     def execute(self) -> list:
-        return self.results if self.pipe is None else self.pipe.execute()
+        """Each command's answer, or the ``ResponseError`` Redis answered it with (a key of the
+        wrong type, ...): one namespace's broken key fails that namespace's commands only. A
+        connection failure raises."""
+        return self.results if self.pipe is None else self.pipe.execute(raise_on_error=False)
+
+
+def _answer(command):
+    try:
+        return command()
+    except ResponseError as e:
+        return e
+
+
+def _raised(results: list) -> list:
+    """``results``, raising the first ``ResponseError`` among them."""
+    for r in results:
+        if isinstance(r, ResponseError):
+            raise r
+    return results
 
 
 class Directory:
@@ -120,7 +142,7 @@ class Directory:
             batch.script(self._join, [key], [node_id, slot,
                                              self._node_value(namespace_id, slot, node_id, address, ttl_s)])
             batch.call("pexpire", key, self.keep_ms)
-            got = int(batch.execute()[0])
+            got = int(_raised(batch.execute())[0])
             if got >= 0:
                 return got
             slot = -got - 1
@@ -130,14 +152,15 @@ class Directory:
                             f"(at most {MAX_SLOTS})")
 
     def heartbeat(self, beats: Sequence[tuple[bytes, int]], node_id: str, address: str,
-                  ttl_s: float) -> list[bool]:
-        """Refresh this node's slots, one per namespace; False where the slot is gone."""
+                  ttl_s: float) -> list[bool | ResponseError]:
+        """Refresh this node's slots, one per namespace; False where the slot is gone, the error
+        where that namespace's keys are broken (the others are refreshed all the same)."""
         batch = self._batch()
         for ns, slot in beats:
             value = self._node_value(ns, slot, node_id, address, ttl_s)
             batch.script(self._heartbeat, [self.nodes_key(ns), self.holders_key(ns)],
                          [slot, value, self.keep_ms, node_id, address])
-        return [bool(x) for x in batch.execute()]
+        return [x if isinstance(x, ResponseError) else bool(x) for x in batch.execute()]
 
     def leave(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes]) -> None:
         """Withdraw ``hashes`` from ``slot`` and free it (a clean shutdown)."""
@@ -163,7 +186,7 @@ class Directory:
                 batch.script(self._publish, [key], [slot, "a" if is_add else "r", length,
                                                     b"".join(h for h, _ in chunk), values])
         batch.call("pexpire", key, self.keep_ms)
-        results = batch.execute()
+        results = _raised(batch.execute())
         return int(sum(results[:-1]))
 
     def sweep(self, namespace_id: bytes, grace_s: float, lock_s: float = 60.0) -> int:
@@ -187,6 +210,38 @@ class Directory:
                     cleared += int(self._sweep(keys=[key], args=[length, b"".join(group), *dead_slots]))
             self.redis.hdel(self.nodes_key(namespace_id), *map(str, dead_slots))
             return cleared
+        finally:
+            self.redis.delete(self.janitor_key(namespace_id))
+
+    def repair(self, namespace_id: bytes, lock_s: float = 60.0) -> int:
+        """Janitor for a namespace whose keys broke this node's commands: a nodes or holders key
+        that is not a hash (anyone who can write Redis can make it one) is deleted, and node
+        entries that do not verify under the fleet secret (unsigned, forged, malformed, filling
+        the slots) are removed; expired ones are left to ``sweep``. Live nodes republish what
+        they hold on their next heartbeat. Returns what it deleted (keys and entries)."""
+        if not self.redis.set(self.janitor_key(namespace_id), "1", nx=True, px=int(lock_s * 1000)):
+            return 0
+        try:
+            removed = 0
+            for key in (self.nodes_key(namespace_id), self.holders_key(namespace_id)):
+                kind = self.redis.type(key)
+                if (kind.decode() if isinstance(kind, bytes) else kind) not in ("hash", "none"):
+                    removed += self.redis.delete(key)
+            nodes = self.nodes_key(namespace_id)
+            now = now_ms()
+            forged = []
+            for page in self._scan_pages(nodes):
+                for field, value in page.items():
+                    slot = parse_slot(field)
+                    entry = parse_node_entry(slot, value) if slot is not None else None
+                    if entry is not None and entry.expiry_ms < now:
+                        continue   # expired or dead: the sweep's to clear, with its holder bits
+                    if entry is None or self._verify_node(namespace_id, field, value) is None:
+                        forged.append(field)
+            for at in range(0, len(forged), 512):
+                removed += self.redis.hdel(nodes, *forged[at:at + 512])
+            self.counters["repaired"] += removed
+            return removed
         finally:
             self.redis.delete(self.janitor_key(namespace_id))
 

@@ -20,12 +20,15 @@ from collections.abc import Sequence
 import xxhash
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
-from kvstore.fleet.directory import Directory
+from redis.exceptions import ResponseError
+
+from kvstore.fleet.directory import Directory, DirectoryFull
 from kvstore.fleet.records import pack_entry
 from kvstore.store import Store, StoreListener
 
 log = logging.getLogger("kvstore.fleet")
 
+BROKEN_BACKOFF_MAX_S = 30.0   # the longest a broken namespace waits between repairs
 _COALESCE_BELOW = 256   # queued events under which the thread waits flush_interval_s for more
 
 
@@ -46,6 +49,8 @@ class Publisher(StoreListener):
         self.counters = counters
         self.mirror: dict[bytes, dict[bytes, bytes]] = {}   # ns -> hash -> pack_entry: what we publish
         self.slots: dict[bytes, int] = {}                   # ns -> our slot in its directory
+        # ns -> (when to try again, back-off s) for namespaces whose keys broke our commands
+        self.broken: dict[bytes, tuple[float, float]] = {}
         self.connected = True   # until the thread fails to reach Redis
         self._events: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -184,20 +189,60 @@ class Publisher(StoreListener):
 
     def _push(self, delta: dict[bytes, dict[bytes, bytes | None]]) -> None:
         for ns, changes in delta.items():
-            slot = self.slots.get(ns)
-            if slot is None:
-                slot = self._join(ns)
-            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, changes)
+            if ns in self.broken:
+                continue   # republished whole once repaired
+            try:
+                slot = self.slots.get(ns)
+                if slot is None:
+                    slot = self._join(ns)
+                self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, changes)
+            except (ResponseError, DirectoryFull) as e:
+                self._namespace_broke(ns, e)
+                continue
             self.counters["published"] += sum(1 for v in changes.values() if v is not None)
             self.counters["withdrawn"] += sum(1 for v in changes.values() if v is None)
         self.counters["pushes"] += 1
 
-    def _republish(self, namespaces: Sequence[bytes] | None = None) -> None:
+    def _namespace_broke(self, ns: bytes, error: Exception) -> None:
+        """One namespace's keys refused our commands (a key of the wrong type, every slot taken by
+        entries that do not verify): that namespace alone leaves the directory until the janitor
+        has repaired it (``_retry_broken``); fleet mode stays on for every other namespace."""
+        self.counters["namespace_errors"] += 1
+        self.slots.pop(ns, None)
+        _, backoff = self.broken.get(ns, (0.0, 0.0))
+        backoff = min(max(2 * backoff, self.heartbeat_s), BROKEN_BACKOFF_MAX_S)
+        if ns not in self.broken:
+            log.warning("fleet: namespace %s left the directory (%s); repairing its keys", ns.hex(),
+                        type(error).__name__)
+        self.broken[ns] = (time.monotonic() + backoff, backoff)
+
+    def _retry_broken(self) -> None:
+        """The janitor for the namespaces that broke: repair their keys and publish them again."""
+        now = time.monotonic()
+        for ns in [ns for ns, (at, _) in self.broken.items() if at <= now]:
+            try:
+                self.directory.repair(ns)
+                self._republish([ns], repaired=True)
+            except (ResponseError, DirectoryFull) as e:
+                self._namespace_broke(ns, e)
+                continue
+            del self.broken[ns]
+            self.counters["namespaces_repaired"] += 1
+            log.info("fleet: namespace %s is back in the directory", ns.hex())
+
+    def _republish(self, namespaces: Sequence[bytes] | None = None, repaired: bool = False) -> None:
         """Join under a fresh slot and publish the whole mirror (first start, Redis restarted or
         unreachable for a while: what Redis holds for the old slot may be stale or gone)."""
         for ns in list(self.mirror) if namespaces is None else namespaces:
-            slot = self._join(ns)
-            self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, dict(self.mirror[ns]))
+            if ns in self.broken and not repaired:
+                continue
+            try:
+                slot = self._join(ns)
+                self.counters["checksum_conflicts"] += self.directory.publish(ns, slot, dict(self.mirror[ns]))
+            except (ResponseError, DirectoryFull) as e:
+                if repaired:
+                    raise
+                self._namespace_broke(ns, e)
         self._resync = False
         self.counters["republishes"] += 1
 
@@ -207,14 +252,23 @@ class Publisher(StoreListener):
         beats = list(self.slots.items())
         if not beats:
             self.directory.redis.ping()   # nothing published yet: still notice a dead Redis
+            self._retry_broken()
             return
         alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s)
-        lost = [ns for (ns, _), ok in zip(beats, alive) if not ok]
+        for (ns, _), ok in zip(beats, alive):
+            if isinstance(ok, ResponseError):
+                self._namespace_broke(ns, ok)
+        lost = [ns for (ns, _), ok in zip(beats, alive) if ok is False]
         if lost:
             self.counters["slots_lost"] += len(lost)
             log.info("fleet: directory lost our entries for %d namespace(s); republishing", len(lost))
             self._republish(lost)
         self.counters["heartbeats"] += 1
+        self._retry_broken()
         if self.counters["heartbeats"] % self.sweep_every == 0:
             for ns, _ in beats:
-                self.counters["swept_entries"] += self.directory.sweep(ns, grace_s=self.ttl_s)
+                if ns in self.slots:
+                    try:
+                        self.counters["swept_entries"] += self.directory.sweep(ns, grace_s=self.ttl_s)
+                    except ResponseError as e:
+                        self._namespace_broke(ns, e)
