@@ -1,8 +1,11 @@
 """Redis tier: block payloads in a Redis (or Redis Cluster) shared by a fleet.
 
 For fleets that want one shared pool instead of (or below) peer-to-peer fetch. Each block is one
-string key ``<prefix>:blk:{<namespace hex>}:<hash hex>`` holding a 32-byte header (magic, codec,
-sizes, xxh3_64 of the payload) and the payload. Keys are content-addressed, so every daemon of
+string key ``<prefix>:blk:{<namespace hex>}:<hash hex>`` holding a header and the payload. With the
+fleet's secret (a daemon in fleet mode passes it) the header (40 bytes: magic, codec, sizes) ends
+in a keyed BLAKE2b-128 MAC of the value bound to its namespace and block hash: Redis is untrusted
+storage, and a value anyone without the secret planted or copied is refused like a corrupt one.
+Without a secret the header (32 bytes) ends in the payload's xxh3_64, which catches damage only. Keys are content-addressed, so every daemon of
 the fleet writes and finds a block under the same name (``load`` reads blocks this daemon never
 stored; the fleet uses it before asking peers).
 
@@ -26,6 +29,8 @@ Contract notes (see ``tiers/base.py``):
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import struct
 import threading
 from collections.abc import Sequence
@@ -42,6 +47,10 @@ MAGIC = b"KVSR"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBHQQQ")  # magic version codec reserved raw_size stored_size checksum
 HEADER_BYTES = _HEADER.size           # 32
+SIGNED_VERSION = 2
+_SIGNED = struct.Struct("<4sBBHQQ16s")   # ... raw_size stored_size MAC (keyed BLAKE2b-128)
+SIGNED_HEADER_BYTES = _SIGNED.size       # 40
+_FIELDS = struct.Struct("<BQQ")          # what the MAC binds besides the key and the payload
 REDIS_MAX_VALUE = 512 * 1024 * 1024   # Redis' proto-max-bulk-len default
 
 
@@ -55,7 +64,9 @@ class RedisTier(Tier):
 
     def __init__(self, capacity_bytes: int, redis_url: str = "redis://127.0.0.1:6379/0", *,
                  key_prefix: str = "kvs", ttl_s: float = 3600.0, max_block_bytes: int = 64 * 1024 * 1024,
-                 socket_timeout_s: float = 2.0, client=None) -> None:
+                 socket_timeout_s: float = 2.0, client=None, secret: bytes | None = None) -> None:
+        """``secret`` (the fleet's): every value carries a MAC under it, bound to its namespace,
+        block hash, codec and sizes, and a value whose MAC does not verify is never served."""
         super().__init__(capacity_bytes)
         if ttl_s <= 0:
             raise InvalidArgument("redis.ttl_s", "must be > 0 (every pool key expires)")
@@ -73,6 +84,10 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._pending_deletes: collections.deque[str] = collections.deque()
         self.expired_misses = 0
+        self.forged_refused = 0   # values whose MAC did not verify (planted or copied by a Redis writer)
+        self._mac_key = (hashlib.blake2b(secret, digest_size=32, person=b"kvstore-pool").digest()
+                         if secret else None)
+        self.header_bytes = SIGNED_HEADER_BYTES if self._mac_key else HEADER_BYTES
 
     def _key(self, key: bytes) -> str:
         return block_redis_key(self.prefix, key[:16], key[16:])
@@ -83,7 +98,7 @@ class RedisTier(Tier):
         if nbytes > self.max_block_bytes:
             raise BlockTooLarge(f"a {nbytes}-byte block exceeds the redis tier's max_block_bytes "
                                 f"({self.max_block_bytes})")
-        fp = HEADER_BYTES + nbytes
+        fp = self.header_bytes + nbytes
         if fp > self.capacity_bytes:
             raise BlockTooLarge(f"a {nbytes}-byte block exceeds the redis tier ({self.capacity_bytes} bytes)")
         return fp
@@ -105,8 +120,12 @@ class RedisTier(Tier):
             raise InvalidArgument("data", f"{src.nbytes} bytes for a {record.stored_size}-byte record")
         checksum = xxhash.xxh3_64_intdigest(src)
         record.checksum = checksum
-        value = _HEADER.pack(MAGIC, VERSION, record.codec, 0, record.raw_size, record.stored_size,
-                             checksum) + src.tobytes()
+        if self._mac_key is None:
+            head = _HEADER.pack(MAGIC, VERSION, record.codec, 0, record.raw_size, record.stored_size, checksum)
+        else:
+            head = _SIGNED.pack(MAGIC, SIGNED_VERSION, record.codec, 0, record.raw_size, record.stored_size,
+                                self._mac(record.key, record.codec, record.raw_size, record.stored_size, src))
+        value = head + src.tobytes()
         try:
             self._send_deletes()
             self.redis.set(self._key(record.key), value, px=self.ttl_ms)
@@ -125,7 +144,7 @@ class RedisTier(Tier):
             self.expired_misses += 1
             self._forget(key)
             raise BlockCorrupt(f"redis tier: block {key.hex()} expired or was evicted from Redis")
-        payload = self._verify(value, record.stored_size)
+        payload = self._verify(value, record.stored_size, key)
         if payload is None:
             self.corrupt_dropped += 1
             self.drop(key)
@@ -151,6 +170,7 @@ class RedisTier(Tier):
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "blocks": len(self._reserved), "expired_misses": self.expired_misses,
+                "forged_refused": self.forged_refused,
                 "pending_deletes": len(self._pending_deletes)}
 
     # -- shared-pool reads (blocks other daemons stored) -----------------------------------------
@@ -163,7 +183,7 @@ class RedisTier(Tier):
             pipe.getex(block_redis_key(self.prefix, namespace_id, h), px=self.ttl_ms)
         out: list[bytes | None] = []
         for h, value in zip(hashes, pipe.execute()):
-            payload = None if value is None else self._verify(value, None)
+            payload = None if value is None else self._verify(value, None, namespace_id + h)
             if value is not None and payload is None:
                 self.corrupt_dropped += 1
                 self.redis.delete(block_redis_key(self.prefix, namespace_id, h))
@@ -175,16 +195,38 @@ class RedisTier(Tier):
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _verify(self, value: bytes, stored_size: int | None) -> np.ndarray | None:
-        if len(value) < HEADER_BYTES:
-            return None
-        magic, version, _codec, _, _raw, stored, checksum = _HEADER.unpack_from(value)
-        if magic != MAGIC or version != VERSION or len(value) != HEADER_BYTES + stored:
-            return None
+    def _mac(self, key: bytes, codec: int, raw_size: int, stored_size: int, payload) -> bytes:
+        """A MAC of one block's value, bound to its key (namespace id + block hash), so a value
+        copied under another key, or planted by anyone without the secret, does not verify."""
+        mac = hashlib.blake2b(key=self._mac_key, digest_size=16)
+        mac.update(len(key).to_bytes(2, "little") + key)
+        mac.update(_FIELDS.pack(codec, raw_size, stored_size))
+        mac.update(payload)
+        return mac.digest()
+
+    def _verify(self, value: bytes, stored_size: int | None, key: bytes) -> np.ndarray | None:
+        """The payload of ``value`` if it is whole and authentic: with a secret, its MAC for
+        ``key`` must verify (an unsigned or v1 value is refused); without, its checksum."""
+        if self._mac_key is not None:
+            if len(value) < SIGNED_HEADER_BYTES:
+                return None
+            magic, version, codec, _, raw, stored, mac = _SIGNED.unpack_from(value)
+            if magic != MAGIC or version != SIGNED_VERSION or len(value) != SIGNED_HEADER_BYTES + stored:
+                return None
+            payload = np.frombuffer(value, dtype=np.uint8, offset=SIGNED_HEADER_BYTES)
+            if not hmac.compare_digest(mac, self._mac(key, codec, raw, stored, payload)):
+                self.forged_refused += 1
+                return None
+        else:
+            if len(value) < HEADER_BYTES:
+                return None
+            magic, version, _codec, _, _raw, stored, checksum = _HEADER.unpack_from(value)
+            if magic != MAGIC or version != VERSION or len(value) != HEADER_BYTES + stored:
+                return None
+            payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES)
+            if xxhash.xxh3_64_intdigest(payload) != checksum:
+                return None
         if stored_size is not None and stored != stored_size:
-            return None
-        payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES)
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
             return None
         return payload
 

@@ -133,8 +133,10 @@ def build_redis_tier(settings: Settings):
     fatal: the tier's failures are counted misses and failed demotions, as disk trouble is."""
     from kvstore.tiers.redis import RedisTier
     r = settings.redis_tier
+    fleet_secret = settings.fleet.secret if settings.fleet.enabled else None   # the pool's values are signed
     tier = RedisTier(r.capacity_bytes, r.connect_url, key_prefix=r.key_prefix, ttl_s=r.ttl_s,
-                     max_block_bytes=settings.max_block_bytes, socket_timeout_s=r.socket_timeout_s)
+                     max_block_bytes=settings.max_block_bytes, socket_timeout_s=r.socket_timeout_s,
+                     secret=fleet_secret.get_secret_value().encode() if fleet_secret else None)
     try:
         tier.redis.ping()
     except Exception as e:  # noqa: BLE001 - any client failure: the tier degrades, the daemon serves
