@@ -2,6 +2,8 @@
 test:
 	scripts/test.sh
 serve:
-	python3 -m venv .venv && .venv/bin/pip install -q . && .venv/bin/kvstore serve
+	@echo "make serve: installing kvstore and its dependencies into .venv (half a minute or more the first time)"
+	python3 -m venv .venv && .venv/bin/pip install -q . && echo "make serve: installed; starting kvstore serve" \
+		&& .venv/bin/kvstore serve
 proto:
 	.venv/bin/python scripts/gen_proto.py

@@ -338,7 +338,7 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
 def format_report(report: dict) -> str:
     lines = [f"kvstore bench ({report['daemon']}; {report['machine']['cores']} cores, "
              f"load {report['machine']['load_avg_1m']:.1f}; medians of {report['reps']})", ""]
-    head = f"{'block':>9} {'path':<6} {'put GB/s':>9} {'get GB/s':>9}  each divided by the ceiling it is shown beside"
+    head = f"{'block':>9} {'path':<6} {'put GB/s':>9} {'get GB/s':>9}  vs the ceiling named (median of per-pass ratios)"
     lines.append(head)
     for size, row in report["sizes"].items():
         label = size_label(int(size))
