@@ -4,7 +4,7 @@ from a daemon as the connector does it (the scheduler's lookup of the chain, the
 ``get_into`` into a staging buffer, then placing every layer into vLLM's paged KV tensors), with
 16-token vLLM blocks stored one per kvstore block, 4 or 16 per chunk. Writes benchmarks/results/vllm_chunking.{json,md}.
 
-    .venv/bin/python benchmarks/bench_vllm_chunking.py [--reps 7] [--models llama3-8b,llama3.2-1b]
+    .venv/bin/python benchmarks/bench_vllm_chunking.py [--reps 7] [--models smollm2-135m,llama3-8b,llama3.2-1b]
 
 Paths: shared memory (same host), the raw-TCP side channel and gRPC streams (the remote paths,
 over loopback here). Every N is judged against N = 1 and against a ceiling measured in the same
@@ -35,8 +35,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
 PREFIX, VLLM_BLOCK = 2048, 16
-#: model -> (layers, KV heads, head dim), bf16, FlashAttention pages [2, 16, heads, dim] per layer
-MODELS = {"llama3-8b": (32, 8, 128), "llama3.2-1b": (16, 8, 64)}
+#: model -> (layers, KV heads, head dim), bf16, FlashAttention pages [2, 16, heads, dim] per layer;
+#: smollm2-135m is the real model the engine tests and benchmarks run (scripts/real-model.sh)
+MODELS = {"smollm2-135m": (30, 3, 64), "llama3-8b": (32, 8, 128), "llama3.2-1b": (16, 8, 64)}
 
 
 def fetch_pass(client, ns_id: bytes, hashes: list[bytes], outs: list[np.ndarray]) -> tuple[float, float]:
@@ -202,7 +203,8 @@ def markdown(report: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="llama3-8b,llama3.2-1b")
+    ap.add_argument("--models", default="smollm2-135m,llama3-8b,llama3.2-1b",
+                    help="KV shapes (the bytes are random): the real model's, and two larger Llamas'")
     ap.add_argument("--chunks", default="1,4,16")
     ap.add_argument("--paths", default="shm,bulk,grpc")
     ap.add_argument("--slots", default="block", choices=["block", "default"])

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, MP_ENV, add_model_args, lmcache_server, model_spec
+from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, MP_ENV, add_model_args, lmcache_server, model_line, model_spec
 from bench_vllm_ttft import run as run_vllm_jobs
 
 from kvstore.ops.engines import engine_python, vllm_kv_transfer_config
@@ -93,6 +93,9 @@ def main() -> None:
                     help="load modes to run again with save_mode layer (saves copied out per layer by "
                          "save_kv_layer instead of after the step), over shared memory")
     ap.add_argument("--skip-lmcache", action="store_true")
+    ap.add_argument("--prefix-cache-run", action="store_true",
+                    help="also run vLLM's own prefix cache (no connector, prefix caching on; the seed step fills "
+                         "it): the reference for which outputs a prefix hit changes, whoever serves it")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving"))
     a = ap.parse_args()
     if a.quick:
@@ -116,16 +119,19 @@ def main() -> None:
     seed = {"generate": [p + tokens(a.suffix) for p in prefixes], "max_tokens": 1}
     measured = [{"serve": batch(), "max_tokens": a.max_tokens} for _ in range(a.reps)]
 
-    model, head_dim, kv_bytes_per_token = model_spec(a, work, vocab)
+    model = model_spec(a, work, vocab)
+    kv_bytes_per_token = model.kv_bytes_per_token
     block_bytes = kv_bytes_per_token * BLOCK
     max_len = length + a.max_tokens + BLOCK
-    engine = {"model": model["out_dir"], "enable_prefix_caching": False, "max_model_len": max_len,
+    engine = {"model": model.path, "enable_prefix_caching": False, "max_model_len": max_len,
               "max_num_batched_tokens": max_len,
               "kv_cache_memory_bytes": max(256 << 20, 2 * a.requests * max_len * kv_bytes_per_token)}
 
     def job(kv=None, extra_path=None, scheduling=None) -> dict:
-        j = {"build": model, "env": ENGINE_ENV, "engine": {**engine, **(scheduling or {})},
+        j = {"env": ENGINE_ENV, "engine": {**engine, **(scheduling or {})},
              "steps": [warmup, seed, {"sleep": 3}, *measured]}
+        if model.build:
+            j["build"] = model.build
         if kv:
             j["kv_transfer_config"] = kv
         if extra_path:
@@ -162,6 +168,8 @@ def main() -> None:
                 steps["lmcache_mp"] = run("lmcache_mp", job(kv, extra_path))["steps"][3:]
         except Exception as e:  # noqa: BLE001 - report, keep kvstore's figures
             notes.append(f"LMCache run failed: {type(e).__name__}: {str(e)[-800:]}")
+    if a.prefix_cache_run:
+        steps["vllm_prefix_cache"] = run("vllm_prefix_cache", {**job(), "engine": {**engine, "enable_prefix_caching": True}})["steps"][3:]
     steps["none_end"] = run("none_end", job())["steps"][3:]
 
     reference = [o for step in steps["none"] for o in step["outputs"]]
@@ -172,11 +180,20 @@ def main() -> None:
         runs[name]["outputs_match_none"] = outs == reference
         runs[name]["first_tokens_match_none"] = [o[:1] for o in outs] == [o[:1] for o in reference]
         runs[name]["requests_matching_none"] = sum(o == ref for o, ref in zip(outs, reference))
+        same = [o == ref for o, ref in zip(outs, reference)]
+        per_rep = len(hit_idx) + len(miss_idx)
+        runs[name]["hits_matching_none"] = sum(same[k] for k in range(len(same)) if k % per_rep in hit_idx)
+        runs[name]["misses_matching_none"] = sum(same[k] for k in range(len(same)) if k % per_rep in miss_idx)
+        runs[name]["requests_differing_from_none"] = [k for k, ok in enumerate(same) if not ok]
+    if "vllm_prefix_cache" in steps:   # the same requests, vLLM's own cache serving the hits
+        own = [o for step in steps["vllm_prefix_cache"] for o in step["outputs"]]
+        for name, reps in steps.items():
+            outs = [o for step in reps for o in step["outputs"]]
+            runs[name]["requests_matching_vllm_prefix_cache"] = sum(o == ref for o, ref in zip(outs, own))
     cold = {k: min(runs["none"][k], runs["none_end"][k]) for k in ("miss_ttft_p50_s", "hit_ttft_p50_s")}
     result = {
         "benchmark": "vllm_serving",
-        "model": {k: model[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
-        | {"head_dim": head_dim, "dtype": "bfloat16", "weights": "random (seed 0)"},
+        "model": model.info,
         "workload": {"requests": a.requests, "hits": len(hit_idx), "misses": len(miss_idx),
                      "reps": a.reps, "shared_prefixes": len(prefixes), "prefix_tokens": a.prefix, "suffix_tokens": a.suffix,
                      "prompt_tokens": length, "max_tokens": a.max_tokens, "block_tokens": BLOCK,
@@ -225,8 +242,7 @@ def render_markdown(r: dict) -> str:
     lines = [
         "# vLLM serving: no connector vs kvstore (sync / async / layer) vs LMCache (CPU)",
         "",
-        f"Model: random Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads "
-        f"(head dim {m['head_dim']}), intermediate {m['intermediate']}, bf16. Workload: {wl['requests']} requests "
+        f"{model_line(m)}. Workload (random tokens): {wl['requests']} requests "
         f"submitted at once, {wl['hits']} hits ({wl['shared_prefixes']} shared {wl['prefix_tokens']}-token prefixes held "
         f"by the external cache + a distinct {wl['suffix_tokens']}-token tail) and {wl['misses']} cold prompts of "
         f"{wl['prompt_tokens']} tokens; {wl['max_tokens']} generated tokens each, greedy; chunked prefill "
@@ -258,6 +274,19 @@ def render_markdown(r: dict) -> str:
                      f"| {x['itl_p50_s']:.3f} / {x['itl_p99_s']:.3f} / {x['itl_mean_s']:.3f} "
                      f"| {','.join(map(str, x['hit_cached_tokens']))} | {'yes' if x['first_tokens_match_none'] else 'NO'} "
                      f"| {x['requests_matching_none']}/{wl['requests'] * wl['reps']} |")
+    if any("hits_matching_none" in x for x in r["runs"].values()):
+        n_hits, n_misses = wl["hits"] * wl["reps"], wl["misses"] * wl["reps"]
+        own = "vllm_prefix_cache" in r["runs"]
+        lines += ["", "Where outputs differ: requests whose 16 tokens equal the first no-connector run's, hits and misses "
+                  "apart" + (", and all requests against the run where vLLM's own prefix cache served the hits "
+                             "(`vllm_prefix_cache`: no connector, prefix caching on, the same seed step filling it)"
+                             if own else "") + ".", "",
+                  "| run | hits = none | misses = none |" + (" all = vllm_prefix_cache |" if own else ""),
+                  "|---|---:|---:|" + ("---:|" if own else "")]
+        for name, x in r["runs"].items():
+            if "hits_matching_none" in x:
+                lines.append(f"| {name} | {x['hits_matching_none']}/{n_hits} | {x['misses_matching_none']}/{n_misses} |"
+                             + (f" {x['requests_matching_vllm_prefix_cache']}/{n_hits + n_misses} |" if own else ""))
     lines += ["", "Hit TTFT p50 relative to the no-connector engines' (the faster of the two runs): "
               + ", ".join(f"{n} {v:.3f}x" for n, v in r["hit_ttft_vs_no_connector"].items()) + "."]
     lines += goal_lines(r["runs"])

