@@ -29,6 +29,8 @@ def test_banner_names_every_tier_and_a_warm_restart_counts_what_it_found(tmp_pat
                      cpu_bytes="40MB", nvme_bytes="64MiB", nvme_path=str(nvme), client_kwargs={"token": "t0ken"})
     try:
         first = banner(d.log())
+        # the arena's allocation and first touches (seconds for a large one) are announced and timed
+        assert re.search(r"cpu tier: allocating and touching its 38\.1 MiB arena in \S+: done in \d+\.\ds", d.log())
         layout = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
         hashes = ChainHasher().chain(np.arange(5 * 16), 16)
         with d.client() as c:

@@ -59,13 +59,16 @@ def drop_namespace(client, namespace_id: bytes) -> dict:
     return {"blocks": r.blocks, "bytes": r.bytes}
 
 
-def prefix_call(client, method: str, namespace_id: bytes, hashes: list[bytes]) -> dict:
+def prefix_call(client, method: str, namespace_id: bytes, hashes: list[bytes], steps=None) -> dict:
     """One of Evict / Pin / Unpin / Prewarm over ``hashes`` (in batches of the wire's limit),
-    summed. Pin's and Unpin's ``bytes`` is the tenant's pinned total after the last batch."""
+    summed. Pin's and Unpin's ``bytes`` is the tenant's pinned total after the last batch.
+    ``steps`` (``kvstore.ops.progress.Steps``) is told each batch as it is sent."""
     from kvstore.proto import kvstore_pb2 as pb
 
     total = {"blocks": 0, "bytes": 0, "stored": 0, "skipped": 0, "fetched": 0, "warmed": 0}
     for start in range(0, max(len(hashes), 1), MAX_BATCH):
+        if steps is not None:
+            steps.advance(f"blocks {start:,}..{min(start + MAX_BATCH, len(hashes)):,} of {len(hashes):,}")
         r = client.call(method, pb.PrefixRequest(namespace_id=namespace_id, hashes=hashes[start:start + MAX_BATCH]))
         for field in total:
             total[field] = getattr(r, field) if field == "bytes" and method in ("Pin", "Unpin") \
@@ -256,7 +259,11 @@ def _prefix_main(method: str, argv: list[str], prefix_required: bool, helptext: 
         hashes = prefix_hashes(args, ns["layout"].get("block_tokens", 1))
         if prefix_required and not hashes:
             raise InvalidArgument("prefix", "give the prefix: --hashes, --hashes-file, --tokens or --tokens-file")
-        done = prefix_call(c, method, bytes.fromhex(ns["namespace_id"]), hashes)
+        from kvstore.ops.progress import Steps
+
+        batches = -(-len(hashes) // MAX_BATCH)
+        with Steps(f"kvstore {name}", total=batches, quiet=batches < 2) as steps:   # one batch: no progress
+            done = prefix_call(c, method, bytes.fromhex(ns["namespace_id"]), hashes, steps=steps)
         print(json.dumps(done) if args.json else
               DONE[method].format(ns=ns["namespace_id"][:12], size=format_size(done["bytes"], "readable"), **done))
         return 0

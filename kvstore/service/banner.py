@@ -9,8 +9,23 @@ restart found in it and how long finding them took.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+
 from kvstore.service.config import Settings
 from kvstore.units import format_size
+
+log = logging.getLogger("kvstore.service.daemon")
+
+
+@contextlib.contextmanager
+def announced(what: str):
+    """Log ``what`` before a step of start-up that may take seconds, and its time after it."""
+    log.info("%s ...", what)
+    t0 = time.monotonic()
+    yield
+    log.info("%s: done in %.1fs", what, time.monotonic() - t0)
 
 
 def policy_of(settings: Settings, tier: str) -> str:

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
 from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
-from kvstore.service.banner import banner_lines
+from kvstore.service.banner import announced, banner_lines
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
@@ -39,6 +39,7 @@ from kvstore.store import Store, StoreConfig
 from kvstore.threads import BUDGET
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.service.daemon")
 
@@ -110,9 +111,11 @@ def _add_tiers(settings: Settings, tiers: list) -> None:
     if settings.gpu_bytes:
         from kvstore.tiers.gpu import GpuTier
         tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
-    tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
-                         segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
-                         page_lock=bool(settings.gpu_bytes)))   # no CUDA context without a GPU tier
+    with announced(f"cpu tier: allocating and touching its {format_size(settings.cpu_bytes, 'readable')} arena "
+                   f"in {settings.shm_dir}"):   # ~1.5 GB/s of first touches: seconds for a large arena
+        tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
+                             segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
+                             page_lock=bool(settings.gpu_bytes)))   # no CUDA context without a GPU tier
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
@@ -182,6 +185,7 @@ class Daemon:
         clean_stale_segments(settings.shm_dir)
         self._tiers = build_tiers(settings)
         opened = time.monotonic()
+        log.info("opening the store: blocks a previous run left in the durable tiers are found again now")
         self.store = Store(self._tiers, StoreConfig(
             eviction_policy=settings.eviction_policy, write_through=settings.write_through,
             promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
