@@ -261,6 +261,27 @@ def test_a_strided_destination_is_refused_not_filled_through_a_copy(harness):
     assert not strided.any()
 
 
+def test_a_block_with_many_children_keeps_its_chain_links_as_they_come_and_go(harness):
+    """Children are kept in a tuple while few, a set past ``SMALL_FAMILY``; either way the prefix
+    policy sees them: a parent with children in the CPU tier outlives its leaf siblings there, and
+    once every child is deleted it is a leaf again, evicted before newer blocks."""
+    h = harness(cpu_blocks=16, eviction_policy="prefix")
+    root = chain(1, start=0)
+    h.put(root)
+    kids = [chain(2, start=100 * (k + 1))[1] for k in range(12)]   # 12 children of root
+    for kid in kids:
+        h.put([kid], parent=root[0])
+    other = chain(3, start=50_000)
+    h.put(other)   # the CPU tier is full now: 16 blocks
+    assert h.check(root) == [True] and h.check(other + kids) == [True] * 15   # the root: least recently used
+    assert h.store.delete(h.ns, kids[9:]) == 3   # the last children, past the tuple's
+    h.put(chain(5, start=60_000))   # two victims: leaves, never the root with its 9 children
+    assert h.tier_of(root[0]) == "cpu"
+    assert h.store.delete(h.ns, kids[:9]) == 9
+    h.put(chain(16, start=70_000))   # a full tier of new blocks: the childless root goes down too
+    assert h.tier_of(root[0]) == "nvme" and h.check(root) == [True]
+
+
 def test_delete_while_pinned(harness):
     h = harness(cpu_blocks=4)
     c = chain(2)

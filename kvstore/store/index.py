@@ -31,7 +31,7 @@ class Entry:
     pins: int = 0                # explicit pins (in-flight reads, leases)
     pinned_until: float = 0.0    # lookup lease
     doomed: bool = False         # deleted while pinned: freed on last unpin
-    children: set[bytes] = dataclasses.field(default_factory=set)  # keys of visible children
+    children: tuple[bytes, ...] | set[bytes] = ()   # keys of visible children (see BlockIndex.link)
     linked: bool = False         # listed in its parent's ``children``
     charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
     held: bool = False           # in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted
@@ -49,6 +49,10 @@ class Entry:
     def visible(self) -> bool:
         """Served to lookups and gets: written, and not deleted."""
         return self.ready and not self.doomed
+
+
+#: children a block keeps in a tuple; more go into a set (adding to a tuple copies it)
+SMALL_FAMILY = 8
 
 
 class BlockIndex:
@@ -86,13 +90,22 @@ class BlockIndex:
         parent = self.parent(entry)
         if parent is not None and not entry.linked:
             entry.linked = True
-            parent.children.add(entry.key)
+            kids = parent.children
+            if isinstance(kids, set):
+                kids.add(entry.key)
+            else:   # most blocks have 0 or 1 children: a tuple (48 bytes) where a set costs 216
+                kids += (entry.key,)
+                parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
             self.refresh_policies(parent)
 
     def unlink(self, entry: Entry) -> None:
         parent = self.parent(entry)
         if entry.linked and parent is not None:
-            parent.children.discard(entry.key)
+            kids = parent.children
+            if isinstance(kids, set):
+                kids.discard(entry.key)
+            else:
+                parent.children = tuple(k for k in kids if k != entry.key)
             self.refresh_policies(parent)
         entry.linked = False
 
