@@ -2,8 +2,8 @@
 
 Each case is a real ``kvstore serve`` process that gets as far as creating its CPU arena (a file
 in the RAM-backed ``shm_dir``) and its Unix-socket services, then fails at a later step: the
-metrics port is taken, the NVMe path cannot be a directory, the Redis tier's or the fleet's URL is
-not one. It must exit non-zero naming the step, and leave no arena file, no
+metrics port is taken, the NVMe path cannot be a directory, the Redis client refuses the Redis tier's
+or the fleet's URL. It must exit non-zero naming the step, and leave no arena file, no
 socket and no ready file in ``shm_dir``: before, each left the whole arena in /dev/shm until the
 next start (256 MiB here, 8 GiB with deploy/config.yaml).
 """
@@ -64,16 +64,18 @@ def test_nvme_path_not_a_directory(tmp_path):
     assert left_behind(tmp_path) == [], done.stderr[-2000:]
 
 
-def test_redis_tier_url_not_a_url(tmp_path):
-    done = serve(tmp_path, config="redis_tier:\n  enabled: true\n  url: 'nonsense://nowhere'\n")
+def test_redis_tier_url_the_client_refuses(tmp_path):
+    """A URL the configuration accepts (its scheme) that the Redis client refuses once the arena exists."""
+    done = serve(tmp_path, config="redis_tier:\n  enabled: true\n  url: 'redis://127.0.0.1:99999/0'\n")
     assert done.returncode != 0, done.stdout
     assert left_behind(tmp_path) == [], done.stderr[-2000:]
-    assert "Redis URL" in done.stderr, done.stderr[-2000:]
+    assert "Port out of range" in done.stderr, done.stderr[-2000:]
 
 
-def test_fleet_redis_url_not_a_url(tmp_path):
+def test_fleet_redis_url_the_client_refuses(tmp_path):
     """The fleet is built after the server and its Unix sockets."""
-    done = serve(tmp_path, config="fleet:\n  enabled: true\n  redis_url: 'nonsense://nowhere'\n"
+    done = serve(tmp_path, config="fleet:\n  enabled: true\n  redis_url: 'redis://127.0.0.1:99999/0'\n"
                                   "  secret: 'a-fleet-secret-of-enough-length-0123456789'\n")
     assert done.returncode != 0, done.stdout
     assert left_behind(tmp_path) == [], done.stderr[-2000:]
+    assert "Port out of range" in done.stderr, done.stderr[-2000:]
