@@ -182,6 +182,16 @@ def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference:
             "zstd_plain_ratio": nbytes / plain}
 
 
+def cpu_vector_flags() -> str:
+    """The SIMD extensions the compiled kernels can use on this CPU (they decide its codec speed)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    return " ".join(f for f in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512fp16", "amx_bf16") if f in flags)
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -190,7 +200,9 @@ def load_average() -> list[float] | None:
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from kvstore.ops.machine import machine_facts
+    return {"cpu": machine_facts().get("cpu_model") or platform.processor() or platform.machine(),
+            "cpu_flags": cpu_vector_flags(), "cores": os.cpu_count(),
             "loadavg_at_start": load_average(), "python": platform.python_version(), "torch": torch.__version__,
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
