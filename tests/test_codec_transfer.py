@@ -23,7 +23,7 @@ from kvstore.ops.local_daemon import start_local_daemon
 LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
 SLOT = 4096
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8"]
 TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (codecs.cpu: ...)
 TRANSPORTS = ["shm", "bulk", "grpc"]
 
