@@ -65,7 +65,7 @@ def test_a_zstd_bomb_is_refused_without_allocating_what_it_declares(raw_daemon, 
     hashes, blocks = codec_blocks.chain(LAYOUT, 2, seed=71 + ["grpc", "bulk", "shm"].index(transport))
     real = codecs.encode_block
     bombs = {declared: bomb(declared) for declared in (True, False)}   # built before any call's deadline runs
-    with raw_daemon.client(transport=transport) as c:
+    with raw_daemon.client(transport=transport, timeout_s=30) as c:   # a loaded CI host: no deadline races
         ns = c.register_namespace(Namespace(LAYOUT, cache_salt="bomb"))
         assert c.put(ns, hashes[:1], blocks[:1], encode="zstd") == ["stored"]   # an honest payload decodes
         before = peak_rss(raw_daemon.pid)
