@@ -137,7 +137,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     reload_tokens(daemon, "{bob-token: bob, ops-token: ops}" if change == "removed"
                   else "{alice-new-token: alice, bob-token: bob, ops-token: ops}")
     # the connection opened before the reload is closed (within a tick of the server's loop)
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 5
     while lookup_over(held, ns, hashes) is not None:
         assert time.monotonic() < deadline, "a connection greeted with a revoked ticket is still answered"
         time.sleep(0.1)
@@ -151,7 +151,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     with pytest.raises(PermissionError):
         segments.request_segments(hs.segment_socket, hs.segment_ticket, "alice", [])
     # the side-channel session is closed and the old ticket opens no new one
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 5
     while bulk.alive():
         assert time.monotonic() < deadline, "a side-channel session of a revoked token stays open"
         time.sleep(0.1)
