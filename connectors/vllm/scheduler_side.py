@@ -149,6 +149,12 @@ class SchedulerSide:
         the lookup fails: an unknown request is a cold one."""
         if not self.enabled or not self.kv_role.loads:
             return 0
+        if self._handoff_waiter is not None and request.request_id not in self._requests:
+            try:
+                if Handoff.from_params(request.kv_transfer_params) is not None:
+                    return 0   # its blocks are on their way: a lookup now would race them
+            except ValueError:
+                pass           # refused later, when vLLM asks for its matched tokens
         try:
             state = self._state(request)
         except Exception as e:  # noqa: BLE001

@@ -94,16 +94,18 @@ def _spawn(cmd: list[str], log_path: str, env: dict, cwd: str) -> subprocess.Pop
 class VllmServer(_Process):
     @classmethod
     def start(cls, python: str, model_dir: str, workdir: str, name: str, kv_transfer_config: dict | None,
-              kv_cache_bytes: int = 64 * 2**20, wait: bool = True) -> "VllmServer":
+              kv_cache_bytes: int = 64 * 2**20, wait: bool = True, env_extra: dict | None = None,
+              max_model_len: int = 1024) -> "VllmServer":
         port = closed_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--seed", "0",
-               "--skip-tokenizer-init", "--max-model-len", "1024", "--no-enable-prefix-caching",
+               "--skip-tokenizer-init", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "8"]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
-        env.update({"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"})
+        env.update({"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
+                    **(env_extra or {})})
         server = cls(_spawn(cmd, os.path.join(workdir, f"{name}.log"), env, workdir), f"http://127.0.0.1:{port}",
                      os.path.join(workdir, f"{name}.log"))
         if wait:

