@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=490, help="prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,kvstore-no-wait,example,colocated")
+    ap.add_argument("--colocated-cores", default="0-1",
+                    help="OpenMP binding of the colocated engine (VLLM_CPU_OMP_THREADS_BIND): both cores, or "
+                         "one (0) as each engine of a P/D pair gets")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "pd"))
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
@@ -168,7 +171,7 @@ def main() -> None:
     max_len = a.prompt + a.max_tokens + BLOCK
     kv_bytes = 256 << 20
     core = {"p": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "d": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
-            "both": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
+            "both": {"VLLM_CPU_OMP_THREADS_BIND": a.colocated_cores}}
 
     def server(name, kv, cores):
         return VllmServer.start(python, model, work, name, kv, kv_cache_bytes=kv_bytes, wait=False,
@@ -176,6 +179,14 @@ def main() -> None:
 
     load_start = os.getloadavg()
     runs: dict[str, dict] = {}
+
+    def save(echo: bool = False) -> None:
+        """The report so far (rewritten after every configuration: a later failure keeps these)."""
+        report = {"benchmark": "pd", "model": model_label, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
+                  "colocated_cores": a.colocated_cores,
+                  "requests_per_rate": a.requests, "rates": rates, "runs": runs,
+                  "machine": machine_facts(work), "load_start": load_start, "load_end": os.getloadavg()}
+        write_report(a.out, report, markdown, echo=echo)
     warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
 
     def warm_up(url: str) -> None:
@@ -205,6 +216,7 @@ def main() -> None:
                 try:
                     warm_up(proxy.url)
                     runs[c] = measure(c, proxy.url, servers[c].url, model, prompts_for, rates, a.max_tokens)
+                    save()
                 finally:
                     proxy.stop()
         finally:
@@ -230,6 +242,7 @@ def main() -> None:
                     warm_up(proxy.url)
                     runs["example"] = measure("example", proxy.url, servers["ex-d"].url, model, prompts_for, rates,
                                               a.max_tokens)
+                    save()
                 finally:
                     proxy.stop()
         finally:
@@ -244,10 +257,7 @@ def main() -> None:
             finally:
                 colo.stop()
 
-    report = {"benchmark": "pd", "model": model_label, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
-              "requests_per_rate": a.requests, "rates": rates, "runs": runs,
-              "machine": machine_facts(work), "load_start": load_start, "load_end": os.getloadavg()}
-    write_report(a.out, report, markdown)
+    save(echo=True)
 
 
 def _ms(x) -> str:
@@ -260,7 +270,7 @@ def markdown(r: dict) -> str:
              f"Model: {r['model']}. Prompts of {r['prompt_tokens']} random tokens, {r['max_tokens']} generated "
              f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
              "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
-             "colocated: one engine on both cores.", "",
+             f"colocated: one engine, OpenMP threads bound to cores {r.get('colocated_cores', '0-1')}.", "",
              f"Machine: {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, shared with other work "
              f"(load average {r['load_start'][0]:.1f} at start, {r['load_end'][0]:.1f} at end). "
              "Read the figures as comparisons within this run.", "",

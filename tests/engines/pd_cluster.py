@@ -92,10 +92,27 @@ def _spawn(cmd: list[str], log_path: str, env: dict, cwd: str) -> subprocess.Pop
 
 
 class VllmServer(_Process):
+    """A vLLM OpenAI server. Its port is picked free, then bound by the server seconds later: when
+    another process took it meanwhile, ``wait_healthy`` starts the server again on another port."""
+
+    def wait_healthy(self, path: str, timeout_s: float) -> None:
+        for _ in range(3):
+            try:
+                return super().wait_healthy(path, timeout_s)
+            except RuntimeError:
+                if "Address already in use" not in self.log():
+                    raise
+            self.stop()
+            again = self.start(*self._args, **{**self._kwargs, "wait": False})
+            self.proc, self.url, self.log_path = again.proc, again.url, again.log_path
+        return super().wait_healthy(path, timeout_s)
+
     @classmethod
     def start(cls, python: str, model_dir: str, workdir: str, name: str, kv_transfer_config: dict | None,
               kv_cache_bytes: int = 64 * 2**20, wait: bool = True, env_extra: dict | None = None,
               max_model_len: int = 1024) -> "VllmServer":
+        args = (python, model_dir, workdir, name, kv_transfer_config)
+        kwargs = dict(kv_cache_bytes=kv_cache_bytes, env_extra=env_extra, max_model_len=max_model_len)
         port = closed_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--seed", "0",
@@ -108,6 +125,7 @@ class VllmServer(_Process):
                     **(env_extra or {})})
         server = cls(_spawn(cmd, os.path.join(workdir, f"{name}.log"), env, workdir), f"http://127.0.0.1:{port}",
                      os.path.join(workdir, f"{name}.log"))
+        server._args, server._kwargs = args, kwargs
         if wait:
             server.wait_healthy("/health", 300)
         return server
