@@ -8,8 +8,10 @@ fail late, or be silently wrong, is refused or warned of now, in one line naming
   would otherwise fall back to the default without a word.
 * A port taken by another process is refused naming ``listen`` or ``metrics_port``
   (``check_ports``), before gRPC's own bind logs a C-level error line.
-* An NVMe tier larger than the filesystem under it can hold is refused (``check_nvme_room``):
-  it would fill the disk and then fail every demotion. The CPU arena's RAM and tmpfs room are
+* An NVMe tier larger than the room its filesystem has now is warned of (``nvme_room_warning``):
+  once the disk fills, puts are acknowledged ``stored`` instead of ``persisted`` and demotions drop
+  their victims. It is not refused: a disk that fills degrades, it does not fail requests
+  (guarantee 3), and room may be freed while the daemon runs. The CPU arena's RAM and tmpfs room are
   checked where it is allocated (``daemon.check_memory``, ``CpuTier``).
 """
 
@@ -96,20 +98,22 @@ def _bytes_held(path: str) -> int:
     return held
 
 
-def check_nvme_room(settings: Settings) -> None:
-    """Raise ``ConfigError`` naming ``nvme_bytes`` if the NVMe tier could outgrow its filesystem."""
+def nvme_room_warning(settings: Settings) -> str | None:
+    """A warning naming ``nvme_bytes`` and the path if the NVMe tier could outgrow its filesystem."""
     if not settings.nvme_bytes:
-        return
+        return None
     path = os.path.abspath(os.path.expanduser(settings.nvme_path))
     try:
         free = os.statvfs(_existing_parent(path))
     except OSError:
-        return   # the tier says why it cannot use the directory when it opens it
+        return None   # the tier says why it cannot use the directory when it opens it
     room = free.f_bavail * free.f_frsize + _bytes_held(path)
-    if settings.nvme_bytes > room:
-        raise ConfigError(f"nvme_bytes: {format_size(settings.nvme_bytes, 'readable')} asked for the NVMe tier in "
-                          f"{path}, but its filesystem has room for {format_size(room, 'readable')}; "
-                          "lower nvme_bytes or point nvme_path at a larger disk")
+    if settings.nvme_bytes <= room:
+        return None
+    return (f"nvme_bytes: {format_size(settings.nvme_bytes, 'readable')} asked for the NVMe tier in {path}, "
+            f"but its filesystem has room for {format_size(room, 'readable')}; once it is full, puts are "
+            "acknowledged 'stored' instead of 'persisted' and demotions drop blocks: lower nvme_bytes or "
+            "point nvme_path at a larger disk")
 
 
 def _address_in_use(host: str, port: int) -> str | None:
@@ -146,5 +150,7 @@ def run_checks(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     """Refuse what cannot work (``ConfigError``); return warnings for what is only suspicious."""
     check_ports(settings)
     check_codecs(settings)
-    check_nvme_room(settings)
-    return list(unknown_environment(environ))
+    warnings = list(unknown_environment(environ))
+    if room := nvme_room_warning(settings):
+        warnings.append(room)
+    return warnings
