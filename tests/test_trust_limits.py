@@ -28,8 +28,9 @@ from kvstore.wire import MAX_BATCH, MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES
 
 KiB, MiB = 1 << 10, 1 << 20
 #: the RSS a daemon may keep above its baseline once a hostile burst is over (docs/guarantees.md);
-#: measured: back within ~5 MiB of the baseline a few seconds after the burst
-RSS_SLACK = 64 * MiB
+#: measured at this commit: 13-40 MiB above the baseline 20 s after a burst that peaked 100-440 MiB
+#: above it, once 69 MiB (a full CI run); a daemon that kept the burst would stay at its peak
+RSS_SLACK = 96 * MiB
 
 
 def layout(block_bytes: int, model: str = "trust/limits") -> KVLayout:
