@@ -158,6 +158,7 @@ def main() -> None:
     from kvstore.ops.engines import engine_env, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
     from kvstore.ops.local_daemon import start_local_daemon
     from kvstore.ops.machine import machine_facts
+    from kvstore.ops.report import write_report
 
     t_start = time.perf_counter()
     load_start = wait_for_quiet(a.max_load, a.wait_s)
@@ -268,12 +269,7 @@ def main() -> None:
         "loadavg": {"start": load_start, "end": list(os.getloadavg())},
         "machine": machine_facts(), "seconds": time.perf_counter() - t_start,
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(render_markdown(result))
+    write_report(a.out, result, render_markdown)
     if not a.keep_work:
         shutil.rmtree(work, ignore_errors=True)
 
