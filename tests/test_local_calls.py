@@ -269,7 +269,7 @@ def test_callers_that_never_read_their_answers_hold_up_no_daemon_thread(daemon_f
     """A caller that stops reading fills its socket with answers; none of the daemon's call
     threads waits on it (the rest is written by the socket's own thread, later), so another
     client's lease calls go on at once, and the stalled connections are ended."""
-    from kvstore.transport.unix_server import SEND_WITHIN_S
+    from kvstore.transport.socket_server import SEND_WITHIN_S
 
     d = daemon_factory("--token", "alice-token=alice", "--shm-dir", str(tmp_path), "--cpu-slot-bytes", "4KiB",
                        cpu_bytes="64MiB", nvme_bytes="64MiB")

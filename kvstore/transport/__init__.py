@@ -9,7 +9,6 @@
   which answer lookups from it without a round trip (and tell the socket service afterwards).
 * ``socket_server`` — the daemon end every socket service above builds on (one epoll thread each:
   accept, deadlines, per-tenant caps, tickets).
-* ``unix_server`` — the daemon end both Unix-socket services share (one epoll thread, bounded).
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
 

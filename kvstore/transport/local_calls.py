@@ -17,7 +17,7 @@ servicer raised, ``class NUL field NUL message``, which the client raises as the
 A connection carries one call at a time (the client keeps a few, one per call in flight): a
 request sent before the previous answer closes the connection. No daemon thread waits for a
 caller to read: what its socket does not take at once, the socket's own thread writes later, and
-an answer not taken within ``unix_server.SEND_WITHIN_S`` ends the connection. The greeting, the ticket check and
+an answer not taken within ``socket_server.SEND_WITHIN_S`` ends the connection. The greeting, the ticket check and
 the bounds on connections are the lookup service's.
 """
 
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.threads import BUDGET
 from kvstore.transport.local_lookup import CALL, MAX_FRAME, frame, greeting, peer_closed, recv_frame
-from kvstore.transport.unix_server import Connection
+from kvstore.transport.socket_server import Connection
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
 _RPCS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
@@ -71,7 +71,7 @@ class CallServer:
     """Daemon side, plugged into ``LocalLookupServer`` (``calls=``). ``handler(tenant, method,
     request)`` returns ``(response bytes, trailing metadata pairs)`` or raises ``CallFailed``; it
     runs on this server's own pool of ``CALL_WORKERS`` threads. ``send(fd, conn, data)`` sends an
-    answer without waiting for the caller to read it (``UnixServer.send_soon``)."""
+    answer without waiting for the caller to read it (``SocketServer.send_soon``)."""
 
     def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]], workers: int = CALL_WORKERS) -> None:
         self._handler = handler

@@ -6,7 +6,7 @@ schedules anything; over gRPC that costs a round trip of several hundred microse
 Here a same-host client keeps one Unix-socket connection open (path and ticket from Handshake,
 bound to its token: ``transport.tickets``, as for the side channel) and
 sends length-prefixed requests; the daemon answers each on one epoll thread
-(``unix_server.UnixServer``), straight from the store's index.
+(``socket_server.SocketServer``), straight from the store's index.
 
 Where the daemon offers one, the client also maps its tenant's lookup index
 (``transport.lookup_index``) and answers from it without a round trip; it then only *tells* the
@@ -24,8 +24,9 @@ client answered from the index: the hashes it found, then ``u16`` how many it as
 index's descriptor attached (``SCM_RIGHTS``), status 1 when there is none. Status 0 is an answer;
 any other is the error the handler raised, by name, after it (the client raises the same class).
 Nothing grows with idle or hostile connections: a greeting must
-arrive within ``GREETING_DEADLINE_S``, at most ``MAX_CONNECTIONS`` stay open (the least recently
-used goes first), a frame over ``MAX_FRAME`` closes its connection.
+arrive within ``GREETING_DEADLINE_S``, at most ``MAX_PENDING`` connections wait for theirs, a
+tenant keeps at most ``MAX_CONNECTIONS`` open (its least recently used goes first), a frame over
+``MAX_FRAME`` closes its connection.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ from typing import Protocol
 
 from kvstore.transport.lookup_index import IndexReader
 from kvstore.transport.tickets import TokenBook
-from kvstore.transport.unix_server import Connection, UnixServer
+from kvstore.transport.socket_server import Connection, SocketServer
 
 MAGIC = b"KVLK"
 GREETING_DEADLINE_S = 2.0
 IDLE_S = 300.0
-MAX_CONNECTIONS = 256
+MAX_PENDING = 64             # connections not yet greeted
+MAX_CONNECTIONS = 256        # greeted connections of one tenant
 MAX_FRAME = 1 << 20          # 8192 hashes of 64 bytes and then some
 _LEN = struct.Struct("!I")
 _HEAD = struct.Struct("!4s32sH")
@@ -143,7 +145,7 @@ def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
     return op, namespace_id, [body[at + i * width:at + (i + 1) * width] for i in range(count)]
 
 
-class LocalLookupServer(UnixServer):
+class LocalLookupServer(SocketServer):
     """Daemon side. ``handler(tenant, namespace_id, hashes, lease)`` returns ``(hits, tiers)`` or
     raises; ``told(tenant, namespace_id, hit_hashes, asked, lease)`` takes note of a lookup the
     client answered itself (pins ``hit_hashes`` with ``lease``, counts it). Both run on this
@@ -160,7 +162,9 @@ class LocalLookupServer(UnixServer):
         self._calls = calls
         if calls is not None:
             calls.send = self.send_soon
-        super().__init__(shm_dir, "local-lookup", MAX_CONNECTIONS, GREETING_DEADLINE_S, tokens=tokens)
+        super().__init__("local-lookup", shm_dir=shm_dir, first_deadline_s=GREETING_DEADLINE_S,
+                         max_pending=MAX_PENDING, max_per_tenant=MAX_CONNECTIONS, tokens=tokens)
+        self.start()
 
     @property
     def takes_calls(self) -> bool:

@@ -12,9 +12,9 @@ Lease extents carry their segment's generation; a segment that passed to another
 has a new generation (and new memory), so a client maps it again rather than reading its old
 mapping. Segments of another tenant never reach a client: not by path, not by descriptor.
 
-Both ends live here. The daemon's end (``SegmentBroker``) is a ``unix_server.UnixServer``: a
-request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most ``MAX_PENDING`` wait,
-so idle or hostile connections hold no thread and cannot grow anything.
+Both ends live here. The daemon's end (``SegmentBroker``) is a ``socket_server.SocketServer`` on
+a Unix socket: a request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most
+``MAX_PENDING`` wait, so idle or hostile connections hold no thread and cannot grow anything.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstore.buffers import copy_each, copy_each_in, gather, scatter
 from kvstore.transport.tickets import TokenBook
-from kvstore.transport.unix_server import Connection, UnixServer
+from kvstore.transport.socket_server import Connection, SocketServer
 
 MAGIC = b"KVSG"
 MAX_TENANT_BYTES = 256
@@ -72,7 +72,7 @@ def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
     return ticket, data[_HEAD.size:at].decode("utf-8", "replace"), segments
 
 
-class SegmentBroker(UnixServer):
+class SegmentBroker(SocketServer):
     """Daemon side: hands a tenant's clients the descriptors of that tenant's segments.
 
     ``descriptor_for(segment, tenant)`` returns ``(fd, generation)`` for a segment holding the
@@ -82,7 +82,9 @@ class SegmentBroker(UnixServer):
     def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None],
                  tokens: TokenBook | None = None) -> None:
         self._descriptor_for = descriptor_for
-        super().__init__(shm_dir, "segment-broker", MAX_PENDING, REQUEST_DEADLINE_S, _MAX_REQUEST + 1, tokens=tokens)
+        super().__init__("segment-broker", shm_dir=shm_dir, first_deadline_s=REQUEST_DEADLINE_S,
+                         max_pending=MAX_PENDING, max_read=_MAX_REQUEST + 1, tokens=tokens)
+        self.start()
 
     def received(self, fd: int, conn: Connection) -> None:
         try:
