@@ -17,8 +17,8 @@ Caps: nothing grows with idle or hostile connections.
 * A tenant has at most ``max_per_tenant`` admitted connections (a new one pushes out that tenant's
   least recently active), and all tenants together at most ``max_per_tenant * max_tenants``
   (beyond that a ticket is refused): one tenant never pushes out another's connections.
-* When ``accept`` fails (out of descriptors or memory) the listener is left unwatched for
-  ``ACCEPT_BACKOFF_S`` instead of spinning on it; connections already open are served meanwhile.
+* When ``accept`` fails (out of descriptors or memory) the listener is left unwatched until the
+  next tick instead of spinning on it; connections already open are served meanwhile.
 
 Tickets (``transport.tickets``): Handshake hands a caller ``ticket_for(its tenant, its token's
 digest)``. A connection admitted with one is checked again before its next frame is read once
@@ -46,7 +46,6 @@ from kvstore.transport.tickets import Tickets, TokenBook
 log = logging.getLogger("kvstore.transport.socket_server")
 
 TICK_S = 0.25            # deadlines, send bounds and revocations are checked at least this often
-ACCEPT_BACKOFF_S = 0.05  # a failing accept leaves the listener unwatched this long
 SEND_WITHIN_S = 2.0      # an answer still not taken this long after it was ready ends its connection
 _READ = select.EPOLLIN | select.EPOLLRDHUP   # what a connection is watched for (and EPOLLOUT while it has unsent bytes)
 _SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
@@ -101,7 +100,7 @@ class SocketServer:
         self.poller = select.epoll()
         self.poller.register(self._listener.fileno(), select.EPOLLIN)
         self.poller.register(self._wake_reader.fileno(), select.EPOLLIN)
-        self._accept_again_at = 0.0   # while accept backs off
+        self._accept_failing = False   # the listener is unwatched until the next tick
         self.conns: OrderedDict[int, Connection] = OrderedDict()   # least recently active first
         self.counts: Counter[str] = Counter()
         self._closed = False
@@ -191,8 +190,7 @@ class SocketServer:
                 next_tick = now + TICK_S
 
     def _expire(self, now: float) -> None:
-        if self._accept_again_at and now >= self._accept_again_at:
-            self._accept_again_at = 0.0
+        if self._accept_failing:
             self.poller.modify(self._listener.fileno(), select.EPOLLIN)
         for fd, conn in list(self.conns.items()):
             if conn.deadline < now:
@@ -207,11 +205,13 @@ class SocketServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:   # e.g. out of descriptors: the listener stays ready, so stop watching it a while
-                log.warning("%s: accept failed, pausing %.2fs: %s", self.name, ACCEPT_BACKOFF_S, e)
+                if not self._accept_failing:
+                    log.warning("%s: accept failed (retried every %.2fs until it works): %s", self.name, TICK_S, e)
+                self._accept_failing = True
                 self.counts["accept_failed"] += 1
                 self.poller.modify(self._listener.fileno(), 0)
-                self._accept_again_at = time.monotonic() + ACCEPT_BACKOFF_S
                 return
+            self._accept_failing = False
             sock.setblocking(False)
             if len(self.conns) - self._per_tenant.total() >= self.max_pending:
                 self.end(next(fd for fd, c in self.conns.items() if c.tenant is None), "pushed_out")
