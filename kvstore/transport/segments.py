@@ -100,7 +100,7 @@ class SegmentBroker(SocketServer):
         self.end(fd, None)
 
     def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
-        if not self.ticket_admits(ticket, tenant):
+        if not self.tickets.admits(ticket, tenant):
             self._refuse(conn, "refused_ticket")
             return
         handed: list[tuple[int, int, int]] = []   # (segment, fd, generation)

@@ -128,9 +128,6 @@ class SocketServer:
     def ticket_for(self, tenant: str, token_digest: bytes = b"") -> bytes:
         return self.tickets.issue(tenant, token_digest)
 
-    def ticket_admits(self, ticket: bytes, tenant: str) -> bool:
-        return self.tickets.admits(ticket, tenant)
-
     def admit(self, conn: Connection, ticket: bytes, tenant: str) -> bool:
         """Admit ``conn`` as ``tenant`` if ``ticket`` is good now (checked again whenever the
         tokens change); a tenant at its cap loses its least recently active connection."""
