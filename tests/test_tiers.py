@@ -14,7 +14,7 @@ from kvstore.tiers.base import BlockRecord
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, MAX_SLABS, READ_RUN_BYTES, NvmeTier, encode_header
-from kvstore.tiers.slabs import SLAB_NAME
+from kvstore.tiers.slabs import RECORD_BYTES, SLAB_NAME, records_path
 from kvstore.tiers.slots import SlotTable
 from mounts import mounted
 
@@ -366,29 +366,102 @@ def test_nvme_read_detects_damage_and_drops_the_block(tmp_path, damage):
     assert tier.read_into(b.key, out) == 20_000 and np.array_equal(out, payload(2, 20_000))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header-bit", "copied"])
-def test_nvme_recover_never_yields_a_damaged_slot(tmp_path, damage):
+def _record_at(tier: NvmeTier, key: bytes) -> tuple[str, int]:
+    """(record file, offset of ``key``'s record in it)."""
+    path, offset = tier.location(key)
+    return records_path(path), offset // tier.footprint(tier.record(key).stored_size) * RECORD_BYTES
+
+
+@pytest.mark.parametrize("damage", ["truncate", "record-bit", "record-copied", "record-file-cut"])
+def test_nvme_recover_never_yields_a_damaged_record(tmp_path, damage):
     tier = NvmeTier(str(tmp_path), 64 << 20)
     b, a = rec(2, 20_000), rec(1, 20_000)
     for r in (b, a):
         tier.allocate(r)
         tier.write(r, payload(r.block_hash[0], 20_000))
     path, offset = tier.location(a.key)
+    records, at = _record_at(tier, a.key)
     if damage == "truncate":
         os.truncate(path, offset + HEADER_BYTES + 4096)
-    elif damage == "header-bit":
-        _flip(path, offset, 17)
+    elif damage == "record-bit":
+        _flip(records, at, 17)
+    elif damage == "record-file-cut":   # a's record lost (a crash before it was written): a is not found
+        os.truncate(records, at)
     else:   # the same block twice: only the first slot's copy is taken
-        _copy_slot(tier, b.key, a.key)
+        with open(records, "r+b") as f:
+            f.seek(_record_at(tier, b.key)[1])
+            row = f.read(RECORD_BYTES)
+            f.seek(at)
+            f.write(row)
     tier.close()
     again = NvmeTier(str(tmp_path), 64 << 20)
     assert [r.key for r in again.recover()] == [b.key]
-    assert again.corrupt_dropped == (0 if damage == "truncate" else 1)
+    assert again.corrupt_dropped == (1 if damage in ("record-bit", "record-copied") else 0)
     assert again.used_bytes == again.footprint(20_000)
     late = rec(3, 20_000)   # the damaged slot is free again
     again.allocate(late)
     again.write(late, payload(3, 20_000))
     assert again.location(late.key)[1] == offset
+
+
+def _two_blocks_one_slot_damaged(d: str, damage: str) -> tuple[BlockRecord, BlockRecord]:
+    """Blocks b then a written to a tier in ``d``, then a's slot (not its record) damaged."""
+    tier = NvmeTier(d, 64 << 20)
+    b, a = rec(2, 20_000), rec(1, 20_000)
+    for r in (b, a):
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 20_000))
+    path, offset = tier.location(a.key)
+    if damage == "header-bit":
+        _flip(path, offset, 17)
+    elif damage == "zeroed":
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(HEADER_BYTES))
+    else:
+        _copy_slot(tier, b.key, a.key)
+    tier.close()
+    return a, b
+
+
+@pytest.mark.parametrize("damage", ["header-bit", "copied", "zeroed"])
+def test_nvme_a_slot_damaged_behind_its_record_is_a_counted_miss(tmp_path, damage):
+    """Recovery reads the records, not the slots: a block whose slot was damaged is found, and its
+    first read verifies the slot's header and payload, drops it and counts it. Recovery with
+    ``verify_on_recover`` reads each slot and never yields it."""
+    a, b = _two_blocks_one_slot_damaged(str(tmp_path / "verified"), damage)
+    verified = NvmeTier(str(tmp_path / "verified"), 64 << 20, verify_on_recover=True)
+    assert [r.key for r in verified.recover()] == [b.key] and verified.corrupt_dropped == 1
+    a, b = _two_blocks_one_slot_damaged(str(tmp_path / "plain"), damage)
+    again = NvmeTier(str(tmp_path / "plain"), 64 << 20)
+    assert sorted(r.key for r in again.recover()) == sorted([a.key, b.key])
+    with pytest.raises(BlockCorrupt, match="dropped"):
+        again.read_into(a.key, np.empty(20_000, np.uint8))
+    assert again.corrupt_dropped == 1
+    out = np.empty(20_000, np.uint8)
+    assert again.read_into(b.key, out) == 20_000 and np.array_equal(out, payload(2, 20_000))
+
+
+def test_nvme_a_slab_without_its_record_file_is_recovered_from_its_slots(tmp_path):
+    """A slab whose record file is gone (or one written before record files) is read slot by slot
+    once, damaged slots dropped and counted, and its record file written again from what it holds."""
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    records = [rec(i, 20_000) for i in range(4)]
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], 20_000))
+    path, offset = tier.location(records[2].key)
+    tier.close()
+    _flip(path, offset, 17)
+    os.unlink(records_path(path))
+    again = NvmeTier(d, 64 << 20)
+    want = sorted(r.key for r in records if r is not records[2])
+    assert sorted(r.key for r in again.recover()) == want and again.corrupt_dropped == 1
+    again.close()
+    assert os.path.exists(records_path(path))
+    third = NvmeTier(d, 64 << 20)
+    assert sorted(r.key for r in third.recover()) == want and third.corrupt_dropped == 0
 
 
 def test_nvme_recover_with_verification_catches_payload_rot(tmp_path):
@@ -447,9 +520,9 @@ def test_nvme_a_slab_left_empty_is_deleted_and_its_size_starts_afresh(tmp_path):
     assert tier.location(again.key)[1] == 0 and tier.location(again.key)[0] != big_slab
     path, offset = tier.location(again.key)
     tier.close()
-    with open(path, "r+b") as f:   # its only header erased: a slab found empty at recovery goes too
+    with open(records_path(path), "r+b") as f:   # its only record erased: a slab found empty at recovery goes too
         f.seek(offset)
-        f.write(bytes(HEADER_BYTES))
+        f.write(bytes(RECORD_BYTES))
     restarted = NvmeTier(d, 64 << 20)
     assert sorted(x.key for x in restarted.recover()) == sorted(r.key for r in small)
     assert not os.path.exists(path) and len(_slabs(d)) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import threading
 import time
@@ -216,9 +217,15 @@ def test_tier_recovery_skips_and_counts_what_is_not_a_regular_file(tmp_path):
     os.mkdir(os.path.join(d, _slab_name(fp, "00000002")))
     legacy_fifo = os.path.join(d, "ab" * 24 + ".kvb")                 # the older layout's block name
     os.mkfifo(legacy_fifo)
+    records_fifo = os.path.join(d, _slab_name(fp, "00000003")[:-4] + ".kvi")   # a record file without its slab
+    os.mkfifo(records_fifo)
+    real = os.path.join(d, _slab_name(fp, "00000004"))   # a real slab whose record file is a FIFO
+    shutil.copyfile(target, real)
+    os.mkfifo(real[:-4] + ".kvi")
     tier = NvmeTier(d, 8 << 20)
     assert _recover_within(tier, fifo) == []
-    assert tier.stats()["recovery_skipped_not_regular"] == 4
+    assert tier.stats()["recovery_skipped_not_regular"] == 6
+    assert stat.S_ISFIFO(os.lstat(records_fifo).st_mode) and os.path.exists(real)   # left in place
     assert tier.corrupt_dropped == 0 and tier.used_bytes == 0
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISFIFO(os.lstat(legacy_fifo).st_mode)  # never ours
     assert _read(target)[:8] == b"KVSBLK02"        # the link's target is untouched

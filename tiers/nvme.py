@@ -3,8 +3,9 @@
 Layout: one slab file per block footprint (``slab-<footprint>-<random>.kvs``, see ``slabs``), one block
 per slot. A slot = a 4 KiB header (record + xxh3 of the payload + xxh3 of the header) followed by
 the payload padded to 4 KiB, so a block moves with one O_DIRECT ``pwritev`` / ``preadv`` at its
-slot's offset (buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs). No file is
-created, renamed or unlinked per block: that metadata work cost more than the bytes at 64 KiB.
+slot's offset (buffered I/O where the filesystem refuses O_DIRECT, e.g. tmpfs), and its header
+again into the slab's record file (``slabs``). No file is created, renamed or unlinked per block:
+that metadata work cost more than the bytes at 64 KiB.
 
 Durable: ``write`` is a positional write and an ``fdatasync``. The batched form
 (``write_unsynced`` + ``sync``) flushes each slab written since the last ``sync`` once (group
@@ -17,7 +18,8 @@ restart does not bring it back and no new block sits behind its stale header. Wh
 be made durable in time (a crash right after the drop) the old block may come back, whole and
 checksummed. Every read verifies the header (its key and footprint must match) and the payload
 checksum; a bad slot is dropped, counted and reported as ``BlockCorrupt`` (the store turns that
-into a miss). Warm restart: ``recover()`` rebuilds the index from the slots' headers.
+into a miss). Warm restart: ``recover()`` rebuilds the index from the record files, one read
+per slab; each record's header checksum is checked then, each slot when it is read.
 
 Planted files (see ``private_files``): the directory is created 0700 and an existing one must be
 ours and private (an empty loose one is tightened to 0700, a loose one with entries is refused);
@@ -50,7 +52,7 @@ from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
 from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, file_kind,
                                          fsync_dir, open_regular, unlink_quietly)
-from kvstore.tiers.slabs import SLAB_NAME, Slab
+from kvstore.tiers.slabs import RECORD_BYTES, RECORDS_NAME, SLAB_NAME, Slab, records_path
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -195,11 +197,12 @@ class NvmeTier(Tier):
                 raise OSError(errno.ENOENT, "its slab file was removed")
             fd = slab.writer()
             try:
-                self._write_slot(fd, slab.offset(slot), record, data)
+                header = self._write_slot(fd, slab.offset(slot), record, data)
                 if durable:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
+            slab.write_record(slot, header, durable)
             with self._lock:   # writers run on several threads (a put's disk writes in flight)
                 self._written.add(slab)
                 if durable:
@@ -230,7 +233,7 @@ class NvmeTier(Tier):
         try:
             for slab in unflushed:
                 if slab.fd >= 0:
-                    os.fdatasync(slab.fd)
+                    slab.flush()
             if unflushed:
                 with self._lock:
                     self.filesystem_flushes += 1
@@ -245,10 +248,10 @@ class NvmeTier(Tier):
                 self._new_files = self._new_files or new_files
             raise TierIOError(f"nvme tier: flushing {self.path} failed: {e.strerror}") from e
 
-    def _write_slot(self, fd: int, offset: int, record: BlockRecord, data) -> None:
-        """Header + payload in one pwritev. A page-aligned payload (CPU-arena slots, pooled server
-        buffers) goes to disk straight from where it is; anything else is copied once into the
-        thread's aligned staging buffer, which O_DIRECT needs."""
+    def _write_slot(self, fd: int, offset: int, record: BlockRecord, data) -> bytes:
+        """Header + payload in one pwritev; returns the header. A page-aligned payload (CPU-arena
+        slots, pooled server buffers) goes to disk straight from where it is; anything else is
+        copied once into the thread's aligned staging buffer, which O_DIRECT needs."""
         src = as_bytes(data)[:record.stored_size]
         n = record.stored_size
         padded = _round_up(n)
@@ -267,6 +270,7 @@ class NvmeTier(Tier):
             arr[HEADER_BYTES + n:] = 0
             pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
         _pwritev_all(fd, pieces, offset)
+        return header
 
     def read_into(self, key: bytes, out) -> int:
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the
@@ -417,8 +421,7 @@ class NvmeTier(Tier):
             del self._slabs[slab.slot_bytes]
         self._unflushed.discard(slab)
         self._written.discard(slab)
-        if slab.fd >= 0 and slab.linked():
-            unlink_quietly(slab.path)
+        slab.remove_files()
         slab.close()
 
     def record(self, key: bytes) -> BlockRecord:
@@ -430,17 +433,21 @@ class NvmeTier(Tier):
             return [record for record, _, _ in self._blocks.values()]
 
     def recover(self) -> Iterator[BlockRecord]:
-        """Rebuild the index from the slabs' headers: erase damaged slots, yield intact blocks."""
+        """Rebuild the index from the slabs' record files: erase damaged records' slots, yield
+        intact blocks. A slab found without its record file has its slots' headers read instead,
+        and the record file written again from them."""
         try:
             names = sorted(os.listdir(self.path))
         except OSError as e:
             raise TierIOError(f"nvme tier: cannot list {self.path}: {e.strerror}") from e
+        present = set(names)
         for name in names:
             path = os.path.join(self.path, name)
             m = SLAB_NAME.fullmatch(name)
             if m is None:
-                if name.endswith(LEGACY_SUFFIXES):
-                    self._remove_legacy(path)
+                if name.endswith(LEGACY_SUFFIXES) or (RECORDS_NAME.fullmatch(name)
+                                                      and name[:-len(".kvi")] + ".kvs" not in present):
+                    self._remove_leftover(path)   # the old layout's files; a record file without its slab
                 continue
             fp = int(m.group(1))
             if fp < 2 * ALIGN or fp % ALIGN:
@@ -448,66 +455,125 @@ class NvmeTier(Tier):
             if fp in self._slabs:   # this tier never makes two for one size: a copy, left alone
                 log.warning("nvme tier: skipped %s at recovery: a second slab of %d-byte slots", path, fp)
                 continue
-            try:
-                fd = open_regular(path, os.O_DIRECT if self.o_direct else 0)
-            except NotRegularFile as e:
-                self.recovery_skipped_not_regular += 1
-                log.warning("nvme tier: skipped %s at recovery: it is a %s, not a slab file", path, e.kind)
-                continue
-            except OSError as e:
-                log.warning("nvme tier: skipped %s at recovery: %s", path, e.strerror)
+            fds = self._open_slab_files(path)
+            if fds is None:
                 continue
             slab = Slab(self.path, fp, self.o_direct, path=path)
-            slab.open(fd)
+            slab.open(*fds)
+            rebuild = slab.records_fd < 0
+            if rebuild:
+                try:
+                    slab.create_records()
+                except OSError as e:
+                    log.warning("nvme tier: skipped %s at recovery: cannot create its record file: %s", path,
+                                e.strerror)
+                    slab.close()
+                    continue
             self._slabs[fp] = slab
-            yield from self._recover_slab(slab)
+            yield from self._recover_slab(slab, rebuild)
 
-    def _remove_legacy(self, path: str) -> None:
+    def _open_slab_files(self, path: str) -> tuple[int, int | None] | None:
+        """Read-only descriptors of a slab and its record file (None: it has none yet), or None
+        when either is not a regular file or cannot be opened (skipped, left in place)."""
+        fd = -1
+        try:
+            fd = open_regular(path, os.O_DIRECT if self.o_direct else 0)
+            try:
+                return fd, open_regular(records_path(path))
+            except FileNotFoundError:
+                return fd, None
+        except NotRegularFile as e:
+            self.recovery_skipped_not_regular += 1
+            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a slab file", e.path, e.kind)
+        except OSError as e:
+            log.warning("nvme tier: skipped %s at recovery: %s", path, e.strerror)
+        if fd >= 0:
+            os.close(fd)
+        return None
+
+    def _remove_leftover(self, path: str) -> None:
         try:
             mode = os.lstat(path).st_mode
         except OSError:
             return
         if not stat.S_ISREG(mode):
             self.recovery_skipped_not_regular += 1
-            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a block file", path, file_kind(mode))
+            log.warning("nvme tier: skipped %s at recovery: it is a %s, not a file this tier wrote", path,
+                        file_kind(mode))
             return
         unlink_quietly(path)
 
-    def _recover_slab(self, slab: Slab) -> Iterator[BlockRecord]:
-        size = os.fstat(slab.fd).st_size
-        count = size // slab.slot_bytes
-        used: list[int] = []
-        page = self._staging.get(max(HEADER_BYTES, slab.slot_bytes if self.verify_on_recover else 0))
-        view = memoryview(page)
-        for slot, record, damaged in _slot_headers(slab.fd, count, slab.slot_bytes, page):
-            if damaged:   # a header that is not one, in a slot that is not empty
+    def _recover_slab(self, slab: Slab, rebuild: bool) -> Iterator[BlockRecord]:
+        """The intact blocks of one slab, from its records (one read, one decode and header
+        checksum per block); with ``verify_on_recover`` each slot is read as well and must hold
+        the same header and a payload that matches its checksum. ``rebuild``: its record file
+        is new, so its records come from the headers at its slot starts, and are written."""
+        count = os.fstat(slab.fd).st_size // slab.slot_bytes
+        rows = self._slot_header_rows(slab, count) if rebuild else slab.read_records(count)
+        flat = memoryview(rows).cast("B")
+        page = self._staging.get(slab.slot_bytes if self.verify_on_recover else HEADER_BYTES)
+        found: list[tuple[int, BlockRecord]] = []
+        keys: set[bytes] = set()
+        room = self.capacity_bytes - self.used_bytes
+        for slot in np.flatnonzero(rows.any(axis=1)).tolist():
+            at = slot * RECORD_BYTES
+            try:
+                record = decode_header(flat[at:at + RECORD_BYTES])
+            except ValueError:   # bytes where a record should be that are not one
+                record = None
+            key = None if record is None else record.key
+            if (record is None or HEADER_BYTES + _round_up(record.stored_size) != slab.slot_bytes
+                    or key in keys or key in self._blocks or room < slab.slot_bytes
+                    or (self.verify_on_recover and not self._slot_intact(slab, slot, flat[at:at + RECORD_BYTES], record,
+                                                                         page))):
                 self.corrupt_dropped += 1
-                slab.punch(slot)
-            if record is None:
-                continue
-            fp = HEADER_BYTES + _round_up(record.stored_size)
-            if (fp != slab.slot_bytes or record.key in self._blocks or self.used_bytes + fp > self.capacity_bytes
-                    or (self.verify_on_recover and not self._payload_intact(slab, slot, record, view))):
-                self.corrupt_dropped += 1
+                rows[slot] = 0
                 slab.punch(slot)
                 continue
-            with self._lock:
+            keys.add(key)
+            room -= slab.slot_bytes
+            found.append((slot, record))
+        if rebuild:
+            slab.write_records(rows)
+        with self._lock:
+            for slot, record in found:
                 self._blocks[record.key] = (record, slab, slot)
-                self.used_bytes += fp
-            used.append(slot)
-            yield record
-        slab.adopt(used, count)
-        if not used:
-            with self._lock:
+            self.used_bytes += len(found) * slab.slot_bytes
+            slab.adopt([slot for slot, _ in found], count)
+            if not found:
                 self._retire(slab)
+        for _, record in found:
+            yield record
 
-    def _payload_intact(self, slab: Slab, slot: int, record: BlockRecord, view: memoryview) -> bool:
-        padded = _round_up(record.stored_size)
+    def _slot_header_rows(self, slab: Slab, count: int) -> np.ndarray:
+        """The headers at the slot starts of a slab without a record file, one row each, as its
+        records would hold them (a header page with bytes past a row's end is marked damaged)."""
+        rows = np.zeros((count, RECORD_BYTES), np.uint8)
+        page = self._staging.get(HEADER_BYTES)
+        view = memoryview(page)[:HEADER_BYTES]
+        arr = np.frombuffer(view, np.uint8)
+        for slot in range(count):
+            try:
+                got = os.preadv(slab.fd, [view], slab.offset(slot))
+            except OSError:
+                continue
+            if got < HEADER_BYTES:
+                continue
+            rows[slot] = arr[:RECORD_BYTES]
+            if arr[RECORD_BYTES:].any():
+                rows[slot, 0] ^= 0xFF   # not a header of ours: decoding it fails
+        return rows
+
+    def _slot_intact(self, slab: Slab, slot: int, row, record: BlockRecord, page) -> bool:
+        """Whether ``slot`` holds the header its record names and a payload matching its checksum."""
+        view = memoryview(page)
         try:
-            got = os.preadv(slab.fd, [view[:padded]], slab.offset(slot) + HEADER_BYTES)
+            got = os.preadv(slab.fd, [view[:slab.slot_bytes]], slab.offset(slot))
         except OSError:
             return False
-        return got >= record.stored_size and xxhash.xxh3_64_intdigest(view[:record.stored_size]) == record.checksum
+        body = _HEADER.size + _HEADER_SUM.size
+        return (got >= HEADER_BYTES + record.stored_size and view[:body] == row[:body]
+                and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:HEADER_BYTES + record.stored_size]) == record.checksum)
 
     def close(self) -> None:
         self.finish_drops()

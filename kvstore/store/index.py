@@ -98,6 +98,35 @@ class BlockIndex:
                 parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
             self.refresh_policies(parent)
 
+    def link_recovered(self) -> None:
+        """``link`` every entry into its parent at once, before any policy knows of them (warm
+        restart: ``track_recovered`` then tells the policies each final chain state)."""
+        entries = self.entries
+        for entry in entries.values():
+            if entry.parent_hash is None or entry.linked:
+                continue
+            parent = entries.get(entry.namespace_id + entry.parent_hash)
+            if parent is None:
+                continue
+            entry.linked = True
+            kids = parent.children
+            if isinstance(kids, set):
+                kids.add(entry.key)
+            else:
+                kids += (entry.key,)
+                parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
+
+    def track_recovered(self) -> None:
+        """``track_copy`` for every copy of every entry, in index order; a policy that ignores
+        chains is handed the keys alone (``EvictionPolicy.insert_many``)."""
+        for t, policy in enumerate(self.policies):
+            held = (e for e in self.entries.values() if t in e.copies)
+            if policy.uses_chains:
+                for entry in held:
+                    policy.insert(entry.key, *self.chain_state(entry, t))
+            else:
+                policy.insert_many(e.key for e in held)
+
     def unlink(self, entry: Entry) -> None:
         parent = self.parent(entry)
         if entry.linked and parent is not None:

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 IsPinned = Callable[[bytes], bool]
 
@@ -27,9 +27,16 @@ class EvictionPolicy(ABC):
     """
 
     name: str
+    #: whether ``insert``/``update`` use ``children`` and ``orphan`` (else callers may skip working them out)
+    uses_chains = False
 
     @abstractmethod
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None: ...
+
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        """``insert`` each key, in order, without a chain state (for policies that ignore it)."""
+        for key in keys:
+            self.insert(key)
 
     @abstractmethod
     def touch(self, key: bytes) -> None: ...
@@ -58,6 +65,9 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
         self._order[key] = None
 
+    def insert_many(self, keys: Iterable[bytes]) -> None:
+        self._order.update(dict.fromkeys(keys))
+
     def touch(self, key: bytes) -> None:
         self._order.move_to_end(key)
 
@@ -85,6 +95,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     """
 
     name = "prefix"
+    uses_chains = True
 
     def __init__(self) -> None:
         self._lru = LRUPolicy()
