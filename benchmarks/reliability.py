@@ -9,6 +9,7 @@ one module per group; this entry script picks them, runs them and writes the res
     .venv/bin/python benchmarks/reliability.py crash --kills 50
     .venv/bin/python benchmarks/reliability.py fuzz --requests 10000
     .venv/bin/python benchmarks/reliability.py load --clients 64 --seconds 30
+    .venv/bin/python benchmarks/reliability.py segments_cycle --cycles 8
     .venv/bin/python benchmarks/reliability.py all --quick    # the CI-sized versions
 
 Run it with the interpreter that has kvstore installed (the project's .venv); it needs no path
@@ -42,6 +43,7 @@ from reliability_scenarios.hostile import fuzz, slowloris
 from reliability_scenarios.load import LOAD_OPS, load, run_load_worker
 from reliability_scenarios.memory import memory_refusals
 from reliability_scenarios.report import render_markdown
+from reliability_scenarios.segment_memory import segments_cycle
 from reliability_scenarios.tenancy import make_test_ca, tenancy
 from reliability_scenarios.trust import http_slowloris, revocation
 
@@ -50,14 +52,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "churn", "corrupt_files_while_running", "crash_test",
            "daemon_killed_mid_request", "dir_lost_while_running", "disk_full", "fuzz", "hashes", "is_exact",
            "http_slowloris", "layout", "load", "machine", "main", "make_test_ca", "memory_refusals", "payload",
-           "pinned_arena", "redis_down", "render_markdown", "revocation", "run_scenario", "slowloris", "tenancy",
-           "unwritable_dir_at_start"]
+           "pinned_arena", "redis_down", "render_markdown", "revocation", "run_scenario", "segments_cycle", "slowloris",
+           "tenancy", "unwritable_dir_at_start"]
 
 
 # -- driver ----------------------------------------------------------------------------------------
 
-SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "http_slowloris", "tenancy", "revocation", "load", "deps",
-             "churn")
+SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "http_slowloris", "tenancy", "revocation", "segments_cycle",
+             "load", "deps", "churn")
 
 
 def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
@@ -89,6 +91,10 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
             r = tenancy(workdir)
         elif name == "revocation":
             r = revocation(workdir)
+        elif name == "segments_cycle":
+            r = {mode: segments_cycle(os.path.join(workdir, mode), cycles=3 if quick else args.cycles,
+                                      cpu_bytes="16MiB" if quick else "64MiB", segment_bytes="1MiB" if quick else "4MiB",
+                                      mode=mode) for mode in ("keep", "touch")}
         elif name == "load":
             r = load(workdir, clients=16 if quick else args.clients, seconds=3 if quick else args.seconds)
         elif name == "churn":
@@ -108,8 +114,8 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
 
 
 CALLABLE = ("churn", "corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
-            "disk_full", "fuzz", "http_slowloris", "load", "memory_refusals", "pinned_arena", "redis_down", "revocation", "slowloris", "tenancy",
-            "unwritable_dir_at_start")
+            "disk_full", "fuzz", "http_slowloris", "load", "memory_refusals", "pinned_arena", "redis_down", "revocation",
+            "segments_cycle", "slowloris", "tenancy", "unwritable_dir_at_start")
 
 
 def call_scenario(function: str, args: list, kwargs: dict, result_file: str) -> int:
@@ -141,6 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=10000)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--cycles", type=int, default=8, help="segments_cycle: arena fills per tenant")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--workdir", default=None)
     # load worker (internal)

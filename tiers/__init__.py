@@ -7,7 +7,8 @@ its own modules) and must not import ``kvstore.store``, ``kvstore.fleet``, ``kvs
 ``kvstore.client``, ``kvstore.transport``, ``kvstore.ops``, ``kvstore.codecs`` or
 ``kvstore.connectors``.
 
-Modules: ``cpu`` (the ``/dev/shm`` arena over ``slots``, the slot allocator), ``nvme``
+Modules: ``cpu`` (the ``/dev/shm`` arena over ``slots``, the slot allocator, and with tenant
+segments ``replaced_segments``, the replaced ones clients still hold), ``nvme``
 (checksummed O_DIRECT blocks in ``slabs``, one file per block size, with ``private_files`` for its
 private directory), ``gpu``
 (HBM), ``redis`` (a pool shared by a fleet) and ``metadata`` (accounting only, for the planner).

@@ -16,11 +16,18 @@ then no file at all but one sealed ``memfd`` per segment, each holding one tenan
 client the descriptors of that tenant's segments after checking its ticket
 (``kvstore.transport.segments``). Seals forbid shrinking or growing them, so a client
 holding one cannot make the daemon's own mapping fault. A segment that passes to another tenant
-gets fresh memory first (``renew``): a mapping taken earlier keeps only the old pages.
+gets fresh memory first (``renew``): a mapping taken earlier keeps only the old memory, whose pages
+the daemon releases then (a client that touches them again gets zeros, in pages of its own making).
+
+What a tenant's clients can hold is bounded: every segment handed to them, current or replaced
+(``replaced_segments``: until its last descriptor and mapping are gone), counts at its full size,
+and a request that would take them past ``held_limit`` bytes is refused (``QuotaExceeded``
+naming ``max_held_segment_bytes_per_tenant``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -32,8 +39,9 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.buffers import Extent, as_bytes, gather, scatter
-from kvstore.errors import TierIOError
+from kvstore.errors import QuotaExceeded, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.replaced_segments import Replaced, ReplacedSegments
 from kvstore.tiers.slots import SlotTable
 
 
@@ -44,9 +52,10 @@ class CpuTier(Tier):
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
                  pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None,
-                 page_lock: bool = True) -> None:
+                 page_lock: bool = True, held_limit: int | None = None) -> None:
         """``page_lock``: page-lock the arena when a CUDA device is present (the daemon asks for it
-        only with a GPU tier: without one, the registration would create a CUDA context for nothing)."""
+        only with a GPU tier: without one, the registration would create a CUDA context for nothing).
+        ``held_limit``: the segment bytes one tenant's clients may hold (None: the arena's size)."""
         self.slots = SlotTable(capacity_bytes, slot_bytes, self.name, segment_bytes=segment_bytes,
                                on_reassign=self._renew_segment)
         super().__init__(self.slots.capacity_bytes)
@@ -57,6 +66,9 @@ class CpuTier(Tier):
             self.segment_path = None
             self.arena = SegmentedArena(self.slots.num_segments, self.slots.segment_bytes,
                                         max(self.capacity_bytes, mmap.PAGESIZE), pretouch)
+            self.held_limit = self.arena.nbytes if held_limit is None else held_limit
+            self._handed: list[str | None] = [None] * self.slots.num_segments   # whose clients got its memory
+            self.replaced = ReplacedSegments()
             return
         self.segment_name = segment_name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.segment_path = os.path.join(shm_dir, self.segment_name)
@@ -102,16 +114,44 @@ class CpuTier(Tier):
 
     def segment_descriptor(self, s: int, owner: str) -> tuple[int, int] | None:
         """A new descriptor of segment ``s`` (the caller closes it) and its generation, only if
-        the segment holds ``owner``'s blocks now; None otherwise."""
+        the segment holds ``owner``'s blocks now; None otherwise. Raises ``QuotaExceeded`` when
+        handing it would let ``owner``'s clients hold more than ``held_limit`` bytes of segments."""
         def dup() -> tuple[int, int]:
+            if self._handed[s] != owner:
+                held = self.held_bytes(owner) + self.arena.size_of(s)
+                if held > self.held_limit:
+                    raise QuotaExceeded(
+                        f"max_held_segment_bytes_per_tenant: tenant {owner!r}'s clients would hold {held} bytes of "
+                        f"CPU segments, over its limit of {self.held_limit} (replaced segments count until their "
+                        "clients unmap them)")
+                self._handed[s] = owner
             return os.dup(self.arena.descriptor(s)), self.slots.generations[s]
         return self.slots.if_owned_by(s, owner, dup)  # type: ignore[return-value]
+
+    def held_bytes(self, owner: str) -> int:
+        """Segment bytes ``owner``'s clients may hold: current segments handed to them, and
+        replaced ones still mapped or open somewhere."""
+        current = sum(self.arena.size_of(s) for s, who in enumerate(self._handed) if who == owner)
+        return current + sum(r.nbytes for r in self.replaced.held_by(owner))
+
+    def replaced_for(self, owner: str) -> list[tuple[int, int]]:
+        """``(segment, generation)`` of each replaced segment ``owner``'s clients still hold."""
+        return [(r.segment, r.generation) for r in self.replaced.held_by(owner)] if self.segmented else []
 
     def generation_at(self, offset: int) -> int:
         return self.slots.generations[self.slots.segment_of(offset)] if self.segmented else 0
 
     def _renew_segment(self, s: int) -> None:
-        self.arena.renew(s)
+        """Segment ``s`` passes to another owner (``SlotTable``, under its lock; ``generations[s]``
+        is still the old one): fresh memory, and the old one counted while the clients it was
+        handed to hold it."""
+        old = self.arena.renew(s)
+        try:
+            if self._handed[s] is not None:
+                self.replaced.add(old, Replaced(self._handed[s], s, self.slots.generations[s], self.arena.size_of(s)))
+        finally:
+            os.close(old)
+        self._handed[s] = None
 
     def footprint(self, nbytes: int) -> int:
         return self.slots.footprint(nbytes)
@@ -154,6 +194,7 @@ class CpuTier(Tier):
     def close(self) -> None:
         if self.segment_path is None:
             self.arena.close()
+            self.replaced.close()
         else:
             try:
                 os.unlink(self.segment_path)
@@ -167,6 +208,7 @@ class CpuTier(Tier):
         if self.segmented:
             out["segments"] = self.slots.num_segments
             out["segment_bytes"] = self.slots.segment_bytes
+            out.update(self.replaced.stats())
         return out
 
 
@@ -181,26 +223,28 @@ class SegmentedArena:
         self._pretouch = pretouch
         self._sizes = [min(nbytes, (s + 1) * segment_bytes) - s * segment_bytes for s in range(num_segments)]
         self._fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
         self._arrays: list[np.ndarray] = []
         for s, size in enumerate(self._sizes):
-            fd, array = self._create(s, size)
+            fd, m = self._create(s, size)
             self._fds.append(fd)
-            self._arrays.append(array)
+            self._maps.append(m)
+            self._arrays.append(np.frombuffer(m, dtype=np.uint8))
 
-    def _create(self, s: int, size: int) -> tuple[int, np.ndarray]:
+    def _create(self, s: int, size: int) -> tuple[int, mmap.mmap]:
         fd = os.memfd_create(f"kvstore-cpu-segment-{s}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)   # fail now, not with SIGBUS later, when memory is short
             # a client holding the descriptor must not shrink it under the daemon's mapping (SIGBUS)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            array = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+            m = mmap.mmap(fd, size)
         except OSError as e:
             os.close(fd)
             raise TierIOError(f"cpu tier: cannot allocate a {size}-byte segment ({e.strerror}); lower cpu_bytes") from e
         if self._pretouch:
-            array[::mmap.PAGESIZE] = 0
-        return fd, array
+            np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE] = 0
+        return fd, m
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop = window.start or 0, window.stop
@@ -214,17 +258,24 @@ class SegmentedArena:
         """The segment's file descriptor (the daemon keeps ownership; send a copy)."""
         return self._fds[s]
 
-    def renew(self, s: int) -> None:
-        """Give segment ``s`` fresh memory; mappings of the old one keep the old pages."""
-        fd, array = self._create(s, self._sizes[s])
-        old = self._fds[s]
-        self._fds[s], self._arrays[s] = fd, array
-        os.close(old)
+    def size_of(self, s: int) -> int:
+        return self._sizes[s]
+
+    def renew(self, s: int) -> int:
+        """Give segment ``s`` fresh memory and release the old memory's pages, whoever still maps
+        it (``MADV_REMOVE``: a mapping touched again gets zeroed pages); returns the old
+        descriptor, which the caller closes."""
+        fd, m = self._create(s, self._sizes[s])
+        old, old_map = self._fds[s], self._maps[s]
+        self._fds[s], self._maps[s], self._arrays[s] = fd, m, np.frombuffer(m, dtype=np.uint8)
+        with contextlib.suppress(OSError, ValueError):
+            old_map.madvise(mmap.MADV_REMOVE)
+        return old
 
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
-        self._fds, self._arrays = [], []
+        self._fds, self._maps, self._arrays = [], [], []
 
 
 _SEGMENT_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}$")

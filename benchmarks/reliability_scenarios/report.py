@@ -167,6 +167,36 @@ def render_markdown(report: dict) -> str:
                             " / ".join(p["get_put_lookup_exists_after"]),
                             ", ".join(f"{k}: {v}" for k, v in p["old_tickets"].items()), p["other_tenant_served"]))
         out += ["", f"Passed: {r['ok']}.", ""]
+    if "segments_cycle" in sc and "keep" in sc["segments_cycle"]:
+        r = sc["segments_cycle"]
+        k = r["keep"]
+        out += ["## Tenant segments cycling while a client keeps them", "",
+                f"A {k['cpu_bytes'] >> 20} MiB CPU arena in {k['segment_bytes'] >> 20} MiB tenant segments, two tenants; "
+                f"{k['cycles']} times tenant A fills the arena and a process of A's takes and keeps a descriptor and a "
+                "mapping of every segment A owns, then tenant B fills it, so every segment passes to B and gets fresh "
+                "memory. Segment memory = the pages of every segment the daemon, A's holder and B's client still "
+                "reference (`st_blocks` of each memfd); bound = the arena + 2 tenants x "
+                f"`max_held_segment_bytes_per_tenant` ({k['held_cap_bytes'] >> 20} MiB, its default: the arena). "
+                "`keep`: the holder never touches what it keeps; `touch`: it writes every page of everything it "
+                "holds before each of B's fills. Host Shmem (`/proc/meminfo`, moved by other processes too) is the "
+                "change since before the daemon started.", "",
+                _row("holder", "cycle", "arena segments (MiB)", "replaced segments in memory (MiB)",
+                     "replaced segments still held", "host Shmem change (MiB)", "A's fill", "B stored / exact"),
+                _row(*["---"] * 8)]
+        for mode, g in r.items():
+            if not isinstance(g, dict) or "rounds" not in g:
+                continue
+            for x in g["rounds"]:
+                a_fill = f"{x['a_stored']} stored" if not x["a_put_error"] else "refused: " + (
+                    "max_held_segment_bytes_per_tenant" if "max_held_segment_bytes_per_tenant" in x["a_put_error"]
+                    else x["a_put_error"][:60])
+                out.append(_row(mode, x["cycle"], round(x["current_bytes"] / 2**20, 1),
+                                round(x["replaced_bytes"] / 2**20, 1), x["replaced_segments"],
+                                round(x["host_shmem_delta_bytes"] / 2**20, 1), a_fill,
+                                f"{x['b_stored']} / {x['b_exact']}"))
+        out += ["", "Worst segment memory: " + "; ".join(
+            f"{mode} {g['worst_segment_bytes'] / 2**20:.1f} MiB of a {g['bound_bytes'] / 2**20:.0f} MiB bound "
+            f"(passed: {g['ok']})" for mode, g in r.items() if isinstance(g, dict) and "rounds" in g) + ".", ""]
     if "tenancy" in sc:
         r = sc["tenancy"]
         iso, q = r["isolation"], r["quota"]

@@ -71,13 +71,14 @@ def segments_cycle(workdir: str, cycles: int = 3, cpu_bytes: str = "64MiB", segm
     after each fill (``touch``). ``held_cap``: the daemon's ``max_held_segment_bytes_per_tenant``
     (None: its default, ``cpu_bytes``)."""
     arena, cap = parse_size(cpu_bytes), parse_size(held_cap or cpu_bytes)
-    env = {"KVSTORE_CPU_SEGMENT_BYTES": segment_bytes}
+    env = {"KVSTORE_CPU_SEGMENT_BYTES": segment_bytes, "KVSTORE_ADMIN_TENANTS": '["ops"]'}
     if held_cap:
         env["KVSTORE_MAX_HELD_SEGMENT_BYTES_PER_TENANT"] = held_cap
     shm_dir = os.path.join(workdir, "shm")
     os.makedirs(shm_dir, exist_ok=True)
     shmem_before = host_shmem()
-    d = start_local_daemon(workdir, "--token", "a-token=a", "--token", "b-token=b", "--shm-dir", shm_dir,
+    d = start_local_daemon(workdir, "--token", "a-token=a", "--token", "b-token=b", "--token", "ops-token=ops",
+                           "--shm-dir", shm_dir,
                            cpu_bytes=cpu_bytes, nvme_bytes="0", env=env)
     holder = subprocess.Popen([sys.executable, HOLDER, d.address, "a-token", mode], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -96,9 +97,11 @@ def segments_cycle(workdir: str, cycles: int = 3, cpu_bytes: str = "64MiB", segm
                 memory = segment_memory(d.pid, [holder.pid, os.getpid()])
                 rounds.append({"cycle": cycle + 1, "a_stored": a["stored"], "a_held_segments": a["held_segments"],
                                "a_held_bytes": a["held_bytes"], "a_refused_by_limit": a["refused"].get("limit", 0),
+                               "a_put_error": a["error"],
                                "b_stored": b_stored, "b_exact": b_exact, "b_transport": b.active_transport, **memory,
                                "host_shmem_delta_bytes": host_shmem() - shmem_before})
-            stats = b.stats()
+        with d.client(token="ops-token", transport="grpc") as ops:
+            cpu = ops.stats()["tiers"]["cpu"]
         holder.stdin.write("exit\n")
         holder.stdin.flush()
         holder.wait(30)
@@ -111,5 +114,5 @@ def segments_cycle(workdir: str, cycles: int = 3, cpu_bytes: str = "64MiB", segm
     worst = max(r["current_bytes"] + r["replaced_bytes"] for r in rounds)
     return {"cycles": cycles, "cpu_bytes": arena, "segment_bytes": parse_size(segment_bytes), "held_cap_bytes": cap,
             "mode": mode, "bound_bytes": bound, "worst_segment_bytes": worst, "rounds": rounds,
-            "daemon_stats": {k: v for k, v in stats.items() if "segment" in k},
+            "daemon_cpu_tier": {k: v for k, v in cpu.items() if "segment" in k},
             "ok": worst <= bound and all(r["b_exact"] and r["b_stored"] == n for r in rounds)}

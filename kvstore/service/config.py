@@ -186,6 +186,9 @@ class Settings(BaseSettings):
     # with tokens set, each tenant's blocks live in CPU segments of this size that only its clients
     # can map (kvstore.transport.segments); None: cpu_bytes / 64, between one slot and 256 MiB
     cpu_segment_bytes: Size | None = Field(None, ge=4 * KiB, le=64 * GiB)
+    # with tokens set, the segment bytes one tenant's same-host clients may hold, current segments and
+    # replaced ones they still map (kvstore.tiers.cpu); None: cpu_bytes
+    max_held_segment_bytes_per_tenant: Size | None = Field(None, ge=0, le=64 * TiB)
     # slots of each tenant's same-host lookup index (kvstore.transport.lookup_index; 24 bytes each,
     # it indexes up to half as many blocks, past that lookups ask the daemon); 0: no index
     lookup_index_slots: int = Field(1 << 18, ge=0, le=1 << 28)
@@ -289,7 +292,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes", "nvme_bytes", "gpu_bytes", "quotas",
+_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes", "max_held_segment_bytes_per_tenant", "nvme_bytes", "gpu_bytes", "quotas",
               "max_block_bytes", "max_pinned_bytes_per_tenant"}
 
 

@@ -115,7 +115,8 @@ def _add_tiers(settings: Settings, tiers: list) -> None:
                    f"in {settings.shm_dir}"):   # ~1.5 GB/s of first touches: seconds for a large arena
         tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
                              segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
-                             page_lock=bool(settings.gpu_bytes)))   # no CUDA context without a GPU tier
+                             page_lock=bool(settings.gpu_bytes),   # no CUDA context without a GPU tier
+                             held_limit=settings.max_held_segment_bytes_per_tenant))
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))

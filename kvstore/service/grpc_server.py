@@ -131,8 +131,8 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
     host = listen.rpartition(":")[0].strip("[]")
     bulk = BulkServer(host, tokens=auth) if bulk_channel and not tls_cert else None
     arena = store.shared_arena()
-    segments = SegmentBroker(shm_dir, arena.descriptor_for, tokens=auth) if offer_shm and arena is not None and arena.segmented \
-        else None
+    segments = SegmentBroker(shm_dir, arena.descriptor_for, arena.replaced_for, tokens=auth) \
+        if offer_shm and arena is not None and arena.segmented else None
     servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
                                chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
                                stream_idle_s=stream_idle_s, segments=segments, threads=BUDGET.with_rpc(workers))

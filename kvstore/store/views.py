@@ -90,6 +90,11 @@ class SharedArena:
         closes the fd), None for any other segment."""
         return self._tier.segment_descriptor(segment, tenant)
 
+    def replaced_for(self, tenant: str) -> list[tuple[int, int]]:
+        """``(segment, generation)`` of the replaced segments ``tenant``'s clients still hold:
+        a client told them lets go of its mappings."""
+        return self._tier.replaced_for(tenant)
+
     def views(self, extents: Sequence[Extent]) -> list[np.ndarray]:
         """Zero-copy slices of the arena, one per (offset, length) extent (valid while the block
         they belong to is pinned)."""

@@ -12,6 +12,12 @@ Lease extents carry their segment's generation; a segment that passed to another
 has a new generation (and new memory), so a client maps it again rather than reading its old
 mapping. Segments of another tenant never reach a client: not by path, not by descriptor.
 
+Every answer to a good ticket also names the tenant's replaced segments (``(segment,
+generation)``) that a descriptor or mapping somewhere still holds; ``SegmentMap`` lets go of
+its mappings of them. The daemon counts them against the tenant until they are gone, and
+refuses a request that would take the tenant past ``max_held_segment_bytes_per_tenant``
+(status ``LIMIT``); the client then lets go of what the refusal named and asks once more.
+
 Both ends live here. The daemon's end (``SegmentBroker``) is a ``socket_server.SocketServer`` on
 a Unix socket: a request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most
 ``MAX_PENDING`` wait, so idle or hostile connections hold no thread and cannot grow anything.
@@ -25,10 +31,12 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from kvstore.buffers import copy_each, copy_each_in, gather, scatter
+from kvstore.errors import QuotaExceeded
 from kvstore.transport.tickets import TokenBook
 from kvstore.transport.socket_server import Connection, SocketServer
 
@@ -37,10 +45,14 @@ MAX_TENANT_BYTES = 256
 MAX_SEGMENTS_PER_REQUEST = 64
 REQUEST_DEADLINE_S = 2.0
 MAX_PENDING = 64
+MAX_REPLACED_LISTED = 1024
+LIMIT_SETTING = "max_held_segment_bytes_per_tenant"
+OK, REFUSED, LIMIT = 0, 1, 2   # answer statuses
 _HEAD = struct.Struct("!4s32sH")      # magic, ticket, tenant length; then tenant, count (H), segments (I each)
-_REPLY = struct.Struct("!BH")          # status (0 ok), count; then (segment I, generation Q) each
-_ENTRY = struct.Struct("!IQ")
+_REPLY = struct.Struct("!BHH")         # status, count, replaced count; then (segment I, generation Q) each, handed
+_ENTRY = struct.Struct("!IQ")          # first, then replaced
 _MAX_REQUEST = _HEAD.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
+_MAX_REPLY = _REPLY.size + _ENTRY.size * (MAX_SEGMENTS_PER_REQUEST + MAX_REPLACED_LISTED)
 
 
 def encode_request(ticket: bytes, tenant: str, segments: Sequence[int]) -> bytes:
@@ -76,12 +88,15 @@ class SegmentBroker(SocketServer):
     """Daemon side: hands a tenant's clients the descriptors of that tenant's segments.
 
     ``descriptor_for(segment, tenant)`` returns ``(fd, generation)`` for a segment holding the
-    tenant's blocks now (a descriptor the broker closes after sending), None otherwise. One
-    request per connection, answered and closed."""
+    tenant's blocks now (a descriptor the broker closes after sending), None otherwise, and raises
+    ``QuotaExceeded`` past the tenant's limit; ``replaced_for(tenant)`` names the tenant's replaced
+    segments still held. One request per connection, answered and closed."""
 
     def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None],
+                 replaced_for: Callable[[str], list[tuple[int, int]]] = lambda _tenant: [],
                  tokens: TokenBook | None = None) -> None:
         self._descriptor_for = descriptor_for
+        self._replaced_for = replaced_for
         super().__init__("segment-broker", shm_dir=shm_dir, first_deadline_s=REQUEST_DEADLINE_S,
                          max_pending=MAX_PENDING, max_read=_MAX_REQUEST + 1, tokens=tokens)
         self.start()
@@ -101,17 +116,21 @@ class SegmentBroker(SocketServer):
 
     def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
         if not self.tickets.admits(ticket, tenant):
-            self._refuse(conn, "refused_ticket")
+            self._refuse(conn, "refused_ticket", REFUSED, [])
             return
         handed: list[tuple[int, int, int]] = []   # (segment, fd, generation)
         try:
             for s in segments:
-                got = self._descriptor_for(s, tenant)
+                try:
+                    got = self._descriptor_for(s, tenant)
+                except QuotaExceeded:
+                    self._refuse(conn, "refused_limit", LIMIT, self._replaced_for(tenant))
+                    return
                 if got is None:
-                    self._refuse(conn, "refused_segment")
+                    self._refuse(conn, "refused_segment", REFUSED, self._replaced_for(tenant))
                     return
                 handed.append((s, *got))
-            reply = _REPLY.pack(0, len(handed)) + b"".join(_ENTRY.pack(s, g) for s, _, g in handed)
+            reply = _reply(OK, [(s, g) for s, _, g in handed], self._replaced_for(tenant))
             with contextlib.suppress(OSError):
                 socket.send_fds(conn, [reply], [fd for _, fd, _ in handed])
                 self.counts["handed"] += len(handed)
@@ -119,36 +138,80 @@ class SegmentBroker(SocketServer):
             for _, fd, _ in handed:
                 os.close(fd)
 
-    def _refuse(self, conn: socket.socket, reason: str) -> None:
+    def _refuse(self, conn: socket.socket, reason: str, status: int, replaced: list[tuple[int, int]]) -> None:
         self.counts[reason] += 1
         with contextlib.suppress(OSError):
-            conn.send(_REPLY.pack(1, 0))
+            conn.send(_reply(status, [], replaced))
+
+
+def _reply(status: int, handed: list[tuple[int, int]], replaced: list[tuple[int, int]]) -> bytes:
+    replaced = replaced[:MAX_REPLACED_LISTED]
+    return (_REPLY.pack(status, len(handed), len(replaced))
+            + b"".join(_ENTRY.pack(s, g) for s, g in handed + replaced))
+
+
+class Answer(NamedTuple):
+    """The broker's answer: ``handed`` as ``(segment, fd, generation)`` (the caller owns the fds),
+    and the tenant's replaced segments still held, as ``(segment, generation)``."""
+    handed: list[tuple[int, int, int]]
+    replaced: list[tuple[int, int]]
+
+
+class OverHeldLimit(PermissionError):
+    """The tenant's clients hold ``max_held_segment_bytes_per_tenant`` of segments already;
+    ``replaced`` names its replaced ones still held."""
+
+    def __init__(self, replaced: list[tuple[int, int]]) -> None:
+        super().__init__(f"segment broker refused: {LIMIT_SETTING} reached (this tenant's clients still "
+                         f"hold {len(replaced)} replaced segments)")
+        self.replaced = replaced
 
 
 def request_segments(path: str, ticket: bytes, tenant: str, segments: Sequence[int],
                      timeout_s: float = 2.0) -> list[tuple[int, int, int]]:
-    """Client side: ``[(segment, fd, generation)]`` for ``segments`` (the caller owns the fds).
-    Raises ``PermissionError`` when the daemon refuses, ``OSError`` when it cannot be reached."""
+    """Client side: ``[(segment, fd, generation)]`` for ``segments`` (the caller owns the fds)."""
+    return ask(path, ticket, tenant, segments, timeout_s).handed
+
+
+def ask(path: str, ticket: bytes, tenant: str, segments: Sequence[int], timeout_s: float = 2.0) -> Answer:
+    """Client side: the broker's ``Answer`` for ``segments``. Raises ``OverHeldLimit`` or
+    ``PermissionError`` when the daemon refuses, ``OSError`` when it cannot be reached."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(path)
         sock.sendall(encode_request(ticket, tenant, segments))
-        data, fds, _, _ = socket.recv_fds(sock, _REPLY.size + _ENTRY.size * MAX_SEGMENTS_PER_REQUEST,
-                                          MAX_SEGMENTS_PER_REQUEST)
-    try:
-        if len(data) < _REPLY.size:
-            raise OSError("segment broker closed the connection without an answer")
-        status, count = _REPLY.unpack_from(data)
-        if status != 0:
-            raise PermissionError("segment broker refused the request")
-        if count != len(fds) or len(data) < _REPLY.size + count * _ENTRY.size:
-            raise OSError("segment broker answer is malformed")
-        entries = [_ENTRY.unpack_from(data, _REPLY.size + i * _ENTRY.size) for i in range(count)]
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return [(s, fd, g) for (s, g), fd in zip(entries, fds)]
+        data = bytearray()
+        fds: list[int] = []
+        try:
+            while True:   # an answer with a long replaced list may come in several reads
+                chunk, got, _, _ = socket.recv_fds(sock, _MAX_REPLY - len(data), MAX_SEGMENTS_PER_REQUEST)
+                data += chunk
+                fds += got
+                if not chunk or _whole(data):
+                    break
+            if len(data) < _REPLY.size:
+                raise OSError("segment broker closed the connection without an answer")
+            status, count, n_replaced = _REPLY.unpack_from(data)
+            if not _whole(data) or count != len(fds):
+                raise OSError("segment broker answer is malformed")
+            entries = [_ENTRY.unpack_from(data, _REPLY.size + i * _ENTRY.size) for i in range(count + n_replaced)]
+            replaced = entries[count:]
+            if status == LIMIT:
+                raise OverHeldLimit(replaced)
+            if status != OK:
+                raise PermissionError("segment broker refused the request")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+    return Answer([(s, fd, g) for (s, g), fd in zip(entries, fds)], replaced)
+
+
+def _whole(data: bytearray) -> bool:
+    if len(data) < _REPLY.size:
+        return False
+    _, count, n_replaced = _REPLY.unpack_from(data)
+    return len(data) == _REPLY.size + (count + n_replaced) * _ENTRY.size
 
 
 class SegmentMap:
@@ -163,8 +226,8 @@ class SegmentMap:
         self._ticket, self._tenant = ticket, tenant
         self.segment_bytes = segment_bytes
         self.timeout_s = timeout_s
-        self._maps: dict[int, tuple[int, np.ndarray]] = {}   # segment -> (generation, its mapping)
-        request_segments(path, ticket, tenant, [], timeout_s)   # reachable, and our ticket is good
+        self._maps: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}   # segment -> (generation, mapping, array)
+        self._ask([])   # reachable, and our ticket is good
 
     def ensure(self, extents) -> None:
         """Map (again) every segment an extent of a lease lies in whose generation we lack;
@@ -172,21 +235,47 @@ class SegmentMap:
         wanted = {e.offset // self.segment_bytes: e.generation for e in extents}
         missing = sorted(s for s, g in wanted.items() if self._maps.get(s, (None,))[0] != g)
         for at in range(0, len(missing), MAX_SEGMENTS_PER_REQUEST):
-            for s, fd, generation in request_segments(self.path, self._ticket, self._tenant,
-                                                      missing[at:at + MAX_SEGMENTS_PER_REQUEST], self.timeout_s):
+            for s, fd, generation in self._ask(missing[at:at + MAX_SEGMENTS_PER_REQUEST]):
                 try:
                     size = os.fstat(fd).st_size
-                    self._maps[s] = (generation, np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8))
+                    m = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
+                self._unmap(s)
+                self._maps[s] = (generation, m, np.frombuffer(m, dtype=np.uint8))
                 if generation != wanted[s]:
                     raise OSError(f"segment {s} is at generation {generation}, the lease named {wanted[s]}")
+
+    def _ask(self, segments: list[int]) -> list[tuple[int, int, int]]:
+        """The broker's descriptors for ``segments``; replaced segments it names are let go of
+        first, and a refusal for holding too many is answered by letting go and asking once more."""
+        try:
+            answer = ask(self.path, self._ticket, self._tenant, segments, self.timeout_s)
+        except OverHeldLimit as e:
+            self._let_go(e.replaced)
+            answer = ask(self.path, self._ticket, self._tenant, segments, self.timeout_s)
+        self._let_go(answer.replaced)
+        return answer.handed
+
+    def _let_go(self, replaced: list[tuple[int, int]]) -> None:
+        for s, generation in replaced:
+            if self._maps.get(s, (None,))[0] == generation:
+                self._unmap(s)
+
+    def _unmap(self, s: int) -> None:
+        entry = self._maps.pop(s, None)
+        if entry is None:
+            return
+        m = entry[1]
+        del entry   # the array's hold on the mapping goes first
+        with contextlib.suppress(BufferError):   # a caller's view still holds it: it goes with that view
+            m.close()
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop = window.start or 0, window.stop
         s = start // self.segment_bytes
         base = s * self.segment_bytes
-        return self._maps[s][1][start - base:stop - base]
+        return self._maps[s][2][start - base:stop - base]
 
     def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
         return gather(self, extents, dst)
