@@ -12,9 +12,10 @@ Modules: ``daemon`` (the process), ``config`` (settings), ``auth`` (token -> ten
 ``grpc_server`` (the aio server, its connection bounds, health and reflection), ``interceptors``
 (authentication from the headers), ``calls`` (the call bridge: messages on the event loop, bodies
 on worker threads, errors as statuses), ``stalls`` (cutting callers that stop making progress),
-``servicer`` (the KVStore service and its control RPCs) with ``stream_rpcs`` (Put, Get),
-``lease_rpcs`` (same-host zero copy, over gRPC or the lookup socket), ``bulk_rpcs`` (the side channel), ``block_reads`` and
-``rpc_base``, ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
+``servicer`` (the KVStore service and its control RPCs) on ``rpc_base`` (the state every call
+shares), delegating to one object per role: ``stream_rpcs`` (Put, Get), ``lease_rpcs`` (same-host
+zero copy, over gRPC or the lookup socket), ``bulk_rpcs`` (the side channel), with ``block_reads``,
+and ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
 ``lookup_indexes`` (the per-tenant lookup tables same-host clients map, kept in step with the store);
 ``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /
 fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``), ``reload`` (SIGHUP, ``kvstore

@@ -10,14 +10,12 @@ change an operator makes (never a token).
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.usage import NamespaceUsage
+from kvstore.service.rpc_base import ServiceState
 from kvstore.service.validation import check_hashes, layout_to_proto
 
 log = logging.getLogger("kvstore.service.admin")
@@ -27,29 +25,26 @@ TOP_NAMESPACES = 10
 
 
 class AdminRpcs:
-    """Mixed into the KVStore servicer (``servicer.py``); uses ``ServicerBase``'s store, auth and
-    caller identity."""
+    """The operator RPCs, for ``service`` (its store, auth, caller identity and lookup counts)."""
+    RPCS = ("ListNamespaces", "DropNamespace", "Evict", "Pin", "Unpin", "Prewarm", "Reload")
 
-    #: set by the daemon: re-reads the configuration and applies what may change while serving;
-    #: returns ``(applied, ignored)`` setting names or raises ``ConfigError`` naming the key
-    reloader: Callable[[], tuple[list[str], list[str]]] | None = None
-
-    @functools.cached_property
-    def usage(self) -> NamespaceUsage:
-        return NamespaceUsage()
+    def __init__(self, service: ServiceState) -> None:
+        self.service = service
+        self.store = service.store
+        self.usage = service.usage
 
     # -- who may act on what ----------------------------------------------------------------------
 
     def _is_admin(self, context) -> tuple[str, bool]:
-        tenant = self.tenant_of(context)
-        return tenant, self.auth.sees_store_wide(tenant)
+        tenant = self.service.tenant_of(context)
+        return tenant, self.service.auth.sees_store_wide(tenant)
 
     def operated_namespace(self, context, namespace_id: bytes) -> Namespace:
         """The namespace an operator command names: any registered one for an admin, else the
         caller's own (another tenant's is NOT_FOUND)."""
         _, admin = self._is_admin(context)
         if not admin:
-            return self.caller_namespace(context, namespace_id)
+            return self.service.caller_namespace(context, namespace_id)
         if len(namespace_id) != 16:
             raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
         return self.store.namespace(bytes(namespace_id))
@@ -88,9 +83,6 @@ class AdminRpcs:
                          "blocks": held // max(ns.block_bytes, 1),
                          "hit_ratio": used.lookup_hits / used.lookup_blocks if used.lookup_blocks else None})
         return sorted(rows, key=lambda r: r["bytes"], reverse=True)[:limit]
-
-    def record_lookup(self, namespace_id: bytes, asked: int, found: int) -> None:
-        self.usage.looked_up(namespace_id, asked, found)
 
     # -- changing what is stored ------------------------------------------------------------------
 
@@ -132,10 +124,11 @@ class AdminRpcs:
         ns = self.operated_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes)
         fetched = 0
-        if self.fleet is not None:
+        fleet = self.service.fleet
+        if fleet is not None:
             local = self.store.lookup(ns.id, hashes, lease=False).num_hit
             if local < len(hashes):
-                fetched = max(0, self.fleet.fetch(ns.id, hashes[local:], parent=hashes[local - 1] if local else None))
+                fetched = max(0, fleet.fetch(ns.id, hashes[local:], parent=hashes[local - 1] if local else None))
         done = self.store.admin.prewarm(ns.id, hashes)
         log.info("admin: prewarm of namespace %s: %d blocks copied into the CPU tier, %d there already, %d missing, "
                  "%d fetched from peers", ns.id.hex(), done.warmed, done.already, done.missing, fetched)
@@ -145,7 +138,7 @@ class AdminRpcs:
     def Reload(self, request, context):
         if not self._is_admin(context)[1]:
             raise PermissionDenied("reload: only tokens of admin_tenants may reload the daemon's configuration")
-        if self.reloader is None:
+        if self.service.reloader is None:
             raise InvalidArgument("request", "this daemon has no configuration to reload (it runs in-process)")
-        applied, ignored = self.reloader()
+        applied, ignored = self.service.reloader()
         return pb.ReloadResponse(applied=applied, ignored=ignored)

@@ -13,7 +13,7 @@ import contextlib
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
-from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.rpc_base import PUT_RESULT, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import bulk as bulk_transport
@@ -40,10 +40,18 @@ def put_runs(sizes: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-class BulkRpcs(ServicerBase):
+class BulkRpcs:
+    """The side channel's control RPCs, for ``service`` (whose ``bulk`` server holds the sessions)."""
+    RPCS = ("BulkGet", "BulkPut")
+
+    def __init__(self, service: ServiceState) -> None:
+        self.service = service
+        self.store = service.store
+
     def _session(self, sid: bytes, context):
         """The caller's open session ``sid`` (another tenant's is answered like an unknown one)."""
-        session = self.bulk.session(sid, self.tenant_of(context)) if self.bulk is not None else None
+        bulk = self.service.bulk
+        session = bulk.session(sid, self.service.tenant_of(context)) if bulk is not None else None
         if session is None:
             raise InvalidArgument("session", "unknown side-channel session; reconnect or use the gRPC stream")
         return session
@@ -51,8 +59,8 @@ class BulkRpcs(ServicerBase):
     @contextlib.contextmanager
     def _transfer(self, context, sid: bytes, session):
         """The session's socket for one transfer, watched: a stalled transfer drops the session."""
-        with self.stalls.watch(context.cancel, on_stall=lambda: self.bulk.drop(sid)) as progress, \
-                self.bulk.using(session) as sock:
+        with self.service.stalls.watch(context.cancel, on_stall=lambda: self.service.bulk.drop(sid)) as progress, \
+                self.service.bulk.using(session) as sock:
             yield progress, sock
 
     def BulkGet(self, request, context):
@@ -61,12 +69,12 @@ class BulkRpcs(ServicerBase):
         with self._transfer(context, sid, session) as (progress, sock):
             sent = 0
             try:
-                ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+                ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 accept = accepted_codecs(self.store, request.accept_codecs)
                 byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
                 sizes, codecs = [], []
-                blocks = pinned_blocks(self.store, ns, hashes, self.scratch.get, accept, byte_range)
+                blocks = pinned_blocks(self.store, ns, hashes, self.service.scratch.get, accept, byte_range)
                 with contextlib.closing(blocks):  # unpin on any exit
                     for block in progress.working_through(blocks):   # staging from disk is ours
                         payload, codec = (None, 0) if block is None else block
@@ -76,15 +84,15 @@ class BulkRpcs(ServicerBase):
                         codecs.append(codec)
                         sent += sizes[-1]
             except OSError as e:
-                self.bulk.drop(sid)
+                self.service.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e
             except Exception:
                 try:
                     bulk_transport.send_error(sock)
                 except OSError:
-                    self.bulk.drop(sid)
+                    self.service.bulk.drop(sid)
                 raise
-        self.moved("out", "bulk", sent)
+        self.service.moved("out", "bulk", sent)
         return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
     def BulkPut(self, request, context):
@@ -92,12 +100,12 @@ class BulkRpcs(ServicerBase):
         session = self._session(sid, context)
         # What the client committed to send: its own idea of the block size times the count.
         if len(request.hashes) > MAX_BATCH or request.block_bytes > self.store.largest_block_bytes + (1 << 30):
-            self.bulk.drop(sid)  # cannot drain an absurd amount: cut the channel
+            self.service.bulk.drop(sid)  # cannot drain an absurd amount: cut the channel
             raise InvalidArgument("block_bytes" if len(request.hashes) <= MAX_BATCH else "hashes",
                                   "request too large for the side channel")
         if request.codec and (len(request.sizes) != len(request.hashes)
                               or any(size > request.block_bytes for size in request.sizes)):
-            self.bulk.drop(sid)  # what it sends cannot be told from these sizes: cut the channel
+            self.service.bulk.drop(sid)  # what it sends cannot be told from these sizes: cut the channel
             raise InvalidArgument("sizes", f"{len(request.sizes)} payload sizes for {len(request.hashes)} blocks, "
                                            f"each at most block_bytes ({request.block_bytes}), are required "
                                            "with a codec")
@@ -109,7 +117,7 @@ class BulkRpcs(ServicerBase):
             try:
                 if not request.block_bytes:
                     raise InvalidArgument("block_bytes", "required on the side channel")
-                ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+                ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
                 hashes = check_hashes(request.hashes)
                 parent = check_parent(request.parent)
                 with progress.working():   # the first use of a codec loads it
@@ -125,8 +133,8 @@ class BulkRpcs(ServicerBase):
                         results.extend(PUT_RESULT[r] for r in run)
 
                 runs = put_runs(sizes)
-                buf = self.scratch.get(max((sum(sizes[a:b]) for a, b in runs), default=0))
-                with self.quota_hold(ns, hashes):
+                buf = self.service.scratch.get(max((sum(sizes[a:b]) for a, b in runs), default=0))
+                with self.service.quota_hold(ns, hashes):
                     for a, b in runs:
                         run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
                         bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
@@ -145,13 +153,13 @@ class BulkRpcs(ServicerBase):
                             payloads.append(payload)
                         store(a, payloads)
             except OSError as e:
-                self.bulk.drop(sid)
+                self.service.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e
             except Exception:
                 try:
-                    bulk_transport.drain(sock, committed - received, self.scratch.get(1 << 20))
+                    bulk_transport.drain(sock, committed - received, self.service.scratch.get(1 << 20))
                 except OSError:
-                    self.bulk.drop(sid)
+                    self.service.bulk.drop(sid)
                 raise
-        self.moved("in", "bulk", received)
+        self.service.moved("in", "bulk", received)
         return pb.PutResponse(results=results)

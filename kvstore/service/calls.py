@@ -59,7 +59,7 @@ class CallContext:
         self._task = task
         self._ended = threading.Event()
         self.cut = False   # ended by the daemon (a stalled caller), not by the caller
-        self.tenant: str | None = None   # the caller's tenant once ServicerBase.tenant_of resolved it
+        self.tenant: str | None = None   # the caller's tenant once ServiceState.tenant_of resolved it
 
     def invocation_metadata(self):
         return self._context.invocation_metadata()

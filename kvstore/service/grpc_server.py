@@ -113,7 +113,7 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
     readers = {"Put": chunks.read_put_chunk}   # its payload stays where it arrived
     for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
         parse = lenient(getattr(pb, m.input_type.name), readers.get(m.name))
-        handlers[m.name] = bridge.method_handler(m, getattr(servicer, m.name), parse,
+        handlers[m.name] = bridge.method_handler(m, servicer.rpc(m.name), parse,
                                                  getattr(pb, m.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -140,7 +140,7 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
         servicer.local_lookups = LocalLookupServer(
             shm_dir, servicer.local_lookup, servicer.local_lookup_told,
             LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
-            CallServer(servicer.local_call) if arena is not None else None, tokens=auth)
+            CallServer(servicer.leases.local_call) if arena is not None else None, tokens=auth)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:

@@ -20,9 +20,9 @@ import time
 from kvstore.errors import KVStoreError, LeaseExpired, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs
-from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.rpc_base import PUT_RESULT, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
-from kvstore.transport.local_calls import REQUESTS, CallFailed
+from kvstore.transport.local_calls import LEASE_METHODS, REQUESTS, CallFailed
 from kvstore.wire import RAW_CODEC
 
 log = logging.getLogger("kvstore.service.lease_rpcs")
@@ -65,7 +65,7 @@ class ClientLeases:
 
 class LocalCallContext:
     """What a lease method sees of a call that came over the Unix socket: the tenant its greeting's
-    ticket proved (``ServicerBase.tenant_of`` reads it), no gRPC metadata, and the trailing
+    ticket proved (``ServiceState.tenant_of`` reads it), no gRPC metadata, and the trailing
     metadata the method sets, which goes back with the answer."""
 
     def __init__(self, tenant: str) -> None:
@@ -79,19 +79,21 @@ class LocalCallContext:
         self.trailing = tuple(metadata)
 
 
-class LeaseRpcs(ServicerBase):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+class LeaseRpcs:
+    """The same-host lease RPCs, for ``service``; ``client_leases`` are the leases it handed out."""
+    RPCS = LEASE_METHODS
+
+    def __init__(self, service: ServiceState) -> None:
+        self.service = service
+        self.store = service.store
         self.client_leases = ClientLeases()
 
-    def prune_leases(self) -> None:
-        self.client_leases.prune()
-
-    def _public_lease(self, store_lease_id: int, tenant: str) -> int:
-        return self.client_leases.issue(store_lease_id, tenant, self.store.config.lease_seconds)
-
     def _store_lease(self, context, public_id: int) -> int:
-        return self.client_leases.redeem(public_id, self.tenant_of(context))
+        return self.client_leases.redeem(public_id, self.service.tenant_of(context))
+
+    def _public_lease(self, store_lease_id: int, context) -> int:
+        tenant = self.service.tenant_of(context)
+        return self.client_leases.issue(store_lease_id, tenant, self.store.config.lease_seconds)
 
     def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
         """Where each block's slots are, as parallel arrays (``BlockTable``, filled a field at a
@@ -110,20 +112,21 @@ class LeaseRpcs(ServicerBase):
         places each tenant's blocks in its own segments, and a segment that changes tenant gets
         fresh memory), so completing a store one never wrote publishes only zeros or the
         tenant's own earlier bytes, never another tenant's."""
-        if not self.offer_shm:
+        if not self.service.offer_shm:
             raise PermissionDenied("transport: this daemon does not share its CPU arena with clients; "
                                    "use the gRPC or side-channel transports")
 
     def PrepareStore(self, request, context):
         self._require_shared_arena()
-        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         parent = check_parent(request.parent)
-        with self.quota_hold(ns, hashes):
+        with self.service.quota_hold(ns, hashes):
             lease = self.store.prepare_store(ns.id, hashes, parent)
-        self.moved("in", "shm", ns.block_bytes * sum(ext is not None for ext in lease.extents))   # slots to fill
-        self.identify(context)
-        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), True, ns.block_bytes)
+        slots = sum(ext is not None for ext in lease.extents)
+        self.service.moved("in", "shm", ns.block_bytes * slots)   # slots to fill
+        self.service.identify(context)
+        return self._lease_response(lease, self._public_lease(lease.id, context), True, ns.block_bytes)
 
     def CompleteStore(self, request, context):
         results = self.store.complete_store(self._store_lease(context, request.lease_id), request.codec,
@@ -136,13 +139,13 @@ class LeaseRpcs(ServicerBase):
 
     def PrepareLoad(self, request, context):
         self._require_shared_arena()
-        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         lease = self.store.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
         stop = len(lease.extents)
-        self.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # bytes leased out
-        self.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
-        return self._lease_response(lease, self._public_lease(lease.id, self.tenant_of(context)), False, ns.block_bytes)
+        self.service.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # leased out
+        self.service.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
+        return self._lease_response(lease, self._public_lease(lease.id, context), False, ns.block_bytes)
 
     def CompleteLoad(self, request, context):
         self.store.complete_load(self._store_lease(context, request.lease_id))
@@ -165,8 +168,8 @@ class LeaseRpcs(ServicerBase):
             log.exception("unexpected error in %s over the Unix socket", method)
             raise CallFailed("", "", f"internal error: {type(e).__name__}: {e}"[:2000]) from None
         finally:
-            if self.metrics is not None:
-                self.metrics.observe(method, time.perf_counter() - started, code)
+            if self.service.metrics is not None:
+                self.service.metrics.observe(method, time.perf_counter() - started, code)
 
 
 def _fill_table(table, extents, codecs, sizes, present_none: bool, generation_at) -> None:

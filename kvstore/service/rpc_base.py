@@ -1,15 +1,17 @@
-"""What every group of RPCs shares: the daemon's state and the caller's identity and namespace.
+"""What every role of the KVStore service shares: the daemon's state and the caller's identity and namespace.
 
-The servicer is assembled from one class per group of RPCs (``servicer.py``); each group reaches
-the Store, the caller's tenant and namespace, the side channel and the metrics through this base,
-so who-may-see-what is decided in one place: the caller's tenant is folded into every namespace it
-registers, and a namespace id of another tenant is answered exactly like an unknown one.
+The servicer (``servicer.py``) is this state plus the control RPCs, and it hands itself to one
+object per other role (streams, leases, side channel, operator commands), each of which reaches
+the Store, the caller's tenant and namespace, the transports' servers and the metrics only through
+this class. So who-may-see-what is decided in one place: the caller's tenant is folded into every
+namespace it registers, and a namespace id of another tenant is answered exactly like an unknown one.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.threads import BUDGET, ThreadBudget
@@ -18,6 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.auth import Authenticator
 from kvstore.service.stalls import StallWatch
+from kvstore.service.usage import NamespaceUsage
 from kvstore.store import Store
 from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
@@ -28,7 +31,7 @@ from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
 PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
 
-class ServicerBase:
+class ServiceState:
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
@@ -48,19 +51,15 @@ class ServicerBase:
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
         self.gc_pauses = None  # kvstore.service.gc_pauses.GcPauses (set by the daemon)
+        #: set by the daemon: re-reads the configuration and applies what may change while serving;
+        #: returns ``(applied, ignored)`` setting names or raises ``ConfigError`` naming the key
+        self.reloader: Callable[[], tuple[list[str], list[str]]] | None = None
         self.started = time.time()
         # one pre-touched, page-aligned payload buffer per worker thread, for bodies that run on one
         # thread from start to end (a gRPC stream's steps may hop threads: they own their buffers)
         self.scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
         self.stalls = StallWatch(stream_idle_s)
-
-    @property
-    def stream_idle_s(self) -> float:
-        return self.stalls.idle_s
-
-    @property
-    def stalled_streams_cancelled(self) -> int:
-        return self.stalls.cancelled
+        self.usage = NamespaceUsage()   # lookups per namespace: Stats, ListNamespaces, metrics
 
     def cancel_stalled_streams(self, idle_s: float | None = None) -> int:
         """End calls idle for longer than ``idle_s`` (default ``stream_idle_s``); see stalls.py."""
@@ -95,9 +94,6 @@ class ServicerBase:
                                  f"{ns.id.hex()} has {ns.block_bytes}-byte blocks (layout differs)")
         return ns
 
-    def tenant_bytes(self, tenant: str) -> int:
-        return self.store.tenant_bytes(tenant)
-
     def quota_hold(self, ns: Namespace, hashes: list[bytes]):
         """Refuse a whole batch up front if it would not fit its tenant's quota (the store charges
         each block as it is reserved, atomically, whatever the transport; see Store.quota_hold)."""
@@ -116,3 +112,6 @@ class ServicerBase:
     def moved(self, direction: str, transport: str, nbytes: int) -> None:
         if self.metrics is not None:
             self.metrics.moved(direction, transport, nbytes)
+
+    def record_lookup(self, namespace_id: bytes, asked: int, found: int) -> None:
+        self.usage.looked_up(namespace_id, asked, found)

@@ -1,4 +1,8 @@
-"""The KVStore service: control RPCs here, the other groups of RPCs mixed in from their modules.
+"""The KVStore service: the state every call shares (``rpc_base.ServiceState``) and the control
+RPCs here; each other role is an object of its own, given this service: ``streams`` (Put and Get
+over gRPC, ``stream_rpcs``), ``leases`` (same-host leases, ``lease_rpcs``), ``side_channel``
+(BulkGet and BulkPut, ``bulk_rpcs``) and ``admin`` (operator commands, ``admin_rpcs``). ``rpc(name)``
+is the method that answers each RPC.
 
 Each handler validates every field, authorises, translates and calls the Store; it raises a
 ``KVStoreError`` for anything it refuses and never touches gRPC status itself: the call bridge
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from kvstore.errors import FleetModeOff, InvalidArgument
 from kvstore.keys import Namespace
@@ -21,15 +26,35 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.admin_rpcs import AdminRpcs
 from kvstore.service.bulk_rpcs import BulkRpcs
 from kvstore.service.lease_rpcs import LeaseRpcs
+from kvstore.service.rpc_base import ServiceState
 from kvstore.service.stream_rpcs import StreamRpcs
 from kvstore.service.validation import check_hashes, check_string, layout_from_proto
+from kvstore.store import Store
 from kvstore.transport import shm
 from kvstore.wire import MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, PROTOCOL_VERSION
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
-class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
+class KVStoreServicer(ServiceState):
+    RPCS = ("Handshake", "RegisterNamespace", "Lookup", "LookupBatch", "Exists", "Delete", "Stats", "Route")
+
+    def __init__(self, store: Store, **settings) -> None:
+        super().__init__(store, **settings)
+        self.streams = StreamRpcs(self)
+        self.leases = LeaseRpcs(self)
+        self.side_channel = BulkRpcs(self)
+        self.admin = AdminRpcs(self)
+        self._rpcs = {name: getattr(role, name) for role in (self, self.streams, self.leases, self.side_channel,
+                                                              self.admin) for name in role.RPCS}
+
+    def rpc(self, name: str) -> Callable:
+        """The method answering the KVStore RPC ``name``: this class's or its role's."""
+        return self._rpcs[name]
+
+    def prune_leases(self) -> None:
+        self.leases.client_leases.prune()
+
     def Handshake(self, request, context):
         tenant = self.tenant_of(context)
         token = self.auth.token_digest(context.invocation_metadata())   # the tickets are bound to it
@@ -155,16 +180,16 @@ class KVStoreServicer(StreamRpcs, LeaseRpcs, BulkRpcs, AdminRpcs):
     def Stats(self, request, context):
         tenant = self.tenant_of(context)
         server = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
-                  "tenant": tenant, "tenant_bytes": self.tenant_bytes(tenant)}
+                  "tenant": tenant, "tenant_bytes": self.store.tenant_bytes(tenant)}
         if not self.auth.sees_store_wide(tenant):  # a tenant sees its own namespaces, nothing store-wide
             return pb.StatsResponse(json=json.dumps({**self.store.tenant_stats(tenant), "server": server,
-                                                     "namespace_usage": self.top_namespaces(context)},
+                                                     "namespace_usage": self.admin.top_namespaces(context)},
                                                     sort_keys=True))
         stats = self.store.stats()
-        stats["namespace_usage"] = self.top_namespaces(context)   # what `kvstore top` shows
+        stats["namespace_usage"] = self.admin.top_namespaces(context)   # what `kvstore top` shows
         stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
-                           "client_leases": len(self.client_leases), "open_streams": self.stalls.open_calls,
+                           "client_leases": len(self.leases.client_leases), "open_streams": self.stalls.open_calls,
                            "stalled_streams_cancelled": self.stalls.cancelled, "threads": self.threads.as_dict()}
         if self.gc_pauses is not None:
             stats["server"]["gc"] = self.gc_pauses.stats()

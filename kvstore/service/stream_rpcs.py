@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks, pinned_runs
-from kvstore.service.rpc_base import PUT_RESULT, ServicerBase
+from kvstore.service.rpc_base import PUT_RESULT, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import chunks
@@ -32,12 +32,12 @@ class PutSink:
     quota when it opens, each block stored as soon as its bytes are in, the answer at the end.
     Call ``close`` on every exit (``finish`` does): it releases the quota hold."""
 
-    def __init__(self, rpcs: ServicerBase, first: chunks.PutPiece | None, context) -> None:
+    def __init__(self, service: ServiceState, first: chunks.PutPiece | None, context) -> None:
         if first is None or first.header is None:
             raise InvalidArgument("header", "the first message of a Put stream must carry the header")
         h = first.header
-        self.rpcs = rpcs
-        self.ns = rpcs.caller_namespace(context, h.namespace_id, h.block_bytes)
+        self.service = service
+        self.ns = service.caller_namespace(context, h.namespace_id, h.block_bytes)
         self.hashes = check_hashes(h.hashes)
         self.parent = check_parent(h.parent)
         # client-encoded payloads (codec, sizes): each is checked against the layout before it is stored
@@ -49,7 +49,7 @@ class PutSink:
         self.results: list[int] = []
         self.received = 0
         self._hold = contextlib.ExitStack()
-        self._hold.enter_context(rpcs.quota_hold(self.ns, self.hashes))
+        self._hold.enter_context(service.quota_hold(self.ns, self.hashes))
         self._store(first)
 
     def feed(self, message: chunks.PutPiece) -> None:
@@ -83,7 +83,7 @@ class PutSink:
             return
         a = len(self.results)
         b = a + len(blocks)
-        results = self.rpcs.store.put(self.ns.id, self.hashes[a:b], blocks,
+        results = self.service.store.put(self.ns.id, self.hashes[a:b], blocks,
                                       parent=self.parent if a == 0 else self.hashes[a - 1],
                                       codecs=None if self.codecs is None else self.codecs[a:b])
         self.results.extend(PUT_RESULT[r] for r in results)
@@ -93,30 +93,37 @@ class PutSink:
         if self.received < self.expected:
             raise InvalidArgument("data", f"the stream ended after {self.received} of {self.expected} bytes; "
                                           f"{len(self.results)} of {len(self.hashes)} blocks were stored")
-        self.rpcs.moved("in", "grpc", self.received)
+        self.service.moved("in", "grpc", self.received)
         return pb.PutResponse(results=self.results)
 
     def close(self) -> None:
         self._hold.close()
 
 
-class StreamRpcs(ServicerBase):
+class StreamRpcs:
+    """The service's streams, Put and Get, for ``service``."""
+    RPCS = ("Put", "Get")
+
+    def __init__(self, service: ServiceState) -> None:
+        self.service = service
+
     def Put(self, first, context) -> PutSink:
         """Open a Put stream with its first message (None: the stream ended before any)."""
-        return PutSink(self, first, context)
+        return PutSink(self.service, first, context)
 
     def Get(self, request, context):
-        ns = self.caller_namespace(context, request.namespace_id, request.block_bytes)
+        service = self.service
+        ns = service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
-        chunk = request.chunk_bytes or self.chunk_bytes
-        chunk = max(4096, min(chunk, self.max_message_bytes - 4096))
-        accept = accepted_codecs(self.store, request.accept_codecs)
+        chunk = request.chunk_bytes or service.chunk_bytes
+        chunk = max(4096, min(chunk, service.max_message_bytes - 4096))
+        accept = accepted_codecs(service.store, request.accept_codecs)
         byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
         sent = 0
         # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
         # out meanwhile ends the stream with an error (the client then trusts none of it).
         if request.packed:   # small blocks share messages
-            with contextlib.closing(pinned_runs(self.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
+            with contextlib.closing(pinned_runs(service.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
                 first = 0
                 for run in runs:
                     sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
@@ -125,11 +132,12 @@ class StreamRpcs(ServicerBase):
                     if not context.is_active():
                         return
         else:
-            with contextlib.closing(pinned_blocks(self.store, ns, hashes, _own_buffer, accept, byte_range)) as blocks:
+            blocks = pinned_blocks(service.store, ns, hashes, _own_buffer, accept, byte_range)
+            with contextlib.closing(blocks):
                 for i, block in enumerate(blocks):
                     payload, codec = (None, RAW_CODEC) if block is None else block
                     sent += 0 if payload is None else payload.nbytes
                     yield from chunks.get_messages(i, payload, codec, chunk)
                     if not context.is_active():
                         return
-        self.moved("out", "grpc", sent)
+        service.moved("out", "grpc", sent)
