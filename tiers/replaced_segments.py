@@ -7,7 +7,8 @@ replaces it, but a client holding it can fault pages in again, up to the segment
 forbid growing it). So each one counts, at its full size, against the tenant it was handed to,
 until its last descriptor and mapping anywhere are gone: an inotify watch on the ``memfd``
 reports that (``IN_IGNORED`` once the inode is freed; the watch does not keep it alive). A
-segment whose watch cannot be set (the user's inotify watch limit) counts until the daemon exits.
+segment that cannot be watched (the user's inotify instance or watch limit reached) counts until
+the daemon exits.
 """
 
 from __future__ import annotations
@@ -36,21 +37,23 @@ class Replaced(NamedTuple):
 class ReplacedSegments:
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
-        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
-        self._fd = fd
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)   # -1: nothing is watched
+        if self._fd < 0:
+            log.warning("no inotify instance (errno %d): replaced tenant segments count against their tenant "
+                        "until the daemon exits", ctypes.get_errno())
         self._held: dict[int, Replaced] = {}   # watch descriptor (negative: unwatched) -> segment
         self._unwatched = 0
         self._lock = threading.Lock()
 
     def add(self, fd: int, replaced: Replaced) -> None:
         """Count ``replaced`` (open as ``fd``, which the caller still holds and closes) until gone."""
-        wd = self._libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _IN_DELETE_SELF)
+        wd = self._libc.inotify_add_watch(self._fd, f"/proc/self/fd/{fd}".encode(), _IN_DELETE_SELF) \
+            if self._fd >= 0 else -1
         with self._lock:
             if wd < 0:
-                log.warning("cannot watch a replaced segment (errno %d): it counts against tenant %r until the "
-                            "daemon exits", ctypes.get_errno(), replaced.tenant)
+                if self._fd >= 0:   # (without an instance, said once at start)
+                    log.warning("cannot watch a replaced segment (errno %d): it counts against tenant %r until "
+                                "the daemon exits", ctypes.get_errno(), replaced.tenant)
                 self._unwatched -= 1
                 wd = self._unwatched
             self._held[wd] = replaced
@@ -68,7 +71,7 @@ class ReplacedSegments:
                     "replaced_segment_bytes_held": sum(r.nbytes for r in self._held.values())}
 
     def _drain(self) -> None:
-        while True:
+        while self._fd >= 0:
             try:
                 data = os.read(self._fd, 64 * 1024)
             except BlockingIOError:
