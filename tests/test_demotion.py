@@ -44,6 +44,11 @@ class HeldIO:
         self._wait(record.key)
         super().write_unsynced(record, data, durable)
 
+    def write_many_unsynced(self, records, datas, durable: bool = True) -> list:
+        for record in records:
+            self._wait(record.key)
+        return super().write_many_unsynced(records, datas, durable)
+
     def read_into(self, key, out) -> int:
         self._wait(key)
         return super().read_into(key, out)

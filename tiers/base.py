@@ -22,6 +22,8 @@ Primitive by primitive:
   checksum turns into a counted miss; the next ``sync()`` makes it durable with the rest (one
   filesystem flush for every such write since the last). Volatile tiers inherit the defaults
   (``write``; no-op).
+* ``write_many_unsynced(records, datas, durable=True)`` — ``write_unsynced`` for several reserved
+  blocks; per block None or its ``TierIOError``. NVMe writes neighbouring slots with one call.
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
   stored size) and return its length. A durable tier verifies the checksum and, on mismatch,
   deletes the block and raises ``BlockCorrupt``. ``KeyError`` if the key is not there.
@@ -49,7 +51,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
-from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull
+from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.keys import block_key
 
 
@@ -116,6 +118,18 @@ class Tier(ABC):
 
     def write_unsynced(self, record: BlockRecord, data: memoryview, durable: bool = True) -> None:
         self.write(record, data)
+
+    def write_many_unsynced(self, records: list[BlockRecord], datas: list, durable: bool = True) -> list:
+        """``write_unsynced`` for each reserved block (a tier may write neighbours at once); per
+        block None, or the ``TierIOError`` (``TierFull``, ``BlockTooLarge``) its write raised."""
+        got: list = []
+        for record, data in zip(records, datas):
+            try:
+                self.write_unsynced(record, data, durable)
+                got.append(None)
+            except (TierIOError, TierFull, BlockTooLarge) as e:
+                got.append(e)
+        return got
 
     def sync(self) -> None:
         pass

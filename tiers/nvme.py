@@ -66,6 +66,10 @@ MAX_SLABS = 64   # distinct block footprints at once (a slab file and descriptor
 # Neighbouring slots read with one preadv, up to this many bytes: one large read costs the disk
 # about what one small one does, so at 64 KiB a run of 16 moves several times the bytes per call.
 READ_RUN_BYTES = 1 << 20
+# Blocks written together (demotions reserved as a batch) go down in one pwritev of up to this
+# many bytes and blocks (two pieces each, within the kernel's 1,024 per call).
+WRITE_RUN_BYTES = 4 << 20
+WRITE_RUN_BLOCKS = 512
 
 
 def _round_up(n: int) -> int:
@@ -191,26 +195,55 @@ class NvmeTier(Tier):
     def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
         """Write one reserved block into its slot; ``durable``: flushed before returning (the slab's
         new directory entry, if any, waits for ``sync()``). ``durable=False``: ``sync()`` flushes it."""
+        _, slab, slot = self._blocks[record.key]
+        self._write_run(slab, slot, [record], [data], durable)
+
+    def write_many_unsynced(self, records: list[BlockRecord], datas: list, durable: bool = True) -> list:
+        """``write_unsynced`` for each reserved block; blocks in neighbouring slots of one slab (a
+        batch of demotions reserved together) go to disk with one ``pwritev`` of up to
+        ``WRITE_RUN_BYTES`` and one write of their records. Per block None, or the ``TierIOError``
+        its write raised (the block dropped)."""
+        with self._lock:
+            where = [self._blocks[r.key] for r in records]
+        got: list = [None] * len(records)
+        i = 0
+        while i < len(records):
+            _, slab, slot = where[i]
+            j = i + 1
+            while (j < len(records) and where[j][1] is slab and where[j][2] == slot + (j - i)
+                   and (j - i + 1) * slab.slot_bytes <= WRITE_RUN_BYTES and j - i < WRITE_RUN_BLOCKS):
+                j += 1
+            try:
+                self._write_run(slab, slot, records[i:j], datas[i:j], durable)
+            except TierIOError as e:
+                got[i:j] = [e] * (j - i)
+            i = j
+        return got
+
+    def _write_run(self, slab: Slab, first: int, records: list[BlockRecord], datas: list, durable: bool) -> None:
+        """Blocks reserved in consecutive slots from ``first``: headers and payloads in one
+        ``pwritev``, then their records. On failure every one of them is dropped."""
         try:
-            _, slab, slot = self._blocks[record.key]
             if os.fstat(self._open(slab)).st_nlink == 0:
                 raise OSError(errno.ENOENT, "its slab file was removed")
+            pieces, headers = self._slot_pieces(records, datas)
             fd = slab.writer()
             try:
-                header = self._write_slot(fd, slab.offset(slot), record, data)
+                _pwritev_all(fd, pieces, slab.offset(first))
                 if durable:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
-            slab.write_record(slot, header, durable)
+            slab.write_records_at(first, headers, durable)
             with self._lock:   # writers run on several threads (a put's disk writes in flight)
                 self._written.add(slab)
                 if durable:
-                    self.file_fsyncs += 1
+                    self.file_fsyncs += len(records)
                 else:
                     self._unflushed.add(slab)
         except OSError as e:
-            self.drop(record.key)
+            for record in records:
+                self.drop(record.key)
             cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
             raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
 
@@ -248,29 +281,37 @@ class NvmeTier(Tier):
                 self._new_files = self._new_files or new_files
             raise TierIOError(f"nvme tier: flushing {self.path} failed: {e.strerror}") from e
 
-    def _write_slot(self, fd: int, offset: int, record: BlockRecord, data) -> bytes:
-        """Header + payload in one pwritev; returns the header. A page-aligned payload (CPU-arena
-        slots, pooled server buffers) goes to disk straight from where it is; anything else is
-        copied once into the thread's aligned staging buffer, which O_DIRECT needs."""
-        src = as_bytes(data)[:record.stored_size]
-        n = record.stored_size
-        padded = _round_up(n)
-        if not record.checksum:
-            record.checksum = xxhash.xxh3_64_intdigest(src)
-        direct = padded == n and _page_aligned(src)
-        stage = self._staging.get(HEADER_BYTES + (0 if direct else padded))
-        arr = np.frombuffer(stage, dtype=np.uint8, count=HEADER_BYTES + (0 if direct else padded))
-        header = encode_header(record)
-        arr[:HEADER_BYTES] = 0
-        arr[:len(header)] = np.frombuffer(header, dtype=np.uint8)
-        if direct:
-            pieces = [memoryview(stage)[:HEADER_BYTES], memoryview(src)]
-        else:
-            np.copyto(arr[HEADER_BYTES:HEADER_BYTES + n], src)
-            arr[HEADER_BYTES + n:] = 0
-            pieces = [memoryview(stage)[:HEADER_BYTES + padded]]
-        _pwritev_all(fd, pieces, offset)
-        return header
+    def _slot_pieces(self, records: list[BlockRecord], datas: list) -> tuple[list[memoryview], list[bytes]]:
+        """What a ``pwritev`` of consecutive slots writes, and each block's header. A page-aligned
+        payload (CPU-arena slots, pooled server buffers) goes to disk straight from where it is;
+        anything else is copied once into the thread's aligned staging buffer, which O_DIRECT needs."""
+        plans, staged = [], 0
+        for record, data in zip(records, datas):
+            src = as_bytes(data)[:record.stored_size]
+            if not record.checksum:
+                record.checksum = xxhash.xxh3_64_intdigest(src)
+            n = record.stored_size
+            direct = _round_up(n) == n and _page_aligned(src)
+            plans.append((src, n, direct, staged))
+            staged += HEADER_BYTES + (0 if direct else _round_up(n))
+        stage = self._staging.get(staged)
+        arr = np.frombuffer(stage, dtype=np.uint8, count=staged)
+        view = memoryview(stage)
+        pieces: list[memoryview] = []
+        headers: list[bytes] = []
+        for record, (src, n, direct, at) in zip(records, plans):
+            header = encode_header(record)
+            headers.append(header)
+            arr[at:at + HEADER_BYTES] = 0
+            arr[at:at + len(header)] = np.frombuffer(header, dtype=np.uint8)
+            if direct:
+                pieces += [view[at:at + HEADER_BYTES], memoryview(src)]
+            else:
+                padded = _round_up(n)
+                np.copyto(arr[at + HEADER_BYTES:at + HEADER_BYTES + n], src)
+                arr[at + HEADER_BYTES + n:at + HEADER_BYTES + padded] = 0
+                pieces.append(view[at:at + HEADER_BYTES + padded])
+        return pieces, headers
 
     def read_into(self, key: bytes, out) -> int:
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the

@@ -149,13 +149,19 @@ class Slab:
         writes to a removed or replaced one would not survive a restart."""
         return _same_file(self.fd, self.path) and _same_file(self.records_fd, records_path(self.path))
 
-    def write_record(self, slot: int, record: bytes, durable: bool) -> None:
-        """Name the block now in ``slot`` (its header, at most ``RECORD_BYTES``) in the record
-        file; ``durable``: flushed before returning. Called after the slot itself is written."""
+    def write_records_at(self, first: int, records: list[bytes], durable: bool) -> None:
+        """Name the blocks now in slots ``first``.. (their headers, at most ``RECORD_BYTES`` each;
+        ``b""``: none) in the record file, with one write; ``durable``: flushed before returning.
+        Called after the slots themselves are written."""
+        data = b"".join(r.ljust(RECORD_BYTES, b"\0") for r in records)
         wfd = _reopen(self.records_fd, os.O_WRONLY)
         try:
-            if os.pwrite(wfd, record.ljust(RECORD_BYTES, b"\0"), slot * RECORD_BYTES) != RECORD_BYTES:
-                raise OSError(errno.EIO, "short write")
+            done = 0
+            while done < len(data):
+                n = os.pwrite(wfd, data[done:], first * RECORD_BYTES + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                done += n
             if durable:
                 os.fdatasync(wfd)
         finally:
@@ -203,7 +209,7 @@ class Slab:
             return
         if self.records_fd >= 0:
             try:
-                self.write_record(slot, b"", durable=False)
+                self.write_records_at(slot, [b""], durable=False)
             except OSError:
                 pass   # best effort, as below: the slot's own header is erased next
         off, n = self.offset(slot), self.slot_bytes

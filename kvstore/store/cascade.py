@@ -63,6 +63,8 @@ DOOMED_WAIT_MAX_S = 3.0
 #: victims one ``clear_room`` call evicts at most before leaving the rest to ``make_room`` (a
 #: tier split by tenant can evict other tenants' blocks without making room for this one)
 CLEAR_ROOM_MAX_VICTIMS = 64
+#: victims ``clear_room`` picks under one lock acquisition and writes down together at most
+WRITE_DOWN_BATCH = 64
 #: times a caller without the lock makes room and tries its allocation again when another caller
 #: took the room between its ``clear_room`` and its ``make_room``
 ROOM_ATTEMPTS = 3
@@ -388,68 +390,149 @@ class Cascade:
                 raise TierFull(f"{tier.name} tier is full and every block in it is pinned")
             self._evict_copy(t, victim)
 
-    def clear_room(self, t: int, nbytes: int, namespace_id: bytes) -> None:
-        """Make room as ``make_room`` does, for a caller that does not hold the lock, where tier
-        ``t``'s victims go down by a disk or network write (or are read from disk): each victim's
-        copy below is written with the lock released, so other requests (a get of hot blocks) never
-        wait on the I/O, only this caller does. The victim is pinned meanwhile (nobody else evicts
-        it; a delete dooms it) and marked ``writing_down`` (nobody else writes it down). Best
-        effort: it returns once there is room, or leaves what it could not do (every block pinned,
-        a race lost to another put, a tier split by tenant) to the caller's ``make_room``. Takes
-        the lock itself."""
+    def clear_room(self, t: int, nbytes: int, namespace_id: bytes, blocks: int = 1) -> None:
+        """Make room as ``make_room`` does, for ``blocks`` blocks of ``nbytes``, for a caller that
+        does not hold the lock, where tier ``t``'s victims go down by a disk or network write (or
+        are read from disk): the victims' copies below are written with the lock released, so other
+        requests (a get of hot blocks) never wait on the I/O, only this caller does. Victims are
+        picked up to ``WRITE_DOWN_BATCH`` at a time and written down together
+        (``_write_down_many``). Each is pinned meanwhile (nobody else evicts it; a delete dooms it)
+        and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once there
+        is room, or leaves what it could not do (every block pinned, a race lost to another put, a
+        tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
         if not self._writes_down_slowly(t):
             return
         tier, policy = self.tiers[t], self.index.policies[t]
         try:
-            need = tier.footprint(nbytes)
+            need = tier.footprint(nbytes) * blocks
         except BlockTooLarge:
             return
         if tier.free_bytes_for(namespace_id) >= need:   # the common case, without the lock (make_room rechecks)
             return
-        for _ in range(CLEAR_ROOM_MAX_VICTIMS):
+        left = CLEAR_ROOM_MAX_VICTIMS * blocks
+        while left > 0:
+            victims: list[Entry] = []
             with self.lock:
-                if tier.free_bytes_for(namespace_id) >= need:
-                    return
-                key = policy.pick_victim(self._is_pinned)
-                if key is None:
-                    return
-                entry = self.index.entries[key]
-                if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
-                    self._evict_copy(t, key)
-                    continue
-                self.pin_entry(entry)
-                entry.writing_down = True
-            self._write_down(entry, t)
+                free = tier.free_bytes_for(namespace_id)
+                while free < need and left > 0 and len(victims) < WRITE_DOWN_BATCH:
+                    key = policy.pick_victim(self._is_pinned)
+                    if key is None:
+                        break
+                    left -= 1
+                    entry = self.index.entries[key]
+                    if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
+                        self._evict_copy(t, key)
+                        free = tier.free_bytes_for(namespace_id)
+                        continue
+                    self.pin_entry(entry)
+                    entry.writing_down = True
+                    victims.append(entry)
+                    free += tier.footprint(entry.copies[t].stored_size)   # once written down
+            if not victims:
+                return
+            self._write_down_many(victims, t)
 
     def _writes_down_slowly(self, t: int) -> bool:
         """Whether demoting a victim of tier ``t`` is I/O (a disk or network read or write), not a
         copy from memory to memory."""
         return t + 1 < len(self.tiers) and not (self.tiers[t].in_memory and self.tiers[t + 1].in_memory)
 
-    def _write_down(self, entry: Entry, t: int) -> None:
-        """Demote a pinned victim of tier ``t`` to the tier below (``copy_out``: the I/O outside the
-        lock), then evict its copy in ``t`` (kept if someone pinned it meanwhile: it is then clean,
-        and a later eviction is a drop). A failed demotion loses the block, as any eviction does."""
-        outcome, unexpected = None, None
+    def _write_down_many(self, entries: list[Entry], t: int) -> None:
+        """Demote pinned victims of tier ``t`` to the tier below (``copy_out_many``: the I/O outside
+        the lock), then evict each one's copy in ``t`` (kept if someone pinned it meanwhile: it is
+        then clean, and a later eviction is a drop). A failed demotion loses its block, as any
+        eviction does."""
+        outcomes: list[str | None] = [None] * len(entries)
+        unexpected = None
         try:
-            outcome = self.copy_out(entry, t, t + 1)
+            outcomes = list(self.copy_out_many(entries, t, t + 1))
         except BaseException as e:   # noqa: BLE001 - unpinned below, then raised
             unexpected = e
         with self.lock:
-            entry.writing_down = False
-            if outcome == COPIED:
-                self.counters["demotions"] += 1
-                self.counters["demotions_outside_lock"] += 1
-            else:
-                self.counters["demotion_failures"] += 1
-            self.unpin(entry)   # doomed: freed here, every copy with it
-            if (unexpected is None and self.index.entries.get(entry.key) is entry and t in entry.copies
-                    and not self._is_pinned(entry.key)):
-                self.drop_copy(entry, t)
-                if not entry.copies:
-                    self.counters["evictions"] += 1
+            for entry, outcome in zip(entries, outcomes):
+                entry.writing_down = False
+                if outcome == COPIED:
+                    self.counters["demotions"] += 1
+                    self.counters["demotions_outside_lock"] += 1
+                else:
+                    self.counters["demotion_failures"] += 1
+                self.unpin(entry)   # doomed: freed here, every copy with it
+                if (unexpected is None and self.index.entries.get(entry.key) is entry and t in entry.copies
+                        and not self._is_pinned(entry.key)):
+                    self.drop_copy(entry, t)
+                    if not entry.copies:
+                        self.counters["evictions"] += 1
         if unexpected is not None:
             raise unexpected
+
+    def copy_out_many(self, entries: Sequence[Entry], src: int, dst: int) -> list[str]:
+        """``copy_out`` for blocks the caller has pinned, their writes into ``dst`` made by one
+        ``Tier.write_many_unsynced`` (neighbouring slots of a disk tier in one call) where each
+        copy in ``src`` is one view of memory (a CPU arena slot: no scratch buffer is shared
+        between them); the others go one by one. Returns each block's outcome. Takes the lock
+        itself."""
+        outcomes: list[str] = [NO_ROOM] * len(entries)
+        placed_all = []   # (position, entry, its placement in dst)
+        alone: list[int] = []
+        src_tier = self.tiers[src]
+        for k, entry in enumerate(entries):
+            record = entry.copies.get(src)
+            if dst in entry.copies:
+                outcomes[k] = COPIED
+                continue
+            if record is None:
+                continue
+            views = src_tier.view(entry.key) if isinstance(src_tier, CpuTier) and len(entries) > 1 else ()
+            if len(views) != 1:
+                alone.append(k)
+                continue
+            self.clear_room(dst, record.stored_size, entry.namespace_id)
+            try:
+                placed = self.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, views[0],
+                                               downward=True)
+            except (BlockCorrupt, CodecError):
+                with self.lock:
+                    if entry.copies.get(src) is record:
+                        self.discard_corrupt_copy(entry, src)
+                outcomes[k] = CORRUPT
+                continue
+            placed_all.append((k, entry, placed))
+        writing = []
+        with self.lock:
+            for k, entry, placed in placed_all:
+                if dst in entry.copies:
+                    outcomes[k] = COPIED
+                    continue
+                try:
+                    self.make_room(dst, placed.record.stored_size, entry.namespace_id)
+                    self.tiers[dst].allocate(placed.record)
+                except RoomNotReady:
+                    alone.append(k)   # copy_out clears the room below and tries again
+                    continue
+                except PLACEMENT_ERRORS:
+                    continue
+                writing.append((k, entry, placed))
+        try:
+            failed = self.tiers[dst].write_many_unsynced([p.record for _, _, p in writing],
+                                                         [p.payload for _, _, p in writing], durable=False)
+        except BaseException:
+            with self.lock:
+                for _, _, placed in writing:
+                    self.tiers[dst].drop(placed.record.key)
+            raise
+        with self.lock:
+            for (k, entry, placed), error in zip(writing, failed):
+                if error is not None or entry.doomed or self.index.entries.get(entry.key) is not entry:
+                    self.tiers[dst].drop(placed.record.key)   # not written, or a copy nobody will read
+                    continue
+                entry.copies[dst] = placed.record
+                self.transcoder.count(dst, placed, entry.raw_size)
+                self.index.track_copy(entry, dst)
+                self._copies_changed(entry)
+                outcomes[k] = COPIED
+        for k in sorted(alone):
+            outcomes[k] = self.copy_out(entries[k], src, dst)
+        return outcomes
 
     def copy_out(self, entry: Entry, src: int, dst: int, data=None, decoded=None) -> str:
         """Copy a block the caller has pinned (or that is still invisible) from tier ``src`` to

@@ -29,6 +29,10 @@ class EvictionPolicy(ABC):
     name: str
     #: whether ``insert``/``update`` use ``children`` and ``orphan`` (else callers may skip working them out)
     uses_chains = False
+    #: whether the victims it names before new keys arrive are those it would name as each
+    #: arrives (new keys are never its next victims while older ones are unpinned): a put may
+    #: then make room for many blocks at once
+    picks_ahead = False
 
     @abstractmethod
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None: ...
@@ -58,6 +62,7 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first."""
 
     name = "lru"
+    picks_ahead = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()

@@ -97,7 +97,9 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     Raw blocks that fit the first tier without evicting, where that tier is memory (GPU or CPU:
     a copy takes microseconds, so a run is invisible only briefly), are taken a run at a time
     (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
-    publish it, in order); any other block (eviction, a codec, a quota near its limit, another
+    publish it, in order); when that tier is full and its policy picks the same victims ahead of
+    time as one by one (``EvictionPolicy.picks_ahead``: LRU), room for the next run is made first,
+    its victims written down together (``Cascade.clear_room``); any other block (eviction, a codec, a quota near its limit, another
     tier, a disk or network first tier) goes through ``_put_one``, one at a time."""
     results: list[str] = []
     on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
@@ -110,6 +112,10 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     try:
         while i < len(hashes):
             run = cascade.reserve_run(ns, hashes, parents, i, 0, limit) if runs else []
+            if runs and not run and cascade.index.policies[0].picks_ahead:
+                # tier 0 is full: make room for the next blocks at once, then take them as a run
+                cascade.clear_room(0, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, i, limit))
+                run = cascade.reserve_run(ns, hashes, parents, i, 0, limit)
             if run:
                 disk.finish()   # published in the put's order
                 _write_run(cascade, run, arrays, i, results, on_durable)
@@ -126,6 +132,13 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
             for k in on_durable:
                 results[k] = "persisted"
     return results
+
+
+def _absent(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], start: int, limit: int) -> int:
+    """How many of the next ``limit`` blocks from ``start`` the store does not hold (a hint, read
+    without the lock: room is made for them)."""
+    entries = cascade.index.entries
+    return len({h for h in hashes[start:start + limit] if ns.id + h not in entries})
 
 
 WRITES_IN_FLIGHT = BUDGET.disk_writes   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
