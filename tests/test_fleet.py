@@ -48,7 +48,7 @@ def make_node(tmp_path, redis_url, prefix):
         store.register_namespace(NS)
         addr = f"inproc-{node_id}:1"
         peers[addr] = StorePeer(store)
-        kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a: peers[a], secret=SECRET)
+        kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a, _: peers[a], secret=SECRET)
         kw.update(fleet_kw)
         fleet = Fleet(store, kw.pop("redis_url", redis_url), node_id, addr, **kw).start()
         made.append((store, fleet))
@@ -477,7 +477,7 @@ def test_directory_routing_peer_fetch_and_pool_on_a_redis_cluster(tmp_path, redi
         store.register_namespace(NS)
         peers[node_id] = StorePeer(store)
         fleet = Fleet(store, redis_cluster, node_id, node_id, key_prefix="kvscl", heartbeat_s=0.2, ttl_s=1.5,
-                      sweep_every=1, client_factory=lambda a: peers[a], secret=SECRET).start()
+                      sweep_every=1, client_factory=lambda a, _: peers[a], secret=SECRET).start()
         made.append((store, fleet))
         return store, fleet
 

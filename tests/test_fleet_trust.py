@@ -140,7 +140,7 @@ def test_a_rogue_peer_listed_by_a_directory_writer_is_never_contacted(daemons, t
         with d.client(transport="grpc") as c:
             assert c.register_namespace(NS) == NS.id
             expiry = int(time.time() * 1000) + 60_000
-            value = f"{expiry} rogue {rogue.address}" + (" " + "ab" * 16 if signature == "bad_mac" else "")
+            value = f"{expiry} rogue {rogue.address} 1" + (" " + "ab" * 16 if signature == "bad_mac" else "")
             plant_rogue(redis.Redis.from_url(redis_url), prefix, 5, value, hashes, evil)
 
             assert c.lookup(NS.id, hashes).num_hit == 0          # a miss, never the rogue's bytes
@@ -192,7 +192,7 @@ def test_every_directory_script_skips_garbage_it_finds(redis_url, prefix):
     d = Directory(redis_url, prefix, secret=SECRET)
     future = int(time.time() * 1000) + 600_000
     r.hset(d.nodes_key(NS.id), mapping={"0": "garbage", "1": b"\xff", "x": "1 a b", "4096": f"{future} a b",
-                                        "99999999999999999999": f"{future} a b", "3": f"{future} nomac 127.0.0.1:9"})
+                                        "99999999999999999999": f"{future} a b", "3": f"{future} nomac 127.0.0.1:9 1"})
     hashes, blocks = chain(3, seed=9)
     r.hset(d.holders_key(NS.id), hashes[2], b"short")       # a holders value too short to hold anything
     slot = d.join(NS.id, "n", "127.0.0.1:1", ttl_s=30)
@@ -242,7 +242,7 @@ def test_a_signed_value_copied_under_another_key_does_not_verify(tmp_path, redis
         store.register_namespace(NS)
         peers[node_id] = StorePeer(store)
         fleet = Fleet(store, redis_url, node_id, node_id, key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5,
-                      secret=SECRET, client_factory=lambda a: peers[a]).start()
+                      secret=SECRET, client_factory=lambda a, _: peers[a]).start()
         made.append((store, fleet))
         return store, fleet
 
@@ -281,7 +281,7 @@ def test_the_peer_client_cache_is_bounded_and_closes_what_it_evicts(tmp_path):
     closed = []
 
     class FakeClient:
-        def __init__(self, address):
+        def __init__(self, address, callee):
             self.address = address
 
         def close(self):

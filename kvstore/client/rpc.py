@@ -45,7 +45,9 @@ class RpcChannel:
     """One gRPC channel with the kvstore and health stubs and the caller's bearer token."""
 
     def __init__(self, url: str | None, token: str | None, timeout_s: float, retries: int,
-                 root_ca: str | None) -> None:
+                 root_ca: str | None, interceptors: tuple = ()) -> None:
+        """``interceptors``: gRPC client interceptors every call goes through (a fleet peer's
+        ``peer_proof.PeerProver``)."""
         self.address, tls = parse_url(url)
         self.host = self.address.rpartition(":")[0].strip("[]")
         self.timeout_s = timeout_s
@@ -65,6 +67,8 @@ class RpcChannel:
             self.channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(ca), options)
         else:
             self.channel = grpc.insecure_channel(self.address, options)
+        if interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         # the data streams: Put's requests are encoded by the client (``chunks.put_messages``:
         # bytes), Get's answers read with their data left in place (``chunks.read_get_chunk``)

@@ -70,14 +70,15 @@ class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 5.0,
                  transport: str = "auto", retries: int = 2, root_ca: str | None = None,
                  chunk_bytes: int | None = None, compressed_transfer: bool = True, lookup_index: bool = True,
-                 local_leases: bool = True) -> None:
+                 local_leases: bool = True, interceptors: tuple = ()) -> None:
         """``compressed_transfer``: take blocks the daemon stores encoded as stored and decode them
         here (fewer bytes on the wire; needs torch), instead of having the daemon decode them.
         ``lookup_index``: on the daemon's host, answer lookups from its mapped lookup index
         (``transport.lookup_index``) rather than asking over its Unix socket each time.
         ``local_leases``: make the shm path's lease calls over that socket (``transport.local_calls``)
-        when the daemon offers it; False keeps them on gRPC (what the benchmark compares)."""
-        self._rpc = RpcChannel(url, token, timeout_s, retries, root_ca)
+        when the daemon offers it; False keeps them on gRPC (what the benchmark compares).
+        ``interceptors``: gRPC client interceptors for every call (a fleet daemon's peer proofs)."""
+        self._rpc = RpcChannel(url, token, timeout_s, retries, root_ca, tuple(interceptors))
         self._negotiation = Negotiation(self._rpc, transport, chunk_bytes, compressed_transfer, lookup_index,
                                         local_leases)
         self._grpc = GrpcPath(self._negotiation)

@@ -4,8 +4,9 @@ A fleet is many daemons, one per inference node. Each daemon publishes the block
 to a directory in Redis; any daemon (or a router) can then ask which node holds the longest cached
 prefix of a request, and a daemon that misses locally can fetch the blocks from a peer instead of
 letting its engine recompute them. Every directory value a daemon acts on is signed with the fleet
-secret, so whoever can merely write to Redis cannot steer a daemon to a node of its choosing, earn
-its peer token, or vouch for bytes (docs/fleet.md, "Trust model").
+secret, so whoever can merely write to Redis cannot steer a daemon to a node of its choosing or
+vouch for bytes; and peer calls prove possession of the keys instead of sending a token, so whoever
+holds a signed entry's address gets nothing usable (docs/fleet.md, "Trust model").
 
 This package owns the directory (layout, Lua scripts, signing), the publisher that mirrors a Store
 into it, peer fetch and routing, and ``kvstore route``. It uses only the Store's public seams
@@ -15,7 +16,8 @@ into it, peer fetch and routing, and ``kvstore route``. It uses only the Store's
 
 Modules: ``records`` (value layouts, defensive parsing), ``signing`` (MACs under the fleet secret),
 ``lua`` (the scripts), ``directory`` (Redis keys, membership, verified reads), ``routing`` (route
-answers), ``publisher`` (Store -> directory), ``peers`` (bounded peer clients, verified fetch),
+answers), ``publisher`` (Store -> directory), ``peer_proof`` (how peer calls prove possession),
+``peers`` (bounded peer clients, verified fetch),
 ``node`` (``Fleet``, composing them) and ``cli`` (``kvstore route``).
 """
 

@@ -7,11 +7,17 @@ Cluster a namespace lives in one slot and its scripts touch only declared, co-lo
   bitmap (``records``). A block held by 100 nodes is one field, so ``route`` is a single HMGET
   whose cost does not grow with the number of nodes.
 * ``<prefix>:{<ns>}:nodes`` — HASH, field = slot number, value = signed ``"<expiry ms> <node id>
-  <address> <mac>"``. A node takes the lowest free slot when it joins and refreshes its expiry
+  <address> <epoch> <mac>"``. A node takes the lowest free slot when it joins and refreshes its expiry
   with each heartbeat; a slot whose expiry has passed no longer counts anywhere; expiry 0 marks
   it dead for good. A janitor (any live node, under a lock) clears dead slots' bits and frees them,
   and repairs a namespace whose keys broke a node's commands (``repair``): one namespace's broken
   or full keys cost only that namespace, and only until then.
+* ``<prefix>:{<ns>}:revoked`` — HASH, field = ``"<node id> <epoch>"``, value = signed ``"<until ms>
+  <mac>"``: a node that leaves revokes its run (epoch) here, so its signed entry, written back by
+  whoever saved it, is refused until it would have expired anyway. Readers also remember the
+  tombstones they have seen, so deleting one later does not bring its entry back for them. (What
+  keeps such an entry harmless when the tombstone was deleted before a reader saw it is the peer
+  proof: ``peer_proof``.)
 
 Trust. Whatever this class reads back is checked before anyone acts on it: a node entry or a
 checksum whose MAC does not verify under the fleet secret, and any malformed value, is ignored
@@ -28,13 +34,14 @@ from redis.exceptions import ResponseError
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.fleet import lua
 from kvstore.fleet.records import (CHECKSUM_BYTES, MAX_SLOTS, format_node_value, holds,
-                                   marks, now_ms, parse_node_entry, parse_slot)
+                                   marks, now_ms, parse_node_entry, parse_slot, parse_tombstone)
 from kvstore.fleet.routing import NodeRoute, route
 from kvstore.fleet.signing import DirectorySigner
 from kvstore.redis_connection import connect
 
 PUBLISH_CHUNK = 256          # entries per Lua call: bounds how long one call holds Redis (~0.5 ms)
 _VERIFIED_CACHE = 4096       # node values already verified (they change with every heartbeat)
+_REVOKED_MEMORY = 4096       # revoked node runs remembered by a reader
 
 
 class DirectoryFull(KVStoreError):
@@ -78,6 +85,11 @@ def _answer(command):
         return e
 
 
+def _type_of(redis, key: str) -> str:
+    kind = redis.type(key)
+    return kind.decode() if isinstance(kind, bytes) else kind
+
+
 def _raised(results: list) -> list:
     """``results``, raising the first ``ResponseError`` among them."""
     for r in results:
@@ -99,8 +111,9 @@ class Directory:
         self.prefix = key_prefix
         self.keep_ms = int(keep_s * 1000)   # TTL of a namespace's keys, pushed forward by every write
         self.counters: dict[str, int] = counters if counters is not None else collections.defaultdict(int)
-        # (namespace, field, raw value) -> (slot, node id, address, expiry) of values that verified
-        self._verified: dict[tuple, tuple[int, str, str, int]] = {}
+        # (namespace, field, raw value) -> (slot, node id, address, expiry, epoch) of values that verified
+        self._verified: dict[tuple, tuple[int, str, str, int, int]] = {}
+        self._revoked: dict[tuple[bytes, str, int], int] = {}   # (namespace, node id, epoch) -> until ms
         self.redis = client if client is not None else connect(redis_url, socket_timeout_s)
         self._cluster = type(self.redis).__name__ == "RedisCluster"
         self._publish = self.redis.register_script(lua.PUBLISH)
@@ -124,14 +137,18 @@ class Directory:
     def janitor_key(self, namespace_id: bytes) -> str:
         return self._tag(namespace_id) + ":janitor"
 
-    def _node_value(self, namespace_id: bytes, slot: int, node_id: str, address: str, ttl_s: float) -> str:
+    def revoked_key(self, namespace_id: bytes) -> str:
+        return self._tag(namespace_id) + ":revoked"
+
+    def _node_value(self, namespace_id: bytes, slot: int, node_id: str, address: str, ttl_s: float,
+                    epoch: int) -> str:
         expiry = now_ms() + int(ttl_s * 1000)
-        mac = self.signer.node_mac(namespace_id, slot, expiry, node_id, address)
-        return format_node_value(expiry, node_id, address, mac)
+        mac = self.signer.node_mac(namespace_id, slot, expiry, node_id, address, epoch)
+        return format_node_value(expiry, node_id, address, epoch, mac)
 
     # -- membership ------------------------------------------------------------------------------
 
-    def join(self, namespace_id: bytes, node_id: str, address: str, ttl_s: float) -> int:
+    def join(self, namespace_id: bytes, node_id: str, address: str, ttl_s: float, epoch: int = 0) -> int:
         """Take the lowest free slot in this namespace (earlier incarnations of ``node_id`` become
         dead). The value is signed for its slot, so the script names the slot and we sign again
         when another node took it first."""
@@ -140,7 +157,8 @@ class Directory:
         for _ in range(16):
             batch = self._batch()
             batch.script(self._join, [key], [node_id, slot,
-                                             self._node_value(namespace_id, slot, node_id, address, ttl_s)])
+                                             self._node_value(namespace_id, slot, node_id, address, ttl_s,
+                                                              epoch)])
             batch.call("pexpire", key, self.keep_ms)
             got = int(_raised(batch.execute())[0])
             if got >= 0:
@@ -152,20 +170,31 @@ class Directory:
                             f"(at most {MAX_SLOTS})")
 
     def heartbeat(self, beats: Sequence[tuple[bytes, int]], node_id: str, address: str,
-                  ttl_s: float) -> list[bool | ResponseError]:
+                  ttl_s: float, epoch: int = 0) -> list[bool | ResponseError]:
         """Refresh this node's slots, one per namespace; False where the slot is gone, the error
-        where that namespace's keys are broken (the others are refreshed all the same)."""
+        where that namespace's keys are broken (the others are refreshed all the same). The
+        script also deletes a ``revoked`` key of the wrong type (it would fail every route)."""
         batch = self._batch()
         for ns, slot in beats:
-            value = self._node_value(ns, slot, node_id, address, ttl_s)
-            batch.script(self._heartbeat, [self.nodes_key(ns), self.holders_key(ns)],
+            value = self._node_value(ns, slot, node_id, address, ttl_s, epoch)
+            batch.script(self._heartbeat, [self.nodes_key(ns), self.holders_key(ns), self.revoked_key(ns)],
                          [slot, value, self.keep_ms, node_id, address])
         return [x if isinstance(x, ResponseError) else bool(x) for x in batch.execute()]
 
-    def leave(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes]) -> None:
-        """Withdraw ``hashes`` from ``slot`` and free it (a clean shutdown)."""
+    def leave(self, namespace_id: bytes, slot: int, hashes: Sequence[bytes], node_id: str | None = None,
+              epoch: int = 0, ttl_s: float = 0.0) -> None:
+        """Withdraw ``hashes`` from ``slot`` and free it (a clean shutdown). With ``node_id``, also
+        revoke this run (``epoch``) for ``ttl_s``, as long as any entry it signed can live."""
         self.publish(namespace_id, slot, {h: None for h in hashes})
-        self.redis.hdel(self.nodes_key(namespace_id), str(slot))
+        batch = self._batch()
+        if node_id is not None:
+            until = now_ms() + int(ttl_s * 1000) + 1000
+            key = self.revoked_key(namespace_id)
+            batch.call("hset", key, f"{node_id} {epoch}",
+                       f"{until} {self.signer.tombstone_mac(namespace_id, node_id, epoch, until)}")
+            batch.call("pexpire", key, self.keep_ms)
+        batch.call("hdel", self.nodes_key(namespace_id), str(slot))
+        _raised(batch.execute()[-1:])   # a revoked key of the wrong type does not keep the slot taken
 
     # -- entries ---------------------------------------------------------------------------------
 
@@ -195,6 +224,7 @@ class Directory:
         if not self.redis.set(self.janitor_key(namespace_id), "1", nx=True, px=int(lock_s * 1000)):
             return 0
         try:
+            self._clear_tombstones(namespace_id)
             dead = self._claim_dead(keys=[self.nodes_key(namespace_id)], args=[now_ms(), int(grace_s * 1000)])
             dead_slots = [s for s in map(parse_slot, dead) if s is not None]
             if not dead_slots:
@@ -213,6 +243,27 @@ class Directory:
         finally:
             self.redis.delete(self.janitor_key(namespace_id))
 
+    def _clear_tombstones(self, namespace_id: bytes) -> None:
+        """Delete tombstones that have run out, are malformed or do not verify (part of ``sweep``)."""
+        key = self.revoked_key(namespace_id)
+        if _type_of(self.redis, key) != "hash":
+            return
+        now = now_ms()
+        stale = [field for page in self._scan_pages(key) for field, value in page.items()
+                 if self._tombstone(namespace_id, field, value, now) is None]
+        for at in range(0, len(stale), 512):
+            self.redis.hdel(key, *stale[at:at + 512])
+
+    def _tombstone(self, namespace_id: bytes, field, value, now: int) -> tuple[str, int, int] | None:
+        """``(node id, epoch, until ms)`` of a tombstone that verifies and has not run out."""
+        parsed = parse_tombstone(field, value)
+        if parsed is None:
+            return None
+        node_id, epoch, until, mac = parsed
+        if until < now or not self.signer.tombstone_verifies(namespace_id, node_id, epoch, until, mac):
+            return None
+        return node_id, epoch, until
+
     def repair(self, namespace_id: bytes, lock_s: float = 60.0) -> int:
         """Janitor for a namespace whose keys broke this node's commands: a nodes or holders key
         that is not a hash (anyone who can write Redis can make it one) is deleted, and node
@@ -223,9 +274,9 @@ class Directory:
             return 0
         try:
             removed = 0
-            for key in (self.nodes_key(namespace_id), self.holders_key(namespace_id)):
-                kind = self.redis.type(key)
-                if (kind.decode() if isinstance(kind, bytes) else kind) not in ("hash", "none"):
+            for key in (self.nodes_key(namespace_id), self.holders_key(namespace_id),
+                        self.revoked_key(namespace_id)):
+                if _type_of(self.redis, key) not in ("hash", "none"):
                     removed += self.redis.delete(key)
             nodes = self.nodes_key(namespace_id)
             now = now_ms()
@@ -259,25 +310,53 @@ class Directory:
     def _reject(self, why: str) -> None:
         self.counters[f"rejected_{why}"] += 1
 
-    def live_nodes(self, namespace_id: bytes, nodes: dict) -> dict[int, tuple[str, str]]:
-        """Slot -> (node id, address) of the nodes-hash entries that are alive and signed by a
-        daemon of this fleet for this namespace and slot. Everything else is skipped. A value
-        that verified once is remembered as parsed (a route reads every node's value, and parsing
-        and checking 100 of them took half of a route's time); only its expiry is checked again."""
+    def live_nodes(self, namespace_id: bytes, nodes: dict,
+                   revoked: dict | None = None) -> dict[int, tuple[str, str, int]]:
+        """Slot -> (node id, address, epoch) of the nodes-hash entries that are alive, signed by a
+        daemon of this fleet for this namespace and slot, and of a run no tombstone revokes (those
+        in ``revoked``, the raw tombstones hash, and those seen before). Everything else is
+        skipped. A value that verified once is remembered as parsed (a route reads every node's
+        value, and parsing and checking 100 of them took half of a route's time); only its expiry
+        is checked again."""
         live = {}
         now = now_ms()
+        self._learn_revoked(namespace_id, revoked or {}, now)
         for field, value in nodes.items():
             known = self._verified.get((namespace_id, field, value))
             if known is None:
                 known = self._verify_node(namespace_id, field, value)
                 if known is None:
                     continue
-            slot, node_id, address, expiry_ms = known
-            if expiry_ms >= now:   # expired or dead: not counted, whatever it says
-                live[slot] = (node_id, address)
+            slot, node_id, address, expiry_ms, epoch = known
+            if expiry_ms < now:   # expired or dead: not counted, whatever it says
+                continue
+            if self._revoked.get((namespace_id, node_id, epoch), -1) >= now:
+                self._reject("revoked")
+                continue
+            live[slot] = (node_id, address, epoch)
         return live
 
-    def _verify_node(self, namespace_id: bytes, field, value) -> tuple[int, str, str, int] | None:
+    def _learn_revoked(self, namespace_id: bytes, revoked: dict, now: int) -> None:
+        """Remember the tombstones of ``revoked`` that verify (bounded: run-out ones go first)."""
+        for field, value in revoked.items():
+            known = self._tombstone(namespace_id, field, value, now)
+            if known is None:
+                continue
+            node_id, epoch, until = known
+            if len(self._revoked) >= _REVOKED_MEMORY and (namespace_id, node_id, epoch) not in self._revoked:
+                self._revoked = {k: t for k, t in self._revoked.items() if t >= now}
+                if len(self._revoked) >= _REVOKED_MEMORY:
+                    self._revoked.pop(next(iter(self._revoked)))
+            self._revoked[(namespace_id, node_id, epoch)] = until
+
+    def revoked(self, namespace_id: bytes) -> dict:
+        """The raw tombstones hash of a namespace (empty when it is missing or not a hash)."""
+        try:
+            return self.redis.hgetall(self.revoked_key(namespace_id))
+        except ResponseError:
+            return {}
+
+    def _verify_node(self, namespace_id: bytes, field, value) -> tuple[int, str, str, int, int] | None:
         slot = parse_slot(field)
         entry = parse_node_entry(slot, value) if slot is not None else None
         if entry is None:
@@ -291,7 +370,7 @@ class Directory:
         if not self.signer.node_verifies(namespace_id, entry):
             self._reject("bad_mac")
             return None
-        known = (entry.slot, entry.node_id, entry.address, entry.expiry_ms)
+        known = (entry.slot, entry.node_id, entry.address, entry.expiry_ms, entry.epoch)
         if len(self._verified) >= _VERIFIED_CACHE:
             self._verified.clear()
         self._verified[(namespace_id, field, value)] = known
@@ -321,8 +400,9 @@ class Directory:
 
     def entries(self, namespace_id: bytes, node_id: str) -> int:
         """How many blocks the live slots of ``node_id`` hold (a full scan: tests and tools)."""
-        live = self.live_nodes(namespace_id, self.redis.hgetall(self.nodes_key(namespace_id)))
-        slots = [s for s, (n, _) in live.items() if n == node_id]
+        live = self.live_nodes(namespace_id, self.redis.hgetall(self.nodes_key(namespace_id)),
+                               self.revoked(namespace_id))
+        slots = [s for s, (n, _, _) in live.items() if n == node_id]
         if not slots:
             return 0
         count = 0

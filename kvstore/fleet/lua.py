@@ -134,8 +134,9 @@ redis.call('HSET', KEYS[1], tostring(s), ARGV[3])
 return s
 """
 
-# KEYS[1] nodes, KEYS[2] holders. ARGV: slot, new value, keep ms, node id, address. Refreshes the
-# slot's value if it is still this node's and alive; 0 means "your slot is gone: join again".
+# KEYS[1] nodes, KEYS[2] holders, KEYS[3] revoked. ARGV: slot, new value, keep ms, node id, address.
+# Refreshes the slot's value if it is still this node's and alive; 0 means "your slot is gone: join
+# again". A revoked key that is not a hash (it would fail every route) is deleted.
 HEARTBEAT = _PREAMBLE + """
 local v = redis.call('HGET', KEYS[1], ARGV[1])
 local ok = 0
@@ -148,6 +149,8 @@ if v then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+local t = redis.call('TYPE', KEYS[3])['ok']
+if t ~= 'hash' and t ~= 'none' then redis.call('DEL', KEYS[3]) end
 return ok
 """
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.fleet.directory import Directory
+from kvstore.fleet.peer_proof import PeerKeys, PeerVerifier
 from kvstore.fleet.peers import PeerClients, PeerFetcher, grpc_client_factory
 from kvstore.fleet.publisher import Publisher
 from kvstore.fleet.routing import NodeRoute
@@ -24,14 +26,18 @@ class Fleet:
     The daemon wires it in two places: ``store`` is the daemon's Store (the publisher subscribes
     to it), and the Lookup path calls ``fleet.lookup`` instead of ``store.lookup`` so a local miss
     is filled from a peer before the answer goes back. ``secret`` is the fleet secret every daemon
-    of the fleet shares: directory values are signed with it and nothing unsigned is acted on."""
+    of the fleet shares: directory values are signed with it and nothing unsigned is acted on.
+    ``epoch`` (random per Fleet) names this run of the node: its entries are signed for it, peers
+    prove themselves to it and it to them (``peer_verifier``, which the daemon's server uses), and
+    ``close`` revokes it."""
 
     def __init__(self, store: Store, redis_url: str, node_id: str, advertise_addr: str, *,
                  key_prefix: str = "kvs", heartbeat_s: float = 2.0, ttl_s: float = 10.0,
                  flush_interval_s: float = 0.02, sweep_every: int = 10, peer_token: str | None = None,
                  peer_timeout_s: float = 2.0, peer_fetch: bool = True, fetch_batch: int = 64,
                  socket_timeout_s: float = 0.5, shared_pool=None, secret=None, peer_tls_ca: str | None = None,
-                 max_peer_clients: int = 64, client_factory: Callable[[str], object] | None = None) -> None:
+                 max_peer_clients: int = 64,
+                 client_factory: Callable[[str, tuple[str, int]], object] | None = None) -> None:
         if not node_id or any(c in node_id for c in " {}"):
             raise InvalidArgument("fleet.node_id", "must be non-empty, without spaces or braces")
         if not advertise_addr or " " in advertise_addr:
@@ -44,14 +50,17 @@ class Fleet:
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
         self.peer_fetch_enabled = peer_fetch
+        self.epoch = secrets.randbits(63)
         self.counters: dict[str, int] = collections.defaultdict(int)
         # a namespace's keys outlive the last heartbeat of the whole fleet by keep_s
         self.directory = Directory(redis_url, key_prefix, socket_timeout_s, keep_s=max(60.0, 10 * ttl_s),
                                    secret=secret, counters=self.counters)
         self.publisher = Publisher(store, self.directory, node_id, advertise_addr, heartbeat_s=heartbeat_s,
                                    ttl_s=ttl_s, flush_interval_s=flush_interval_s, sweep_every=sweep_every,
-                                   counters=self.counters)
-        self.peers = PeerClients(client_factory or grpc_client_factory(peer_token, peer_timeout_s, peer_tls_ca),
+                                   counters=self.counters, epoch=self.epoch)
+        self.peer_verifier = PeerVerifier(PeerKeys(secret), node_id, self.epoch)
+        self.peers = PeerClients(client_factory or grpc_client_factory(peer_token, peer_timeout_s, peer_tls_ca,
+                                                                       secret=secret),
                                  max_peer_clients)
         self.fetcher = PeerFetcher(store, self.directory, self.peers, node_id, fetch_batch=fetch_batch,
                                    skip_failed_s=heartbeat_s, counters=self.counters, shared_pool=shared_pool)
@@ -131,4 +140,5 @@ class Fleet:
         mirror = self.publisher.mirror
         return {"node_id": self.node_id, "connected": self.connected, "namespaces": len(mirror),
                 "published_blocks": sum(len(m) for m in mirror.values()), "peer_clients": len(self.peers),
-                "counters": {**self.counters, "peer_clients_evicted": self.peers.evicted}}
+                "counters": {**self.counters, "peer_clients_evicted": self.peers.evicted,
+                             "peer_proofs_refused": self.peer_verifier.refused}}

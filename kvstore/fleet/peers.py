@@ -11,10 +11,13 @@ its codec id), so fleet fetch works, bit-exact, with every codec, and the fetche
 the same checksum again.
 
 Whom we talk to. Addresses come only from node entries whose MAC verifies under the fleet secret
-(``Directory.route``), so the peer token (sent on Handshake, RegisterNamespace and Get) goes only
-to daemons of this fleet; with ``peer_tls_ca`` the connection also proves the peer's name. The
-checksums come only from holders values signed for that very block. Clients are kept in a bounded
-LRU (``max_clients``); an evicted client is closed.
+and whose run (epoch) no tombstone revokes (``Directory.route``). The peer token never goes out:
+every call proves possession of the fleet key and the token for that node id and epoch, and the
+peer proves the same back before any byte of its answer is kept (``peer_proof``), so whoever holds
+a signed entry's address without the keys gets one-call proofs it cannot use anywhere else, and
+gives nothing (``peer_unproven``). With ``peer_tls_ca`` the connection also proves the peer's name.
+The checksums come only from holders values signed for that very block. Clients are kept in a
+bounded LRU (``max_clients``), one per address and node run; an evicted client is closed.
 """
 
 from __future__ import annotations
@@ -29,21 +32,24 @@ import xxhash
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.fleet.directory import Directory
+from kvstore.fleet.peer_proof import PeerKeys, PeerProver, PeerUnproven
 from kvstore.fleet.routing import NodeRoute
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.fleet")
 
 
-def grpc_client_factory(token, timeout_s: float, tls_ca: str | None = None) -> Callable[[str], object]:
-    """Clients for peers: gRPC only (no shm/bulk negotiation), no retries, the fleet's token (a str
-    or a pydantic SecretStr), TLS with ``tls_ca`` when set."""
-    if token is not None and hasattr(token, "get_secret_value"):
-        token = token.get_secret_value()
+def grpc_client_factory(token, timeout_s: float, tls_ca: str | None = None, *,
+                        secret=None) -> Callable[[str, tuple[str, int]], object]:
+    """Clients for peers: gRPC only (no shm/bulk negotiation), no retries, TLS with ``tls_ca``
+    when set; each for one node run ``(node id, epoch)``, every call proving possession of the
+    fleet ``secret`` and the peer ``token`` (a str or a pydantic SecretStr) without sending either."""
+    keys = PeerKeys(secret, token)
 
-    def make(address: str):
+    def make(address: str, callee: tuple[str, int]):
         from kvstore.client import Client
-        return Client(url=address, token=token, timeout_s=timeout_s, transport="grpc", retries=0, root_ca=tls_ca)
+        return Client(url=address, token=None, timeout_s=timeout_s, transport="grpc", retries=0, root_ca=tls_ca,
+                      interceptors=(PeerProver(keys, *callee),))
     return make
 
 
@@ -51,32 +57,33 @@ class PeerClients:
     """At most ``max_clients`` open peer clients, least recently used evicted (and closed), each
     with the namespaces already registered on it."""
 
-    def __init__(self, factory: Callable[[str], object], max_clients: int = 64) -> None:
+    def __init__(self, factory: Callable[[str, tuple[str, int]], object], max_clients: int = 64) -> None:
         if max_clients < 1:
             raise InvalidArgument("fleet.max_peer_clients", f"must be >= 1; got {max_clients}")
         self.factory = factory
         self.max_clients = max_clients
         self.evicted = 0
-        self._clients: collections.OrderedDict[str, tuple[object, set[bytes]]] = collections.OrderedDict()
+        self._clients: collections.OrderedDict[tuple, tuple[object, set[bytes]]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._clients)
 
-    def get(self, address: str, store: Store, ns: bytes):
-        """A client for the peer at ``address``, with namespace ``ns`` registered there (the
-        Client needs its layout)."""
+    def get(self, address: str, store: Store, ns: bytes, callee: tuple[str, int] = ("", 0)):
+        """A client for the peer at ``address`` that is node run ``callee`` ``(node id, epoch)``,
+        with namespace ``ns`` registered there (the Client needs its layout)."""
         evicted = []
+        key = (address, *callee)
         with self._lock:
-            entry = self._clients.get(address)
+            entry = self._clients.get(key)
             if entry is None:
-                entry = (self.factory(address), set())
-                self._clients[address] = entry
+                entry = (self.factory(address, callee), set())
+                self._clients[key] = entry
                 while len(self._clients) > self.max_clients:
                     _, (old, _) = self._clients.popitem(last=False)
                     self.evicted += 1
                     evicted.append(old)
-            self._clients.move_to_end(address)
+            self._clients.move_to_end(key)
         for old in evicted:
             _close(old)
         # Outside the lock: a registration is a round trip to the peer (up to its timeout), and
@@ -185,7 +192,7 @@ class PeerFetcher:
             if not want or expected[0] is None:   # nothing it could send would be kept: do not call
                 self.counters["peer_misses"] += 1
                 return 0
-            client = self.clients.get(route.address, self.store, ns)
+            client = self.clients.get(route.address, self.store, ns, (route.node_id, route.epoch))
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]
                 got = _stored_payloads(client, ns, batch)
@@ -210,7 +217,7 @@ class PeerFetcher:
                 if len(run_h) < len(batch):
                     break
         except Exception as e:  # noqa: BLE001 - a broken peer or directory is a miss, never a crash
-            self.counters["peer_errors"] += 1
+            self.counters["peer_unproven" if isinstance(e, PeerUnproven) else "peer_errors"] += 1
             self._suspects[route.node_id] = time.monotonic() + self.skip_failed_s
             log.info("fleet: fetch from %s at %s failed: %s", route.node_id, route.address, e)
         return stored

@@ -37,10 +37,11 @@ class Publisher(StoreListener):
 
     def __init__(self, store: Store, directory: Directory, node_id: str, advertise_addr: str, *,
                  heartbeat_s: float, ttl_s: float, flush_interval_s: float, sweep_every: int,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], epoch: int = 0) -> None:
         self.store = store
         self.directory = directory
         self.node_id = node_id
+        self.epoch = epoch   # this run of the node: signed into every entry, revoked on leave
         self.advertise_addr = advertise_addr
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
@@ -82,7 +83,8 @@ class Publisher(StoreListener):
         self._wake.set()
 
     def stop(self, unpublish: bool) -> None:
-        """Stop the thread; with ``unpublish`` also withdraw this node's entries."""
+        """Stop the thread; with ``unpublish`` also withdraw this node's entries and revoke this
+        run's epoch (an entry of it written back to the directory is then refused)."""
         self.store.unsubscribe(self)
         self._stop.set()
         self._wake.set()
@@ -91,7 +93,8 @@ class Publisher(StoreListener):
         if unpublish:
             try:
                 for ns, slot in self.slots.items():
-                    self.directory.leave(ns, slot, list(self.mirror.get(ns, ())))
+                    self.directory.leave(ns, slot, list(self.mirror.get(ns, ())), self.node_id, self.epoch,
+                                         self.ttl_s)
             except Exception as e:  # noqa: BLE001 - Redis down at shutdown: the slot expires anyway
                 log.info("fleet: could not withdraw entries at close (%s); they expire in %ss", e, self.ttl_s)
 
@@ -182,7 +185,7 @@ class Publisher(StoreListener):
                 return None
 
     def _join(self, ns: bytes) -> int:
-        slot = self.directory.join(ns, self.node_id, self.advertise_addr, self.ttl_s)
+        slot = self.directory.join(ns, self.node_id, self.advertise_addr, self.ttl_s, self.epoch)
         self.slots[ns] = slot
         self.counters["joins"] += 1
         return slot
@@ -254,7 +257,7 @@ class Publisher(StoreListener):
             self.directory.redis.ping()   # nothing published yet: still notice a dead Redis
             self._retry_broken()
             return
-        alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s)
+        alive = self.directory.heartbeat(beats, self.node_id, self.advertise_addr, self.ttl_s, self.epoch)
         for (ns, _), ok in zip(beats, alive):
             if isinstance(ok, ResponseError):
                 self._namespace_broke(ns, ok)

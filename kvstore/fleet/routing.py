@@ -1,9 +1,10 @@
 """Route answers: which live nodes hold the longest cached prefix of a request.
 
-Only nodes whose signed entry verifies are ever named (their id and address come from the
-directory's verified view); the block counts come from the holders bitmaps, which the Redis ACL
-protects, not the fleet secret: a directory writer can make a route say a verified node holds
-more than it does (a wasted fetch, then a miss), never send anyone elsewhere.
+Only nodes whose signed entry verifies, and whose run no tombstone revokes, are ever named
+(their id, address and epoch come from the directory's verified view); the block counts come from
+the holders bitmaps, which the Redis ACL protects, not the fleet secret: a directory writer can
+make a route say a verified node holds more than it does (a wasted fetch, then a miss), never
+send anyone elsewhere.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class NodeRoute:
     tokens: int | None            # blocks x block_tokens when the layout is known
     tiers: dict[str, int]         # "memory" (GPU/CPU) and "disk" (NVMe/Redis): blocks of the run in each
     slot: int = -1                # the node's slot in this namespace's directory
+    epoch: int = 0                # the node's run its entry was signed for (it proves itself for it)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,14 +99,14 @@ def route(directory, namespace_id: bytes, hashes: Sequence[bytes],
           block_tokens: int | None = None) -> list[NodeRoute]:
     """Per verified live node holding at least the first block: how many leading blocks (and
     tokens) it can serve, and how many of those sit in memory vs on disk; longest first.
-    Reads the nodes hash and the first 1024 blocks in one round trip, more only while some node
-    still holds every block asked so far. ``directory`` is a ``Directory``."""
+    Reads the nodes hash, the tombstones and the first 1024 blocks in one round trip, more only
+    while some node still holds every block asked so far. ``directory`` is a ``Directory``."""
     if not hashes:
         return []
     hashes = checked_hashes(hashes)
     holders = directory.holders_key(namespace_id)
-    nodes, values = _nodes_and_holders(directory, namespace_id, holders, hashes[:ROUTE_CHUNKS[0]])
-    live = directory.live_nodes(namespace_id, nodes)
+    nodes, values, revoked = _nodes_and_holders(directory, namespace_id, holders, hashes[:ROUTE_CHUNKS[0]])
+    live = directory.live_nodes(namespace_id, nodes, revoked)
     if not live:
         return []
     slots = sorted(live)
@@ -120,29 +122,35 @@ def route(directory, namespace_id: bytes, hashes: Sequence[bytes],
     for i, slot in enumerate(slots):
         n = int(run[i])
         if n:
-            node_id, address = live[slot]
+            node_id, address, epoch = live[slot]
             d = int(disk[i])
             routes.append(NodeRoute(node_id, address, n, n * block_tokens if block_tokens else None,
-                                    {"memory": n - d, "disk": d}, slot))
+                                    {"memory": n - d, "disk": d}, slot, epoch))
     routes.sort(key=lambda r: (-r.blocks, r.tiers["disk"], r.node_id))
     return routes
 
 
-def _nodes_and_holders(directory, namespace_id: bytes, holders: str, hashes: Sequence[bytes]) -> tuple[dict, list]:
-    """The nodes hash and the holders values of ``hashes``, in one round trip: sent pre-packed
-    where the client allows (``redis_connection.call_packed``), else as a pipeline."""
-    nodes_key = directory.nodes_key(namespace_id)
+def _nodes_and_holders(directory, namespace_id: bytes, holders: str,
+                       hashes: Sequence[bytes]) -> tuple[dict, list, dict]:
+    """The nodes hash, the holders values of ``hashes`` and the tombstones, in one round trip:
+    sent pre-packed where the client allows (``redis_connection.call_packed``), else as a pipeline."""
+    nodes_key, revoked_key = directory.nodes_key(namespace_id), directory.revoked_key(namespace_id)
     packed = packed_hmget(holders, hashes)
-    replies = call_packed(directory.redis, [("HGETALL", nodes_key), packed]) if packed else None
+    replies = call_packed(directory.redis, [("HGETALL", nodes_key), packed, ("HGETALL", revoked_key)]) \
+        if packed else None
     if replies is None:
         pipe = directory.redis.pipeline(transaction=False)
         pipe.hgetall(nodes_key)
         pipe.hmget(holders, list(hashes))
+        pipe.hgetall(revoked_key)
         return tuple(pipe.execute())
-    nodes, values = replies
-    if isinstance(nodes, list):   # RESP2 answers HGETALL with field, value, field, value ...
-        nodes = dict(zip(nodes[::2], nodes[1::2]))
-    return nodes, values
+    nodes, values, revoked = replies
+    return _as_dict(nodes), values, _as_dict(revoked)
+
+
+def _as_dict(reply) -> dict:
+    """RESP2 answers HGETALL with field, value, field, value ..."""
+    return dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else reply
 
 
 def _holders(client, holders: str, hashes: Sequence[bytes]) -> list:

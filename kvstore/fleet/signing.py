@@ -20,6 +20,7 @@ from kvstore.fleet.records import CHECKSUM_BYTES, HOLDER_PREFIX_BYTES, MAC_BYTES
 MIN_SECRET_BYTES = 16
 _NODE = b"kvs-fleet-node"      # BLAKE2b personalisation: a node MAC never verifies as a block MAC
 _BLOCK = b"kvs-fleet-block"
+_REVOKE = b"kvs-fleet-revoke"
 
 
 def _secret_bytes(secret) -> bytes:
@@ -52,8 +53,9 @@ class DirectorySigner:
 
     # -- node entries ----------------------------------------------------------------------------
 
-    def node_mac(self, namespace_id: bytes, slot: int, expiry_ms: int, node_id: str, address: str) -> str:
-        text = f"{expiry_ms} {node_id} {address}".encode()
+    def node_mac(self, namespace_id: bytes, slot: int, expiry_ms: int, node_id: str, address: str,
+                 epoch: int) -> str:
+        text = f"{expiry_ms} {node_id} {address} {epoch}".encode()
         return self._mac(_NODE, namespace_id, str(slot).encode(), text).hex()
 
     def node_verifies(self, namespace_id: bytes, entry: NodeEntry) -> bool:
@@ -61,6 +63,14 @@ class DirectorySigner:
             return False
         want = self._mac(_NODE, namespace_id, str(entry.slot).encode(), entry.signed_text().encode()).hex()
         return hmac.compare_digest(want, entry.mac)
+
+    # -- tombstones -------------------------------------------------------------------------------
+
+    def tombstone_mac(self, namespace_id: bytes, node_id: str, epoch: int, until_ms: int) -> str:
+        return self._mac(_REVOKE, namespace_id, f"{node_id} {epoch} {until_ms}".encode()).hex()
+
+    def tombstone_verifies(self, namespace_id: bytes, node_id: str, epoch: int, until_ms: int, mac: str) -> bool:
+        return hmac.compare_digest(self.tombstone_mac(namespace_id, node_id, epoch, until_ms), mac)
 
     # -- block checksums -------------------------------------------------------------------------
 

@@ -13,6 +13,10 @@ everyone else sees and touches only their own namespaces.
 Byte quotas are enforced by the store (``kvstore.store.quotas``), where every write path passes.
 No token ever appears in a message this module raises.
 
+A fleet daemon's peers send no token: they prove they hold one (``kvstore.fleet.peer_proof``).
+``peers`` is the daemon's ``PeerVerifier`` in fleet mode; a ``KvsPeer`` proof it admitted names
+the tenant of the token it was made with.
+
 Reload (SIGHUP, ``kvstore reload``): ``replace`` swaps tokens and admins in one assignment, so a
 call sees either the old set or the new one, never a mix; the next call with a removed token is
 refused, on gRPC and on every transport whose ticket was issued for it (``transport.tickets``).
@@ -46,6 +50,7 @@ class Authenticator:
     def __init__(self, tokens: Mapping[str, str] | None = None, admin_tenants: Iterable[str] = ()) -> None:
         self._credentials = _Credentials(dict(tokens or {}), admin_tenants)
         self.generation = 0   # changes with every ``replace``: holders of tickets check them again
+        self.peers = None     # a fleet daemon's ``PeerVerifier``
 
     def replace(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> set[str]:
         """New tokens and admins from the next call on (reload). Turning auth on or off is the
@@ -93,6 +98,9 @@ class Authenticator:
                 header = value
                 break
         scheme, _, token = (header or "").partition(" ")
+        peers = self.peers
+        if peers is not None and scheme == peers.scheme:
+            return peers.tenant(token, credentials.digests)
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: missing bearer token")
         # Constant time: compare fixed-size digests against every known token, no early exit,

@@ -216,6 +216,7 @@ class Daemon:
         if settings.fleet.enabled:
             self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret
             self.servicer.fleet = self.fleet
+            auth.peers = self.fleet.peer_verifier      # peers prove themselves, never send a token
             self.metrics.watch(FleetCollector(self.fleet))
         self.metrics_port: int | None = None
         self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)

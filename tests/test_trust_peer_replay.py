@@ -1,0 +1,232 @@
+"""A departed node's signed directory entry, replayed (issue #35, attack 7), with real daemons, a real
+Redis and a real rogue gRPC server.
+
+The attacker can write the fleet's Redis but holds neither the fleet secret nor the peer token. It
+saves node d1's signed entry (and the signed checksums of its blocks) while d1 is alive; d1 leaves
+cleanly; the attacker binds d1's port on loopback and writes the saved values back while their
+signed expiry is still ahead. A daemon that misses must then get nothing from the rogue: no peer
+token, no fleet secret, no proof it can use on an honest peer, and no bytes taken from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import redis
+
+from daemon_util import start_daemon
+from fleet_util import BLOCK, NS, SECRET, chain, wait_for
+
+from kvstore.fleet import Directory
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import PROTOCOL_VERSION
+
+PEER_TOKEN = "peer-token-of-tenant-t-must-not-leak"
+TTL_S = 30.0   # long enough that the saved entry is still ahead of its expiry when it is written back
+
+
+class PortThief(pb_grpc.KVStoreServicer):
+    """A real gRPC server on the departed node's port: answers like a daemon (serving the departed
+    node's own bytes, which match their published checksums) and keeps every call's metadata and
+    request bytes, to look for secrets and to replay them."""
+
+    def __init__(self, address: str, blocks: dict[bytes, bytes]) -> None:
+        self.blocks = blocks
+        self.calls: list[tuple[str, tuple, bytes]] = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_KVStoreServicer_to_server(self, self.server)
+        deadline = time.monotonic() + 10
+        while not self.server.add_insecure_port(address):   # the departed daemon's socket may linger
+            assert time.monotonic() < deadline, f"could not bind {address}"
+            time.sleep(0.1)
+        self.server.start()
+
+    def _keep(self, method: str, request, context) -> None:
+        self.calls.append((method, tuple(context.invocation_metadata()), request.SerializeToString()))
+
+    def Handshake(self, request, context):
+        self._keep("Handshake", request, context)
+        return pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id="thief", lease_seconds=5.0,
+                                    max_message_bytes=16 << 20, chunk_bytes=1 << 20)
+
+    def RegisterNamespace(self, request, context):
+        self._keep("RegisterNamespace", request, context)
+        return pb.RegisterNamespaceResponse(namespace_id=NS.id, block_bytes=BLOCK, tenant="t")
+
+    def Get(self, request, context):
+        self._keep("Get", request, context)
+        for i, h in enumerate(request.hashes):
+            data = self.blocks.get(bytes(h))
+            if data is None:
+                yield pb.GetChunk(index=i, hit=False)
+            else:
+                yield pb.GetChunk(index=i, hit=True, size=len(data), offset=0, data=data)
+
+    def metadata_text(self) -> str:
+        return " ".join(f"{k}={v}" for _, meta, _ in self.calls for k, v in meta)
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+def node(workdir, redis_url: str, prefix: str, node_id: str):
+    """A `kvstore serve` in fleet mode with auth on: the peer token is tenant t's token on every node
+    (t is an admin, so its Stats show the fleet's counters)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "kvstore.yaml"
+    config.write_text(textwrap.dedent(f"""
+        cpu_bytes: 16MiB
+        cpu_slot_bytes: 4KiB
+        nvme_bytes: 0
+        shm_dir: {workdir}
+        lease_seconds: 1.0
+        bulk_channel: false
+        tokens:
+          {PEER_TOKEN}: t
+        admin_tenants: [t]
+        fleet:
+          enabled: true
+          redis_url: {redis_url}
+          node_id: {node_id}
+          key_prefix: {prefix}
+          heartbeat_s: 0.2
+          ttl_s: {TTL_S}
+          peer_timeout_s: 2.0
+          peer_token: {PEER_TOKEN}
+    """))
+    return start_daemon(workdir, "--config", str(config), cpu_bytes="16MiB", nvme_bytes="0",
+                        env={"KVSTORE_FLEET__SECRET": SECRET}, client_kwargs={"token": PEER_TOKEN})
+
+
+@pytest.fixture
+def nodes():
+    started = []
+
+    def start(*args):
+        d = node(*args)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+def counters(client) -> dict:
+    return client.stats()["fleet"]["counters"]
+
+
+def replay(channel: grpc.Channel, method: str, metadata: tuple, request: bytes):
+    """The thief's captured call, sent byte for byte to another daemon."""
+    call = channel.unary_unary if method != "Get" else channel.unary_stream
+    fn = call(f"/kvstore.v1.KVStore/{method}", request_serializer=None, response_deserializer=None)
+    try:
+        out = fn(request, metadata=metadata, timeout=10)
+        return list(out) if method == "Get" else out
+    except grpc.RpcError as e:
+        return e.code()
+
+
+@pytest.mark.parametrize("tombstone", ["kept", "deleted by the attacker"])
+def test_a_replayed_entry_of_a_departed_node_gets_no_secret_and_no_usable_proof(nodes, tmp_path, redis_url,
+                                                                                 prefix, tombstone):
+    hashes, blocks = chain(3, seed=31)
+    directory = Directory(redis_url, prefix, secret=SECRET)
+    r = redis.Redis.from_url(redis_url)
+    nodes_key, holders_key = directory.nodes_key(NS.id), directory.holders_key(NS.id)
+
+    d1 = nodes(tmp_path / "d1", redis_url, prefix, "d1")
+    with d1.client(transport="grpc") as c1:
+        c1.register_namespace(NS)
+        c1.put(NS.id, hashes, blocks)
+        wait_for(lambda: directory.entries(NS.id, "d1") == len(hashes), what="d1 to publish")
+    # the attacker saves d1's signed entry and its blocks' signed checksums while d1 is alive
+    saved_nodes = r.hgetall(nodes_key)
+    saved_holders = dict(zip(hashes, r.hmget(holders_key, hashes)))
+    assert saved_nodes and all(saved_holders.values())
+
+    d1_address = f"127.0.0.1:{d1.port}"
+    assert d1.stop() == 0                                   # a clean leave: d1 withdraws its entries
+    assert directory.entries(NS.id, "d1") == 0
+    thief = PortThief(d1_address, {h: b.tobytes() for h, b in zip(hashes, blocks)})
+    try:
+        for slot, value in saved_nodes.items():             # written back within the entry's TTL
+            r.hset(nodes_key, slot, value)
+        for h, value in saved_holders.items():
+            r.hset(holders_key, h, value)
+        if tombstone == "deleted by the attacker":
+            for key in r.scan_iter(f"{prefix}:{{{NS.id.hex()}}}:*"):
+                if key.decode() not in (nodes_key, holders_key):
+                    r.delete(key)
+
+        victim = nodes(tmp_path / "victim", redis_url, prefix, "victim")
+        honest = nodes(tmp_path / "honest", redis_url, prefix, "honest")
+        with victim.client(transport="grpc") as cv, honest.client(transport="grpc") as ch:
+            cv.register_namespace(NS)
+            ch.register_namespace(NS)
+            hits = cv.lookup(NS.id, hashes).num_hit
+            seen = thief.metadata_text()
+            assert PEER_TOKEN not in seen, "the daemon sent its peer token to whoever holds the address"
+            assert SECRET not in seen
+            assert hits == 0, "the daemon took bytes from an unproven peer"
+            assert cv.get(NS.id, hashes) == [None] * 3
+            if tombstone == "kept":
+                assert thief.calls == [], "a revoked epoch was called"
+                assert counters(cv)["rejected_revoked"] >= 1
+                return
+            assert thief.calls, "the replayed entry was not tried (the test would show nothing)"
+            assert counters(cv)["peer_unproven"] >= 1
+
+            # every proof the thief captured is refused by an honest daemon (bound to d1 and its
+            # epoch, and to the call it came with)
+            with grpc.insecure_channel(f"127.0.0.1:{honest.port}") as channel:
+                for method, metadata, request in thief.calls:
+                    assert replay(channel, method, metadata, request) == grpc.StatusCode.UNAUTHENTICATED
+
+            # the honest node still serves the victim
+            ch.put(NS.id, hashes, blocks)
+            wait_for(lambda: directory.entries(NS.id, "honest") == len(hashes), what="honest to publish")
+            assert cv.lookup(NS.id, hashes).num_hit == 3
+            assert cv.get(NS.id, hashes) == [b.tobytes() for b in blocks]
+    finally:
+        thief.stop()
+
+
+def test_a_peer_proof_is_good_for_one_call(nodes, tmp_path, redis_url, prefix):
+    """A proof made for the honest node and its epoch (by someone holding the keys) works once;
+    the same bytes again, or for another request, are refused."""
+    from kvstore.fleet.peer_proof import PeerKeys, caller_header
+
+    honest = nodes(tmp_path / "honest", redis_url, prefix, "honest")
+    hashes, blocks = chain(2, seed=32)
+    with honest.client(transport="grpc") as ch:
+        ch.register_namespace(NS)
+        ch.put(NS.id, hashes, blocks)
+    directory = Directory(redis_url, prefix, secret=SECRET)
+    wait_for(lambda: directory.entries(NS.id, "honest") == 2, what="honest to publish")
+    (route,) = directory.route(NS.id, hashes)
+    keys = PeerKeys(SECRET, PEER_TOKEN)
+    get = "/kvstore.v1.KVStore/Get"
+    request = pb.GetRequest(namespace_id=NS.id, hashes=hashes).SerializeToString()
+    other = pb.GetRequest(namespace_id=NS.id, hashes=hashes[:1]).SerializeToString()
+
+    def proof(for_request: bytes, epoch: int = route.epoch, ms: int | None = None) -> tuple:
+        return (("authorization", caller_header(keys, route.node_id, epoch, get,
+                                                hashlib.sha256(for_request).digest(), ms=ms)),)
+
+    with grpc.insecure_channel(f"127.0.0.1:{honest.port}") as channel:
+        once = proof(request)
+        first = replay(channel, "Get", once, request)
+        assert isinstance(first, list) and len(first) >= 2, first
+        assert replay(channel, "Get", once, request) == grpc.StatusCode.UNAUTHENTICATED      # used
+        assert replay(channel, "Get", proof(request), other) == grpc.StatusCode.UNAUTHENTICATED   # another request
+        assert replay(channel, "Get", proof(request, route.epoch + 1), request) == grpc.StatusCode.UNAUTHENTICATED
+        stale = proof(request, ms=int(time.time() * 1000) - 120_000)
+        assert replay(channel, "Get", stale, request) == grpc.StatusCode.UNAUTHENTICATED
+        assert isinstance(replay(channel, "Get", proof(request), request), list)             # a fresh one works
