@@ -1,27 +1,39 @@
-"""Daemon end of the bulk side channel: a ``socket_server.SocketServer`` whose one thread greets
-connections and watches the sessions they become.
+"""Daemon end of the bulk side channel: greeted connections become sessions that RPC handlers borrow.
 
-A connection must send its greeting (``MAGIC + ticket``, see ``kvstore.transport.bulk``) within
-``GREETING_DEADLINE_S``; at most ``MAX_PENDING_GREETINGS`` wait at once (a new one pushes out the
-least recently active, so a flood of silent connections delays a real client's greeting by no
-more than its round trip). A greeting whose ticket the current tokens admit becomes a session
-(``kvstore.transport.bulk_sessions``), handed off to the session table: closed when its client
-goes, after ``SESSION_IDLE_S`` idle, or least-recently-used first when ``MAX_SESSIONS`` are open.
-RPC handlers borrow sessions' sockets; the server's thread watches them while idle.
+Greetings run on ``socket_server.SocketServer``: a connection must send ``MAGIC + ticket`` (see
+``kvstore.transport.bulk``) within ``GREETING_DEADLINE_S``, at most ``MAX_PENDING_GREETINGS``
+wait at once (a new one pushes out the least recently active, so a flood of silent connections
+delays a real client's greeting by no more than its round trip), and a ticket the current tokens
+do not admit opens nothing. Tickets bind sessions to tenants: Handshake hands a caller
+``ticket_for(its tenant, its token's digest)``, and a session answers only RPCs of the tenant whose
+ticket opened it; another tenant's session id is answered like an unknown one.
 
-Tickets bind sessions to tenants: Handshake hands a caller ``ticket_for(its tenant, its token's
-digest)`` (``transport.tickets``), and the session a ticket opens answers only RPCs of that
-tenant. A ticket whose token a reload removed or changed opens nothing, and the sessions it
-opened are closed within a tick (``socket_server.TICK_S``).
+A greeted connection leaves the base's connections for the session table (``_sessions``, guarded
+by ``_lock``, which RPC handlers' threads and the server's thread share). Handlers borrow a
+session's socket for one transfer at a time (``using``); between transfers it is armed, one-shot,
+in the server's epoll set, so the moment the client goes away (EOF or reset) the server's thread
+closes it: no thread per session, and no session outliving its client. A socket is never watched
+while a handler uses it: ``using`` counts the session busy first, the server's thread ignores busy
+sessions, and the socket is re-armed only when the last user is done. A session also ends after
+``SESSION_IDLE_S`` idle (a client that vanished without a FIN, or sent stray bytes); when
+``MAX_SESSIONS`` are open the least recently used idle one makes room for a new client (whose
+``BulkChannel.alive`` then reports the loss, and it reconnects); and the sessions of a revoked
+token close within a tick (``socket_server.TICK_S``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import secrets
+import select
 import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
 
-from kvstore.transport.bulk import GREETING_BYTES, MAGIC, TICKET_BYTES
-from kvstore.transport.bulk_sessions import Session, SessionTable
+from kvstore.transport.bulk import GREETING_BYTES, MAGIC, SESSION_ID_BYTES, TICKET_BYTES
 from kvstore.transport.socket_server import Connection, SocketServer
 from kvstore.transport.tickets import TokenBook
 
@@ -30,6 +42,20 @@ MAX_PENDING_GREETINGS = 64     # connections accepted and not yet greeted, at mo
 SESSION_IDLE_S = 300.0         # a session unused this long is closed (its client reconnects on next use)
 MAX_SESSIONS = 1024            # open sessions; the least recently used idle one makes room for a new one
 MAX_TICKET_TENANTS = 4096      # tickets remembered (bounded by the configured tokens)
+_WATCH_IDLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+_GONE = select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP
+
+
+class Session:
+    """One side-channel connection and the tenant whose Handshake ticket opened it."""
+
+    def __init__(self, sid: bytes, sock: socket.socket, tenant: str, ticket: bytes) -> None:
+        self.sid, self.sock, self.tenant = sid, sock, tenant
+        self.ticket = ticket           # what opened it: checked again when the tokens change
+        self.lock = threading.Lock()   # one transfer at a time on the socket
+        self.users = 0                 # handlers holding or waiting for ``lock`` (guarded by the server's lock)
+        self.last_used = time.monotonic()
+        self.closed = False
 
 
 class BulkServer(SocketServer):
@@ -41,28 +67,56 @@ class BulkServer(SocketServer):
         super().__init__("side-channel", host=host, first_deadline_s=greeting_deadline_s,
                          max_pending=max_pending_greetings, max_read=GREETING_BYTES, tokens=tokens,
                          ticket_bytes=TICKET_BYTES, remember_tickets=MAX_TICKET_TENANTS)
-        self.sessions = SessionTable(self.poller, max_sessions, idle_s)
+        self.max_sessions, self.idle_s = max_sessions, idle_s
+        self._sessions: OrderedDict[bytes, Session] = OrderedDict()   # least recently used first
+        self._by_fd: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self.session_counts = {"opened": 0, "closed_by_peer": 0, "idle_expired": 0, "evicted": 0,
+                               "refused_full": 0, "dropped": 0, "revoked": 0}
         self.start()
 
     # -- what RPC handlers use ---------------------------------------------------------------------
 
     def session(self, sid: bytes, tenant: str) -> Session | None:
         """The open session ``sid`` of ``tenant`` (None when unknown, closed or another tenant's)."""
-        return self.sessions.find(sid, tenant)
+        with self._lock:
+            session = self._sessions.get(sid)
+        return session if session is not None and not session.closed and session.tenant == tenant else None
 
-    def using(self, session: Session):
-        """Context manager lending the session's socket to one transfer."""
-        return self.sessions.using(session)
+    @contextlib.contextmanager
+    def using(self, session: Session) -> Iterator[socket.socket]:
+        """Borrow the session's socket for one transfer (unwatched meanwhile); a session closed
+        while waiting yields a closed socket, so the transfer fails with OSError."""
+        with self._lock:
+            session.users += 1
+        try:
+            with session.lock:
+                yield session.sock
+        finally:
+            with self._lock:
+                session.users -= 1
+                session.last_used = time.monotonic()
+                if not session.closed:
+                    self._sessions.move_to_end(session.sid)
+                    if session.users == 0:
+                        self._arm(session)
 
     def drop(self, sid: bytes) -> None:
-        self.sessions.drop(sid)
+        """Close a session a handler found broken or stalled (wakes a handler blocked on it)."""
+        with self._lock:
+            if sid in self._sessions:
+                self._close(self._sessions[sid], "dropped")
 
     @property
     def session_count(self) -> int:
-        return len(self.sessions)
+        with self._lock:
+            return len(self._sessions)
 
     def stats(self) -> dict:
-        open_sessions, counts = self.sessions.counted()
+        """Open sessions and the counters, read together: a session that has left the table has
+        always been counted by then, so a reader never sees it gone and not yet counted."""
+        with self._lock:
+            open_sessions, counts = len(self._sessions), dict(self.session_counts)
         return {"sessions": open_sessions, "greetings_pending": self.pending,
                 **{f"sessions_{k}": v for k, v in counts.items()},
                 **{f"greetings_{k}": self.counts[reason] for k, reason in
@@ -71,7 +125,9 @@ class BulkServer(SocketServer):
 
     def close(self) -> None:
         super().close()
-        self.sessions.close_all()
+        with self._lock:
+            for session in list(self._sessions.values()):
+                self._close(session, None)
 
     # -- the server's thread -----------------------------------------------------------------------
 
@@ -87,20 +143,76 @@ class BulkServer(SocketServer):
         sock = self.hand_off(fd)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(True)   # handlers use blocking I/O; the stall watchdog bounds it
-        sid = self.sessions.open(sock, tenant, greeting[len(MAGIC):])
-        if sid is None:
-            sock.close()
-            return
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions and not self._evict_one_idle():
+                self.session_counts["refused_full"] += 1
+                sock.close()
+                return
+            session = Session(secrets.token_bytes(SESSION_ID_BYTES), sock, tenant, greeting[len(MAGIC):])
+            self._sessions[session.sid] = self._by_fd[fd] = session
+            self.poller.register(fd, _WATCH_IDLE)
+            self.session_counts["opened"] += 1
         try:
-            sock.sendall(sid)    # 16 bytes into an empty send buffer: never blocks
+            sock.sendall(session.sid)    # 16 bytes into an empty send buffer: never blocks
         except OSError:
-            self.sessions.drop(sid)
+            self.drop(session.sid)
 
     def watched(self, fd: int, events: int) -> None:
-        self.sessions.on_readable(fd, events)
+        """An idle session's socket turned readable: its client closed it, or sent bytes a handler
+        is about to read."""
+        with self._lock:
+            session = self._by_fd.get(fd)
+            if session is None or session.users:
+                return      # a handler took it meanwhile; ``using`` re-arms it afterwards
+            try:
+                peeked = session.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self._arm(session)
+                return
+            except OSError:
+                peeked = b""
+            if not peeked or events & _GONE:
+                self._close(session, "closed_by_peer")
+            else:  # bytes of a transfer whose RPC has not reached its handler yet: left unarmed
+                session.last_used = time.monotonic()  # until it is done (or the idle bound ends it)
 
     def tick(self, now: float) -> None:
-        self.sessions.expire_idle(now)
+        with self._lock:
+            for session in [s for s in self._sessions.values() if s.last_used < now - self.idle_s and not s.users]:
+                self._close(session, "idle_expired")
 
     def revoked(self) -> None:
-        self.sessions.revoke(self.tickets.admits)
+        with self._lock:
+            for session in [s for s in self._sessions.values() if not self.tickets.admits(s.ticket, s.tenant)]:
+                self._close(session, "revoked")
+
+    # -- under self._lock --------------------------------------------------------------------------
+
+    def _arm(self, session: Session) -> None:
+        try:
+            self.poller.modify(session.sock.fileno(), _WATCH_IDLE)
+        except (OSError, ValueError):
+            self._close(session, "dropped")
+
+    def _evict_one_idle(self) -> bool:
+        for session in self._sessions.values():   # least recently used first
+            if not session.users:
+                self._close(session, "evicted")
+                return True
+        return False
+
+    def _close(self, session: Session, reason: str | None) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        if reason:
+            self.session_counts[reason] += 1
+        self._sessions.pop(session.sid, None)
+        fd = session.sock.fileno()
+        if fd >= 0 and self._by_fd.get(fd) is session:
+            del self._by_fd[fd]
+            with contextlib.suppress(OSError, ValueError):
+                self.poller.unregister(fd)
+        with contextlib.suppress(OSError):
+            session.sock.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv (close alone does not)
+        session.sock.close()
