@@ -67,10 +67,17 @@ class BlockRecord:
     raw_size: int
     codec: int = 0
     checksum: int = 0  # xxh3_64 of the stored payload; 0 = not computed yet
+    #: where the tier holding this copy keeps it (the NVMe tier: its slot), set by that tier
+    slot: int = dataclasses.field(default=-1, compare=False)
+    _key: bytes | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def key(self) -> bytes:
-        return block_key(self.namespace_id, self.block_hash)
+        """``block_key(namespace_id, block_hash)``, made once: the index, the tier and the policy
+        hold this one object."""
+        if self._key is None:
+            self._key = block_key(self.namespace_id, self.block_hash)
+        return self._key
 
 
 class Tier(ABC):

@@ -141,7 +141,7 @@ class NvmeTier(Tier):
         except OSError as e:
             raise TierIOError(f"nvme tier: directory {self.path} is not writable: {e.strerror}") from e
         self.o_direct = use_o_direct and o_direct_supported(self.path)
-        self._blocks: dict[bytes, tuple[BlockRecord, Slab, int]] = {}  # key -> (record, slab, slot)
+        self._blocks: dict[bytes, BlockRecord] = {}   # key -> record (its slot in ``record.slot``)
         self._slabs: dict[int, Slab] = {}   # footprint -> its slab
         self._lock = threading.Lock()
         self._to_punch: list[tuple[bytes, Slab, int]] = []   # dropped, slot not yet erased: (key, slab, slot)
@@ -156,9 +156,15 @@ class NvmeTier(Tier):
 
     # -- where blocks are ------------------------------------------------------------------------
 
+    def _where(self, key: bytes) -> tuple[BlockRecord, Slab, int]:
+        """(record, slab, slot) of a block held (``KeyError`` if not): a block lies in the one slab
+        of its footprint, at its record's slot."""
+        record = self._blocks[key]
+        return record, self._slabs[HEADER_BYTES + _round_up(record.stored_size)], record.slot
+
     def location(self, key: bytes) -> tuple[str, int]:
         """(slab file, byte offset of the block's header): where a block lies, for inspection."""
-        _, slab, slot = self._blocks[key]
+        _, slab, slot = self._where(key)
         return slab.path, slab.offset(slot)
 
     # -- contract --------------------------------------------------------------------------------
@@ -177,7 +183,8 @@ class NvmeTier(Tier):
             if fp > self.free_bytes:
                 raise TierFull(f"nvme tier has {self.free_bytes} free bytes, needs {fp}")
             slab = self._slab_for(fp)
-            self._blocks[record.key] = (record, slab, slab.take())
+            record.slot = slab.take()
+            self._blocks[record.key] = record
             self.used_bytes += fp
 
     def _slab_for(self, fp: int) -> Slab:
@@ -195,7 +202,7 @@ class NvmeTier(Tier):
     def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
         """Write one reserved block into its slot; ``durable``: flushed before returning (the slab's
         new directory entry, if any, waits for ``sync()``). ``durable=False``: ``sync()`` flushes it."""
-        _, slab, slot = self._blocks[record.key]
+        _, slab, slot = self._where(record.key)
         self._write_run(slab, slot, [record], [data], durable)
 
     def write_many_unsynced(self, records: list[BlockRecord], datas: list, durable: bool = True) -> list:
@@ -204,7 +211,7 @@ class NvmeTier(Tier):
         ``WRITE_RUN_BYTES`` and one write of their records. Per block None, or the ``TierIOError``
         its write raised (the block dropped)."""
         with self._lock:
-            where = [self._blocks[r.key] for r in records]
+            where = [self._where(r.key) for r in records]
         got: list = [None] * len(records)
         i = 0
         while i < len(records):
@@ -317,7 +324,7 @@ class NvmeTier(Tier):
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the
         disk directly (no staging copy); if verification then fails its contents are undefined
         and ``BlockCorrupt`` says so: the caller treats it as a miss."""
-        record, slab, slot = self._blocks[key]
+        record, slab, slot = self._where(key)
         n = record.stored_size
         padded = _round_up(n)
         dst = as_bytes(out)
@@ -358,14 +365,14 @@ class NvmeTier(Tier):
 
     def _run_end(self, keys, i: int) -> int:
         """The end of the run from ``keys[i]``: each next block in the slot after the last's."""
-        entry = self._blocks.get(keys[i])
-        if entry is None:
+        record = self._blocks.get(keys[i])
+        if record is None:
             return i + 1
-        _, slab, slot = entry
+        _, slab, slot = self._where(keys[i])
         j, nbytes = i + 1, slab.slot_bytes
         while j < len(keys) and nbytes + slab.slot_bytes <= READ_RUN_BYTES:
             nxt = self._blocks.get(keys[j])
-            if nxt is None or nxt[1] is not slab or nxt[2] != slot + 1:
+            if nxt is None or HEADER_BYTES + _round_up(nxt.stored_size) != slab.slot_bytes or nxt.slot != slot + 1:
                 break
             slot, nbytes, j = slot + 1, nbytes + slab.slot_bytes, j + 1
         return j
@@ -373,7 +380,7 @@ class NvmeTier(Tier):
     def _read_run(self, keys, outs) -> list:
         """One preadv for blocks in consecutive slots: headers (and any payload that cannot land
         in its caller's buffer directly) into staging, the rest straight into the callers' buffers."""
-        entries = [self._blocks[k] for k in keys]
+        entries = [self._where(k) for k in keys]
         slab, first = entries[0][1], entries[0][2]
         plans, pieces, staged = [], [], 0
         for (record, _, _), out in zip(entries, outs):
@@ -428,10 +435,10 @@ class NvmeTier(Tier):
     def drop(self, key: bytes) -> None:
         """Forget the block; its slot stays taken until ``finish_drops`` has erased it."""
         with self._lock:
-            entry = self._blocks.pop(key, None)
-            if entry is None:
+            if key not in self._blocks:
                 return
-            _, slab, slot = entry
+            _, slab, slot = self._where(key)
+            del self._blocks[key]
             self.used_bytes -= slab.slot_bytes
             self._to_punch.append((key, slab, slot))
 
@@ -466,12 +473,12 @@ class NvmeTier(Tier):
         slab.close()
 
     def record(self, key: bytes) -> BlockRecord:
-        return self._blocks[key][0]
+        return self._blocks[key]
 
     def records(self) -> list[BlockRecord]:
         """The record of every block this tier holds (a snapshot; for inspection)."""
         with self._lock:
-            return [record for record, _, _ in self._blocks.values()]
+            return list(self._blocks.values())
 
     def recover(self) -> Iterator[BlockRecord]:
         """Rebuild the index from the slabs' record files: erase damaged records' slots, yield
@@ -482,6 +489,7 @@ class NvmeTier(Tier):
         except OSError as e:
             raise TierIOError(f"nvme tier: cannot list {self.path}: {e.strerror}") from e
         present = set(names)
+        shared: dict[bytes, bytes] = {}   # one bytes object per namespace id and hash (a child's parent is its parent's hash)
         for name in names:
             path = os.path.join(self.path, name)
             m = SLAB_NAME.fullmatch(name)
@@ -511,7 +519,7 @@ class NvmeTier(Tier):
                     slab.close()
                     continue
             self._slabs[fp] = slab
-            yield from self._recover_slab(slab, rebuild)
+            yield from self._recover_slab(slab, rebuild, shared)
 
     def _open_slab_files(self, path: str) -> tuple[int, int | None] | None:
         """Read-only descriptors of a slab and its record file (None: it has none yet), or None
@@ -544,11 +552,12 @@ class NvmeTier(Tier):
             return
         unlink_quietly(path)
 
-    def _recover_slab(self, slab: Slab, rebuild: bool) -> Iterator[BlockRecord]:
+    def _recover_slab(self, slab: Slab, rebuild: bool, shared: dict[bytes, bytes]) -> Iterator[BlockRecord]:
         """The intact blocks of one slab, from its records (one read, one decode and header
         checksum per block); with ``verify_on_recover`` each slot is read as well and must hold
         the same header and a payload that matches its checksum. ``rebuild``: its record file
-        is new, so its records come from the headers at its slot starts, and are written."""
+        is new, so its records come from the headers at its slot starts, and are written.
+        ``shared``: equal ids and hashes are made one object (an index of millions holds them)."""
         count = os.fstat(slab.fd).st_size // slab.slot_bytes
         rows = self._slot_header_rows(slab, count) if rebuild else slab.read_records(count)
         flat = memoryview(rows).cast("B")
@@ -573,12 +582,17 @@ class NvmeTier(Tier):
                 continue
             keys.add(key)
             room -= slab.slot_bytes
+            record.namespace_id = shared.setdefault(record.namespace_id, record.namespace_id)
+            record.block_hash = shared.setdefault(record.block_hash, record.block_hash)
+            if record.parent_hash is not None:
+                record.parent_hash = shared.setdefault(record.parent_hash, record.parent_hash)
             found.append((slot, record))
         if rebuild:
             slab.write_records(rows)
         with self._lock:
             for slot, record in found:
-                self._blocks[record.key] = (record, slab, slot)
+                record.slot = slot
+                self._blocks[record.key] = record
             self.used_bytes += len(found) * slab.slot_bytes
             slab.adopt([slot for slot, _ in found], count)
             if not found:

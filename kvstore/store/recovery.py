@@ -27,7 +27,8 @@ def recover(cascade: Cascade) -> None:
     with cascade.lock:
         for t, records in enumerate(found):
             for record in records:
-                entry = entries.get(record.namespace_id + record.block_hash)   # block_key, inlined: once per block
+                key = record.key   # one object, shared by the tier, the entry and the policy
+                entry = entries.get(key)
                 if entry is None:
                     nsid = record.namespace_id
                     if nsid not in tenants:
@@ -36,7 +37,8 @@ def recover(cascade: Cascade) -> None:
                     tenant = tenants[nsid]
                     entry = Entry(nsid, record.block_hash, record.parent_hash, record.raw_size, ready=True,
                                   charged_to=tenant)
-                    entries[entry.key] = entry
+                    entry.key = key
+                    entries[key] = entry
                     namespace_bytes[nsid] += record.raw_size
                     if tenant is not None:  # whatever the quota now: these bytes are already stored
                         restored[tenant] += record.raw_size
