@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import torch
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOALS = {"fp8": 1.5, "int4_g64": 1.8}
@@ -111,9 +111,8 @@ def run_codec(codec: str, n_blocks: int, reps: int, workdir: str) -> dict:
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = ["# Compressed transfer (benchmarks/bench_codec_transfer.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
-           f"Python {m['python']}, torch {torch.__version__}, numpy {m['numpy']}; 1-min load average at start "
-           f"{m['load_avg_1m']:.1f}, torch threads {report['torch_threads']}. The machine is shared and loaded: read "
+           machine_line(m, "torch", "numpy") + f"; torch threads {report['torch_threads']}. The machine is shared "
+           "and loaded: read "
            f"the ratios, not the absolutes. Daemon and client run on the same cores.", "",
            f"Remote get over the side channel (loopback TCP) of {report['blocks']} blocks of 16 MiB "
            f"(bf16, 32 layers x 128 tokens x 8 KV heads x 128), all in the daemon's CPU tier; medians of "

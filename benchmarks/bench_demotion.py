@@ -31,7 +31,7 @@ from kvstore.client import Client
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 from kvstore.service.gc_pauses import GcPauses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,8 +142,7 @@ def run(block: int, cpu_bytes: int, seconds: float, directory: str) -> dict:
 def markdown(r: dict) -> str:
     m = r["machine"]
     out = ["# Gets while puts demote to NVMe (benchmarks/bench_demotion.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, kernel {m['kernel']}, Python {m['python']}; 1-min load "
-           f"average at start {m['load_avg_1m']:.1f}; kvstore at {r['commit']}. One daemon per block size (CPU tier "
+           machine_line(m) + f"; kvstore at {r['commit']}. One daemon per block size (CPU tier "
            f"{r['cpu_mib']} MiB in slots of one block, NVMe tier in {r['dir']}). The reader (this process) gets "
            f"{HOT_BLOCKS} hot CPU-resident blocks over shared memory every {READ_EVERY_S * 1e3:.0f} ms for "
            f"{r['seconds']} s a phase; the writer (another process) puts {BATCH} fresh blocks per call back to back, "

@@ -450,6 +450,8 @@ def main() -> None:
 
 
 def render_markdown(r: dict) -> str:
+    from kvstore.ops.report import machine_line
+
     p = r["prompts"]
     lines = [
         "# Codec fidelity in a real engine (vLLM CPU, KV loaded from kvstore)",
@@ -531,10 +533,9 @@ def render_markdown(r: dict) -> str:
               "This is a 2-layer model on a synthetic language, not a production LLM: it shows the codecs' error "
               "reaching an engine's logits (the KL column), not a guarantee for a large model.", ""]
     mach = r["machine"]
-    lines += [f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB RAM, "
-              "engine venv " + ", ".join(f"{k} {v}" for k, v in r["engine_versions"].items())
-              + f"; daemon (kvstore venv) torch {mach.get('torch')}; load average {r['loadavg']['start'][0]:.1f} at start, "
-              f"{r['loadavg']['end'][0]:.1f} at end (shared machine); whole run {r['seconds']:.0f} s; {mach.get('time_utc')}.",
+    lines += [machine_line(mach, load=(r["loadavg"]["start"], r["loadavg"]["end"])) + " (shared machine); engine venv "
+              + ", ".join(f"{k} {v}" for k, v in r["engine_versions"].items())
+              + f"; daemon (kvstore venv) torch {mach.get('torch')}; whole run {r['seconds']:.0f} s; {mach.get('time_utc')}.",
               "",
               "Exact configuration: daemon `" + r["daemon_config"].replace("\n", " ") + "`; engines "
               + ", ".join(f"`{k}={v}`" for k, v in r["engine_env"].items())
@@ -554,8 +555,7 @@ if __name__ == "__main__":
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         train(spec["out_dir"], spec["model"], spec["corpus"], spec["training"])
-    elif sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
-        with open(sys.argv[2]) as f:
-            print(render_markdown(json.load(f)), end="")
     else:
-        main()
+        from kvstore.ops.report import run_or_render
+
+        run_or_render(main, render_markdown)

@@ -279,6 +279,8 @@ def _pct(x: float) -> str:
 
 
 def render_markdown(r: dict) -> str:
+    from kvstore.ops.report import machine_line
+
     p, m = r["prompts"], r["model"]
     k = p["by_kind"]
     lines = [
@@ -338,9 +340,8 @@ def render_markdown(r: dict) -> str:
     lines += [f"| vLLM prefix cache | {pcv['prompts_served_from_cache']} of {n} served their full blocks from the cache "
               f"| | | | {pcv['engine_seconds'][0]:.0f} / {pcv['engine_seconds'][1]:.0f} |", ""]
     mach = r["machine"]
-    lines += [f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB "
-              "RAM, shared with other jobs; load average " f"{r['loadavg']['start'][0]:.1f} at start, "
-              f"{r['loadavg']['end'][0]:.1f} at end; engine venv "
+    lines += [machine_line(mach, load=(r["loadavg"]["start"], r["loadavg"]["end"]))
+              + " (shared with other jobs); engine venv "
               + ", ".join(f"{k} {v}" for k, v in r["engine_versions"].items())
               + f"; whole run {r['seconds'] / 60:.0f} min; {mach.get('time_utc')}.", "",
               "Exact configuration: daemon `" + r["daemon_config"].replace("\n", " ") + "`; engines "
@@ -354,8 +355,6 @@ def render_markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
-        with open(sys.argv[2]) as f:
-            print(render_markdown(json.load(f)), end="")
-    else:
-        main()
+    from kvstore.ops.report import run_or_render
+
+    run_or_render(main, render_markdown)

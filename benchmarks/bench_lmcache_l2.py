@@ -20,6 +20,7 @@ from kvstore.ops import ceilings
 from kvstore.ops.engines import engine_env, engine_venv
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import machine_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -88,8 +89,8 @@ def markdown(data: dict) -> str:
              f"LMCache's own CLI, {data['rounds']} measured rounds of {data['bytes_per_round'] >> 20} MiB each per "
              "operation, round-trip verification on (every run verified). Redis at 127.0.0.1:6379; kvstore daemon "
              "with a 2 GiB shared-memory CPU tier, plugin on its default transport.", "",
-             f"Machine: {m.get('cpu_model', '?')}, {m.get('cores_usable', '?')} usable cores, {m.get('ram_gib', '?')} GiB; "
-             f"memcpy {c['memcpy_gbps_4MiB']:.2f} GB/s, TCP loopback {c['tcp_loopback_gbps_4MiB']:.2f} GB/s (4 MiB, same run).",
+             machine_line(m) + f"; memcpy {c['memcpy_gbps_4MiB']:.2f} GB/s, TCP loopback "
+             f"{c['tcp_loopback_gbps_4MiB']:.2f} GB/s (4 MiB, same run).",
              "", "| object size | adapter | store MB/s | lookup keys/s | load MB/s | load / memcpy | verified |",
              "|---|---|---:|---:|---:|---:|---|"]
     for size, per in data["results"].items():

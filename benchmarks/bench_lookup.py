@@ -28,7 +28,7 @@ from kvstore.client import Client, Lookup
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 
 FLOOR = "in-process dict (floor)"
 SPIN = "spin of the index's idle p50"
@@ -168,8 +168,7 @@ def run(lookups: int, clients: int, interval_s: float) -> dict:
 def markdown(r: dict) -> str:
     m = r["machine"]
     out = ["# Scheduler-path lookups (benchmarks/bench_lookup.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, kernel {m['kernel']}, Python {m['python']}; 1-min load "
-           f"average at start {m['load_avg_1m']:.1f}. A 128-block chain, every block present, looked up by a "
+           machine_line(m) + ". A 128-block chain, every block present, looked up by a "
            f"same-host client {r['lookups']} times (gRPC: a quarter as many); *under load*: {r['clients']} client "
            "threads in another process getting 1 MiB blocks over shared memory meanwhile.", "",
            "| daemon | path | p50 us | p99 us | mean us | p50 / floor's | p99 / floor's |",

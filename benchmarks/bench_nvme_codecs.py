@@ -111,14 +111,13 @@ class CodecStore:
 
 
 def markdown(report: dict) -> str:
+    from kvstore.ops.report import machine_line
+
     m = report["machine"]
     raw = next((r for r in report["results"] if r["codec"] == "raw"), None)
     lines = ["# NVMe tier with a codec at rest (benchmarks/bench_nvme_codecs.py)", "",
-             f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, kernel {m['kernel']}, "
-             f"Python {m['python']}, torch {m.get('torch')}, numpy {m['numpy']}; directory {m['dir']} "
-             f"({m['dir_fs_type']}, O_DIRECT {'yes' if m['dir_o_direct'] else 'no'}). 1-min load average "
-             f"{report['load_before']} before, {report['load_after']} after; torch threads "
-             f"{report['torch_threads']}. {report['date_utc']} UTC. The machine is shared: read the ratios to raw.",
+             machine_line(m, "torch", "numpy", directory=True, load=(report["load_before"], report["load_after"]))
+             + f"; torch threads {report['torch_threads']}. {report['date_utc']} UTC. The machine is shared: read the ratios to raw.",
              "",
              f"{report['blocks']} distinct blocks of 2 MiB (bf16, 32 layers x 16 tokens x 8 KV heads x 128) per "
              "codec, demoted by the store from a 2-block CPU tier into a real NvmeTier whose codec is the "

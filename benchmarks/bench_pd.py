@@ -50,7 +50,7 @@ from pd_cluster import PdProxy, VllmServer, metrics  # noqa: E402
 from kvstore.ops.engines import engine_python, vllm_kv_transfer_config  # noqa: E402
 from kvstore.ops.local_daemon import start_local_daemon  # noqa: E402
 from kvstore.ops.machine import machine_facts  # noqa: E402
-from kvstore.ops.report import write_report  # noqa: E402
+from kvstore.ops.report import machine_line, write_report  # noqa: E402
 
 BLOCK = 32
 
@@ -271,8 +271,7 @@ def markdown(r: dict) -> str:
              f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
              "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
              f"colocated: one engine, OpenMP threads bound to cores {r.get('colocated_cores', '0-1')}.", "",
-             f"Machine: {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, shared with other work "
-             f"(load average {r['load_start'][0]:.1f} at start, {r['load_end'][0]:.1f} at end). "
+             machine_line(m, load=(r["load_start"], r["load_end"])) + " (shared with other work). "
              "Read the figures as comparisons within this run.", "",
              "| config | rate /s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode-computed prompt "
              "tokens / request | decode P/D recomputes | errors |",

@@ -53,7 +53,7 @@ from kvstore.ops.engines import engine_env, engine_venv
 from kvstore.ops.grpc_ceiling import GrpcStreamPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 from kvstore.store import Store, StoreConfig
 from kvstore.transport.chunks import DEFAULT_CHUNK_BYTES
 from kvstore.tiers.cpu import CpuTier
@@ -682,12 +682,10 @@ def markdown(r: dict) -> str:
         f"({format_size(r['disk_bytes_per_pass'], 'readable')} for the disk paths). Every path runs twice per "
         f"block size, in a forward and a backward round (each pair A B B A); each round is the median of "
         f"{r['reps']} passes after a warm-up pass, a figure is the mean of the two rounds, and every pass's bytes "
-        "are read back and compared. GB/s = 1e9 bytes/s, one Python client thread. Load average (1 min) "
-        f"{r['load_avg_start'][0]:.2f} at the start, {r['load_avg_end'][0]:.2f} at the end.",
+        "are read back and compared. GB/s = 1e9 bytes/s, one Python client thread.",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores_usable']} usable cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
-        f"Python {m['python']}, numpy {m['numpy']}, grpcio {m.get('grpcio', '-')}; disk paths in a directory on "
-        f"{m.get('dir_fs_type')} (O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'}). Peers: "
+        machine_line(m, "numpy", "grpcio", directory=True, load=(r["load_avg_start"], r["load_avg_end"]))
+        + " (1-minute). Peers: "
         + ", ".join(f"{k} {v}" for k, v in sorted(r["versions"].items())) + ". kvstore at "
         f"{r['git']['commit'][:12]}" + dirty_note(r["git"]["modified_tracked_files"]) + ".",
         "",

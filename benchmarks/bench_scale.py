@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
@@ -123,9 +123,7 @@ def markdown(r: dict) -> str:
         f"in chains of {x['chain']} per call (all but the CPU tier's last blocks reach NVMe as demotions, "
         "one flush at the end counted).",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, NVMe dir on "
-        f"{m.get('dir_fs_type')} (O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'}), Python {m['python']}, at "
-        f"{m['time_utc']}; load average {r['load']} (shared with other work).",
+        machine_line(m, directory=True, load=(r["load"],)) + f" (shared with other work); {m['time_utc']}.",
         "",
         "| figure | value |",
         "|---|---|",

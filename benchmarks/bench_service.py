@@ -23,7 +23,7 @@ import sys
 import time
 from kvstore.buffers import COPY_PART_BYTES
 from kvstore.client.shm_path import PARALLEL_PUT_BLOCK_BYTES
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,9 +33,7 @@ GOALS = {"shm_get_vs_memcpy": 0.7, "bulk_get_vs_tcp": 0.8, "bulk_put_vs_tcp": 0.
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = ["# Service benchmark (benchmarks/bench_service.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
-           f"Python {m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']}; 1-min load average at start "
-           f"{m['load_avg_1m']:.1f} (shared machine: read ratios, not absolutes). Daemon: {report['daemon']}. "
+           machine_line(m, "grpcio", "numpy") + f" (shared machine: read ratios, not absolutes). Daemon: {report['daemon']}. "
            f"Medians of {report['reps']} repetitions of {report['total_bytes_per_measurement'] >> 20} MiB each. "
            f"GB = 1e9 bytes. Ratios are medians of per-pass ratios, each service pass timed right after a "
            f"ceiling pass (memcpy, and one TCP loopback stream, each between distinct buffers as large as the data "

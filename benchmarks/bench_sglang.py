@@ -167,6 +167,8 @@ def outer(out_dir: str) -> None:
 
 
 def markdown(data: dict) -> str:
+    from kvstore.ops.report import machine_line
+
     m = data["machine"]
     memcpy = data["ceilings"]["memcpy_gbps_one_page"]
     file_res = data["results"]["sglang file backend (legacy path)"]
@@ -176,7 +178,7 @@ def markdown(data: dict) -> str:
         f"{data['geometry']['kv_heads']} KV heads x {data['geometry']['head_dim']} dim, bf16, "
         f"{data['geometry']['page_tokens']}-token pages = {data['page_bytes'] / 2**20:.1f} MiB/page; "
         f"{data['pages_per_call']} pages per call, median of {data['rounds']} rounds, fresh keys each round.", "",
-        f"Machine: {m.get('cpu_model', '?')}, {m.get('cores_usable', '?')} usable cores, {m.get('ram_gib', '?')} GiB RAM; "
+        machine_line(m) + "; "
         f"memcpy ceiling (2 MiB copies over a {data['pages_per_call']}-page working set) {memcpy:.2f} GB/s; TCP loopback {data['ceilings']['tcp_loopback_gbps']:.2f} GB/s. "
         f"The file backend writes to {m.get('dir_fs_type', '?')} and reads back through the page cache; "
         "the kvstore daemon holds pages in its shared-memory CPU tier.", "",

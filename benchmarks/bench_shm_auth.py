@@ -26,7 +26,7 @@ from kvstore.ops.ceilings import MemcpyPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.units import parse_size
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,8 +69,7 @@ def run(sizes: list[int], total: int, reps: int) -> dict:
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = ["# Shared memory with auth off and on (benchmarks/bench_shm_auth.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
-           f"Python {m['python']}; 1-min load average at start {m['load_avg_1m']:.1f}. Two private daemons with a "
+           machine_line(m) + ". Two private daemons with a "
            f"{report['cpu_bytes'] >> 20} MiB CPU tier; with auth on it is tenant segments of cpu_bytes / 64. "
            f"Medians of {report['reps']} repetitions of {report['total_bytes_per_measurement'] >> 20} MiB; GB = 1e9 "
            "bytes; each pass right after a memcpy pass into a working set as large as the data moved.", "",

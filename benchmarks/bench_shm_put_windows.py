@@ -28,7 +28,7 @@ from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.ceilings import GB, MemcpyPass, touched_buffer
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 from kvstore.units import format_size, parse_size
 from kvstore.wire import MAX_BATCH
 
@@ -89,7 +89,7 @@ def markdown(r: dict) -> str:
         for label, row in r["sizes"].items())
     return f"""# Same-host puts: windows of store leases vs one lease (benchmarks/bench_shm_put_windows.py)
 
-Machine: {m.get('cpu_model')}, {m.get('cores_usable')} cores, {m.get('time_utc')}, kernel {m.get('kernel')}, Python {m.get('python')}; 1-min load average {m.get('load_avg_1m')} at the start, {r['load_average_end']:.1f} at the end. One private daemon (CPU arena only, 256 KiB slots), one shared-memory client; {format_size(r['total_bytes'])} per put, one put call per pass; the two modes alternate pass by pass (A B B A, {r['reps']} rounds), each pass right after a memcpy pass into a working set as large as the data moved. GB/s = 1e9 bytes/s, medians; in brackets the median per-pass ratio to that memcpy.
+{machine_line(m, load=(m.get('load_avg_1m'), r['load_average_end']))}; {m.get('time_utc')}. One private daemon (CPU arena only, 256 KiB slots), one shared-memory client; {format_size(r['total_bytes'])} per put, one put call per pass; the two modes alternate pass by pass (A B B A, {r['reps']} rounds), each pass right after a memcpy pass into a working set as large as the data moved. GB/s = 1e9 bytes/s, medians; in brackets the median per-pass ratio to that memcpy.
 
 | block | blocks per put | windows | windowed put GB/s (x memcpy) | one lease GB/s (x memcpy) | windowed / one lease |
 |---|---|---|---|---|---|

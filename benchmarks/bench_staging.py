@@ -33,7 +33,7 @@ from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops.ceilings import GB, ODirectReadPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 from kvstore.units import format_size, parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -117,7 +117,7 @@ def markdown(r: dict) -> str:
     raw = r["raw_odirect_read_gbps"]
     return f"""# Lookups while another client loads blocks from NVMe (benchmarks/bench_staging.py)
 
-Machine: {m.get('cpu_model')}, {m.get('cores_usable')} cores, {m.get('time_utc')}, kernel {m.get('kernel')}, Python {m.get('python')}; 1-min load average {r['load_average_start']:.1f} at the start, {r['load_average_end']:.1f} at the end. One daemon, 64 MiB CPU arena; {r['blocks']} blocks of {format_size(r['block_bytes'])}, after the put on these tiers: {r['tiers_after_put']}. A loader process gets the whole chain again and again, first over shared memory, then over the side channel; both stage each block the arena lacks from NVMe through the store's prepare_load (disk reads several at once, outside the store lock). Meanwhile an 8-block chain is looked up once a millisecond over the Unix socket (lookup index off: every lookup takes the store lock), {r['seconds']:g} s per row.
+{machine_line(m, load=(r['load_average_start'], r['load_average_end']))}; {m.get('time_utc')}. One daemon, 64 MiB CPU arena; {r['blocks']} blocks of {format_size(r['block_bytes'])}, after the put on these tiers: {r['tiers_after_put']}. A loader process gets the whole chain again and again, first over shared memory, then over the side channel; both stage each block the arena lacks from NVMe through the store's prepare_load (disk reads several at once, outside the store lock). Meanwhile an 8-block chain is looked up once a millisecond over the Unix socket (lookup index off: every lookup takes the store lock), {r['seconds']:g} s per row.
 
 | daemon | lookups | p50 us | p99 us | max us |
 |---|---|---|---|---|

@@ -29,7 +29,7 @@ from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, write_report
 
 MIB = 1 << 20
 GOALS = {"cpu": 0.7, "nvme": 0.8, "hash_gtok_s": 0.5}
@@ -135,9 +135,8 @@ def small_markdown(r: dict) -> str:
         f"CPU tier, {x['batch']} per put and per get call, medians of {r['reps']} rounds; each round times "
         "memcpy of the same blocks into an arena as large (numpy copyto, one core) right before the store.",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python {m['python']}, at "
-        f"{m['time_utc']}; load average {r.get('load', '-')} (shared with other work: ratios, not absolute "
-        "figures, are what the run can judge).",
+        machine_line(m, load=(r.get("load"),)) + f" (shared with other work: ratios, not absolute figures, are "
+        f"what the run can judge); {m['time_utc']}.",
         "",
         "| | GB/s | vs memcpy | us per block | of which above the copy |",
         "|---|---|---|---|---|",
@@ -202,8 +201,7 @@ def main() -> None:
     if args.small_only:
         here = os.path.dirname(os.path.abspath(__file__))
         reps = 3 if args.quick else 7
-        results = {"machine": machine_facts(args.dir), "reps": reps, "load": " ".join(
-            f"{v:.1f}" for v in os.getloadavg()), "small": bench_small_blocks(reps, 1024 if args.quick else 4096)}
+        results = {"machine": machine_facts(args.dir), "reps": reps, "load": os.getloadavg(), "small": bench_small_blocks(reps, 1024 if args.quick else 4096)}
         write_report(args.out or os.path.join(here, "results", "store-small"), results, small_markdown)
         return
 
@@ -307,9 +305,7 @@ def markdown(r: dict) -> str:
         f"{r['bytes_per_rep'] // MIB} MiB per repetition (NVMe: at most 128 MiB), one Python thread, one "
         "block per put/get call unless stated. Outputs are pooled page-aligned buffers.",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
-        f"NVMe dir on {m.get('dir_fs_type')} (O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'}), "
-        f"Python {m['python']}, numpy {m['numpy']}, torch {m.get('torch', '-')}, at {m['time_utc']}.",
+        machine_line(m, "numpy", "torch", directory=True) + f"; {m['time_utc']}.",
         "",
         "GB/s = 1e9 bytes/s. Each round times a ceiling pass over the same bytes right before the tier "
         "pass; ratios are medians of the per-round ratios (so load changes between rounds cancel), GB/s "

@@ -172,11 +172,12 @@ def run_model(model: str, chunks: list[int], reps: int, paths: list[str], slots:
 
 
 def markdown(report: dict) -> str:
+    from kvstore.ops.report import machine_line
+
     m = report["machine"]
     out = ["# vLLM connector chunking (benchmarks/bench_vllm_chunking.py)", "",
-           f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, kernel {m['kernel']}, "
-           f"Python {m['python']}, grpcio {m.get('grpcio')}, torch {m.get('torch')}; 1-min load average at start "
-           f"{m['load_avg_1m']:.1f}, at end {report['load_avg_end']:.1f} (shared machine: read ratios). Daemon: "
+           machine_line(m, "grpcio", "torch", load=(m["load_avg_1m"], report["load_avg_end"]))
+           + " (shared machine: read ratios). Daemon: "
            f"{report['daemon']}. One fetch = the scheduler's lookup of the {PREFIX}-token chain + the worker's "
            f"get_into of every block into one staging buffer + placing every layer into vLLM's paged KV tensors "
            f"({VLLM_BLOCK}-token FlashInfer-shaped pages, block ids shuffled; N = 1: PagedBlocks.scatter, N > 1: "

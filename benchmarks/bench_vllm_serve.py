@@ -53,7 +53,7 @@ from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, REPO, free_port, lmcache_
 from kvstore.ops.engines import engine_env, engine_venv, real_model_dir, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, run_or_render, write_report
 
 MODEL_BUILDER = os.path.join(REPO, "scripts", "real-model.sh")
 BLOCK = 32
@@ -384,8 +384,7 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- Note: {note}")
     lines += goal_lines(r)
     m = r["machine"]
-    lines += ["", f"Machine: {m.get('cpu_model')}, {m.get('cores_usable')} usable cores, {m.get('ram_gib')} GiB RAM; "
-              f"load average {r['loadavg']['start'][0]:.1f} at start, {r['loadavg']['end'][0]:.1f} at end (shared "
+    lines += ["", machine_line(m, load=(r["loadavg"]["start"], r["loadavg"]["end"])) + " (shared "
               f"machine: other work ran beside it; 'load' is the 1-minute load after each run); run took "
               f"{r['duration_s']} s; {m.get('time_utc')}."]
     return "\n".join(lines) + "\n"
@@ -420,8 +419,4 @@ def goal_lines(r: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
-        with open(sys.argv[2]) as f:
-            print(render_markdown(json.load(f)), end="")
-    else:
-        main()
+    run_or_render(main, render_markdown)

@@ -26,11 +26,9 @@ at a time; a second no-connector run at the end brackets the others (the machine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
@@ -40,7 +38,7 @@ from bench_vllm_ttft import run as run_vllm_jobs
 from kvstore.ops.engines import engine_python, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, run_or_render, write_report
 
 BLOCK = 32
 # vLLM-CPU picks its OpenMP threads by whether a KV connector is configured: without one it binds 1
@@ -291,17 +289,12 @@ def render_markdown(r: dict) -> str:
               + ", ".join(f"{n} {v:.3f}x" for n, v in r["hit_ttft_vs_no_connector"].items()) + "."]
     lines += goal_lines(r["runs"])
     mach = r["machine"]
-    lines += ["", f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB RAM; "
-              f"load average {r['loadavg']['start'][0]:.1f} at start, {r['loadavg']['end'][0]:.1f} at end (shared "
-              f"machine); run took {r['duration_s']} s; {mach.get('time_utc')}."]
+    lines += ["", machine_line(mach, load=(r["loadavg"]["start"], r["loadavg"]["end"]))
+              + f" (shared machine); run took {r['duration_s']} s; {mach.get('time_utc')}."]
     for n in r["notes"]:
         lines.append(f"Note: {n}")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
-        with open(sys.argv[2]) as f:
-            print(render_markdown(json.load(f)), end="")
-    else:
-        main()
+    run_or_render(main, render_markdown)

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,7 +40,7 @@ from dataclasses import dataclass
 from kvstore.ops.engines import engine_python, engine_venv, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
-from kvstore.ops.report import write_report
+from kvstore.ops.report import machine_line, run_or_render, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -344,18 +342,12 @@ def render_markdown(r: dict) -> str:
         lines.append(f"LMCache: MP server, L1 CPU 2 GiB, chunk {r['runs']['lmcache_cpu']['chunk_tokens']} tokens; first prompt "
                      f"TTFT {r['runs']['lmcache_cpu']['first_prompt_ttft_s']:.3f} s.")
     mach = r["machine"]
-    lines += ["", f"Machine: {mach.get('cpu_model')}, {mach.get('cores_usable')} usable cores, {mach.get('ram_gib')} GiB RAM, "
-              f"NVMe dir on {mach.get('dir_fs_type')} (O_DIRECT {mach.get('dir_o_direct')}); load average "
-              f"{r['loadavg']['start'][0]:.1f} at start, {r['loadavg']['end'][0]:.1f} at end (shared machine); "
-              f"{mach.get('time_utc')}."]
+    lines += ["", machine_line(mach, directory=True, load=(r["loadavg"]["start"], r["loadavg"]["end"]))
+              + f" (shared machine); {mach.get('time_utc')}."]
     for n in r["notes"]:
         lines.append(f"Note: {n}")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--render"]:   # re-render the markdown from a results JSON
-        with open(sys.argv[2]) as f:
-            print(render_markdown(json.load(f)), end="")
-    else:
-        main()
+    run_or_render(main, render_markdown)

@@ -29,6 +29,7 @@ import xxhash
 
 from kvstore.fleet import Directory, pack_entry
 from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import machine_line
 
 NS = xxhash.xxh3_128_digest(b"fleet-scale-namespace")
 BLOCK_TOKENS = 16
@@ -296,12 +297,11 @@ def write_markdown(res: dict, path: str) -> None:
     lines = [
         "# Fleet directory at scale (simulated, real Redis)",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores_usable']} usable cores, {m['ram_gib']} GiB; Python {m['python']}; "
+        machine_line(m, load=(res["load_average_at_start"],)) + " (the machine is shared: absolute latencies are "
+        f"inflated when it is busy; Redis' own time per call is the steadier figure); {m['time_utc']}. "
         f"Redis {res['redis_version']} on the same machine (loopback, "
         f"{'a private instance' if res['private_redis'] else 'the shared instance'}; benchmark and Redis at "
-        f"niceness {res['niceness']}). {m['time_utc']}. "
-        f"Load average at start {res['load_average_at_start']} (the machine is shared: absolute latencies are "
-        f"inflated when it is busy; Redis' own time per call is the steadier figure).",
+        f"niceness {res['niceness']}).",
         f"Fleet: {res['config']['nodes']} nodes x {res['config']['blocks_per_node']} blocks, one namespace, "
         f"{res['config']['chains']} Zipf-popular prefix chains of 32..1024 blocks ({BLOCK_TOKENS} tokens/block).",
         "Produced by `python benchmarks/fleet_scale.py`; one client thread; every key deleted afterwards.",

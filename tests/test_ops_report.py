@@ -1,0 +1,34 @@
+"""The lines every benchmark result shares: the machine it ran on, and rendering a written result again."""
+
+from __future__ import annotations
+
+import platform
+
+from kvstore.ops.machine import machine_facts
+from kvstore.ops.report import machine_line, run_or_render, write_report
+
+
+def test_machine_line_states_this_machine_and_the_load_given(tmp_path):
+    m = machine_facts(str(tmp_path))
+    line = machine_line(m, "numpy", directory=True, load=((0.46, 0.7, 0.9), 12.34))   # os.getloadavg(), a figure
+    assert line.startswith(f"Machine: {m['cpu_model']}, {m['cores_usable']} usable cores, {m['ram_gib']} GiB RAM, ")
+    assert f"kernel {platform.release()}, Python {platform.python_version()}, numpy {m['numpy']}" in line
+    assert f"directory {tmp_path} on {m['dir_fs_type']}" in line
+    assert line.endswith("; load average 0.5 at start, 12.3 at end")
+
+
+def test_machine_line_leaves_out_what_an_old_result_did_not_record():
+    assert machine_line({"cpu_model": "X", "cores": 4, "ram_bytes": 2 * 2**30}) == (
+        "Machine: X, 4 usable cores, 2.0 GiB RAM, kernel ?, Python ?")
+
+
+def test_render_prints_the_markdown_of_a_written_result_and_runs_nothing(tmp_path, capsys):
+    def markdown(r: dict) -> str:
+        return f"# {r['title']}: {r['figure']:.2f}x\n"
+
+    write_report(str(tmp_path / "res"), {"title": "copy", "figure": 0.8}, markdown, echo=False)
+    ran = []
+    run_or_render(lambda: ran.append(1), markdown, ["--render", str(tmp_path / "res.json")])
+    assert capsys.readouterr().out == "# copy: 0.80x\n" and ran == []
+    run_or_render(lambda: ran.append(1), markdown, [])
+    assert ran == [1]
