@@ -49,7 +49,7 @@ import numpy as np
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.ops import bench as kv_bench
 from kvstore.ops.ceilings import GB, MemcpyPass, ODirectReadPass, ODirectWritePass, TcpPass, touched_buffer
-from kvstore.ops.engines import engine_env, engine_venv
+from kvstore.ops.engines import engine_env, engine_venv, job_result
 from kvstore.ops.grpc_ceiling import GrpcStreamPass
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
@@ -321,12 +321,7 @@ def run_driver(python: str, driver: str, job: dict, workdir: str, name: str, net
         except ProcessLookupError:
             pass
         p.wait()
-    if rc != 0 or not os.path.exists(base + ".result.json"):
-        with open(base + ".log", errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{name} driver exited with {rc}:\n{tail}")
-    with open(base + ".result.json") as f:
-        return json.load(f)
+    return job_result(base, rc, f"{name} driver", tail_chars=3000)
 
 
 # -- kvstore paths ---------------------------------------------------------------------------------

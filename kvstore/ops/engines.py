@@ -88,13 +88,19 @@ def run_engine_jobs(python: str, driver: str, workdir: str, jobs: list[tuple[str
             os.killpg(p.pid, signal.SIGKILL)  # the driver and its engine-core processes
             rc = p.wait()
         log.close()
-        if rc != 0 or not os.path.exists(base + ".result.json"):
-            with open(base + ".log", errors="replace") as f:
-                tail = f.read()[-6000:]
-            raise RuntimeError(f"engine {name} exited with {rc} (log {base}.log):\n{tail}")
-        with open(base + ".result.json") as f:
-            results.append(json.load(f))
+        results.append(job_result(base, rc, f"engine {name}"))
     return results
+
+
+def job_result(base: str, rc: int, what: str, tail_chars: int = 6000) -> dict:
+    """The result a driver that exited with ``rc`` wrote to ``BASE.result.json``; raises with the
+    tail of ``BASE.log`` when it failed or wrote none."""
+    if rc != 0 or not os.path.exists(base + ".result.json"):
+        with open(base + ".log", errors="replace") as f:
+            tail = f.read()[-tail_chars:]
+        raise RuntimeError(f"{what} exited with {rc} (log {base}.log):\n{tail}")
+    with open(base + ".result.json") as f:
+        return json.load(f)
 
 
 def vllm_kv_transfer_config(url: str, **extra) -> dict:
