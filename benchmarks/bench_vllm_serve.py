@@ -48,12 +48,13 @@ import tempfile
 import time
 import urllib.request
 
-from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, REPO, free_port, lmcache_server
+from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, REPO, lmcache_server
 
 from kvstore.ops.engines import engine_env, engine_venv, real_model_dir, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
+from peers.driver_common import free_port  # benchmarks/ is sys.path[0]
 
 MODEL_BUILDER = os.path.join(REPO, "scripts", "real-model.sh")
 BLOCK = 32

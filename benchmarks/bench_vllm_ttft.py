@@ -30,17 +30,16 @@ import argparse
 import contextlib
 import os
 import random
-import socket
 import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 
 from kvstore.ops.engines import engine_python, engine_venv, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
+from peers.driver_common import free_port, wait_port  # benchmarks/ is sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -48,25 +47,6 @@ ENGINE_VENV_BUILDER = os.path.join(REPO, "scripts", "engine-venv.sh")
 VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")  # run in the vLLM venv, not imported
 
 MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout_s}s")
 
 
 def lmcache_shim(site_packages: str, into: str) -> str:
@@ -96,7 +76,7 @@ def lmcache_server(work: str, chunk_tokens: int = 256, l1_gb: int = 2):
          "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
          "--supported-transfer-mode", "auto"], stdout=log, stderr=subprocess.STDOUT, cwd=work)
     try:
-        wait_port(http_port, 300, server)
+        wait_port(http_port, server, "LMCache server", timeout_s=300)
         yield ({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}, [shim])
     finally:

@@ -1,6 +1,7 @@
-"""What every peer driver (and bench_peers.py, which starts them) needs the same way: die with the
-parent, caller buffers made like every other path's, a free loopback port. Imports nothing but
-numpy: the drivers run in the peers' own venvs, where kvstore's dependencies may be missing."""
+"""What every peer driver (and the benchmarks that start servers) needs the same way: die with the
+parent, caller buffers made like every other path's, a free loopback port, waiting for a server to
+listen. Imports nothing but numpy: the drivers run in the peers' own venvs, where kvstore's
+dependencies may be missing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ctypes
 import mmap
 import signal
 import socket
+import subprocess
+import time
 
 import numpy as np
 
@@ -34,3 +37,18 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def wait_port(port: int, proc: subprocess.Popen | None = None, what: str = "server", timeout_s: float = 30.0) -> None:
+    """Return once something listens on 127.0.0.1:``port``; raise when ``proc`` (``what``) exits
+    first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} in {timeout_s}s")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,26 +28,13 @@ import time
 
 import numpy as np
 
-from driver_common import die_with_parent, free_port, touched  # run as a script: its folder is sys.path[0]
+from driver_common import die_with_parent, free_port, touched, wait_port  # run as a script: its folder is sys.path[0]
 
 BIN = os.path.dirname(sys.executable)
 # keys per batch_put_from / batch_get_into call: one call of 4096 64 KiB slices overflows the TCP
 # transport's lane queue here ("queue-full rejection", put error -800); 2048 did not, 1024 leaves room
 # (64, 256, 1024 and 2048 keys per call measured within noise of each other)
 BATCH_KEYS = 1024
-
-
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} in {timeout}s")
 
 
 def listeners() -> list[str]:
