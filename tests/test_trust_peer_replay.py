@@ -230,3 +230,44 @@ def test_a_peer_proof_is_good_for_one_call(nodes, tmp_path, redis_url, prefix):
         stale = proof(request, ms=int(time.time() * 1000) - 120_000)
         assert replay(channel, "Get", stale, request) == grpc.StatusCode.UNAUTHENTICATED
         assert isinstance(replay(channel, "Get", proof(request), request), list)             # a fresh one works
+
+
+def test_a_tombstone_is_remembered_by_a_reader_that_saw_it(redis_url, prefix):
+    """leave() revokes the run; its entry written back is refused, also after the tombstone is
+    deleted, by a reader that saw it (one that never did relies on the peer proof)."""
+    r = redis.Redis.from_url(redis_url)
+    d = Directory(redis_url, prefix, secret=SECRET)
+    hashes, _ = chain(2, seed=33)
+    entries = {h: b"\0" * 8 + b"\1" for h in hashes}
+    slot = d.join(NS.id, "n", "127.0.0.1:1", ttl_s=30, epoch=7)
+    d.publish(NS.id, slot, entries)
+    assert [(x.node_id, x.epoch) for x in d.route(NS.id, hashes)] == [("n", 7)]
+    saved = r.hget(d.nodes_key(NS.id), str(slot))
+    d.leave(NS.id, slot, hashes, "n", 7, ttl_s=30)
+
+    r.hset(d.nodes_key(NS.id), str(slot), saved)   # written back, with the holder bits
+    d.publish(NS.id, slot, entries)
+    assert d.route(NS.id, hashes) == [] and d.counters["rejected_revoked"] >= 1
+    r.delete(d.revoked_key(NS.id))
+    assert d.route(NS.id, hashes) == []
+    assert [x.node_id for x in Directory(redis_url, prefix, secret=SECRET).route(NS.id, hashes)] == ["n"]
+
+    forged = f"{int(time.time() * 1000) + 60_000} " + "00" * 16   # a tombstone without the secret
+    r.hset(d.revoked_key(NS.id), "n 8", forged)
+    d.publish(NS.id, d.join(NS.id, "n", "127.0.0.1:1", ttl_s=30, epoch=8), entries)   # n restarts
+    assert [x.epoch for x in Directory(redis_url, prefix, secret=SECRET).route(NS.id, hashes)] == [8]
+    d.sweep(NS.id, grace_s=0)
+    assert r.hget(d.revoked_key(NS.id), "n 8") is None   # the janitor deletes what does not verify
+
+
+def test_a_revoked_key_of_the_wrong_type_costs_routes_until_the_next_heartbeat(redis_url, prefix):
+    r = redis.Redis.from_url(redis_url)
+    d = Directory(redis_url, prefix, secret=SECRET)
+    hashes, _ = chain(2, seed=34)
+    slot = d.join(NS.id, "n", "127.0.0.1:1", ttl_s=30, epoch=3)
+    d.publish(NS.id, slot, {h: b"\0" * 8 + b"\1" for h in hashes})
+    r.set(d.revoked_key(NS.id), "not a hash")
+    with pytest.raises(redis.ResponseError):
+        d.route(NS.id, hashes)
+    assert d.heartbeat([(NS.id, slot)], "n", "127.0.0.1:1", ttl_s=30, epoch=3) == [True]
+    assert [x.node_id for x in d.route(NS.id, hashes)] == ["n"]
