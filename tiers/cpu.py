@@ -52,10 +52,13 @@ class CpuTier(Tier):
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 256 * 1024, shm_dir: str = "/dev/shm",
                  pretouch: bool = True, segment_name: str | None = None, segment_bytes: int | None = None,
-                 page_lock: bool = True, held_limit: int | None = None) -> None:
+                 page_lock: bool = True, held_limit: int | None = None,
+                 on_filled: Callable[[int, int], None] | None = None) -> None:
         """``page_lock``: page-lock the arena when a CUDA device is present (the daemon asks for it
         only with a GPU tier: without one, the registration would create a CUDA context for nothing).
-        ``held_limit``: the segment bytes one tenant's clients may hold (None: the arena's size)."""
+        ``held_limit``: the segment bytes one tenant's clients may hold (None: the arena's size).
+        ``on_filled``: told the bytes of arena allocated (and touched) so far and the arena's size,
+        a chunk at a time (seconds for a large arena: the daemon shows it as progress)."""
         self.slots = SlotTable(capacity_bytes, slot_bytes, self.name, segment_bytes=segment_bytes,
                                on_reassign=self._renew_segment)
         super().__init__(self.slots.capacity_bytes)
@@ -65,7 +68,7 @@ class CpuTier(Tier):
         if segment_bytes is not None:
             self.segment_path = None
             self.arena = SegmentedArena(self.slots.num_segments, self.slots.segment_bytes,
-                                        max(self.capacity_bytes, mmap.PAGESIZE), pretouch)
+                                        max(self.capacity_bytes, mmap.PAGESIZE), pretouch, on_filled)
             self.held_limit = self.arena.nbytes if held_limit is None else held_limit
             self._handed: list[str | None] = [None] * self.slots.num_segments   # whose clients got its memory
             self.replaced = ReplacedSegments()
@@ -78,17 +81,16 @@ class CpuTier(Tier):
         except OSError as e:
             raise TierIOError(f"cpu tier: cannot create shared segment {self.segment_path}: {e.strerror}") from e
         try:
-            os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if /dev/shm is too small
+            os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size)
+            self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
+            fill(fd, self.arena, pretouch, on_filled)
         except OSError as e:
             os.close(fd)
             os.unlink(self.segment_path)
             raise TierIOError(f"cpu tier: {self.segment_path} cannot hold {size} bytes ({e.strerror}); "
                               "lower cpu_bytes or point shm_dir at a larger tmpfs") from e
         os.close(fd)
-        self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
-        if pretouch:
-            self.arena[::mmap.PAGESIZE] = 0
         self.page_locked = page_lock and _register_with_cuda(self.arena)
 
     @property
@@ -212,12 +214,30 @@ class CpuTier(Tier):
         return out
 
 
+#: the arena is allocated and touched this much at a time (a progress step: ~0.05 s here)
+FILL_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def fill(fd: int, array: np.ndarray, pretouch: bool, on_filled: Callable[[int, int], None] | None) -> None:
+    """Allocate the memory behind ``fd`` (mapped as ``array``) and touch its pages, a chunk at a
+    time: allocated now, a full tmpfs fails here (OSError), not with SIGBUS on a later copy."""
+    size = array.nbytes
+    for start in range(0, size, FILL_CHUNK_BYTES):
+        n = min(FILL_CHUNK_BYTES, size - start)
+        os.posix_fallocate(fd, start, n)
+        if pretouch:
+            array[start:start + n:mmap.PAGESIZE] = 0
+        if on_filled is not None:
+            on_filled(start + n, size)
+
+
 class SegmentedArena:
     """The arena as separately mapped ``memfd`` segments addressed by one offset space: slicing
     ``[off:off + n]`` (never across a segment: ``SlotTable`` extents do not) gives a view into the
     segment that holds it, so gather/scatter and views work as on one array."""
 
-    def __init__(self, num_segments: int, segment_bytes: int, nbytes: int, pretouch: bool) -> None:
+    def __init__(self, num_segments: int, segment_bytes: int, nbytes: int, pretouch: bool,
+                 on_filled: Callable[[int, int], None] | None = None) -> None:
         self.nbytes = nbytes
         self.segment_bytes = segment_bytes
         self._pretouch = pretouch
@@ -226,24 +246,23 @@ class SegmentedArena:
         self._maps: list[mmap.mmap] = []
         self._arrays: list[np.ndarray] = []
         for s, size in enumerate(self._sizes):
-            fd, m = self._create(s, size)
+            before = sum(self._sizes[:s])
+            fd, m = self._create(s, size, None if on_filled is None else lambda n, _: on_filled(before + n, nbytes))
             self._fds.append(fd)
             self._maps.append(m)
             self._arrays.append(np.frombuffer(m, dtype=np.uint8))
 
-    def _create(self, s: int, size: int) -> tuple[int, mmap.mmap]:
+    def _create(self, s: int, size: int, on_filled: Callable[[int, int], None] | None = None) -> tuple[int, mmap.mmap]:
         fd = os.memfd_create(f"kvstore-cpu-segment-{s}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)   # fail now, not with SIGBUS later, when memory is short
+            m = mmap.mmap(fd, size)
+            fill(fd, np.frombuffer(m, dtype=np.uint8), self._pretouch, on_filled)
             # a client holding the descriptor must not shrink it under the daemon's mapping (SIGBUS)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            m = mmap.mmap(fd, size)
         except OSError as e:
             os.close(fd)
             raise TierIOError(f"cpu tier: cannot allocate a {size}-byte segment ({e.strerror}); lower cpu_bytes") from e
-        if self._pretouch:
-            np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE] = 0
         return fd, m
 
     def __getitem__(self, window: slice) -> np.ndarray:

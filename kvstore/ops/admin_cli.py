@@ -62,7 +62,7 @@ def drop_namespace(client, namespace_id: bytes) -> dict:
 def prefix_call(client, method: str, namespace_id: bytes, hashes: list[bytes], steps=None) -> dict:
     """One of Evict / Pin / Unpin / Prewarm over ``hashes`` (in batches of the wire's limit),
     summed. Pin's and Unpin's ``bytes`` is the tenant's pinned total after the last batch.
-    ``steps`` (``kvstore.ops.progress.Steps``) is told each batch as it is sent."""
+    ``steps`` (``kvstore.progress.Progress``) is told each batch as it is sent."""
     from kvstore.proto import kvstore_pb2 as pb
 
     total = {"blocks": 0, "bytes": 0, "stored": 0, "skipped": 0, "fetched": 0, "warmed": 0}
@@ -259,10 +259,10 @@ def _prefix_main(method: str, argv: list[str], prefix_required: bool, helptext: 
         hashes = prefix_hashes(args, ns["layout"].get("block_tokens", 1))
         if prefix_required and not hashes:
             raise InvalidArgument("prefix", "give the prefix: --hashes, --hashes-file, --tokens or --tokens-file")
-        from kvstore.ops.progress import Steps
+        from kvstore.progress import Progress
 
         batches = -(-len(hashes) // MAX_BATCH)
-        with Steps(f"kvstore {name}", total=batches, quiet=batches < 2) as steps:   # one batch: no progress
+        with Progress(f"kvstore {name}", total=batches, quiet=batches < 2) as steps:   # one batch: no progress
             done = prefix_call(c, method, bytes.fromhex(ns["namespace_id"]), hashes, steps=steps)
         print(json.dumps(done) if args.json else
               DONE[method].format(ns=ns["namespace_id"][:12], size=format_size(done["bytes"], "readable"), **done))

@@ -250,7 +250,7 @@ def run_bench(url: str | None = None, token: str | None = None, sizes=(1 << 20, 
               redis_url: str | None = "redis://127.0.0.1:6379/0", small: bool = False, steps=None) -> dict:
     """Measure everything; returns a JSON-able report (see ``format_report``). ``small``: also
     ``small_requests`` (needs 400 MiB of arena for its 1 MiB blocks). ``steps``: a
-    ``kvstore.ops.progress.Steps`` told each measurement as it begins."""
+    ``kvstore.progress.Progress`` told each measurement as it begins."""
     from kvstore.client import Client
     from kvstore.keys import KVLayout, Namespace
 

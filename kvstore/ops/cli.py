@@ -204,7 +204,7 @@ def print_tenant_stats(stats: dict, address: str, console) -> None:
 def cmd_bench(args) -> int:
     from kvstore.errors import InvalidArgument, KVStoreError
     from kvstore.ops.bench import check_transports, format_report, run_bench
-    from kvstore.ops.progress import Steps
+    from kvstore.progress import Progress
     from kvstore.units import parse_size
 
     try:
@@ -215,7 +215,7 @@ def cmd_bench(args) -> int:
         print(f"kvstore bench: {e}", file=sys.stderr)
         return 2
     try:
-        with Steps("kvstore bench", total=len(sizes) * (len(transports) + 1) + 2) as steps:
+        with Progress("kvstore bench", total=len(sizes) * (len(transports) + 1) + 2) as steps:
             report = run_bench(url=args.url, token=args.token, sizes=sizes, total_bytes=total,
                                transports=transports, steps=steps)
     except (KVStoreError, RuntimeError, TimeoutError, OSError) as e:   # no daemon there, or ours did not start

@@ -30,6 +30,7 @@ from kvstore.ops.plan_cost import (CODECS, DEFAULT_BANDWIDTH_GBPS, Codec, CostMo
 from kvstore.ops.plan_replay import (Candidate, codec_unavailable, ReplayResult, TraceClock, ideal_hit_rate, parse_policy, replay,
                                      sweep)
 from kvstore.ops.plan_report import gib, plot, render_table, write_markdown
+from kvstore.progress import Progress
 from kvstore.store import StoreConfig
 from kvstore.units import parse_size, parse_sizes
 
@@ -145,11 +146,12 @@ def _replay_workload(spec: str, args: argparse.Namespace, layout: KVLayout, cand
             f"hit {r['hit_rate']:.1%}, TTFT p90 {r['ttft_ms']['p90']:.0f} ms ({r['replay_seconds']:.0f}s)")
 
     t1 = time.perf_counter()
-
-    def replayed(n: int) -> None:
-        say(f"  ... {n:,} of {len(requests):,} requests replayed ({time.perf_counter() - t1:.0f}s)")
-
-    results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress, replayed)
+    # the requests replayed over all candidates, on stderr (--json too): a bar on a terminal, else a line
+    # every few seconds
+    with Progress("kvstore plan", total=len(requests) * len(candidates), unit="requests",
+                  quiet=args.quiet) as replaying:
+        results = sweep(requests, layout, candidates, cost, config, slot_bytes, args.jobs, progress,
+                        lambda n: replaying.update(n, label=spec.partition(":")[0]))   # chat, not its parameters
     for r in results:
         r.pop("ttft_ms_samples", None)
         r["workload"] = spec

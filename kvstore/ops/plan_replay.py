@@ -147,8 +147,10 @@ def metadata_tiers(c: Candidate, slot_bytes: int) -> list[MetadataTier]:
 
 #: cost-table codec names that stand for a daemon codec of another name
 DAEMON_CODECS = {"int4": "int4_g64"}
-#: a serial replay reports the requests it has replayed this often (seconds)
-PROGRESS_EVERY_S = 2.0
+#: a replay reports the requests it has replayed in batches of this many
+PROGRESS_BATCH = 256
+#: how often a parallel sweep reads its workers' request count while it waits (seconds)
+POLL_S = 0.25
 #: the byte order the planner sizes a model's blocks in when it is not told one (a layout the codecs read)
 MODELLED_ORDER = "kv,layer,token,head,dim"
 
@@ -219,7 +221,8 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     """Replay ``requests`` through a real Store: lookup, get the hits, put the misses.
 
     ``tiers`` defaults to metadata tiers for ``candidate``; tests pass real tiers to check that
-    both give the same answer. ``real_codec``: instead of modelling the codec by block size, put
+    both give the same answer. ``on_progress`` hears each ``PROGRESS_BATCH`` requests replayed
+    (the number more since it last heard, the rest at the end). ``real_codec``: instead of modelling the codec by block size, put
     real blocks of the layout into a store whose first tier has the codec (``codecs.cpu``), which
     encodes them as a daemon does (needs tiers that keep bytes).
     """
@@ -243,7 +246,7 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
     hit_tiers: list[tuple[int, ...]] = []
     blocks = misses = rejected = n_requests = 0
     started = time.perf_counter()
-    next_report = started + PROGRESS_EVERY_S
+    reported = 0
     clock = TraceClock()
     store = Store(tiers, config, clock=clock)
     try:
@@ -272,13 +275,15 @@ def replay(requests: Iterable[workloads.Request], layout: KVLayout, candidate: C
             blocks += len(hashes)
             misses += len(hashes) - n_hit
             n_requests += 1
-            if on_progress is not None and n_requests % 1000 == 0 and time.perf_counter() >= next_report:
-                on_progress(n_requests)   # about every PROGRESS_EVERY_S of replay
-                next_report = time.perf_counter() + PROGRESS_EVERY_S
+            if on_progress is not None and n_requests - reported >= PROGRESS_BATCH:
+                on_progress(n_requests - reported)
+                reported = n_requests
             if keep_hit_tiers:
                 hit_tiers.append(tuple(got[n] for n in names))
             if cost is not None:
                 ttfts.append(ttft_ms(cost, codec, block_bytes, layout, got, req.tokens - n_hit * layout.block_tokens))
+        if on_progress is not None and n_requests > reported:
+            on_progress(n_requests - reported)
         counters = dict(store.counters)
         placed = {t.name: getattr(t, "bytes_placed", None) for t in tiers}
         used = {t.name: t.used_bytes for t in tiers}
@@ -321,23 +326,46 @@ _SHARED: dict = {}
 def _replay_shared(candidate: Candidate) -> dict:
     s = _SHARED
     result = replay(s["requests"], s["layout"], candidate, s["cost"], s["config"], slot_bytes=s["slot_bytes"],
-                    on_progress=s.get("on_progress"))
+                    on_progress=s["on_progress"])
     out = result.summary()
     out["ttft_ms_samples"] = None
     return out
+
+
+def _count_in(shared) -> Callable[[int], None]:
+    """A worker's ``on_progress``: adds its requests to the count its parent process reads."""
+    def add(n: int) -> None:
+        with shared.get_lock():
+            shared.value += n
+    return add
 
 
 def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[Candidate], cost: CostModel,
           config: StoreConfig, slot_bytes: int, jobs: int, progress: Callable[[dict], None] | None = None,
           on_requests: Callable[[int], None] | None = None) -> list[dict]:
     """Replay every candidate (in ``jobs`` forked processes sharing the request list).
-    ``on_requests`` hears how many requests are replayed, about every ``PROGRESS_EVERY_S``, in the
-    serial case only."""
+    ``progress`` hears each candidate's result as it is done; ``on_requests`` the requests
+    replayed so far over all candidates and processes, as they advance (each ``PROGRESS_BATCH``
+    serially; every ``POLL_S`` from parallel workers, through a count in shared memory)."""
     serial = jobs <= 1 or len(candidates) == 1
     for c in {c.codec for c in candidates}:
         stored_block_bytes(layout, c)   # sized once here, not in every forked worker
+    context = multiprocessing.get_context("fork")
+    replayed = context.Value("q", 0)
     _SHARED.update(requests=requests, layout=layout, cost=cost, config=config, slot_bytes=slot_bytes,
-                   on_progress=on_requests if serial else None)
+                   on_progress=_count_in(replayed))
+
+    def heard() -> None:
+        if on_requests is not None:
+            on_requests(replayed.value)
+
+    if serial and on_requests is not None:
+        count = _SHARED["on_progress"]
+
+        def count_and_tell(n: int) -> None:
+            count(n)
+            heard()
+        _SHARED["on_progress"] = count_and_tell
     results = []
     try:
         if serial:
@@ -346,11 +374,18 @@ def sweep(requests: list[workloads.Request], layout: KVLayout, candidates: list[
                 if progress:
                     progress(results[-1])
         else:
-            with multiprocessing.get_context("fork").Pool(jobs) as pool:
-                for r in pool.imap(_replay_shared, candidates):
+            with context.Pool(jobs) as pool:
+                done = pool.imap(_replay_shared, candidates)
+                while len(results) < len(candidates):
+                    try:
+                        r = done.next(timeout=POLL_S)
+                    except multiprocessing.TimeoutError:
+                        heard()
+                        continue
                     results.append(r)
                     if progress:
                         progress(r)
+                    heard()
     finally:
         _SHARED.clear()
     return results

@@ -1,10 +1,13 @@
-"""What ``kvstore serve`` prints once it serves: where it listens, what each tier is, what it found.
+"""What ``kvstore serve`` prints as it starts and once it serves: where it listens, what each tier
+is, what it found.
 
 An operator reading the first lines of a daemon's output should know, without opening the
 config: the gRPC and metrics addresses, whether auth and the fleet are on, and for each tier its
 size (as resolved: ``4GB`` is 3.7 GiB), where it lives (the arena's file, the NVMe directory, the
 Redis server without its password), its eviction policy and codec, and how many blocks a warm
-restart found in it and how long finding them took.
+restart found in it and how long finding them took. Steps of start-up that take seconds (filling
+the arena, recovering a durable tier) show their progress while they run (``kvstore.progress``:
+a bar on a terminal, log lines otherwise).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import logging
 import time
 
+from kvstore.progress import Progress
 from kvstore.service.config import Settings
 from kvstore.units import format_size
 
@@ -26,6 +30,31 @@ def announced(what: str):
     t0 = time.monotonic()
     yield
     log.info("%s: done in %.1fs", what, time.monotonic() - t0)
+
+
+class RecoveryProgress:
+    """A warm restart's recovery as it runs (``Store``'s ``on_recovery``): for each durable tier
+    the blocks found so far and blocks/s, then one line with the count and the time it took."""
+
+    def __init__(self) -> None:
+        self._tiers: dict[str, Progress] = {}
+
+    def __call__(self, tier: str, found: int, done: bool) -> None:
+        progress = self._tiers.get(tier)
+        if progress is None:
+            progress = self._tiers[tier] = Progress(f"{tier} tier: recovering", unit="blocks", say=log.info)
+            progress.__enter__()
+        if not done:
+            progress.update(found)
+            return
+        progress.update(found)
+        progress.__exit__(None, None, None)
+        log.info("%s tier: recovered %d blocks in %.2fs (%s)", tier, found, progress.elapsed_s, progress.rate())
+
+    def close(self) -> None:
+        """End any bar still shown (a recovery that failed)."""
+        for progress in self._tiers.values():
+            progress.__exit__(None, None, None)
 
 
 def policy_of(settings: Settings, tier: str) -> str:

@@ -25,10 +25,11 @@ from grpc_health.v1 import health_pb2
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
 from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
-from kvstore.service.banner import announced, banner_lines
+from kvstore.service.banner import RecoveryProgress, announced, banner_lines
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
+from kvstore.progress import Progress
 from kvstore.service.gc_pauses import GcPauseCollector, GcPauses
 from kvstore.service.http_endpoint import RouteOverHttp
 from kvstore.service.metrics import Metrics
@@ -112,11 +113,13 @@ def _add_tiers(settings: Settings, tiers: list) -> None:
         from kvstore.tiers.gpu import GpuTier
         tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
     with announced(f"cpu tier: allocating and touching its {format_size(settings.cpu_bytes, 'readable')} arena "
-                   f"in {settings.shm_dir}"):   # ~1.5 GB/s of first touches: seconds for a large arena
+                   f"in {settings.shm_dir}"), \
+            Progress("cpu tier: filling its arena", unit="bytes", say=log.info) as filling:   # seconds for GiBs
         tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
                              segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
                              page_lock=bool(settings.gpu_bytes),   # no CUDA context without a GPU tier
-                             held_limit=settings.max_held_segment_bytes_per_tenant))
+                             held_limit=settings.max_held_segment_bytes_per_tenant,
+                             on_filled=lambda done, total: filling.update(done, total=total)))
     if settings.nvme_bytes:
         from kvstore.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
@@ -187,11 +190,16 @@ class Daemon:
         self._tiers = build_tiers(settings)
         opened = time.monotonic()
         log.info("opening the store: blocks a previous run left in the durable tiers are found again now")
-        self.store = Store(self._tiers, StoreConfig(
-            eviction_policy=settings.eviction_policy, write_through=settings.write_through,
-            promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
-            tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
-            min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant))
+        recovering = RecoveryProgress()
+        try:
+            self.store = Store(self._tiers, StoreConfig(
+                eviction_policy=settings.eviction_policy, write_through=settings.write_through,
+                promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
+                tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
+                min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant),
+                on_recovery=recovering)
+        finally:
+            recovering.close()
         self.open_s = time.monotonic() - opened   # the store built: after a restart, its blocks recovered
         self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
         self.metrics = Metrics(self.store)

@@ -29,7 +29,7 @@ from kvstore.units import format_size
 #: ``KVSTORE_*`` variables that are read by something other than the daemon's settings
 OTHER_VARIABLES = {"KVSTORE_CONFIG", "KVSTORE_URL", "KVSTORE_TOKEN", "KVSTORE_NO_REEXEC",
                    "KVSTORE_CODECS_REFERENCE", "KVSTORE_FLEET_REDIS_URL", "KVSTORE_FLEET_KEY_PREFIX",
-                   "KVSTORE_DEPLOY_DIR"}
+                   "KVSTORE_DEPLOY_DIR", "KVSTORE_PROGRESS_EVERY_S"}
 OTHER_PREFIXES = ("KVSTORE_VENV_",)   # scripts/engine-venv.sh, scripts/test.sh
 
 

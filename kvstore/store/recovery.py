@@ -12,18 +12,37 @@ block, before any request.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
 
+#: told (tier name, blocks found in it so far, whether that tier is done) during a recovery
+RecoveryProgress = Callable[[str, int, bool], None]
 
-def recover(cascade: Cascade) -> None:
-    """Rebuild ``cascade``'s index from its tiers, then the chain links, then the policies."""
+
+def _found_in(tier, on_progress: RecoveryProgress | None) -> list:
+    """The records ``tier`` finds; ``on_progress`` hears a durable tier's count as they come (a
+    large NVMe tier takes seconds: the daemon shows it), and once more when the tier is done."""
+    if on_progress is None or not tier.durable:
+        return list(tier.recover())
+    records: list = []
+    on_progress(tier.name, 0, False)
+    for record in tier.recover():
+        records.append(record)
+        on_progress(tier.name, len(records), False)
+    on_progress(tier.name, len(records), True)
+    return records
+
+
+def recover(cascade: Cascade, on_progress: RecoveryProgress | None = None) -> None:
+    """Rebuild ``cascade``'s index from its tiers, then the chain links, then the policies.
+    ``on_progress``: see ``_found_in``."""
     index = cascade.index
     entries, namespace_bytes = index.entries, index.namespace_bytes
     tenants: dict[bytes, str | None] = {}
     restored: dict[str, int] = defaultdict(int)
-    found = [list(tier.recover()) for tier in cascade.tiers]   # the tiers' I/O, before the lock
+    found = [_found_in(tier, on_progress) for tier in cascade.tiers]   # the tiers' I/O, before the lock
     with cascade.lock:
         for t, records in enumerate(found):
             for record in records:

@@ -29,7 +29,7 @@ from kvstore.store.listeners import StoreListener
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.puts import checked_payloads, put_chain
 from kvstore.store.reads import read_blocks
-from kvstore.store.recovery import recover
+from kvstore.store.recovery import RecoveryProgress, recover
 from kvstore.store.views import BlockState, PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
 from kvstore.wire import Lookup
@@ -45,8 +45,9 @@ FLUSH_WAITS_S = 10.0
 
 class Store:
     def __init__(self, tiers: Sequence[Tier], config: StoreConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` measures leases; the sizing planner passes trace time."""
+                 clock: Callable[[], float] = time.monotonic, on_recovery: RecoveryProgress | None = None) -> None:
+        """``clock`` measures leases; the sizing planner passes trace time. ``on_recovery``: told
+        how a warm restart's recovery advances (``kvstore.store.recovery.recover``)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.config = config or StoreConfig()
@@ -64,7 +65,7 @@ class Store:
         self.counters = self._cascade.counters
         self.durable_index = self._cascade.durable_index
         self.cpu_index = self._cascade.cpu_index
-        recover(self._cascade)
+        recover(self._cascade, on_recovery)
         self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
         self._slack_warned: set[int] = set()   # block sizes already judged
 
