@@ -106,3 +106,24 @@ def test_prewarm_over_several_batches_says_each_batch(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines()[0] == "kvstore prewarm: [1/3] blocks 0..4,096 of 9,000 (0s)", r.stderr
     assert "0 blocks copied into the CPU tier" in r.stdout and "[1/3]" not in r.stdout
+
+
+def test_bench_against_a_live_daemon_shows_its_steps_labels_sizes_names_ceilings_and_leaves_no_namespace(tmp_path):
+    d = start_daemon(tmp_path / "d", cpu_bytes="64MiB")
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "bench", "--url", d.address, "--sizes", "1MB",
+                            "--total", "1MB", "--transports", "shm"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **EVERY}, cwd=tmp_path)
+        with d.client() as c:
+            from kvstore.ops.admin_cli import list_namespaces
+            left = list_namespaces(c)
+    finally:
+        d.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [line for line in r.stderr.splitlines() if line.startswith("kvstore bench: [")]
+    assert steps and steps[0].startswith("kvstore bench: [1/"), r.stderr   # piped: a line per step
+    table = r.stdout.splitlines()
+    # 1 MB is not 1 MiB: the size labelled as it is, and the ceilings each ratio divides by printed
+    assert any(line.split()[:2] == ["976.56KiB", "ceilings:"] and "memcpy from cold sources" in line for line in table)
+    assert any(line.split()[:2] == ["976.56KiB", "shm"] for line in table), r.stdout
+    assert left == [], left   # the namespaces it registered are dropped again
