@@ -106,6 +106,12 @@ def test_nvme_tier_larger_than_its_disk_is_warned_of_by_name(tmp_path):
     assert "room for" in line and "persisted" in line and str(tmp_path / "d") in line, line
 
 
+def test_a_cpu_tier_larger_than_the_memory_left_is_refused_naming_cpu_bytes(tmp_path):
+    r = kvstore("serve", "--listen", "127.0.0.1:0", "--cpu-bytes", "60TiB", "--nvme-bytes", "0", cwd=tmp_path)
+    line = one_line_error(r, "cpu_bytes: 65970697666560 bytes requested", "memory are available", code=1)
+    assert "lower --cpu-bytes" in line
+
+
 def test_a_misspelt_environment_variable_is_warned_of_naming_the_real_setting(tmp_path):
     d = start_daemon(tmp_path / "d", env={"KVSTORE_LEASE_SECOND": "3", "KVSTORE_FLEET_ENABLED": "true"})
     try:
