@@ -6,9 +6,9 @@ set and every connection in ``conns``: only it accepts, reads, calls the protoco
 ``received(fd, conn)``, moves deadlines and ends connections, so ``conns`` needs no lock. Other
 threads reach a server only through ``ticket_for`` (Handshake), ``send_soon`` (an answer computed
 elsewhere: what the socket does not take at once this thread writes later), the counters and
-``close``. A protocol may ``hand_off`` an admitted connection to its own table (the side channel
-lends sessions to RPC handlers) and watch it in the same epoll set (``watched``, ``tick``,
-``revoked`` then run on this thread too).
+``close``. A protocol may ``hand_off`` a connection whose ticket it checked to a table of its own
+(the side channel lends sessions to RPC handlers) and watch it in the same epoll set; its hooks
+``watched``, ``tick`` and ``revoked`` run on this thread too, and that table needs its own lock.
 
 Caps: nothing grows with idle or hostile connections.
 * A connection that has not yet proved a tenant with a ticket must do so within
