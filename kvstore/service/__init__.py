@@ -18,6 +18,6 @@ zero copy, over gRPC or the lookup socket), ``bulk_rpcs`` (the side channel), wi
 and ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
 ``lookup_indexes`` (the per-tenant lookup tables same-host clients map, kept in step with the store);
 ``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /
-fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``), ``reload`` (SIGHUP, ``kvstore
-reload``), and ``server`` (the old import names).
+fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``) and ``reload`` (SIGHUP, ``kvstore
+reload``).
 """
