@@ -1,12 +1,12 @@
 """How the store's cost grows with the number of blocks, in one process (no daemon, no wire).
 
-    .venv/bin/python benchmarks/bench_scale.py [--blocks N] [--dir DIR] [--out PREFIX]
+    .venv/bin/python benchmarks/bench_scale.py [--blocks N [N ...]] [--dir DIR] [--out PREFIX]
 
-A Store over a 64 MiB CPU tier of 16 KiB slots and an NVMe tier large enough for every block: N
-blocks of 16 KiB are put in chains of 1,024 per call, so all but the last 4,096 reach NVMe as
-demotions. Against it, in the same run: raw O_DIRECT writes of the same N blocks of 16 KiB into
+For each N: a Store over a 64 MiB CPU tier of 16 KiB slots (LRU) and an NVMe tier large enough
+for every block: N blocks of 16 KiB are put in chains of 1,024 per call, so all but the last 4,096
+reach NVMe as demotions. Against it, in the same run: raw O_DIRECT writes of the same N blocks of 16 KiB into
 one preallocated file (no fsync each: what a write-back demotion needs). Then the store is closed
-and opened again on the same directory (warm restart: the index rebuilt from the slots' headers),
+and opened again on the same directory (warm restart: the index rebuilt from the slabs' record files),
 timed; and once more under ``tracemalloc`` for the bytes the index holds per recovered block.
 Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/scale).
 """
@@ -114,38 +114,55 @@ def run(blocks: int, directory: str) -> dict:
 
 
 def markdown(r: dict) -> str:
-    m, x = r["machine"], r["scale"]
+    m, runs = r["machine"], r["scale"]
+    sizes = " ".join(str(x["blocks"]) for x in runs)
+    x0 = runs[0]
+    cols = " | ".join(f"{x['blocks']:,} blocks" for x in runs)
+    row = lambda name, f: f"| {name} | " + " | ".join(f(x) for x in runs) + " |"   # noqa: E731
     return "\n".join([
         "# Store scale: demoting puts, warm restart, index bytes",
         "",
-        f"`python benchmarks/bench_scale.py --blocks {x['blocks']}` — one process, a Store over a "
-        f"{x['cpu_bytes'] >> 20} MiB CPU tier of 16 KiB slots and an NVMe tier; {x['blocks']} blocks of 16 KiB put "
-        f"in chains of {x['chain']} per call (all but the CPU tier's last blocks reach NVMe as demotions, "
-        "one flush at the end counted).",
+        f"`python benchmarks/bench_scale.py --blocks {sizes}` — one process per size in turn, a Store over a "
+        f"{x0['cpu_bytes'] >> 20} MiB CPU tier of 16 KiB slots (LRU) and an NVMe tier; N blocks of 16 KiB put in "
+        f"chains of {x0['chain']} per call (all but the CPU tier's last blocks reach NVMe as demotions, "
+        "one flush at the end counted); then the store is closed and opened again on the same directory (warm "
+        "restart, timed: the tiers set up, the index rebuilt from the slabs' record files), and opened once more "
+        "under tracemalloc for the bytes held per recovered block.",
         "",
-        machine_line(m, directory=True, load=(r["load"],)) + f" (shared with other work); {m['time_utc']}.",
+        machine_line(m, directory=True, load=(r["load"], r.get("load_after", "?")))
+        + f" (shared with other work); {m['time_utc']}.",
         "",
-        "| figure | value |",
-        "|---|---|",
-        f"| demoting puts | {x['put_blocks_per_s']:,.0f} blocks/s, {x['put_gbps']:.3f} GB/s |",
-        f"| raw O_DIRECT writes of the same blocks (one file, one fdatasync) | {x['raw_o_direct_gbps']:.3f} GB/s |",
-        f"| demoting puts vs raw O_DIRECT | {x['demoting_put_vs_raw_o_direct']:.2f}x |",
-        f"| warm restart | {x['restart_s']:.2f} s for {x['recovered_blocks']:,} blocks recovered "
-        f"({x['restart_s_per_100k_blocks']:.2f} s per 100k) |",
-        f"| index memory per recovered block (tracemalloc) | {x['index_bytes_per_block']:.0f} bytes |",
+        f"| figure | {cols} |",
+        "|---|" + "---|" * len(runs),
+        row("demoting puts", lambda x: f"{x['put_blocks_per_s']:,.0f} blocks/s, {x['put_gbps']:.3f} GB/s"),
+        row("raw O_DIRECT writes of the same blocks (one file, one fdatasync)", lambda x: f"{x['raw_o_direct_gbps']:.3f} GB/s"),
+        row("demoting puts vs raw O_DIRECT", lambda x: f"{x['demoting_put_vs_raw_o_direct']:.2f}x"),
+        row("warm restart", lambda x: f"{x['restart_s']:.2f} s for {x['recovered_blocks']:,} blocks recovered"),
+        row("warm restart per 100k blocks recovered", lambda x: f"{x['restart_s_per_100k_blocks']:.2f} s"),
+        row("index memory per recovered block (tracemalloc)", lambda x: f"{x['index_bytes_per_block']:.0f} bytes"),
+        "",
+        *([f"Warm restart grows by {_marginal(runs):.2f} s per 100k more blocks recovered from "
+           f"{runs[0]['recovered_blocks']:,} to {runs[-1]['recovered_blocks']:,} (the rest is a fixed cost: the "
+           "CPU tier's arena, the NVMe directory's checks)."] if len(runs) > 1 else []),
         "",
     ])
 
 
+def _marginal(runs: list[dict]) -> float:
+    a, b = runs[0], runs[-1]
+    return (b["restart_s"] - a["restart_s"]) / max(b["recovered_blocks"] - a["recovered_blocks"], 1) * 100_000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=100_000)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[100_000])
     ap.add_argument("--dir", default="/var/tmp", help="where the NVMe tier and the raw file go")
     ap.add_argument("--out", default=None, help="output prefix (default benchmarks/results/scale)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
-    results = {"machine": machine_facts(args.dir), "load": " ".join(f"{v:.1f}" for v in os.getloadavg()),
-               "scale": run(args.blocks, args.dir)}
+    load = lambda: " ".join(f"{v:.1f}" for v in os.getloadavg())   # noqa: E731
+    results = {"machine": machine_facts(args.dir), "load": load(), "scale": [run(n, args.dir) for n in args.blocks]}
+    results["load_after"] = load()
     write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
 
 

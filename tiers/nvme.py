@@ -489,7 +489,7 @@ class NvmeTier(Tier):
         except OSError as e:
             raise TierIOError(f"nvme tier: cannot list {self.path}: {e.strerror}") from e
         present = set(names)
-        shared: dict[bytes, bytes] = {}   # one bytes object per namespace id and hash (a child's parent is its parent's hash)
+        shared: dict = {}   # one object per namespace id, hash and size (a child's parent is its parent's hash)
         for name in names:
             path = os.path.join(self.path, name)
             m = SLAB_NAME.fullmatch(name)
@@ -552,12 +552,12 @@ class NvmeTier(Tier):
             return
         unlink_quietly(path)
 
-    def _recover_slab(self, slab: Slab, rebuild: bool, shared: dict[bytes, bytes]) -> Iterator[BlockRecord]:
+    def _recover_slab(self, slab: Slab, rebuild: bool, shared: dict) -> Iterator[BlockRecord]:
         """The intact blocks of one slab, from its records (one read, one decode and header
         checksum per block); with ``verify_on_recover`` each slot is read as well and must hold
         the same header and a payload that matches its checksum. ``rebuild``: its record file
         is new, so its records come from the headers at its slot starts, and are written.
-        ``shared``: equal ids and hashes are made one object (an index of millions holds them)."""
+        ``shared``: equal ids, hashes and sizes are made one object (an index of millions holds them)."""
         count = os.fstat(slab.fd).st_size // slab.slot_bytes
         rows = self._slot_header_rows(slab, count) if rebuild else slab.read_records(count)
         flat = memoryview(rows).cast("B")
@@ -586,6 +586,8 @@ class NvmeTier(Tier):
             record.block_hash = shared.setdefault(record.block_hash, record.block_hash)
             if record.parent_hash is not None:
                 record.parent_hash = shared.setdefault(record.parent_hash, record.parent_hash)
+            record.raw_size = shared.setdefault(record.raw_size, record.raw_size)
+            record.stored_size = shared.setdefault(record.stored_size, record.stored_size)
             found.append((slot, record))
         if rebuild:
             slab.write_records(rows)
