@@ -19,7 +19,7 @@ import pytest
 from fleet_util import LAYOUT, NS, chain, wait_for
 from kvstore.fleet import MAX_SLOTS, Directory
 from kvstore.keys import Namespace
-from test_fleet_trust import fleet_counters, fleet_daemon
+from test_fleet_trust import daemons, fleet_counters  # noqa: F401 - daemons: the fixture
 
 OTHER = Namespace(LAYOUT, tenant="t", cache_salt="fleet-other")
 
@@ -36,20 +36,6 @@ ATTACK = textwrap.dedent("""
         r.delete(nodes)
         r.hset(nodes, mapping={str(s): f"{future} squatter-{s} 127.0.0.1:1" for s in range(slots)})
 """)
-
-
-@pytest.fixture
-def daemons(tmp_path):
-    started = []
-
-    def start(*args, **kwargs):
-        d = fleet_daemon(*args, **kwargs)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
 
 
 @pytest.mark.parametrize("how", ["wrong_type", "full"])
