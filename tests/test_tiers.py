@@ -39,6 +39,18 @@ def roundtrip(tier, r: BlockRecord, data: np.ndarray) -> None:
     assert np.array_equal(out[:r.stored_size], data)
 
 
+def fill_then_free_every_other(tier, slots: int, slot_bytes: int) -> list[BlockRecord]:
+    """Fill ``slots`` one-slot blocks, then drop every other one: the free space is all holes, so a
+    block of several slots must span several extents. Returns the blocks written."""
+    blocks = [rec(i, slot_bytes) for i in range(slots)]
+    for r in blocks:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], slot_bytes))
+    for r in blocks[::2]:
+        tier.drop(r.key)
+    return blocks
+
+
 # -- slots -----------------------------------------------------------------------------------------
 
 def test_slot_table_accounting_and_errors():
@@ -85,13 +97,7 @@ def test_cpu_tier_roundtrip_and_shared_segment(cpu):
 
 
 def test_cpu_tier_multi_extent_blocks_after_churn(cpu):
-    # fill with one-slot blocks, free every other one: a 4-slot block must then span 4 extents
-    small = [rec(i, 64 * KIB) for i in range(16)]
-    for r in small:
-        cpu.allocate(r)
-        cpu.write(r, payload(r.block_hash[0], 64 * KIB))
-    for r in small[::2]:
-        cpu.drop(r.key)
+    small = fill_then_free_every_other(cpu, 16, 64 * KIB)   # a 4-slot block must then span 4 extents
     big = rec(100, 4 * 64 * KIB - 123)
     data = payload(100, big.stored_size)
     roundtrip(cpu, big, data)
@@ -539,12 +545,7 @@ def _gpu_roundtrip(device: str) -> None:
 
     tier = GpuTier(8 * 64 * KIB, slot_bytes=64 * KIB, device=device)
     assert tier.pool.device.type == torch.device(device).type
-    blocks = [rec(i, 64 * KIB) for i in range(8)]
-    for r in blocks:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 64 * KIB))
-    for r in blocks[::2]:
-        tier.drop(r.key)
+    blocks = fill_then_free_every_other(tier, 8, 64 * KIB)
     big = rec(50, 3 * 64 * KIB + 1)
     src = torch.from_numpy(payload(50, big.stored_size))
     tier.allocate(big)

@@ -69,20 +69,21 @@ def store(adapter, keys, objs) -> bool:
 
 def lookup(adapter, keys, descs) -> list[bool]:
     tid = adapter.submit_lookup_and_lock_task(keys, descs)
-    while True:
-        wait(adapter.get_lookup_and_lock_event_fd())
-        bm = adapter.query_lookup_and_lock_result(tid)
-        if bm is not None:
-            return [bm.test(i) for i in range(len(keys))]
+    return _bits(len(keys), adapter.get_lookup_and_lock_event_fd, lambda: adapter.query_lookup_and_lock_result(tid))
 
 
 def load(adapter, keys, objs) -> list[bool]:
     tid = adapter.submit_load_task(keys, objs)
+    return _bits(len(keys), adapter.get_load_event_fd, lambda: adapter.query_load_result(tid))
+
+
+def _bits(n: int, event_fd, result) -> list[bool]:
+    """Wait on the task's event fd until ``result()`` gives its bitmap; one bool per key."""
     while True:
-        wait(adapter.get_load_event_fd())
-        bm = adapter.query_load_result(tid)
+        wait(event_fd())
+        bm = result()
         if bm is not None:
-            return [bm.test(i) for i in range(len(keys))]
+            return [bm.test(i) for i in range(n)]
 
 
 def keys_for(tag: str, n: int, model: str = "org/model", kv_rank: int = 0, salt: str = "") -> list:
