@@ -27,23 +27,26 @@ from ports import closed_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
-
-
-def _post(url: str, body: dict, timeout_s: float = 300.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _http(req: str | urllib.request.Request, timeout_s: float) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request: an error status is an answer too."""
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    """As ``_http``; status 0 when nothing answers (a server still starting)."""
+    try:
+        return _http(url, timeout_s)
+    except OSError:
+        return 0, b""
+
+
+def _post(url: str, body: dict, timeout_s: float = 300.0) -> tuple[int, bytes]:
+    return _http(urllib.request.Request(url, data=json.dumps(body).encode(),
+                                        headers={"Content-Type": "application/json"}), timeout_s)
 
 
 class _Process:
