@@ -31,6 +31,14 @@ def chain(n: int, seed: int) -> list[bytes]:
     return ChainHasher(seed=seed).chain(np.arange(n * 16), 16)
 
 
+def stored_and_shaken(client, layout: KVLayout, hashes: list[bytes]):
+    """``client`` registers ``layout``'s namespace and puts ``hashes`` (blocks of zeros); returns the
+    namespace and its Handshake answer: the lookup socket and this client's ticket to it."""
+    ns = client.register_namespace(Namespace(layout))
+    client.put(ns, hashes, [np.zeros(layout.block_bytes, np.uint8)] * len(hashes))
+    return ns, client.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+
+
 def test_lookups_go_over_the_unix_socket_and_answer_as_grpc_does(daemon):
     hashes = chain(40, seed=1)
     with daemon.client(token="alice-token") as local, daemon.client(token="alice-token", transport="grpc") as remote:
@@ -75,9 +83,7 @@ ROGUE = textwrap.dedent("""
 def test_a_forged_ticket_gets_no_answer_and_idle_connections_hold_up_nobody(daemon):
     hashes = chain(8, seed=3)
     with daemon.client(token="alice-token") as alice:
-        ns = alice.register_namespace(Namespace(LAYOUT))
-        alice.put(ns, hashes, [np.zeros(4096, np.uint8)] * 8)
-        hs = alice.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        ns, hs = stored_and_shaken(alice, LAYOUT, hashes)
         for ticket, tenant in ((os.urandom(32), "alice"), (hs.lookup_ticket, "bob")):
             r = subprocess.run([sys.executable, "-c", ROGUE, hs.lookup_socket, ticket.hex(), tenant, ns.hex()],
                                capture_output=True, text=True, timeout=60)

@@ -19,8 +19,8 @@ import pytest
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import DaemonUnavailable, UnknownNamespace
 from kvstore.ops.local_daemon import kill_until_released
-from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport import lookup_index as LI
+from test_local_lookup import stored_and_shaken
 
 pytestmark = pytest.mark.skipif(not LI.supported(), reason="the index is offered on x86-64 only")
 
@@ -257,9 +257,7 @@ print(answer()[0], struct.unpack("!BI", answer()[:5]))
 def test_malformed_or_foreign_tells_are_dropped_and_the_connection_keeps_answering(daemon):
     hashes = chain(2, seed=11)
     with daemon.client(token="alice-token") as alice:
-        ns = alice.register_namespace(Namespace(LAYOUT))
-        alice.put(ns, hashes, [np.zeros(4096, np.uint8)] * 2)
-        hs = alice.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        ns, hs = stored_and_shaken(alice, LAYOUT, hashes)
         r = subprocess.run([sys.executable, "-c", ROGUE_TELLER, hs.lookup_socket, hs.lookup_ticket.hex(), "alice",
                             ns.hex(), hashes[0].hex()], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
