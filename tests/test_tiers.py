@@ -39,13 +39,18 @@ def roundtrip(tier, r: BlockRecord, data: np.ndarray) -> None:
     assert np.array_equal(out[:r.stored_size], data)
 
 
+def write_all(tier, records) -> None:
+    """Allocate and write each record, its payload ``payload(first hash byte, stored_size)``."""
+    for r in records:
+        tier.allocate(r)
+        tier.write(r, payload(r.block_hash[0], r.stored_size))
+
+
 def fill_then_free_every_other(tier, slots: int, slot_bytes: int) -> list[BlockRecord]:
     """Fill ``slots`` one-slot blocks, then drop every other one: the free space is all holes, so a
     block of several slots must span several extents. Returns the blocks written."""
     blocks = [rec(i, slot_bytes) for i in range(slots)]
-    for r in blocks:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], slot_bytes))
+    write_all(tier, blocks)
     for r in blocks[::2]:
         tier.drop(r.key)
     return blocks
@@ -232,9 +237,7 @@ def test_nvme_a_chain_lies_in_adjacent_slots_and_a_dropped_slot_is_reused(tmp_pa
     tier = NvmeTier(str(tmp_path), 64 << 20)
     fp = tier.footprint(50_000)
     records = [rec(i, 50_000) for i in range(6)]
-    for r in records:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 50_000))
+    write_all(tier, records)
     assert [tier.location(r.key)[1] for r in records] == [i * fp for i in range(6)]
     tier.drop(records[2].key)
     tier.finish_drops()   # its slot erased: free for the next block
@@ -253,9 +256,7 @@ def test_nvme_a_dropped_block_does_not_come_back_after_a_restart(tmp_path):
     d = str(tmp_path)
     tier = NvmeTier(d, 64 << 20)
     records = [rec(i, 20_000) for i in range(4)]
-    for r in records:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 20_000))
+    write_all(tier, records)
     tier.drop(records[1].key)
     tier.sync()
     tier.close()
@@ -302,9 +303,7 @@ def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
     d = str(tmp_path)
     tier = NvmeTier(d, 64 << 20)
     records = [rec(i, 50_000, parent=i - 1 if i else None) for i in range(5)]
-    for r in records:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 50_000))
+    write_all(tier, records)
     open(os.path.join(d, "deadbeef.kvb.tmp"), "wb").write(b"half a block of the older layout")
     open(os.path.join(d, "deadbeef.kvb"), "wb").write(b"a block file of the older layout")
     open(os.path.join(d, "unrelated.txt"), "w").write("not ours")
@@ -345,9 +344,7 @@ def _copy_slot(tier: NvmeTier, src: bytes, dst: bytes) -> None:
 def test_nvme_read_detects_damage_and_drops_the_block(tmp_path, damage):
     tier = NvmeTier(str(tmp_path), 64 << 20)
     b, a = rec(2, 20_000), rec(1, 20_000)   # a in the last slot, so a truncation cuts only a
-    for r in (b, a):
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 20_000))
+    write_all(tier, (b, a))
     path, offset = tier.location(a.key)
     if damage == "payload-bit":
         _flip(path, offset, HEADER_BYTES + 12_345)
@@ -382,9 +379,7 @@ def _record_at(tier: NvmeTier, key: bytes) -> tuple[str, int]:
 def test_nvme_recover_never_yields_a_damaged_record(tmp_path, damage):
     tier = NvmeTier(str(tmp_path), 64 << 20)
     b, a = rec(2, 20_000), rec(1, 20_000)
-    for r in (b, a):
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 20_000))
+    write_all(tier, (b, a))
     path, offset = tier.location(a.key)
     records, at = _record_at(tier, a.key)
     if damage == "truncate":
@@ -414,9 +409,7 @@ def _two_blocks_one_slot_damaged(d: str, damage: str) -> tuple[BlockRecord, Bloc
     """Blocks b then a written to a tier in ``d``, then a's slot (not its record) damaged."""
     tier = NvmeTier(d, 64 << 20)
     b, a = rec(2, 20_000), rec(1, 20_000)
-    for r in (b, a):
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 20_000))
+    write_all(tier, (b, a))
     path, offset = tier.location(a.key)
     if damage == "header-bit":
         _flip(path, offset, 17)
@@ -454,9 +447,7 @@ def test_nvme_a_slab_without_its_record_file_is_recovered_from_its_slots(tmp_pat
     d = str(tmp_path)
     tier = NvmeTier(d, 64 << 20)
     records = [rec(i, 20_000) for i in range(4)]
-    for r in records:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], 20_000))
+    write_all(tier, records)
     path, offset = tier.location(records[2].key)
     tier.close()
     _flip(path, offset, 17)
@@ -510,9 +501,7 @@ def test_nvme_a_slab_left_empty_is_deleted_and_its_size_starts_afresh(tmp_path):
     d = str(tmp_path)
     tier = NvmeTier(d, 64 << 20)
     small, big = [rec(i, 8192) for i in range(3)], [rec(10 + i, 50_000) for i in range(2)]
-    for r in [*small, *big]:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], r.stored_size))
+    write_all(tier, [*small, *big])
     assert len(_slabs(d)) == 2
     big_slab = tier.location(big[0].key)[0]
     for r in big:
@@ -596,9 +585,7 @@ def test_nvme_reads_neighbouring_slots_in_runs_and_judges_each_block_alone(tmp_p
     tier = NvmeTier(str(tmp_path), 64 << 20)
     size = 64 * KIB
     records = [rec(i, size) for i in range(40)]
-    for r in records:
-        tier.allocate(r)
-        tier.write(r, payload(r.block_hash[0], size))
+    write_all(tier, records)
     keys = [r.key for r in records]
     outs = [_aligned(size) if i % 3 else np.zeros(size + 1, np.uint8)[1:] for i in range(40)]   # some unaligned
     before = _read_calls()
