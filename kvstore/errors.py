@@ -8,9 +8,15 @@ from __future__ import annotations
 
 
 class KVStoreError(Exception):
-    """Base of every deliberate kvstore error."""
+    """Base of every deliberate kvstore error; ``field``, when given, names the request field at
+    fault (the client gets it back with the class)."""
 
     grpc_status = "INTERNAL"
+
+    def __init__(self, *args, field: str | None = None) -> None:
+        super().__init__(*args)
+        if field:
+            self.field = field
 
 
 class InvalidArgument(KVStoreError, ValueError):
@@ -47,11 +53,6 @@ class WrongBlockSize(InvalidArgument):
 
 class BlockTooLarge(KVStoreError):
     grpc_status = "INVALID_ARGUMENT"
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        if field:
-            self.field = field
 
 
 class TierFull(KVStoreError):
@@ -106,11 +107,6 @@ class Unauthenticated(KVStoreError):
 
 class QuotaExceeded(KVStoreError):
     grpc_status = "RESOURCE_EXHAUSTED"
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        if field:
-            self.field = field
 
 
 class DaemonUnavailable(KVStoreError):
