@@ -22,6 +22,7 @@ EVERY = {"KVSTORE_PROGRESS_EVERY_S": "0.02"}
 # 1 layer x 2 (K,V) x 16 tokens x 1 head x 64 dim x 2 bytes = 4 KiB blocks: one 8 KiB NVMe slot each
 LAYOUT = KVLayout("m", num_layers=1, num_kv_heads=1, head_dim=64, dtype="bfloat16", block_tokens=16)
 BLOCKS = 4000
+CHAT = "chat:system_prompts=3,system_tokens=64,user_tokens=16,reply_tokens=16,turns=6,rate=4,think_s=2"
 
 
 def counts(lines: list[str], pattern: str) -> list[int]:
@@ -68,7 +69,7 @@ def _plan(tmp_path, *extra: str, env=EVERY) -> subprocess.CompletedProcess:
     config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
                                   "hidden_size": 64, "torch_dtype": "float16"}))
     argv = ["--model", str(config), "--block-tokens", "16", "--requests", "1000", "--workload",
-            "chat:system_prompts=3,system_tokens=64,user_tokens=16,reply_tokens=16,turns=6,rate=4,think_s=2",
+            CHAT,
             "--cpu", "40KiB,160KiB", "--nvme", "0", "--policy", "prefix,lru", "--bandwidth", "cpu=19,nvme=3",
             "--prefill-tok-s", "20000", "--cpu-slot-bytes", "512", "--out", str(tmp_path / "plan"), *extra]
     return subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "plan", *argv], capture_output=True, text=True,
@@ -127,3 +128,41 @@ def test_bench_against_a_live_daemon_shows_its_steps_labels_sizes_names_ceilings
     assert any(line.split()[:2] == ["976.56KiB", "ceilings:"] and "memcpy from cold sources" in line for line in table)
     assert any(line.split()[:2] == ["976.56KiB", "shm"] for line in table), r.stdout
     assert left == [], left   # the namespaces it registered are dropped again
+
+
+def test_plan_on_a_terminal_draws_a_bar_that_reaches_the_end(tmp_path):
+    """stderr a terminal (a pty, as under an operator's shell): rich's bar, redrawn in place, with
+    the count and the rate; its last frame shows every request replayed."""
+    import pty
+    import select
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+                                  "hidden_size": 64, "torch_dtype": "float16"}))
+    main, side = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "plan", "--model", str(config), "--block-tokens",
+                          "16", "--requests", "500", "--workload", CHAT,
+                          "--cpu", "40KiB,160KiB", "--nvme", "0", "--policy", "prefix", "--bandwidth", "cpu=19,nvme=3",
+                          "--prefill-tok-s", "20000", "--cpu-slot-bytes", "512", "--jobs", "2",
+                          "--out", str(tmp_path / "plan"), "--json"],
+                         stdin=side, stdout=subprocess.DEVNULL, stderr=side, cwd=tmp_path,
+                         env={**os.environ, "COLUMNS": "80", "TERM": "xterm"})
+    os.close(side)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([main], [], [], 120)
+        try:
+            chunk = os.read(main, 65536) if ready else b""
+        except OSError:   # the child closed its end
+            chunk = b""
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert p.wait(timeout=60) == 0
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+    frames = [f for f in re.split(r"[\r\n]", screen) if f.startswith("kvstore plan: chat")]
+    assert frames and "Traceback" not in screen, screen[-2000:]
+    total = counts(frames[-1:], r"/([\d,]+) requests")[0]
+    assert re.search(rf"━ {total:,}/{total:,} requests [\d,]+/s \d:\d\d:\d\d", frames[-1]), frames[-1]
+    assert all(len(f) <= 80 for f in frames), max(frames, key=len)
