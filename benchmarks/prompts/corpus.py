@@ -36,36 +36,30 @@ def _read(name: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _prompt(kind: str, tag: str, group: str, i: int, messages: list[dict], answer: str | None) -> dict:
+    return {"id": f"{tag}/{group}/{i}", "kind": kind, "group": group, "messages": messages, "answer": answer}
+
+
 def document_prompts() -> list[dict]:
-    out = []
-    for d in _read("documents.jsonl"):
-        for i, q in enumerate(d["questions"]):
-            content = f"{DOCUMENT_INSTRUCTION}\n\n{d['text']}\n\nQuestion: {q['question']}"
-            out.append({"id": f"doc/{d['id']}/{i}", "kind": "document", "group": d["id"],
-                        "messages": [{"role": "user", "content": content}], "answer": q["answer"]})
-    return out
+    return [_prompt("document", "doc", d["id"], i,
+                    [{"role": "user", "content": f"{DOCUMENT_INSTRUCTION}\n\n{d['text']}\n\nQuestion: {q['question']}"}],
+                    q["answer"])
+            for d in _read("documents.jsonl") for i, q in enumerate(d["questions"])]
 
 
 def code_prompts() -> list[dict]:
-    out = []
-    for c in _read("code.jsonl"):
-        for i, t in enumerate(c["tasks"]):
-            content = f"Here is `{c['path']}`:\n\n```{c['language']}\n{c['text']}```\n\n{t['prompt']}"
-            out.append({"id": f"code/{c['id']}/{i}", "kind": "code", "group": c["id"],
-                        "messages": [{"role": "user", "content": content}], "answer": t.get("answer")})
-    return out
+    return [_prompt("code", "code", c["id"], i,
+                    [{"role": "user", "content": f"Here is `{c['path']}`:\n\n```{c['language']}\n{c['text']}```\n\n"
+                                                 f"{t['prompt']}"}], t.get("answer"))
+            for c in _read("code.jsonl") for i, t in enumerate(c["tasks"])]
 
 
 def chat_prompts() -> list[dict]:
-    out = []
-    for c in _read("chats.jsonl"):
-        turns = c["turns"]   # user, assistant, user, ..., user
-        for n in range(0, len(turns), 2):
-            messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
-                        for i, t in enumerate(turns[:n + 1])]
-            out.append({"id": f"chat/{c['id']}/{n // 2}", "kind": "chat", "group": c["id"],
-                        "messages": messages, "answer": None})
-    return out
+    """Turn n's prompt: the user turns and assistant replies up to that user turn."""
+    return [_prompt("chat", "chat", c["id"], n // 2,
+                    [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                     for i, t in enumerate(c["turns"][:n + 1])], None)   # turns: user, assistant, ..., user
+            for c in _read("chats.jsonl") for n in range(0, len(c["turns"]), 2)]
 
 
 def load_prompts() -> list[dict]:
