@@ -60,12 +60,16 @@ def namespace_ids(draw, valid: bytes):
     return draw(st.one_of(st.just(valid), st.binary(max_size=40)))
 
 
+def _target(rig, data) -> tuple:
+    """The stub, a namespace id (the rig's, or any bytes) and a hash list: what every call names."""
+    stub, ns, _ = rig
+    return stub, data.draw(namespace_ids(ns)), data.draw(hashes_st)
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzz_reads(rig, data):
-    stub, ns, _ = rig
-    ns_id = data.draw(namespace_ids(ns))
-    hashes = data.draw(hashes_st)
+    stub, ns_id, hashes = _target(rig, data)
     _check(lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns_id, hashes=hashes, no_lease=data.draw(st.booleans())),
                                timeout=10))
     _check(lambda: stub.Exists(pb.ExistsRequest(namespace_id=ns_id, hashes=hashes), timeout=10))
@@ -84,9 +88,7 @@ def test_fuzz_reads(rig, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_writes(rig, data):
-    stub, ns, _ = rig
-    ns_id = data.draw(namespace_ids(ns))
-    hashes = data.draw(hashes_st)
+    stub, ns_id, hashes = _target(rig, data)
     parent = data.draw(st.binary(max_size=80))
     sizes = data.draw(st.lists(st.sampled_from([0, 1, 31, 32, 48, 2**40]), max_size=4))   # client-encoded payloads
     header = pb.PutHeader(namespace_id=ns_id, hashes=hashes, parent=parent,
