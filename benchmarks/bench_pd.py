@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -189,8 +190,30 @@ def main() -> None:
         write_report(a.out, report, markdown, echo=echo)
     warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
 
-    def warm_up(url: str) -> None:
+    def measure_at(name: str, url: str, decode_url: str | None) -> None:
+        """Warm ``url`` up, measure it at every rate, save the report so far."""
         asyncio.run(_run_rate(url, model, [warm, warm[::-1]], 2, 100.0, seed=99))
+        runs[name] = measure(name, url, decode_url, model, prompts_for, rates, a.max_tokens)
+        save()
+
+    def measure_pair(name: str, prefill, decode) -> None:
+        """A prefill and a decode server behind a fresh ``kvstore pd-proxy``, measured."""
+        proxy = PdProxy.start(work, [prefill.url], [decode.url])
+        try:
+            measure_at(name, proxy.url, decode.url)
+        finally:
+            proxy.stop()
+
+    @contextlib.contextmanager
+    def serving(servers: dict):
+        """The servers, once every one is healthy; all stopped at the end."""
+        try:
+            for s in servers.values():
+                s.wait_healthy("/health", 600)
+            yield
+        finally:
+            for s in servers.values():
+                s.stop()
 
     kvstore_configs = [c for c in configs if c.startswith("kvstore")]
     if kvstore_configs:
@@ -209,19 +232,10 @@ def main() -> None:
             role, extra = decoders[c]
             servers[c] = server(c, kv(role, **extra), "d")
         try:
-            for s in servers.values():
-                s.wait_healthy("/health", 600)
-            for c in kvstore_configs:
-                proxy = PdProxy.start(work, [servers["p"].url], [servers[c].url])
-                try:
-                    warm_up(proxy.url)
-                    runs[c] = measure(c, proxy.url, servers[c].url, model, prompts_for, rates, a.max_tokens)
-                    save()
-                finally:
-                    proxy.stop()
+            with serving(servers):
+                for c in kvstore_configs:
+                    measure_pair(c, servers["p"], servers[c])
         finally:
-            for s in servers.values():
-                s.stop()
             daemon.kill()
 
     if "example" in configs or "colocated" in configs:
@@ -233,29 +247,13 @@ def main() -> None:
         if "example" in configs:
             servers["ex-p"] = server("example-prefill", ex, "p")
             servers["ex-d"] = server("example-decode", ex, "d")
-        try:
-            for s in servers.values():
-                s.wait_healthy("/health", 600)
+        with serving(servers):
             if "example" in configs:
-                proxy = PdProxy.start(work, [servers["ex-p"].url], [servers["ex-d"].url])
-                try:
-                    warm_up(proxy.url)
-                    runs["example"] = measure("example", proxy.url, servers["ex-d"].url, model, prompts_for, rates,
-                                              a.max_tokens)
-                    save()
-                finally:
-                    proxy.stop()
-        finally:
-            for s in servers.values():
-                s.stop()
+                measure_pair("example", servers["ex-p"], servers["ex-d"])
         if "colocated" in configs:
             colo = server("colocated", None, "both")
-            try:
-                colo.wait_healthy("/health", 600)
-                warm_up(colo.url)
-                runs["colocated"] = measure("colocated", colo.url, None, model, prompts_for, rates, a.max_tokens)
-            finally:
-                colo.stop()
+            with serving({"colocated": colo}):
+                measure_at("colocated", colo.url, None)
 
     save(echo=True)
 
@@ -266,7 +264,7 @@ def _ms(x) -> str:
 
 def markdown(r: dict) -> str:
     m = r["machine"]
-    lines = [f"# Prefill/decode disaggregation (`benchmarks/bench_pd.py`)", "",
+    lines = ["# Prefill/decode disaggregation (`benchmarks/bench_pd.py`)", "",
              f"Model: {r['model']}. Prompts of {r['prompt_tokens']} random tokens, {r['max_tokens']} generated "
              f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
              "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
