@@ -167,6 +167,25 @@ def render_markdown(report: dict) -> str:
                             " / ".join(p["get_put_lookup_exists_after"]),
                             ", ".join(f"{k}: {v}" for k, v in p["old_tickets"].items()), p["other_tenant_served"]))
         out += ["", f"Passed: {r['ok']}.", ""]
+    if "peer_replay" in sc and "modes" in sc["peer_replay"]:
+        r = sc["peer_replay"]
+        out += ["## A departed fleet node's signed entry written back", "",
+                f"{r['rounds']} rounds per row. Node d1 (auth on; the peer token is tenant t's token) stores 4 blocks and "
+                "publishes them; the attacker saves d1's signed entry and checksums, d1 stops cleanly, a gRPC server "
+                "of the attacker's takes d1's port and serves d1's own bytes, and the saved values are written back "
+                "to Redis within their signed expiry (with d1's tombstone left, or deleted too). A victim daemon "
+                "then misses on those blocks. Every call the thief got is replayed byte for byte to an honest "
+                "daemon. Then the honest node stores the blocks and the victim fetches them.", "",
+                _row("tombstone", "calls the thief got", "with the peer token or fleet secret",
+                     "blocks kept from the thief", "replays refused by an honest daemon",
+                     "blocks then fetched from the honest node", "victim counters"), _row(*["---"] * 7)]
+        for mode, m in r["modes"].items():
+            out.append(_row(mode.split()[1], m["thief_calls"], m["secrets_seen"],
+                            f"{m['blocks_kept_from_thief']} of {m['blocks_asked']}",
+                            f"{m['replays_refused']} of {m['proofs_replayed']}",
+                            f"{m['honest_blocks_fetched']} of {m['blocks_asked']}",
+                            ", ".join(f"{k} {v}" for k, v in m["victim_counters"].items())))
+        out += ["", f"Passed: {r['ok']}.", ""]
     if "segments_cycle" in sc and "keep" in sc["segments_cycle"]:
         r = sc["segments_cycle"]
         k = r["keep"]
