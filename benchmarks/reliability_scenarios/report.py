@@ -179,12 +179,12 @@ def render_markdown(report: dict) -> str:
                 _row("tombstone", "calls the thief got", "with the peer token or fleet secret",
                      "blocks kept from the thief", "replays refused by an honest daemon",
                      "blocks then fetched from the honest node", "victim counters"), _row(*["---"] * 7)]
-        for mode, m in r["modes"].items():
-            out.append(_row(mode.split()[1], m["thief_calls"], m["secrets_seen"],
-                            f"{m['blocks_kept_from_thief']} of {m['blocks_asked']}",
-                            f"{m['replays_refused']} of {m['proofs_replayed']}",
-                            f"{m['honest_blocks_fetched']} of {m['blocks_asked']}",
-                            ", ".join(f"{k} {v}" for k, v in m["victim_counters"].items())))
+        for mode, g in r["modes"].items():
+            out.append(_row(mode.split()[1], g["thief_calls"], g["secrets_seen"],
+                            f"{g['blocks_kept_from_thief']} of {g['blocks_asked']}",
+                            f"{g['replays_refused']} of {g['proofs_replayed']}",
+                            f"{g['honest_blocks_fetched']} of {g['blocks_asked']}",
+                            ", ".join(f"{k} {v}" for k, v in g["victim_counters"].items())))
         out += ["", f"Passed: {r['ok']}.", ""]
     if "segments_cycle" in sc and "keep" in sc["segments_cycle"]:
         r = sc["segments_cycle"]
