@@ -83,7 +83,9 @@ def test_plan_shows_requests_replayed_in_one_process_and_in_several(tmp_path, ex
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
     replayed = counts(lines, r"kvstore plan: chat, ([\d,]+) of [\d,]+ requests \([\d,]+ requests/s\)")
-    assert len(replayed) == len(lines) >= 2, r.stderr   # stderr holds the progress lines only
+    # stderr holds the progress lines only: the requests replayed, then the outputs being written
+    assert len(replayed) == len(lines) - 1 >= 2, r.stderr
+    assert re.fullmatch(rf"kvstore plan: \[1/1\] writing {tmp_path}/plan.json, \S+.md and \S+.png \(\d+s\)", lines[-1])
     total = counts(lines[:1], r" of ([\d,]+) requests")[0]   # 4 candidates x the workload's requests
     assert replayed == sorted(replayed) and replayed[0] < total, replayed
     if "--json" in extra:

@@ -204,7 +204,9 @@ def run(args: argparse.Namespace, console=None) -> dict:
         bandwidth = {**DEFAULT_BANDWIDTH_GBPS, **parse_bandwidth(args.bandwidth)}
         bw_source = "given"
     else:
-        bandwidth = measure_bandwidth(layout.block_bytes, args.measure_dir)
+        with Progress("kvstore plan", total=1, quiet=args.quiet) as step:   # seconds: say what it does
+            step.advance(f"measuring this host's tier read bandwidths in {args.measure_dir} (--bandwidth skips this)")
+            bandwidth = measure_bandwidth(layout.block_bytes, args.measure_dir)
         bw_source = "measured on this host (kvstore.ops.ceilings)"
     cost = CostModel(bandwidth, prefill, args.rpc_ms)
     config = StoreConfig(write_through=args.write_through, promote_on_hit=not args.no_promote,
@@ -239,7 +241,9 @@ def run(args: argparse.Namespace, console=None) -> dict:
     report["cost_model"]["bandwidth_gbps"] = {k: (v if math.isfinite(v) else None) for k, v in bandwidth.items()}
     for c in report["codecs"].values():
         c["decode_gbps"] = c["decode_gbps"] if math.isfinite(c["decode_gbps"]) else None
-    _write_outputs(report, args, layout)
+    with Progress("kvstore plan", total=1, quiet=args.quiet) as step:
+        step.advance(f"writing {args.out}.json, {args.out}.md and {args.out}.png")
+        _write_outputs(report, args, layout)
     if args.json:
         print(json.dumps(report, indent=1))
     elif not args.quiet:
