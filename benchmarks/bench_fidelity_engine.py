@@ -274,6 +274,28 @@ def wait_for_quiet(max_load: float, wait_s: float) -> list[float]:
     return list(os.getloadavg())
 
 
+class FidelityRun:
+    """One fidelity run's envelope: it starts once the machine is quiet (``--max-load``,
+    ``--wait-s``), in a work directory of its own; ``finish`` puts the load, the machine and the
+    duration beside the result, writes it to ``--out`` and removes the work directory unless
+    ``--keep-work``."""
+
+    def __init__(self, a, name: str) -> None:
+        self.a, self.t_start = a, time.perf_counter()
+        self.load_start = wait_for_quiet(a.max_load, a.wait_s)
+        self.work = tempfile.mkdtemp(prefix=f"bench-{name}-")
+
+    def finish(self, result: dict, markdown) -> None:
+        from kvstore.ops.machine import machine_facts
+        from kvstore.ops.report import write_report
+
+        result.update({"loadavg": {"start": self.load_start, "end": list(os.getloadavg())},
+                       "machine": machine_facts(), "seconds": time.perf_counter() - self.t_start})
+        write_report(self.a.out, result, markdown)
+        if not self.a.keep_work:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts and training steps (smoke run, not committed)")
@@ -294,13 +316,9 @@ def main() -> None:
 
     from kvstore.ops.engines import engine_env, run_engine_jobs, vllm_kv_transfer_config
     from kvstore.ops.local_daemon import start_local_daemon
-    from kvstore.ops.machine import machine_facts
-    from kvstore.ops.report import write_report
 
-    t_start = time.perf_counter()
-    engine_versions: dict = {}
-    load_start = wait_for_quiet(a.max_load, a.wait_s)
-    work = tempfile.mkdtemp(prefix="bench-fidelity-engine-")
+    run = FidelityRun(a, "fidelity-engine")
+    work = run.work
     venv = vllm_venv()
     python = os.path.join(venv, "bin", "python")
     env = {**ENGINE_ENV, "PYTHONPATH": kvstore_shim(work)}
@@ -441,12 +459,8 @@ def main() -> None:
         "models": results, "valid": valid,
         "goal": {"fp8_top1_ge_0.99_trained": bool(fp8 and fp8["top1_agreement"] >= 0.99),
                  "fp8_greedy_identical_trained": bool(fp8 and fp8["greedy_identical"] == 1.0)},
-        "loadavg": {"start": load_start, "end": list(os.getloadavg())},
-        "machine": machine_facts(), "seconds": time.perf_counter() - t_start,
     }
-    write_report(a.out, result, render_markdown)
-    if not a.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    run.finish(result, render_markdown)
 
 
 def render_markdown(r: dict) -> str:

@@ -41,11 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -53,7 +51,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_fidelity_engine import kvstore_shim, vllm_venv, wait_for_quiet  # noqa: E402
+from bench_fidelity_engine import FidelityRun, kvstore_shim, vllm_venv  # noqa: E402
 from prompts.corpus import exact_match, load_prompts  # noqa: E402
 
 VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")
@@ -157,12 +155,9 @@ def main() -> None:
 
     from kvstore.ops.engines import engine_env, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
     from kvstore.ops.local_daemon import start_local_daemon
-    from kvstore.ops.machine import machine_facts
-    from kvstore.ops.report import write_report
 
-    t_start = time.perf_counter()
-    load_start = wait_for_quiet(a.max_load, a.wait_s)
-    work = tempfile.mkdtemp(prefix="bench-fidelity-real-")
+    run = FidelityRun(a, "fidelity-real")
+    work = run.work
     venv = vllm_venv()
     python = os.path.join(venv, "bin", "python")
     model = real_model_dir(os.path.join(REPO, "scripts", "real-model.sh"))
@@ -266,12 +261,8 @@ def main() -> None:
         "connector": {"save engine": vllm_kv_transfer_config("<daemon>", **SAVE_SETTINGS),
                       "load engine": vllm_kv_transfer_config("<daemon>", save=False)},
         "engine": {k: v for k, v in ENGINE.items()}, "engine_env": ENGINE_ENV, "engine_versions": versions,
-        "loadavg": {"start": load_start, "end": list(os.getloadavg())},
-        "machine": machine_facts(), "seconds": time.perf_counter() - t_start,
     }
-    write_report(a.out, result, render_markdown)
-    if not a.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    run.finish(result, render_markdown)
 
 
 def _pct(x: float) -> str:
