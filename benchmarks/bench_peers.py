@@ -59,7 +59,7 @@ from kvstore.transport.chunks import DEFAULT_CHUNK_BYTES
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 from kvstore.units import format_size, parse_size
-from peers.driver_common import die_with_parent, free_port  # benchmarks/ is sys.path[0]
+from peers.driver_common import die_with_parent, free_port, stop_process  # benchmarks/ is sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -257,13 +257,7 @@ class RedisServer:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
+        stop_process(self.proc, 15)
         self.log.close()
 
 

@@ -39,7 +39,7 @@ from kvstore.ops.engines import engine_python, engine_venv, real_model_dir, run_
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
-from peers.driver_common import free_port, wait_port  # benchmarks/ is sys.path[0]
+from peers.driver_common import free_port, stop_process, wait_port  # benchmarks/ is sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -80,11 +80,7 @@ def lmcache_server(work: str, chunk_tokens: int = 256, l1_gb: int = 2):
         yield ({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}, [shim])
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server, 30)
 
 
 #: the real model's shape (scripts/real-model.sh builds it): SmolLM2-135M-Instruct, Llama architecture

@@ -1,7 +1,7 @@
 """What every peer driver (and the benchmarks that start servers) needs the same way: die with the
 parent, caller buffers made like every other path's, a free loopback port, waiting for a server to
-listen. Imports nothing but numpy: the drivers run in the peers' own venvs, where kvstore's
-dependencies may be missing."""
+listen and stopping it. Imports nothing but numpy: the drivers run in the peers' own venvs, where
+kvstore's dependencies may be missing."""
 
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout_s`` for it to exit, then SIGKILL it; nothing when
+    it has exited already."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
 
 
 def wait_port(port: int, proc: subprocess.Popen | None = None, what: str = "server", timeout_s: float = 30.0) -> None:

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from driver_common import die_with_parent, free_port, touched  # run as a script: its folder is sys.path[0]
+from driver_common import die_with_parent, free_port, stop_process, touched  # run as a script: its folder is sys.path[0]
 
 BIN = os.path.dirname(sys.executable)
 WAIT_S = 300.0
@@ -121,13 +121,7 @@ def measure_server(job: dict, workdir: str) -> dict:
     finally:
         if sock is not None:
             sock.close()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
 
 
 def measure_disk(job: dict, workdir: str) -> dict:

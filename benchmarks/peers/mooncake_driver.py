@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from driver_common import die_with_parent, free_port, touched, wait_port  # run as a script: its folder is sys.path[0]
+from driver_common import die_with_parent, free_port, stop_process, touched, wait_port  # run as a script: its folder is sys.path[0]
 
 BIN = os.path.dirname(sys.executable)
 # keys per batch_put_from / batch_get_into call: one call of 4096 64 KiB slices overflows the TCP
@@ -81,14 +81,7 @@ class Servers:
 
     def stop(self) -> None:
         for _, p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for _, p in reversed(self.procs):
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+            stop_process(p)
         self.procs = []
 
 
