@@ -207,25 +207,20 @@ class RedisTier(Tier):
     def _verify(self, value: bytes, stored_size: int | None, key: bytes) -> np.ndarray | None:
         """The payload of ``value`` if it is whole and authentic: with a secret, its MAC for
         ``key`` must verify (an unsigned or v1 value is refused); without, its checksum."""
-        if self._mac_key is not None:
-            if len(value) < SIGNED_HEADER_BYTES:
-                return None
-            magic, version, codec, _, raw, stored, mac = _SIGNED.unpack_from(value)
-            if magic != MAGIC or version != SIGNED_VERSION or len(value) != SIGNED_HEADER_BYTES + stored:
-                return None
-            payload = np.frombuffer(value, dtype=np.uint8, offset=SIGNED_HEADER_BYTES)
-            if not hmac.compare_digest(mac, self._mac(key, codec, raw, stored, payload)):
+        signed = self._mac_key is not None
+        header, expected_version = (_SIGNED, SIGNED_VERSION) if signed else (_HEADER, VERSION)
+        if len(value) < header.size:
+            return None
+        magic, version, codec, _, raw, stored, check = header.unpack_from(value)   # check: MAC or checksum
+        if magic != MAGIC or version != expected_version or len(value) != header.size + stored:
+            return None
+        payload = np.frombuffer(value, dtype=np.uint8, offset=header.size)
+        if signed:
+            if not hmac.compare_digest(check, self._mac(key, codec, raw, stored, payload)):
                 self.forged_refused += 1
                 return None
-        else:
-            if len(value) < HEADER_BYTES:
-                return None
-            magic, version, _codec, _, _raw, stored, checksum = _HEADER.unpack_from(value)
-            if magic != MAGIC or version != VERSION or len(value) != HEADER_BYTES + stored:
-                return None
-            payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES)
-            if xxhash.xxh3_64_intdigest(payload) != checksum:
-                return None
+        elif xxhash.xxh3_64_intdigest(payload) != check:
+            return None
         if stored_size is not None and stored != stored_size:
             return None
         return payload
