@@ -285,6 +285,18 @@ class FidelityRun:
         self.load_start = wait_for_quiet(a.max_load, a.wait_s)
         self.work = tempfile.mkdtemp(prefix=f"bench-{name}-")
 
+    def codec_daemon(self, name: str, codec: str, cpu_bytes: str):
+        """A private daemon in ``work/name`` whose CPU tier holds blocks encoded with ``codec``
+        (``DAEMON_CONFIG``), no NVMe tier."""
+        from kvstore.ops.local_daemon import start_local_daemon
+
+        ddir = os.path.join(self.work, name)
+        os.makedirs(ddir)
+        config = os.path.join(ddir, "kvstore.yaml")
+        with open(config, "w") as f:
+            f.write(DAEMON_CONFIG.format(codec=codec))
+        return start_local_daemon(ddir, "--config", config, cpu_bytes=cpu_bytes, nvme_bytes="0")
+
     def finish(self, result: dict, markdown) -> None:
         from kvstore.ops.machine import machine_facts
         from kvstore.ops.report import write_report
@@ -315,7 +327,6 @@ def main() -> None:
         a.out = os.path.join(tempfile.gettempdir(), "fidelity_engine_quick")
 
     from kvstore.ops.engines import engine_env, run_engine_jobs, vllm_kv_transfer_config
-    from kvstore.ops.local_daemon import start_local_daemon
 
     run = FidelityRun(a, "fidelity-engine")
     work = run.work
@@ -388,12 +399,7 @@ def main() -> None:
         # every full prompt block is loaded; vLLM computes at least the last token itself
         expected_cached = [min(n - 1, n // BLOCK * BLOCK) for n in lengths]
         for codec in CODECS:
-            ddir = os.path.join(work, f"kvd-{model_name}-{codec}")
-            os.makedirs(ddir)
-            config = os.path.join(ddir, "kvstore.yaml")
-            with open(config, "w") as f:
-                f.write(DAEMON_CONFIG.format(codec=codec))
-            d = start_local_daemon(ddir, "--config", config, cpu_bytes="512MiB", nvme_bytes="0")
+            d = run.codec_daemon(f"kvd-{model_name}-{codec}", codec, "512MiB")
             try:
                 saved = engine_run(f"save-{codec}", [{"generate": prompts, "max_tokens": 1}],
                                    vllm_kv_transfer_config(d.url, **SAVE_SETTINGS))

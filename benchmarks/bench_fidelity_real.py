@@ -51,14 +51,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_fidelity_engine import FidelityRun, kvstore_shim, vllm_venv  # noqa: E402
+from bench_fidelity_engine import DAEMON_CONFIG, FidelityRun, kvstore_shim, vllm_venv  # noqa: E402
 from prompts.corpus import exact_match, load_prompts  # noqa: E402
 
 VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")
 BLOCK = 32
 VOCAB = 49152
 CODECS = ("raw", "fp8", "int8", "int4_g64", "int4_g64_k16")
-DAEMON_CONFIG = "codecs:\n  cpu: {codec}\ncpu_slot_bytes: 4KiB\n"
 SAVE_SETTINGS = {"max_pending_saves": 100000}   # saves are best effort: never drop one here
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0", "HF_HUB_OFFLINE": "1",
               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -154,7 +153,6 @@ def main() -> None:
         ap.error("the first codec must be raw: every other one is compared with it")
 
     from kvstore.ops.engines import engine_env, real_model_dir, run_engine_jobs, vllm_kv_transfer_config
-    from kvstore.ops.local_daemon import start_local_daemon
 
     run = FidelityRun(a, "fidelity-real")
     work = run.work
@@ -195,12 +193,7 @@ def main() -> None:
     runs: dict[str, dict] = {}
     valid: dict[str, dict] = {}
     for codec in a.codecs:
-        ddir = os.path.join(work, f"kvd-{codec}")
-        os.makedirs(ddir)
-        config = os.path.join(ddir, "kvstore.yaml")
-        with open(config, "w") as f:
-            f.write(DAEMON_CONFIG.format(codec=codec))
-        d = start_local_daemon(ddir, "--config", config, cpu_bytes="1GiB", nvme_bytes="0")
+        d = run.codec_daemon(f"kvd-{codec}", codec, "1GiB")
         try:
             save_steps = [{"generate": ids, "max_tokens": 1}, {"drain": True}]
             if codec == "raw":
