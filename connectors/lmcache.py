@@ -185,6 +185,30 @@ def layout_desc_bytes(desc: Any) -> int:
     return total
 
 
+class _Finished:
+    """The results of finished tasks of one kind (store, lookup or load), and the event fd
+    LMCache waits on for them."""
+
+    def __init__(self) -> None:
+        self.efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._results: dict[L2TaskId, Any] = {}
+
+    def put(self, tid: L2TaskId, result: Any) -> None:
+        with self._lock:
+            self._results[tid] = result
+        self.efd.notify()
+
+    def pop(self, tid: L2TaskId) -> Any:
+        with self._lock:
+            return self._results.pop(tid, None)
+
+    def pop_all(self) -> dict[L2TaskId, Any]:
+        with self._lock:
+            done, self._results = self._results, {}
+        return done
+
+
 class KVStoreL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter backed by a kvstore daemon (see the module docstring)."""
 
@@ -197,15 +221,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self.config = config
         self.client = Client(url=config.url, token=config.token, timeout_s=config.timeout_s,
                              transport=config.transport)
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
+        self._stored, self._looked_up, self._loaded = _Finished(), _Finished(), _Finished()
         self._pool = ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="kvstore-l2")
         self._lock = threading.Lock()
         self._next_task_id: L2TaskId = 0
-        self._done_store: dict[L2TaskId, L2StoreResult] = {}
-        self._done_lookup: dict[L2TaskId, Bitmap] = {}
-        self._done_load: dict[L2TaskId, Bitmap] = {}
         self._breaker = CircuitBreaker()   # one daemon behind every namespace: one breaker
         self._namespaces: dict[tuple[str, str, ObjectShape], NamespaceHandle] = {}  # (model, salt, shape) -> handle
         self._shapes: dict[tuple[str, str], set[ObjectShape]] = {}                # (model, salt) -> shapes seen
@@ -213,13 +232,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # ---- event fds ---------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
-        return self._store_efd.fileno()
+        return self._stored.efd.fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_efd.fileno()
+        return self._looked_up.efd.fileno()
 
     def get_load_event_fd(self) -> int:
-        return self._load_efd.fileno()
+        return self._loaded.efd.fileno()
 
     # ---- namespaces ----------------------------------------------------------------------
     def _namespace(self, model: str, salt: str, shape: ObjectShape) -> NamespaceHandle:
@@ -274,14 +293,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         except Exception as e:  # a malformed object, not the daemon (the handle turns those into False)
             ok = False
             logger.warning("kvstore L2 store failed: %s", e)
-        with self._lock:
-            self._done_store[tid] = L2StoreResult(ok, stored if ok else 0)
-        self._store_efd.notify()
+        self._stored.put(tid, L2StoreResult(ok, stored if ok else 0))
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._done_store = self._done_store, {}
-        return done
+        return self._stored.pop_all()
 
     def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: dict) -> L2TaskId:
         tid = self._new_task()
@@ -321,13 +336,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 pending = [i for i in pending if i not in found]
         except Exception as e:  # a malformed key or layout, not the daemon
             logger.warning("kvstore L2 lookup failed: %s", e)
-        with self._lock:
-            self._done_lookup[tid] = bitmap
-        self._lookup_efd.notify()
+        self._looked_up.put(tid, bitmap)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._done_lookup.pop(task_id, None)
+        return self._looked_up.pop(task_id)
 
     def submit_unlock(self, keys: list) -> None:
         """Nothing to do: kvstore's lookup leases expire on their own."""
@@ -356,13 +368,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._notify_keys_accessed(hits)
         except Exception as e:  # a malformed object, not the daemon
             logger.warning("kvstore L2 load failed: %s", e)
-        with self._lock:
-            self._done_load[tid] = bitmap
-        self._load_efd.notify()
+        self._loaded.put(tid, bitmap)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._done_load.pop(task_id, None)
+        return self._loaded.pop(task_id)
 
     # ---- optional -----------------------------------------------------------------------
     def delete(self, keys: list) -> None:
@@ -392,6 +401,5 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.client.close()
         except Exception:
             pass
-        self._store_efd.close()
-        self._lookup_efd.close()
-        self._load_efd.close()
+        for finished in (self._stored, self._looked_up, self._loaded):
+            finished.efd.close()
