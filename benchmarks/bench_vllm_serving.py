@@ -126,15 +126,8 @@ def main() -> None:
               "kv_cache_memory_bytes": max(256 << 20, 2 * a.requests * max_len * kv_bytes_per_token)}
 
     def job(kv=None, extra_path=None, scheduling=None) -> dict:
-        j = {"env": ENGINE_ENV, "engine": {**engine, **(scheduling or {})},
-             "steps": [warmup, seed, {"sleep": 3}, *measured]}
-        if model.build:
-            j["build"] = model.build
-        if kv:
-            j["kv_transfer_config"] = kv
-        if extra_path:
-            j["extra_sys_path"] = extra_path
-        return j
+        return model.job(ENGINE_ENV, {**engine, **(scheduling or {})}, [warmup, seed, {"sleep": 3}, *measured],
+                         kv, extra_path)
 
     def run(name: str, j: dict) -> dict:
         (r,) = run_vllm_jobs(python, work, [(name, j)])

@@ -110,6 +110,19 @@ class EngineModel:
     info: dict
     kv_bytes_per_token: int
 
+    def job(self, env: dict, engine: dict, steps: list, kv: dict | None = None,
+            extra_path: list | None = None) -> dict:
+        """A tests/engines/vllm_driver.py job running this model (built first when it is the
+        random one), with kvstore's or another connector's ``kv`` transfer config."""
+        j = {"env": env, "engine": engine, "steps": steps}
+        if self.build:
+            j["build"] = self.build
+        if kv:
+            j["kv_transfer_config"] = kv
+        if extra_path:
+            j["extra_sys_path"] = extra_path
+        return j
+
 
 def model_spec(a: argparse.Namespace, work: str, vocab: int) -> EngineModel:
     """The model ``add_model_args``' flags chose; ``vocab`` sizes the random one."""
@@ -192,14 +205,7 @@ def main() -> None:
         return {"generate": prompts, "max_tokens": 1, "timed": True}
 
     def job(steps, kv=None, extra_path=None):
-        j = {"env": MP_ENV, "engine": engine, "steps": steps}
-        if model.build:
-            j["build"] = model.build
-        if kv:
-            j["kv_transfer_config"] = kv
-        if extra_path:
-            j["extra_sys_path"] = extra_path
-        return j
+        return model.job(MP_ENV, engine, steps, kv, extra_path)
 
     load_start = os.getloadavg()
     runs: dict[str, dict] = {}
