@@ -23,7 +23,7 @@ from kvstore.ops.local_daemon import start_local_daemon
 LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
 SLOT = 4096
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had"]
 TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (codecs.cpu: ...)
 TRANSPORTS = ["shm", "bulk", "grpc"]
 
@@ -67,8 +67,9 @@ def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(
     cache = tmp_path / "numba-cache"
     config = tmp_path / "kvstore.yaml"
     config.write_text(f"codecs:\n  cpu: int4_g64\nshm_dir: {tmp_path}\n")
+    # (a cold compile of every kernel is ~20 s of CPU: minutes of wall time on a loaded host)
     d = start_local_daemon(tmp_path / "d", "--config", str(config), cpu_bytes="8MiB", nvme_bytes="64MiB",
-                           env={"NUMBA_CACHE_DIR": str(cache)})
+                           env={"NUMBA_CACHE_DIR": str(cache)}, timeout=300)
     try:
         compiled = {p.name.split(".")[1].rsplit("-", 1)[0] for p in cache.rglob("*.nbi")}
         assert compiled == set(fast_cpu.KERNEL_NAMES)

@@ -24,7 +24,7 @@ from kvstore.codecs import (CODEC_IDS, REASONS, Refused, check_layout, compiled_
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had"]
 L, T, H, D = 3, 16, 2, 64        # layers, tokens per block / page, KV heads, head_dim
 LATENT = 80                      # MLA kv_lora_rank + rope dims (64 + 16)
 BLOCKS = 3                       # blocks (pages) per engine tensor; the middle one is checked
@@ -207,27 +207,47 @@ ENGINES = {
 }
 
 
+def rotated(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [..., D] with each group of n dims times H_n / n (Sylvester's Hadamard matrix, built
+    here), n the largest power of two dividing D up to 64; and n."""
+    n = 1
+    while n < 64 and x.shape[-1] % (2 * n) == 0:
+        n *= 2
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (x.reshape(*x.shape[:-1], -1, n) @ (h / n)).reshape(x.shape), n
+
+
 def error_bound(codec: str, x: torch.Tensor, y: torch.Tensor, role: str) -> torch.Tensor:
     """The codec's stated elementwise error for ``x`` ([L, T, H, D], float) decoded as ``y``: fp8
     half an e4m3 step of each (token, head) row's (or head's) scale; int4 half a step of the group
-    range, keys (and one-tensor blocks) per channel over the block's tokens, values per token."""
+    range, keys (and one-tensor blocks) per channel over the block's tokens, values per token; a
+    rotated row (int8_had's keys and one-tensor blocks, every int4_g64_k16_had row) n half steps of
+    the rotated row."""
     eps = torch.finfo(BF16).eps
-    if codec == "int8":
-        return x.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) + y.abs() * eps
+    if codec.startswith("int8"):
+        plain = x.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) + y.abs() * eps
+        if codec == "int8":
+            return plain
+        r, n = rotated(x)   # (a V-only segment is rotated as a one-tensor block: either bound)
+        return torch.maximum(plain, r.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) * n * (1 + 1e-5)
+                             + y.abs() * eps)
     if codec.startswith("fp8"):
         amax = x.abs().amax(dim=(1, 3) if codec == "fp8_head" else (3,), keepdim=True)
         return x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + y.abs() * eps
     group = int(codec.split("_g")[1].split("_")[0])
     nl, nt, nh, nd = x.shape
+    r, n = rotated(x) if codec.endswith("_had") else (x, 1)
     if role == "k":
-        g = min(int(codec.split("_k")[1]) if "_k" in codec else group, nt)
-        xg = x.view(nl, nt // g, g, nh, nd)
+        g = min(int(codec.split("_k")[1].split("_")[0]) if "_k" in codec else group, nt)
+        xg = r.reshape(nl, nt // g, g, nh, nd)
         rng = (xg.amax(2, keepdim=True) - xg.amin(2, keepdim=True)).expand_as(xg).reshape(x.shape)
     else:
         g = min(group, nd)
-        xg = x.view(nl, nt, nh, nd // g, g)
+        xg = r.reshape(nl, nt, nh, nd // g, g)
         rng = (xg.amax(4, keepdim=True) - xg.amin(4, keepdim=True)).expand_as(xg).reshape(x.shape)
-    return rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps + y.abs() * eps
+    return (rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps) * n + y.abs() * eps
 
 
 def round_trip(engine: Engine, codec: str) -> list[torch.Tensor]:

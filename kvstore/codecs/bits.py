@@ -28,8 +28,8 @@ def _binary(op: str, width: int):
     return fn
 
 
-and32, or32, xor32, add32, sub32, shl32, shr32 = (_binary(op, 32) for op in ("and_", "or_", "xor", "add", "sub", "shl",
-                                                                         "lshr"))
+and32, or32, xor32, add32, sub32, shl32, shr32, ashr32 = (_binary(op, 32) for op in ("and_", "or_", "xor", "add", "sub",
+                                                                                 "shl", "lshr", "ashr"))
 and16, xor16, shl16, ashr16 = (_binary(op, 16) for op in ("and_", "xor", "shl", "ashr"))
 
 
@@ -44,6 +44,23 @@ def _extreme(predicate: str):
 
 #: min / max of int16 at 16 bits (numba's min/max widen them: a quarter of the SIMD lanes)
 min16, max16 = _extreme("<"), _extreme(">")
+
+
+def _extreme32(predicate: str, signed: bool):
+    ty = types.int32 if signed else types.uint32
+
+    @intrinsic
+    def fn(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            compare = builder.icmp_signed if signed else builder.icmp_unsigned
+            return builder.select(compare(predicate, args[0], args[1]), args[0], args[1])
+        return ty(ty, ty), codegen
+    return fn
+
+
+#: min / max of int32 (and max of uint32) at 32 bits: integer reductions vectorise, where a float
+#: max may not be reordered (NaN) and stays scalar
+min32, max32, umax32 = _extreme32("<", True), _extreme32(">", True), _extreme32(">", False)
 
 
 @intrinsic
@@ -122,6 +139,29 @@ def key_to_f32(k):
     """Inverse of ``order_key``, as the bf16 value widened to float32."""
     w = U16(k)
     return bf16_to_f32(xor16(w, and16(ashr16(w, _SIGN_RUN), _MAG)))
+
+
+_ABS32, _S31 = U32(0x7FFFFFFF), U32(31)
+
+
+@njit(inline="always")
+def order_key32(f):
+    """An int32 whose order is the float32 value order (-0 sorts just below +0)."""
+    b = f32_bits(f)
+    return np.int32(xor32(b, and32(ashr32(b, _S31), _ABS32)))
+
+
+@njit(inline="always")
+def key32_to_f32(k):
+    """Inverse of ``order_key32``."""
+    b = U32(k)
+    return bits_f32(xor32(b, and32(ashr32(b, _S31), _ABS32)))
+
+
+@njit(inline="always")
+def abs_bits32(f):
+    """|f|'s bits: their unsigned order is the order of |f| (for non-NaN f)."""
+    return and32(f32_bits(f), _ABS32)
 
 
 #: ordered keys of -Inf and +Inf: finite values lie strictly between

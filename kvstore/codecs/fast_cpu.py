@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 from numba.core import types
 
+from kvstore.codecs.bits import (abs_bits32, key32_to_f32, max32, min32, order_key32, umax32)
 from kvstore.codecs.bits import (BF16_NONFINITE, F32_INF, KEY_NEG_INF, KEY_POS_INF, ONE, U16, U32, ZERO, add32, and16,
                                  and32, bf16_round_down, bf16_round_up, bf16_to_f32, bits_f32, e4m3_as_half, f32_bits,
                                  f32_to_bf16_bits, f32_to_e4m3, half_to_f32, key_to_f32, max16, min16, or32, order_key,
@@ -50,6 +51,12 @@ _SIGNATURES = {
     "int4_decode_values": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I),
     "int8_encode": types.int64(_IN16, *_GEOM, _I, _I, _U8, _U16),
     "int8_decode": types.none(_IN16, _IN16, _U32, *_GEOM, _I, _I),
+    "int8_rot_encode": types.int64(_IN16, *_GEOM, _I, _I, _I, _U8, _U16),
+    "int8_rot_decode": types.none(_IN8, _IN16, _U32, *_GEOM, _I, _I, _I),
+    "int4_encode_values_rot": types.int64(_IN16, *_GEOM, _I, _I, _I, _I, _U8, _U16, _U16),
+    "int4_decode_values_rot": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I, _I),
+    "int4_encode_keys_rot": types.int64(_IN16, *_GEOM, _I, _I, _I, _I, _U8, _U16, _U16),
+    "int4_decode_keys_rot": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I, _I),
 }
 
 KERNEL_NAMES = tuple(_SIGNATURES)   # what ``warm_up`` compiles
@@ -407,3 +414,240 @@ def int8_decode(codes, scales, out, off, T, H, D2, sl, st, sh, u0, u1):
             c = codes[i * D2:(i + 1) * D2]
             for j in range(D2):
                 o[j] = _int8_pair(c[j], sf)
+
+
+# --- rotated rows (``rotation.py``): Hadamard butterflies on a row in float32 ------------------
+
+_KEY32_MAX, _KEY32_MIN = np.int32(2147483647), np.int32(-2147483648)
+
+
+@njit(inline="always")
+def _stage(src, dst, D, n):
+    """One constant-geometry stage on each n-group of ``src[:D]`` into ``dst``: the sum of each
+    adjacent pair into the group's first half, the difference into its second."""
+    half = n // 2
+    for g in range(0, D, n):
+        s = src[g:g + n]
+        d = dst[g:g + n]
+        for j in range(half):
+            a = s[2 * j]
+            b = s[2 * j + 1]
+            d[j] = a + b
+            d[j + half] = a - b
+
+
+@njit(inline="always")
+def _rotate(a, b, D, n):
+    """``rotation.rotate`` of ``a[:D]`` in place (``b``: scratch of D), the same stages."""
+    k = 1
+    while k < n:
+        _stage(a, b, D, n)
+        k *= 2
+        if k < n:
+            _stage(b, a, D, n)
+            k *= 2
+        else:
+            for j in range(D):
+                a[j] = b[j]
+
+
+@njit(inline="always")
+def _load_rotated(x, a, b, D, n):
+    """A bf16 row -> ``H_n (x / n)`` in ``a`` (float32): ``rotation.rotate_for_encode``."""
+    inv = ONE / np.float32(n)
+    for d in range(D):
+        a[d] = bf16_to_f32(x[d]) * inv
+    _rotate(a, b, D, n)
+
+
+@njit(inline="always")
+def _store_pairs(a, o, D2):
+    """float32 ``a[:2*D2]`` -> bf16 pairs in 32-bit words (even element in the low half)."""
+    for j in range(D2):
+        o[j] = or32(f32_to_bf16_bits(a[2 * j]), shl32(f32_to_bf16_bits(a[2 * j + 1]), _S16))
+
+
+@kernel
+def int8_rot_encode(src, off, T, H, D, sl, st, sh, n, u0, u1, codes, scales):
+    """``int8_encode`` of each (token, head) row after ``rotation.rotate_for_encode``: scale
+    ``amax / 127`` of the rotated row (rounded up to bf16), codes ``rint(y / scale)``."""
+    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
+    bad = 0
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            row = _row(off, l, t, h, sl, st, sh)
+            x = src[row:row + D]
+            if _abs_max(x, D) >= BF16_NONFINITE:
+                bad = 1
+            _load_rotated(x, a, b, D, n)
+            m = U32(0)
+            for d in range(D):
+                m = umax32(m, abs_bits32(a[d]))
+            s = bf16_round_up(bits_f32(m) / INT8_MAX)
+            sf = bf16_to_f32(s)
+            safe = ONE if sf == ZERO else sf
+            i = u * H + h
+            scales[i] = s
+            c = codes[i * D:(i + 1) * D]
+            for d in range(D):
+                c[d] = _int8_code(a[d], safe)
+    return bad
+
+
+@kernel
+def int8_rot_decode(codes, scales, out, off, T, H, D2, sl, st, sh, n, u0, u1):
+    """code * scale in float32, rotated back (``rotation.rotate``), rounded to bf16; the block
+    written as 32-bit words (geometry in words, ``D2`` = D/2)."""
+    D = 2 * D2
+    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            i = u * H + h
+            sf = bf16_to_f32(scales[i])
+            c = codes[i * D:(i + 1) * D]
+            for d in range(D):
+                a[d] = np.float32(np.int8(c[d])) * sf
+            _rotate(a, b, D, n)
+            row = _row(off, l, t, h, sl, st, sh)
+            _store_pairs(a, out[row:row + D2], D2)
+
+
+@kernel
+def int4_encode_values_rot(src, off, T, H, D, sl, st, sh, vg, n, u0, u1, codes, scale, mn):
+    """``int4_encode_values`` of each (token, head) row after ``rotation.rotate_for_encode``:
+    groups of ``vg`` rotated dims, statistics from float32 extremes. Geometry in elements."""
+    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
+    groups = D // vg
+    D2, vg2 = D // 2, vg // 2
+    bad = 0
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            row = _row(off, l, t, h, sl, st, sh)
+            x = src[row:row + D]
+            if _abs_max(x, D) >= BF16_NONFINITE:
+                bad = 1
+            _load_rotated(x, a, b, D, n)
+            i = u * H + h
+            for g in range(groups):
+                y = a[g * vg:(g + 1) * vg]
+                lo, hi = _KEY32_MAX, _KEY32_MIN
+                for j in range(vg):
+                    k = order_key32(y[j])
+                    lo = min32(lo, k)
+                    hi = max32(hi, k)
+                m = bf16_round_down(plus_zero(key32_to_f32(lo)))
+                mf = bf16_to_f32(m)
+                s = bf16_round_up((plus_zero(key32_to_f32(hi)) - mf) / LEVELS)
+                sf = bf16_to_f32(s)
+                safe = ONE if sf == ZERO else sf
+                mn[i * groups + g] = m
+                scale[i * groups + g] = s
+                c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
+                for j in range(vg2):
+                    c[j] = np.uint8(or32(_q4(y[2 * j], mf, safe), shl32(_q4(y[2 * j + 1], mf, safe), _S4)))
+    return bad
+
+
+@kernel
+def int4_decode_values_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg, n, u0, u1):
+    """q * scale + min in float32 steps, rotated back, rounded to bf16 (geometry in words)."""
+    D = 2 * D2
+    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
+    groups = D // vg
+    vg2 = vg // 2
+    for u in range(u0, u1):
+        l, t = _split(u, T)
+        for h in range(H):
+            i = u * H + h
+            for g in range(groups):
+                sf = bf16_to_f32(scale[i * groups + g])
+                mf = bf16_to_f32(mn[i * groups + g])
+                c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
+                y = a[g * vg:(g + 1) * vg]
+                for j in range(vg2):
+                    w = U32(c[j])
+                    y[2 * j] = np.float32(and32(w, _LOW4)) * sf + mf
+                    y[2 * j + 1] = np.float32(shr32(w, _S4)) * sf + mf
+            _rotate(a, b, D, n)
+            row = _row(off, l, t, h, sl, st, sh)
+            _store_pairs(a, out[row:row + D2], D2)
+
+
+@kernel
+def int4_encode_keys_rot(src, off, T, H, D, sl, st, sh, kg, n, u0, u1, codes, scale, mn):
+    """``int4_encode_keys`` of the rotated rows: per channel of the rotated rows, groups of ``kg``
+    tokens, statistics from float32 extremes. Units = (layer, key group); geometry in elements."""
+    groups = T // kg
+    D2 = D // 2
+    rows = np.empty(kg * D, np.float32)
+    b = np.empty(D, np.float32)
+    lo, hi = np.empty(D, np.int32), np.empty(D, np.int32)
+    mf, sf = np.empty(D, np.float32), np.empty(D, np.float32)
+    mq, sq = np.empty(D, np.uint16), np.empty(D, np.uint16)
+    bad = 0
+    for u in range(u0, u1):
+        l, g = _split(u, groups)
+        for h in range(H):
+            for d in range(D):
+                lo[d] = _KEY32_MAX
+                hi[d] = _KEY32_MIN
+            for k in range(kg):
+                row = _row(off, l, g * kg + k, h, sl, st, sh)
+                x = src[row:row + D]
+                if _abs_max(x, D) >= BF16_NONFINITE:
+                    bad = 1
+                y = rows[k * D:(k + 1) * D]
+                _load_rotated(x, y, b, D, n)
+                for d in range(D):
+                    key = order_key32(y[d])
+                    lo[d] = min32(lo[d], key)
+                    hi[d] = max32(hi[d], key)
+            for d in range(D):
+                m = bf16_round_down(plus_zero(key32_to_f32(lo[d])))
+                mf[d] = bf16_to_f32(m)
+                s = bf16_round_up((plus_zero(key32_to_f32(hi[d])) - mf[d]) / LEVELS)
+                v = bf16_to_f32(s)
+                sf[d] = ONE if v == ZERO else v
+                mq[d], sq[d] = m, s
+            base = (u * H + h) * D
+            mn[base:base + D] = mq
+            scale[base:base + D] = sq
+            for k in range(kg):
+                y = rows[k * D:(k + 1) * D]
+                i = (l * T + g * kg + k) * H + h
+                c = codes[i * D2:(i + 1) * D2]
+                for j in range(D2):
+                    c[j] = np.uint8(or32(_q4(y[2 * j], mf[2 * j], sf[2 * j]),
+                                         shl32(_q4(y[2 * j + 1], mf[2 * j + 1], sf[2 * j + 1]), _S4)))
+    return bad
+
+
+@kernel
+def int4_decode_keys_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, n, u0, u1):
+    """q * scale + min per channel in float32 steps, each row rotated back, rounded to bf16
+    (geometry in 32-bit words)."""
+    groups = T // kg
+    D = 2 * D2
+    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
+    sf, mf = np.empty(D, np.float32), np.empty(D, np.float32)
+    for u in range(u0, u1):
+        l, g = _split(u, groups)
+        for h in range(H):
+            base = (u * H + h) * D
+            for d in range(D):
+                sf[d] = bf16_to_f32(scale[base + d])
+                mf[d] = bf16_to_f32(mn[base + d])
+            for k in range(kg):
+                t = g * kg + k
+                i = (l * T + t) * H + h
+                c = codes[i * D2:(i + 1) * D2]
+                for j in range(D2):
+                    w = U32(c[j])
+                    a[2 * j] = np.float32(and32(w, _LOW4)) * sf[2 * j] + mf[2 * j]
+                    a[2 * j + 1] = np.float32(shr32(w, _S4)) * sf[2 * j + 1] + mf[2 * j + 1]
+                _rotate(a, b, D, n)
+                row = _row(off, l, t, h, sl, st, sh)
+                _store_pairs(a, out[row:row + D2], D2)

@@ -14,12 +14,20 @@ group's range is always covered.
 A one-tensor block (a K-only or V-only segment, whose role the layout does not say; an MLA latent)
 is quantised as keys are, per channel: a value tensor loses a little to per-token magnitude
 differences that way, while a key tensor quantised per token would lose its outlier channels.
+
+With ``rotated`` every row (keys and values) is rotated along head_dim (a Hadamard rotation,
+``rotation.py``) before it is quantised as above, and rotated back after dequantising: a row's
+large elements are spread over all of its dims, so a value group's range and a key channel's
+range over its tokens cover the rest more finely. Keys are still quantised per channel, now of
+the rotated rows (on a real model's KV this beat both unrotated per-channel keys and rotated keys
+quantised per token: ``benchmarks/results/codec_screen_real.md``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvstore.codecs import rotation
 from kvstore.codecs.base import Section, SectionCodec
 from kvstore.codecs.exact import (canonical_zero, div_exact, finiteness_check, min_max, nonzero_or_one, round_down,
                                   round_up)
@@ -32,12 +40,19 @@ LEVELS = 15
 
 class Int4Codec(SectionCodec):
     """``group``: tokens per key group and dims per value group; ``key_group`` (if given): tokens
-    per key group, stored in the header's parameter beside ``group`` (``group + 256 * key_group``).
+    per key group, stored in the header's parameter beside ``group`` (``group + 256 * key_group``);
+    ``rotated``: every row rotated first (the codec id says so).
     """
 
-    def __init__(self, name: str, codec_id: int, group: int, key_group: int | None = None) -> None:
+    def __init__(self, name: str, codec_id: int, group: int, key_group: int | None = None,
+                 rotated: bool = False) -> None:
         self.name, self.codec_id, self.group, self.key_group = name, codec_id, group, key_group or group
         self.param = group if key_group is None else group + 256 * key_group
+        self.rotated = rotated
+
+    def rotation_size(self, s: BlockShape) -> int:
+        """The rows' rotation (1: none)."""
+        return rotation.size(s.dim) if self.rotated else 1
 
     @staticmethod
     def roles(s: BlockShape) -> tuple[str, ...]:
@@ -88,6 +103,9 @@ class Int4Codec(SectionCodec):
         their statistics share one tensor (one pass of each rounding step for both) and the
         elementwise steps run over the whole block."""
         roles = self.roles(s)
+        n = self.rotation_size(s)
+        if n > 1:
+            x = rotation.rotate_for_encode(x, n)
         counts = [parts[f"{r}_scale"].numel() for r in roles]
         spans = [slice(sum(counts[:i]), sum(counts[:i + 1])) for i in range(len(roles))]
         minmax = torch.empty((2, sum(counts)), dtype=torch.float32, device=x.device)
@@ -119,18 +137,34 @@ class Int4Codec(SectionCodec):
         # (the CPU accepts it; the first H200 run failed every INT4 decode on that).
         x[..., 0].copy_(torch.bitwise_and(codes, 0x0F))
         x[..., 1].copy_(torch.bitwise_right_shift(codes, 4))
+        n = self.rotation_size(s)
         for i, (r, out) in enumerate(zip(roles, part_views(block, s))):
             shape, dim = self._grouped(s, r)
             g = x[i].view(shape).mul_(parts[f"{r}_scale"].unsqueeze(dim))
+            if n > 1:   # float32 sum, rotated back, stored rounded
+                out.copy_(rotation.rotate(g.add_(parts[f"{r}_min"].unsqueeze(dim)).view(out.shape), n))
+                continue
             torch.add(g, parts[f"{r}_min"].unsqueeze(dim), out=out.view(shape))  # float32 sum, stored rounded
 
     def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
         kg, vg = self.groups(s)
+        n = self.rotation_size(s)
         jobs = []
         for r, (words, (off, L, T, H, D, sl, st, sh)) in zip(self.roles(s), tensors):
             w = words.view("<u4")
             g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)
             codes, scale, mn = sections[f"{r}_codes"], sections[f"{r}_scale"], sections[f"{r}_min"]
+            if n > 1:
+                units, group = (L * (T // kg), kg) if r == "k" else (L * T, vg)
+                if encode:
+                    kernel = kernels.int4_encode_keys_rot if r == "k" else kernels.int4_encode_values_rot
+                    jobs.append((lambda a, b, k=kernel, w16=words, g=(off, T, H, D, sl, st, sh), gr=group, c=codes,
+                                 sc=scale, m=mn: k(w16, *g, gr, n, a, b, c, sc, m), units))
+                else:
+                    kernel = kernels.int4_decode_keys_rot if r == "k" else kernels.int4_decode_values_rot
+                    jobs.append((lambda a, b, k=kernel, w=w, g=g, gr=group, c=codes, sc=scale, m=mn: k(
+                        c, sc, m, w, *g, gr, n, a, b), units))
+                continue
             if r == "k":
                 units, group = L * (T // kg), kg
                 kernel = kernels.int4_encode_keys if encode else kernels.int4_decode_keys
