@@ -13,11 +13,17 @@ per layer), then the rest of the prompt runs on it; KL(unquantised || variant) o
 distribution over the full vocabulary and top-1 agreement. Needs transformers (the vLLM venv has
 it) and the real model (``scripts/real-model.sh``).
 
-Variants: ``K_chan(g)`` keys INT4 per channel over g tokens (KIVI; ``int4_gN`` is
-``K_chan(min(N, 32))`` + ``V_tok(N)``), ``V_tok(g)`` / ``K_tok(g)`` INT4 per token over g dims,
-``had`` a Hadamard rotation along head_dim before quantising and after dequantising (QuaRot),
-``fp8`` e4m3 per (token, head) row, ``fp8_kchan`` keys with per-channel scales, ``int8`` symmetric
-per row, ``+sink_fp8`` the sequence's first block in FP8 instead.
+Variants: ``k_chanG`` keys INT4 per channel over G tokens (KIVI; ``int4_gN`` is
+``k_chan(min(N, 32))`` + ``v_gN``), ``v_gN`` / ``k_tokN`` INT4 per token over N dims, ``had`` a
+Hadamard rotation along head_dim before quantising and after dequantising (QuaRot; ``hadN``: on
+groups of N dims; ``k_hadchan16``: keys rotated, then per channel over 16 tokens), ``fp8`` e4m3 per
+(token, head) row, ``int8`` symmetric per row, ``_kchan`` keys with one scale per (head, channel)
+over the block's tokens, ``_k`` / ``_v`` only keys / values rotated (the other plain), ``k_fp8`` /
+``k_int8kchan`` 8-bit keys beside INT4 values, ``+sink_X`` the sequence's first block through
+variant X (``int8h``: int8_had) instead. ``bf16_ulp`` is not a codec: every element moved to a
+neighbouring bf16 value, a yardstick for how small an error is.
+
+    --compute bfloat16 --greedy 32     # the model in bf16 (as an engine), and 32-token greedy identity
 """
 
 import argparse
@@ -45,6 +51,11 @@ def hadamard(x):  # along last dim (64), orthonormal
         h *= 2
     return y / math.sqrt(D)
 
+def hadamard_groups(x, n):
+    """``hadamard`` on each group of ``n`` consecutive dims (a cheaper, block-diagonal rotation)."""
+    return hadamard(x.reshape(*x.shape[:-1], x.shape[-1] // n, n)).reshape(x.shape)
+
+
 def int4(x, dim, group):
     """asymmetric 4-bit along `dim` in groups of `group` (x float32)."""
     x = x.movedim(dim, -1)
@@ -70,39 +81,68 @@ def int8(x, dim=-1):
     return (x / sc).round().clamp(-127, 127) * sc
 FP8_KCHAN = lambda k: fp8(k, 1)
 INT8_HAD = lambda x: hadamard(int8(hadamard(x)))
+INT8_KCHAN = lambda k: int8(k, 1)                                        # per (head, channel) over the tokens
+FP8_HAD = lambda x: hadamard(fp8(hadamard(x)))
+def INT8_HADN(n): return lambda x: hadamard_groups(int8(hadamard_groups(x, n)), n)
+INT8 = lambda x: int8(x)
+
+
+def bf16_ulp(x):
+    """Every element moved to a neighbouring bf16 value (up or down at random): a perturbation as small
+    as a bf16 cache can carry, the floor under any codec that stores bf16 (not a codec)."""
+    b = x.bfloat16()
+    g = torch.Generator().manual_seed(int(x.numel()) + int(b.view(torch.int16).sum()) % 1000)
+    step = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1, 1).to(torch.int16)
+    return (b.view(torch.int16) + step).view(torch.bfloat16).float()
+
 
 VARIANTS = {
     "fp8": (FP8, FP8),
     "fp8_kchan": (FP8_KCHAN, FP8),
-    "int8": (lambda x: int8(x), lambda x: int8(x)),
+    "fp8_had": (FP8_HAD, FP8_HAD),
+    "int8": (INT8, INT8),
+    "int8_kchan": (INT8_KCHAN, INT8),
+    "int8_had": (INT8_HAD, INT8_HAD),
+    "int8_had_k": (INT8_HAD, INT8),
+    "int8_had_v": (INT8, INT8_HAD),
+    "int8_kchan+v_had": (INT8_KCHAN, INT8_HAD),
+    "int8_had16": (INT8_HADN(16), INT8_HADN(16)),
+    "int8_had8": (INT8_HADN(8), INT8_HADN(8)),
+    "int8_had16_k": (INT8_HADN(16), INT8),
+    "bf16_ulp": (bf16_ulp, bf16_ulp),
     "k_chan16+v_g64": (K_chan(16), V_tok(64, False)),
     "k_chan8+v_g64": (K_chan(8), V_tok(64, False)),
     "k_chan16+v_g32": (K_chan(16), V_tok(32, False)),
-    "int8_had": (INT8_HAD, INT8_HAD),
     "int4_g64": (K_chan(64), V_tok(64, False)),
     "int4_g32": (K_chan(32), V_tok(32, False)),
     "k_chan+v_had64": (K_chan(64), V_tok(64, True)),
     "k_chan16+v_had64": (K_chan(16), V_tok(64, True)),
+    "k_chan+v_had32": (K_chan(64), V_tok(32, True)),
+    "k_hadchan16+v_had64": (lambda k: hadamard(K_chan(16)(hadamard(k))), V_tok(64, True)),
     "k_had64+v_had64": (K_tok(64, True), V_tok(64, True)),
     "k_had32+v_had32": (K_tok(32, True), V_tok(32, True)),
     "k_tok64+v_tok64": (K_tok(64, False), V_tok(64, False)),
     "k_fp8+v_had64": (FP8, V_tok(64, True)),
     "k_fp8+v_g64": (FP8, V_tok(64, False)),
+    "k_int8kchan+v_had64": (INT8_KCHAN, V_tok(64, True)),
 }
-SINK = {"int4_g64+sink_fp8", "k_chan+v_had64+sink_fp8", "k_had64+v_had64+sink_fp8", "k_chan16+v_g64+sink_fp8"}
-for name in list(SINK):
-    base = VARIANTS[name.replace("+sink_fp8", "")]
-    VARIANTS[name] = base + ("sink",)
+#: "+sink_X": the sequence's first block through variant X instead
+SINKS = {"fp8": (FP8, FP8), "int8h": (INT8_HAD, INT8_HAD)}
+for name in ("int4_g64", "k_chan+v_had64", "k_had64+v_had64", "k_chan16+v_g64", "k_chan16+v_had64",
+             "k_chan+v_had32"):
+    for sink in SINKS:
+        VARIANTS[f"{name}+sink_{sink}"] = VARIANTS[name] + (SINKS[sink],)
+
 
 def apply(cache, P, fk, fv, sink):
     for layer in cache.layers:
-        for attr, f in (("keys", fk), ("values", fv)):
+        for i, (attr, f) in enumerate((("keys", fk), ("values", fv))):
             t = getattr(layer, attr)  # [1, H, P, D]
             x = t[0, :, :P].float()
             out = []
             for b in range(P // BLOCK):
                 blk = x[:, b * BLOCK:(b + 1) * BLOCK]
-                out.append(FP8(blk) if (sink and b == 0) else f(blk))
+                out.append(sink[i](blk) if (sink and b == 0) else f(blk))
             t[0, :, :P] = torch.cat(out, 1).to(t.dtype)
 
 
@@ -112,31 +152,38 @@ def prefix(model, ids):
     with torch.no_grad():
         cache = model(torch.tensor([ids[:P]]), use_cache=True).past_key_values
     for layer in cache.layers:   # the KV an engine stores: bf16
-        layer.keys.copy_(layer.keys.bfloat16().float())
-        layer.values.copy_(layer.values.bfloat16().float())
+        layer.keys.copy_(layer.keys.bfloat16().to(layer.keys.dtype))
+        layer.values.copy_(layer.values.bfloat16().to(layer.values.dtype))
     return P, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers], cache
 
 
-def run(model, ids, variant, pre):
+def run(model, ids, variant, pre, greedy: int = 0):
+    """The next-token log-probabilities after the prompt with ``variant``'s prefix KV, and (``greedy``
+    > 0) the ``greedy`` tokens greedy decoding then produces."""
     P, saved, cache = pre
     for layer, (k, v) in zip(cache.layers, saved):
         layer.keys, layer.values = k.clone(), v.clone()
     with torch.no_grad():
         if variant is not None:
             fk, fv, *s = VARIANTS[variant]
-            apply(cache, P, fk, fv, bool(s))
+            apply(cache, P, fk, fv, s[0] if s else None)
             for layer in cache.layers:
-                layer.keys = layer.keys.bfloat16().float()
-                layer.values = layer.values.bfloat16().float()
+                layer.keys = layer.keys.bfloat16().to(k.dtype)
+                layer.values = layer.values.bfloat16().to(v.dtype)
         out = model(torch.tensor([ids[P:]]), past_key_values=cache, use_cache=True)
-    return out.logits[0, -1].float().log_softmax(-1)
+        first = out.logits[0, -1].float().log_softmax(-1)
+        tokens = [int(first.argmax())]
+        while len(tokens) < greedy:
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return first, tokens
 
 
-def machine() -> str:
+def machine(compute: str) -> str:
     from kvstore.ops.machine import machine_facts
     m = machine_facts()
     return (f"{m.get('cpu_model')}, {m.get('cores_usable')} usable cores, shared; load average "
-            f"{os.getloadavg()[0]:.1f} at the end; transformers in float32 on one thread; {m.get('time_utc')}")
+            f"{os.getloadavg()[0]:.1f} at the end; transformers in {compute} on one thread; {m.get('time_utc')}")
 
 
 def main() -> None:
@@ -145,14 +192,17 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=16, help="every STEP-th prompt of the corpus")
     ap.add_argument("--offset", type=int, default=0, help="starting at this one")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--compute", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype (bfloat16: as an engine computes; the cache is bf16 either way)")
+    ap.add_argument("--greedy", type=int, default=0, help="also compare this many greedy tokens (0: first token only)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.compute)).eval()
     prompts = load_prompts()[a.offset::a.step]
-    res = {v: {"top1": 0, "kl": []} for v in a.variants}
+    res = {v: {"top1": 0, "kl": [], "greedy_same": 0} for v in a.variants}
     t0 = time.time()
     for i, p in enumerate(prompts):
         ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
@@ -161,20 +211,23 @@ def main() -> None:
         if len(ids) < BLOCK + 1:
             continue
         pre = prefix(model, ids)
-        ref = run(model, ids, None, pre)
+        ref, ref_tokens = run(model, ids, None, pre, a.greedy)
         for v in a.variants:
-            lp = run(model, ids, v, pre)
+            lp, tokens = run(model, ids, v, pre, a.greedy)
+            res[v]["greedy_same"] += int(tokens == ref_tokens)
             res[v]["top1"] += int(lp.argmax() == ref.argmax())
             res[v]["kl"].append(float((ref.exp() * (ref - lp)).sum()))
         print(i, len(prompts), f"{time.time() - t0:.0f}s", flush=True)
     n = len(res[a.variants[0]]["kl"])
-    summary = {v: {"n": n, "top1": r["top1"] / n, "kl_mean": sum(r["kl"]) / n, "kl_max": max(r["kl"])}
-               for v, r in res.items()}
+    summary = {v: {"n": n, "top1": r["top1"] / n, "kl_mean": sum(r["kl"]) / n, "kl_max": max(r["kl"]),
+                   **({"greedy": r["greedy_same"] / n} if a.greedy else {})} for v, r in res.items()}
     with open(a.out, "w") as f:
-        json.dump({"step": a.step, "offset": a.offset, "prompts": n, "variants": summary,
-                   "machine": machine(), "seconds": time.time() - t0}, f, indent=1)
+        json.dump({"step": a.step, "offset": a.offset, "prompts": n, "compute": a.compute, "greedy_tokens": a.greedy,
+                   "variants": summary,
+                   "machine": machine(a.compute), "seconds": time.time() - t0}, f, indent=1)
     for v, s in summary.items():
-        print(f"{v:28s} top1 {s['top1']:.3f} KL mean {s['kl_mean']:.2e} max {s['kl_max']:.2e}")
+        print(f"{v:28s} top1 {s['top1']:.3f} KL mean {s['kl_mean']:.2e} max {s['kl_max']:.2e}"
+              f" greedy {s.get('greedy', float('nan')):.3f}")
 
 
 def render(runs: list[dict]) -> str:
@@ -192,21 +245,24 @@ def render(runs: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     rows = []
     for v in names:
-        mine = [r for r in runs if v in r["variants"]]
+        mine = list({(r["step"], r["offset"]): r for r in runs if v in r["variants"]}.values())  # a rerun replaces
         m = sum(r["prompts"] for r in mine)
         kl = sum(r["variants"][v]["kl_mean"] * r["prompts"] for r in mine) / m
         top1 = sum(r["variants"][v]["top1"] * r["prompts"] for r in mine) / m
         rows.append((kl, v, m, max(r["variants"][v]["kl_max"] for r in mine), top1))
     for kl, v, m, kl_max, top1 in sorted(rows):
-        lines.append(f"| {v} | {SIZES.get(v.replace('+sink_fp8', ''), '-')} | {m} | {kl:.2e} | {kl_max:.2e} "
+        lines.append(f"| {v} | {SIZES.get(v.split('+sink_')[0], '-')} | {m} | {kl:.2e} | {kl_max:.2e} "
                      f"| {100 * top1:.1f}% |")
-    lines += ["", "Machine: " + runs[0].get("machine", "") + "."]
+    lines += ["", "Machine: " + "; ".join(dict.fromkeys(r.get("machine", "") for r in runs)) + "."]
     return "\n".join(lines) + "\n"
 
 
 #: payload bytes over raw bytes per (layer, head) of a 32-token block, head_dim 64, bf16 statistics
-#: (a +sink_fp8 variant adds the first block's FP8 size once per sequence)
-SIZES = {"fp8": "0.52", "fp8_kchan": "0.52", "int8": "0.52", "int8_had": "0.52",
+#: (a +sink_X variant adds the first block's X size once per sequence; bf16_ulp is not a codec)
+SIZES = {"fp8": "0.52", "fp8_kchan": "0.52", "fp8_had": "0.52", "int8": "0.52", "int8_had": "0.52",
+         "int8_kchan": "0.52", "int8_had_k": "0.52", "int8_had16": "0.52", "int8_had8": "0.52", "int8_had16_k": "0.52",
+         "int8_kchan+v_had": "0.52", "bf16_ulp": "1.00", "k_chan+v_had32": "0.31", "k_hadchan16+v_had64": "0.33",
+         "k_int8kchan+v_had64": "0.41",
          "int4_g64": "0.30", "int4_g32": "0.31", "k_chan16+v_g64": "0.33", "k_chan8+v_g64": "0.39",
          "k_chan16+v_g32": "0.34", "k_chan+v_had64": "0.30", "k_chan16+v_had64": "0.33",
          "k_had64+v_had64": "0.28", "k_had32+v_had32": "0.31", "k_tok64+v_tok64": "0.28",
