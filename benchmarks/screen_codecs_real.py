@@ -88,12 +88,15 @@ INT8 = lambda x: int8(x)
 
 
 def bf16_ulp(x):
-    """Every element moved to a neighbouring bf16 value (up or down at random): a perturbation as small
-    as a bf16 cache can carry, the floor under any codec that stores bf16 (not a codec)."""
+    """Every element moved to a neighbouring bf16 value (its magnitude one step up or down at random;
+    a zero one step up): a perturbation as small as a bf16 cache can carry every element (not a codec)."""
     b = x.bfloat16()
     g = torch.Generator().manual_seed(int(x.numel()) + int(b.view(torch.int16).sum()) % 1000)
     step = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1, 1).to(torch.int16)
-    return (b.view(torch.int16) + step).view(torch.bfloat16).float()
+    bits = b.view(torch.int16)
+    mag = bits & 0x7FFF
+    mag = torch.where(mag == 0, torch.ones_like(mag), mag + step)
+    return ((bits & -0x8000) | mag).view(torch.bfloat16).float()
 
 
 VARIANTS = {
