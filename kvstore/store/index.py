@@ -48,6 +48,9 @@ class Copies:
         return flat[0] == t if len(flat) == 2 else t in flat[::2]
 
     def __setitem__(self, t: int, record: BlockRecord) -> None:
+        if not self._flat:   # most entries: their first copy
+            self._flat = (t, record)
+            return
         pairs = [p for p in self.items() if p[0] != t] + [(t, record)]
         pairs.sort(key=lambda p: p[0])
         self._flat = tuple(x for p in pairs for x in p)
