@@ -10,6 +10,7 @@ one module per group; this entry script picks them, runs them and writes the res
     .venv/bin/python benchmarks/reliability.py fuzz --requests 10000
     .venv/bin/python benchmarks/reliability.py load --clients 64 --seconds 30
     .venv/bin/python benchmarks/reliability.py segments_cycle --cycles 8
+    .venv/bin/python benchmarks/reliability.py pin_starvation
     .venv/bin/python benchmarks/reliability.py all --quick    # the CI-sized versions
 
 Run it with the interpreter that has kvstore installed (the project's .venv); it needs no path
@@ -43,6 +44,7 @@ from reliability_scenarios.hostile import fuzz, slowloris
 from reliability_scenarios.load import LOAD_OPS, load, run_load_worker
 from reliability_scenarios.memory import memory_refusals
 from reliability_scenarios.peer_replay import peer_replay
+from reliability_scenarios.pins import pin_starvation
 from reliability_scenarios.report import render_markdown
 from reliability_scenarios.segment_memory import segments_cycle
 from reliability_scenarios.tenancy import make_test_ca, tenancy
@@ -53,13 +55,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 __all__ = ["KiB", "LOAD_OPS", "MiB", "SCENARIOS", "Unsupported", "churn", "corrupt_files_while_running", "crash_test",
            "daemon_killed_mid_request", "dir_lost_while_running", "disk_full", "fuzz", "hashes", "is_exact",
            "http_slowloris", "layout", "load", "machine", "main", "make_test_ca", "memory_refusals", "payload", "peer_replay",
-           "pinned_arena", "redis_down", "render_markdown", "revocation", "run_scenario", "segments_cycle", "slowloris",
+           "pin_starvation", "pinned_arena", "redis_down", "render_markdown", "revocation", "run_scenario", "segments_cycle", "slowloris",
            "tenancy", "unwritable_dir_at_start"]
 
 
 # -- driver ----------------------------------------------------------------------------------------
 
-SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "http_slowloris", "tenancy", "revocation", "peer_replay", "segments_cycle",
+SCENARIOS = ("crash", "disk", "memory", "fuzz", "slowloris", "http_slowloris", "tenancy", "revocation", "peer_replay", "pin_starvation",
+             "segments_cycle",
              "load", "deps", "churn")
 
 
@@ -94,6 +97,8 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
             r = revocation(workdir)
         elif name == "peer_replay":
             r = peer_replay(workdir, rounds=1 if quick else 3)
+        elif name == "pin_starvation":
+            r = pin_starvation(workdir)
         elif name == "segments_cycle":
             r = {mode: segments_cycle(os.path.join(workdir, mode), cycles=3 if quick else args.cycles,
                                       cpu_bytes="16MiB" if quick else "64MiB", segment_bytes="1MiB" if quick else "4MiB",
@@ -117,7 +122,7 @@ def run_scenario(name: str, workdir: str, quick: bool, args) -> dict:
 
 
 CALLABLE = ("churn", "corrupt_files_while_running", "crash_test", "daemon_killed_mid_request", "dir_lost_while_running",
-            "disk_full", "fuzz", "http_slowloris", "load", "memory_refusals", "pinned_arena", "redis_down", "revocation",
+            "disk_full", "fuzz", "http_slowloris", "load", "memory_refusals", "pin_starvation", "pinned_arena", "redis_down", "revocation",
             "segments_cycle", "slowloris", "tenancy", "unwritable_dir_at_start")
 
 

@@ -14,6 +14,7 @@ from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import PermissionDenied, QuotaExceeded, UnknownNamespace
 from kvstore.ops import admin_cli
 from kvstore.ops.cli import main as kvstore
+import reliability_runner
 
 BLOCK_TOKENS = 16
 LAYOUT = KVLayout(model="test/admin", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
@@ -290,3 +291,20 @@ def test_one_tenants_pins_cannot_starve_another_tenant_of_the_cpu_tier(two_tenan
         assert bob.get(ns_b, hot) == [p.tobytes() for p in small_payloads(hot)]
         assert bob.lookup(ns_b, hot, lease=False).tiers == ["cpu"] * 32
         assert alice.lookup(ns_a, mine[:16], lease=False).tiers == ["cpu"] * 16   # her pins held too
+
+
+def test_the_pin_starvation_scenario_leaves_the_other_tenant_its_cpu_tier(tmp_path):
+    """The reliability suite's pin_starvation (issue 35, attack 2; ``benchmarks/reliability.py``,
+    run in its own process): tenant A pins as many of its 64 blocks of 2 KiB as it can, one
+    request at a time, under the default limit and under one as large as the CPU tier."""
+    r = reliability_runner.run("pin_starvation", str(tmp_path))
+    default, whole = r["cases"]["default limit"], r["cases"]["limit = the CPU tier"]
+    assert (default["a_pins_accepted"], default["a_charged_bytes"]) == (16, 4 << 20)
+    assert default["a_refused_by"] == {"QuotaExceeded naming max_pinned_bytes_per_tenant": 49}
+    assert (whole["a_pins_accepted"], whole["a_charged_bytes"]) == (32, 8 << 20)   # half the tier, all tenants' cap
+    assert whole["a_refused_by"] == {"QuotaExceeded naming hashes": 33}
+    for case in (default, whole):
+        assert case["a_whole_pin"] == "refused" and case["a_pinned_in_cpu"] == case["a_pins_accepted"]
+        assert case["b_stored"] == case["b_exact"] == case["b_in_cpu_after_read"] == 32
+        assert case["promotion_failures_during_b"] == 0
+    assert r["ok"]

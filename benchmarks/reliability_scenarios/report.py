@@ -186,6 +186,36 @@ def render_markdown(report: dict) -> str:
                             f"{g['honest_blocks_fetched']} of {g['blocks_asked']}",
                             ", ".join(f"{k} {v}" for k, v in g["victim_counters"].items())))
         out += ["", f"Passed: {r['ok']}.", ""]
+    if "pin_starvation" in sc and "cases" in sc["pin_starvation"]:
+        r = sc["pin_starvation"]
+        c0 = next(iter(r["cases"].values()))
+        out += ["## One tenant's pins against another's CPU tier", "",
+                f"Auth on, tenants A and B, a {c0['cpu_bytes'] >> 20} MiB CPU tier of {c0['slot_bytes'] >> 10} KiB "
+                f"slots in {c0['segment_bytes'] >> 10} KiB tenant segments. A stores {c0['a_blocks']} blocks of "
+                f"{c0['block_bytes'] >> 10} KiB (a slot each: the whole tier) and pins as much as it can through the "
+                "Pin RPC (`kvstore pin`'s call): all of them in one request, then one block per request, one block of "
+                "every segment first. Then B puts its "
+                f"{c0['b_blocks']} hot blocks and reads them; a lookup without a lease then says which tier holds each. "
+                "Charged = the Pin answer's bytes (what A's pins hold of the CPU tier); named = the bytes of the "
+                f"blocks pinned. Load average {r.get('load_avg', '?')}.", "",
+                _row("pin limit", "A's pin requests: accepted / refused (refused with)", "A's pins: blocks, named, charged",
+                     "charged in slots / segments", "A's pinned blocks in CPU", "B stored / exact",
+                     "B's blocks in CPU after its read", "promotions / failures during B's part"), _row(*["---"] * 8)]
+        for name, g in r["cases"].items():
+            out.append(_row(f"{name}: {g['pin_limit_bytes'] >> 20} MiB (all tenants: {g['all_tenants_pin_cap_bytes'] >> 20} MiB)",
+                            f"{g['a_pins_accepted']} / {g['a_pins_refused']} of {g['a_pin_requests']} "
+                            f"({', '.join(f'{k} x{v}' for k, v in g['a_refused_by'].items())}; the whole pin: {g['a_whole_pin']})",
+                            f"{g['a_pinned_blocks']}, {g['a_named_bytes'] >> 10} KiB, {g['a_charged_bytes'] >> 20} MiB",
+                            f"{g['a_charged_slots']} / {g['a_charged_segments']}",
+                            f"{g['a_pinned_in_cpu']} of {g['a_pinned_blocks']}",
+                            f"{g['b_stored']} / {g['b_exact']}", f"{g['b_in_cpu_after_read']} of {g['b_blocks']}",
+                            f"{g['promotions_during_b']} / {g['promotion_failures_during_b']}"))
+        out += ["", "Refusals, first of each kind:", ""]
+        for name, g in r["cases"].items():
+            for kind, message in g["a_refusal_messages"].items():
+                out.append(f"- {name}, {kind}: `{message}`")
+        out += ["", f"Passed (A charged within its limit and the all-tenants cap, refused beyond it; B's blocks all "
+                f"in the CPU tier and exact, no promotion failure): {r['ok']}.", ""]
     if "segments_cycle" in sc and "keep" in sc["segments_cycle"]:
         r = sc["segments_cycle"]
         k = r["keep"]
