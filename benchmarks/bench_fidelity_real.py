@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--wait-s", type=float, default=120)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "fidelity_real"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temp dir (engine logs, daemon logs)")
+    ap.add_argument("--note", default="", help="a sentence for the report (e.g. why only some codecs ran)")
     a = ap.parse_args()
     if a.codecs[0] != "raw":
         ap.error("the first codec must be raw: every other one is compared with it")
@@ -254,6 +255,7 @@ def main() -> None:
         "connector": {"save engine": vllm_kv_transfer_config("<daemon>", **SAVE_SETTINGS),
                       "load engine": vllm_kv_transfer_config("<daemon>", save=False)},
         "engine": {k: v for k, v in ENGINE.items()}, "engine_env": ENGINE_ENV, "engine_versions": versions,
+        "note": a.note,
     }
     run.finish(result, render_markdown)
 
@@ -285,6 +287,7 @@ def render_markdown(r: dict) -> str:
         "the same prompts from its own prefix cache. KL = KL(reference || run) of the first generated token's "
         "distribution over the full vocabulary, nats.",
         "",
+        *([r["note"], ""] if r.get("note") else []),
         "| codec | stored ratio | against | first token = reference | KL mean | KL median | KL p99 | KL max "
         "| 32 greedy tokens identical | tokens before first difference (mean) |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
