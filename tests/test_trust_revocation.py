@@ -24,7 +24,7 @@ from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import Unauthenticated
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.transport import local_lookup, segments
+from kvstore.transport import local_lookup, lookup_index, segments
 from kvstore.transport.bulk import BulkChannel
 
 LAYOUT = KVLayout(model="test/revocation", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16",
@@ -131,6 +131,9 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     assert hs.lookup_socket and hs.segment_socket and hs.bulk_port and hs.lease_socket, hs
     held = greeted(hs.lookup_socket, hs.lookup_ticket, "alice")
     assert lookup_over(held, ns, hashes) is not None            # answered before the reload
+    mapped = local_lookup.LocalLookup(hs.lookup_socket, hs.lookup_ticket, "alice")   # with the lookup index
+    if lookup_index.supported():
+        assert mapped.index is not None and mapped.index.leading_hits(ns, hashes) == (2, ["cpu"] * 2)
     assert segments.request_segments(hs.segment_socket, hs.segment_ticket, "alice", []) == []
     bulk = BulkChannel("127.0.0.1", hs.bulk_port, hs.bulk_ticket, 5.0)
     hs_b = handshake(daemon, "bob-token")
@@ -142,6 +145,12 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
         assert time.monotonic() < deadline, "a connection greeted with a revoked ticket is still answered"
         time.sleep(0.1)
     held.close()
+    # the tenant's mapped lookup index is closed: it answers nothing, and a lookup goes to the daemon
+    if lookup_index.supported():
+        assert mapped.index.leading_hits(ns, hashes) is None
+    with pytest.raises((OSError, local_lookup.LocalLookupError)):
+        mapped.lookup(ns, hashes, lease=False)
+    mapped.close()
     # a new connection with the old ticket is refused before any frame is answered
     with greeted(hs.lookup_socket, hs.lookup_ticket, "alice") as again:
         assert lookup_over(again, ns, hashes) is None
