@@ -3,11 +3,14 @@
 A client sends its own zstd payload with a valid codec header whose frame declares far more than
 a block: a few KiB that decompress (or claim to decompress) to 1 GiB. The daemon must refuse it
 naming the block without ever allocating more than a block for it: before the fix it allocated
-the declared size first (peak RSS +1 GiB, seconds) and refused only afterwards.
+the declared size first (peak RSS +1 GiB, seconds) and refused only afterwards. A client's fp8 or
+int4 payload whose header (its CRC recomputed) declares another shape or group size than the
+namespace's layout is refused before anything is decoded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -16,7 +19,7 @@ import zstandard
 
 import codec_blocks
 from kvstore import codecs
-from kvstore.codecs.header import make_header
+from kvstore.codecs.header import HEADER_BYTES, make_header, parse_header
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVLayout, Namespace
 from kvstore.ops.local_daemon import start_local_daemon
@@ -98,3 +101,34 @@ def test_the_bound_holds_in_the_codec_itself():
     codec_id, payload = codecs.encode_block("zstd", codec_blocks.kv_block(LAYOUT, 5), LAYOUT)
     assert codecs.decode_block(codec_id, payload, LAYOUT).numpy().tobytes() == \
         codec_blocks.kv_block(LAYOUT, 5).tobytes()
+
+
+def forged(codec: str, **fields) -> np.ndarray:
+    """An honest ``codec`` payload of a block of LAYOUT whose header is rewritten to ``fields``
+    (a shape or parameter far from the layout's), its CRC recomputed: what a client can send."""
+    _, payload = codecs.encode_block(codec, codec_blocks.kv_block(LAYOUT, 9), LAYOUT)
+    payload = np.asarray(payload, dtype=np.uint8)
+    header = dataclasses.replace(parse_header(memoryview(payload)), **fields)
+    return np.concatenate([np.frombuffer(header.pack(), np.uint8), payload[HEADER_BYTES:]])
+
+
+@pytest.mark.parametrize("codec,fields,why", [
+    ("fp8", {"tokens": 1 << 24}, "encoded for"),            # 1 << 24 tokens: 64 GiB if decoded as declared
+    ("int4_g32", {"layers": 1 << 20, "heads": 1 << 10}, "encoded for"),
+    ("int4_g32", {"param": 1}, "parameter"),                # a group of 1: a scale per element
+])
+def test_fp8_and_int4_headers_are_held_to_the_layout_not_to_what_they_declare(raw_daemon, codec, fields, why,
+                                                                              monkeypatch):
+    hashes, blocks = codec_blocks.chain(LAYOUT, 2, seed=91)
+    bad = forged(codec, **fields)
+    with raw_daemon.client(transport="grpc", timeout_s=30) as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt=f"forged-{codec}-{sorted(fields)}"))
+        assert c.put(ns, hashes[:1], blocks[:1], encode=codec) == ["stored"]   # an honest payload is stored
+        before = peak_rss(raw_daemon.pid)
+        monkeypatch.setattr(codecs, "encode_block", lambda name, raw, layout: (codecs.CODEC_IDS[codec], bad))
+        with pytest.raises((InvalidArgument, codecs.CodecError)) as e:
+            c.put(ns, hashes[1:], blocks[1:], parent=hashes[0], encode=codec)
+        monkeypatch.undo()
+        assert why in str(e.value), e.value
+        assert peak_rss(raw_daemon.pid) - before < PEAK_SLACK
+        assert c.exists(ns, hashes) == [True, False]
