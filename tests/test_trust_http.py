@@ -140,3 +140,40 @@ def test_malformed_requests_get_a_status(daemon, raw):
         answer = s.recv(4096)
     assert answer[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 413", b"HTTP/1.1 431"), answer[:100]
     assert "Traceback" not in daemon.log()
+
+
+def is_open(s: socket.socket) -> bool:
+    """Whether the server still holds this idle connection (no answer, no EOF)."""
+    try:
+        return s.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def idle_from(source: str, port: int, n: int) -> list[socket.socket]:
+    conns = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        conns.append(s)
+        time.sleep(0.01)   # in order: the server pushes out the one that has waited longest
+    return conns
+
+
+def test_the_connection_cap_is_per_client_address(daemon):
+    """64 idle connections from 127.0.0.2 and then 70 from 127.0.0.1: the 70 push out only their
+    own 6 oldest, never the other address's, and a scrape still answers."""
+    other = idle_from("127.0.0.2", daemon.metrics_port, 64)
+    mine = idle_from("127.0.0.1", daemon.metrics_port, 70)
+    try:
+        time.sleep(0.5)
+        assert [is_open(s) for s in other] == [True] * 64
+        assert [is_open(s) for s in mine] == [False] * 6 + [True] * 64
+        assert request(daemon.metrics_port, "GET", "/metrics")[0] == 200
+        assert [is_open(s) for s in other] == [True] * 64    # the scrape pushed out one of 127.0.0.1's
+    finally:
+        for s in other + mine:
+            s.close()
