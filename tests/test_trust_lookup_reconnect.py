@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.client import negotiation
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.transport.local_lookup import peer_closed
 
@@ -99,3 +100,47 @@ def test_a_pushed_out_connection_comes_back_on_the_next_lookup(daemon):
         again = bob._negotiation.lookups
         assert again is not None and again is not first, "lookups stayed on gRPC"
         assert bob.lookup(ns, hashes).num_hit == 8 and bob._negotiation.lookups is again
+
+
+def test_while_the_socket_cannot_be_reached_lookups_go_over_grpc_and_attempts_back_off(daemon, monkeypatch):
+    """The client's connection is pushed out and the socket's path is gone: every lookup is
+    still answered (over gRPC), the client tries the socket again with back-off rather than on
+    every lookup, and it is back on the socket soon after the path returns."""
+    hashes = ChainHasher(seed=3).chain(np.arange(8 * 16), 16)
+    attempts = []
+    real = negotiation.LocalLookup
+
+    def counted(*args, **kwargs):   # the real connection; only its attempts are counted
+        attempts.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    with daemon.client(token="bob-token") as bob:
+        ns = bob.register_namespace(Namespace(LAYOUT))
+        bob.put(ns, hashes, [np.zeros(4096, np.uint8)] * 8)
+        assert bob.lookup(ns, hashes).num_hit == 8
+        first = bob._negotiation.lookups
+        hs = bob.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+        p = flood(hs.lookup_socket, hs.lookup_ticket, "bob")
+        deadline = time.monotonic() + 10
+        while not peer_closed(first._sock):
+            assert time.monotonic() < deadline, "the flood did not push the client's connection out"
+            time.sleep(0.05)
+        stop(p)
+        monkeypatch.setattr(negotiation, "LocalLookup", counted)
+        os.rename(hs.lookup_socket, hs.lookup_socket + ".away")
+        try:
+            answered, end = 0, time.monotonic() + 1.0
+            while time.monotonic() < end:
+                assert bob.lookup(ns, hashes).num_hit == 8
+                answered += 1
+                time.sleep(0.005)
+            assert bob._negotiation.lookups is None
+            assert answered >= 10 and 1 <= len(attempts) <= 7, (answered, len(attempts))   # 0.05, 0.1, 0.2... s apart
+        finally:
+            os.rename(hs.lookup_socket + ".away", hs.lookup_socket)
+        deadline = time.monotonic() + 5
+        while bob._negotiation.lookups is None:
+            assert time.monotonic() < deadline, "the client did not come back to the socket"
+            assert bob.lookup(ns, hashes).num_hit == 8
+            time.sleep(0.05)
+        assert bob.lookup(ns, hashes).num_hit == 8 and bob._negotiation.lookups is not first
