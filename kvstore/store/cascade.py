@@ -394,9 +394,9 @@ class Cascade:
         """Make room as ``make_room`` does, for ``blocks`` blocks of ``nbytes``, for a caller that
         does not hold the lock, where tier ``t``'s victims go down by a disk or network write (or
         are read from disk): the victims' copies below are written with the lock released, so other
-        requests (a get of hot blocks) never wait on the I/O, only this caller does. Victims are
-        picked up to ``WRITE_DOWN_BATCH`` at a time and written down together
-        (``_write_down_many``). Each is pinned meanwhile (nobody else evicts it; a delete dooms it)
+        requests (a get of hot blocks) never wait on the I/O, only this caller does. Room for a run
+        (``blocks`` > 1) in a CPU tier is made by picking up to ``WRITE_DOWN_BATCH`` victims at a
+        time and writing them down together (``_write_down_many``); otherwise one at a time. Each is pinned meanwhile (nobody else evicts it; a delete dooms it)
         and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once there
         is room, or leaves what it could not do (every block pinned, a race lost to another put, a
         tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
@@ -409,12 +409,16 @@ class Cascade:
             return
         if tier.free_bytes_for(namespace_id) >= need:   # the common case, without the lock (make_room rechecks)
             return
+        # victims go down together only where copy_out_many writes them with one call (a run of
+        # puts making room in a CPU tier); elsewhere one at a time, as a victim stays pinned until
+        # its batch is written, and a pinned victim is room nobody else can make meanwhile
+        batch = WRITE_DOWN_BATCH if blocks > 1 and isinstance(tier, CpuTier) else 1
         left = CLEAR_ROOM_MAX_VICTIMS * blocks
         while left > 0:
             victims: list[Entry] = []
             with self.lock:
                 free = tier.free_bytes_for(namespace_id)
-                while free < need and left > 0 and len(victims) < WRITE_DOWN_BATCH:
+                while free < need and left > 0 and len(victims) < batch:
                     key = policy.pick_victim(self._is_pinned)
                     if key is None:
                         break
