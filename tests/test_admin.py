@@ -293,6 +293,20 @@ def test_one_tenants_pins_cannot_starve_another_tenant_of_the_cpu_tier(two_tenan
         assert alice.lookup(ns_a, mine[:16], lease=False).tiers == ["cpu"] * 16   # her pins held too
 
 
+def test_with_segments_of_several_slots_a_pin_costs_the_segments_it_keeps(daemon_factory, tmp_path):
+    """1 MiB tenant segments of four 256 KiB slots: one pinned 2 KiB block keeps its whole segment
+    from the other tenants, and is charged for it, not for its slot."""
+    d = daemon_factory("--token", "alice-token=alice", "--shm-dir", str(tmp_path), cpu_bytes="16MiB",
+                       nvme_bytes="64MiB", env={"KVSTORE_CPU_SEGMENT_BYTES": "1MiB"})
+    with d.client(token="alice-token") as alice:
+        ns = alice.register_namespace(Namespace(SMALL_BLOCKS))
+        mine = chain(8, start=0)
+        alice.put(ns, mine, small_payloads(mine))
+        assert admin_cli.prefix_call(alice, "Pin", ns, mine[:1])["bytes"] == 1 << 20
+        charged = admin_cli.prefix_call(alice, "Pin", ns, mine)["bytes"]
+        assert charged % (1 << 20) == 0 and charged >= 2 << 20, charged    # 8 slots: 2 segments at least
+        assert admin_cli.list_namespaces(alice)[0]["pinned_bytes"] == 8 * 2048   # what the blocks themselves are
+
 def test_the_pin_starvation_scenario_leaves_the_other_tenant_its_cpu_tier(tmp_path):
     """The reliability suite's pin_starvation (issue 35, attack 2; ``benchmarks/reliability.py``,
     run in its own process): tenant A pins as many of its 64 blocks of 2 KiB as it can, one
