@@ -131,6 +131,8 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     assert hs.lookup_socket and hs.segment_socket and hs.bulk_port and hs.lease_socket, hs
     held = greeted(hs.lookup_socket, hs.lookup_ticket, "alice")
     assert lookup_over(held, ns, hashes) is not None            # answered before the reload
+    held_calls = greeted(hs.lease_socket, hs.lease_ticket, "alice")
+    assert lookup_over(held_calls, ns, hashes) is not None
     mapped = local_lookup.LocalLookup(hs.lookup_socket, hs.lookup_ticket, "alice")   # with the lookup index
     if lookup_index.supported():
         assert mapped.index is not None and mapped.index.leading_hits(ns, hashes) == (2, ["cpu"] * 2)
@@ -139,12 +141,13 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     hs_b = handshake(daemon, "bob-token")
     reload_tokens(daemon, "{bob-token: bob, ops-token: ops}" if change == "removed"
                   else "{alice-new-token: alice, bob-token: bob, ops-token: ops}")
-    # the connection opened before the reload is closed (within a tick of the server's loop)
-    deadline = time.monotonic() + 5
-    while lookup_over(held, ns, hashes) is not None:
-        assert time.monotonic() < deadline, "a connection greeted with a revoked ticket is still answered"
-        time.sleep(0.1)
-    held.close()
+    # the connections opened before the reload are closed (within a tick of the server's loop)
+    for sock in (held, held_calls):
+        deadline = time.monotonic() + 5
+        while lookup_over(sock, ns, hashes) is not None:
+            assert time.monotonic() < deadline, "a connection greeted with a revoked ticket is still answered"
+            time.sleep(0.1)
+        sock.close()
     # the tenant's mapped lookup index is closed: it answers nothing, and a lookup goes to the daemon
     if lookup_index.supported():
         assert mapped.index.leading_hits(ns, hashes) is None
