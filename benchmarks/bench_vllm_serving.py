@@ -324,7 +324,7 @@ def render_markdown(r: dict) -> str:
         "blocks out layer by layer in `save_kv_layer` (`save_mode: layer`) instead of after the step. TTFT is from submission; ITL is the gap between consecutive tokens of a running "
         "request. 'first tokens': every request's first token equals the no-connector engine's; 'same outputs': "
         f"requests whose {wl['max_tokens']} tokens all equal it. Batched bf16 compute on CPU is not batch-invariant: two identical "
-        "no-connector runs already differ, and requests that load nothing (misses) differ too when their prefill "
+        "no-connector runs can differ, and requests that load nothing (misses) can differ too when their prefill "
         "is chunked or batched differently — in async runs, where hits step aside, even a miss's first token; "
         "token-identical loads are checked by tests/test_vllm_connector.py on deterministic single batches.",
         "",
@@ -351,6 +351,12 @@ def render_markdown(r: dict) -> str:
             if "hits_matching_none" in x:
                 lines.append(f"| {name} | {x['hits_matching_none']}/{n_hits} | {x['misses_matching_none']}/{n_misses} |"
                              + (f" {x['requests_matching_vllm_prefix_cache']}/{n_hits + n_misses} |" if own else ""))
+    n_hit, n_miss = wl["hits"] * wl["reps"], wl["misses"] * wl["reps"]
+    lines += ["", f"Samples per run: {n_hit} hits and {n_miss} misses (TTFT), so a p99 here is the class's slowest "
+              "request; ITL pools every gap between tokens of every request."]
+    if "lmcache_mp" in r["runs"]:
+        lines.append("LMCache (MP server, 256-token chunks) stores and loads whole chunks only: its 'hit cached tokens' "
+                     "are what it loaded of each shared prefix.")
     lines += ["", "Hit TTFT p50 relative to the no-connector engines' (the faster of the two runs): "
               + ", ".join(f"{n} {v:.3f}x" for n, v in r["hit_ttft_vs_no_connector"].items()) + "."]
     lines += goal_lines(r["runs"])
