@@ -234,28 +234,36 @@ def main() -> None:
 
 
 def render(runs: list[dict]) -> str:
-    """A markdown table of one or more runs' results (each variant: mean over the runs' prompts)."""
+    """A markdown table of one or more runs' results (each variant: mean over the runs' prompts); runs
+    of one compute dtype (float32 unless a run says otherwise), with greedy identity where they have it."""
+    compute = {r.get("compute", "float32") for r in runs}
+    assert len(compute) == 1, f"runs of different compute dtypes: {compute}"
+    compute = compute.pop()
+    greedy = min(r.get("greedy_tokens", 0) for r in runs)
     names = list(dict.fromkeys(v for r in runs for v in r["variants"]))
-    n = sum(r["prompts"] for r in runs)
     lines = ["# Codec variants screened on real KV (SmolLM2-135M, HF transformers)", "",
              "Produced by `python benchmarks/screen_codecs_real.py` (method and variant names in its docstring): "
              + "; ".join(f"every {r['step']}th corpus prompt from offset {r['offset']} ({r['prompts']} prompts, "
                          f"{len(r['variants'])} variants)" for r in runs)
-             + ". Next-token distribution with the variant's prefix KV against the unquantised bf16 cache: KL over "
-             "the full vocabulary (nats) and top-1 agreement, over the prompts of the runs that tried the variant. "
+             + f". The model in {compute}. Next-token distribution with the variant's prefix KV against the "
+             "unquantised bf16 cache: KL over the full vocabulary (nats) and top-1 agreement"
+             + (f", and {greedy} greedy tokens identical" if greedy else "")
+             + ", over the prompts of the runs that tried the variant. "
              "Screening only: what a codec does in a real engine is in [fidelity_real.md](fidelity_real.md).", "",
-             "| variant | payload / raw bytes (32-token block, head_dim 64) | prompts | KL mean | KL max | top-1 agreement |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| variant | payload / raw bytes (32-token block, head_dim 64) | prompts | KL mean | KL max | top-1 agreement |"
+             + (f" {greedy} greedy tokens identical |" if greedy else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if greedy else "")]
     rows = []
     for v in names:
         mine = list({(r["step"], r["offset"]): r for r in runs if v in r["variants"]}.values())  # a rerun replaces
         m = sum(r["prompts"] for r in mine)
         kl = sum(r["variants"][v]["kl_mean"] * r["prompts"] for r in mine) / m
         top1 = sum(r["variants"][v]["top1"] * r["prompts"] for r in mine) / m
-        rows.append((kl, v, m, max(r["variants"][v]["kl_max"] for r in mine), top1))
-    for kl, v, m, kl_max, top1 in sorted(rows):
+        same = sum(r["variants"][v].get("greedy", 0) * r["prompts"] for r in mine) / m
+        rows.append((kl, v, m, max(r["variants"][v]["kl_max"] for r in mine), top1, same))
+    for kl, v, m, kl_max, top1, same in sorted(rows):
         lines.append(f"| {v} | {SIZES.get(v.split('+sink_')[0], '-')} | {m} | {kl:.2e} | {kl_max:.2e} "
-                     f"| {100 * top1:.1f}% |")
+                     f"| {100 * top1:.1f}% |" + (f" {100 * same:.1f}% |" if greedy else ""))
     lines += ["", "Machine: " + "; ".join(dict.fromkeys(r.get("machine", "") for r in runs)) + "."]
     return "\n".join(lines) + "\n"
 
