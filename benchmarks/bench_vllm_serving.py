@@ -12,7 +12,7 @@ Each generates ``--max-tokens`` (16) greedily. Every engine first runs a warm-up
 twice) and a *seed* step (each shared document with its first question), so the documents are in
 that run's external cache (a fresh kvstore daemon or LMCache server per run) and not in vLLM's
 own cache (prefix caching is off: every hit comes from the connector). Then ``--reps`` measured
-batches (2) run one after another, each with new questions and new cold documents; the figures
+batches (3) run one after another, each with new questions and new cold documents; the figures
 pool them (a shared machine's noise hits single batches hard). kvstore runs load over shared
 memory, and ``--grpc-modes`` again over gRPC (slower loads, as from a remote daemon).
 
@@ -130,7 +130,7 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--requests", type=int, default=8, help="submitted at once; half hits, half misses")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=2, help="measured batches per engine (fresh prompts each)")
+    ap.add_argument("--reps", type=int, default=3, help="measured batches per engine (fresh prompts each)")
     ap.add_argument("--modes", default="sync,async,layer", help="kvstore load modes to run (same-host shm)")
     ap.add_argument("--grpc-modes", default="",
                     help="load modes to run again over gRPC (slower loads, as from a remote daemon), e.g. sync,async")
