@@ -55,11 +55,16 @@ def test_warm_restart_and_arena_fill_show_progress_and_what_they_took(tmp_path):
     assert all(re.search(r"of 256\.0 MiB \(\d+\.\d\d GB/s\), \d+\.\ds$", line) for line in filled), filled
     done = [float(x) for x in re.findall(r"filling its arena: ([0-9.]+) MiB of", "\n".join(filled))]
     assert done == sorted(done) and done[0] < 256, filled
+    recovered = [float(m.group(1)) for line in log
+                 if (m := re.search(rf"nvme tier: recovered {BLOCKS} blocks in (\d+\.\d\d)s \([\d,]+ blocks/s\)$", line))]
+    assert recovered, again.log()
     recovering = [line for line in log if "nvme tier: recovering:" in line]
     found = counts(recovering, r"recovering: ([\d,]+) blocks \([\d,]+ blocks/s\)")
-    assert found and len(found) == len(recovering) and found == sorted(found) and 0 < found[0] < BLOCKS, recovering
-    assert any(re.search(rf"nvme tier: recovered {BLOCKS} blocks in \d+\.\d\ds \([\d,]+ blocks/s\)$", line)
-               for line in log), again.log()
+    assert len(found) == len(recovering) and found == sorted(found) and all(0 < n <= BLOCKS for n in found), recovering
+    # a line every interval while it runs: a recovery that outlasts two intervals shows at least one
+    # (one read of the slab's record file can find all 4,000 blocks within a single interval)
+    if recovered[0] >= 2 * float(EVERY["KVSTORE_PROGRESS_EVERY_S"]):
+        assert found, (recovered, again.log())
     assert any(re.search(rf"warm restart: found nvme {BLOCKS} blocks \(31\.2 MiB\) in \d+\.\d\ds", line)
                for line in log), again.log()
 
