@@ -13,68 +13,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from concurrent import futures
 
-import grpc
 import psutil
 import pytest
 import redis
 import xxhash
 
 from daemon_util import start_daemon
-from fleet_util import BLOCK, NS, SECRET, StorePeer, chain, wait_for, write_fleet_config
+from fleet_util import BLOCK, NS, SECRET, RoguePeer, StorePeer, chain, wait_for, write_fleet_config
 
 from kvstore.fleet import MAX_SLOTS, Directory, Fleet, PeerClients
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
-from kvstore.wire import PROTOCOL_VERSION
 
 PEER_TOKEN = "peer-token-that-must-not-leak"
-
-
-# -- a rogue peer: a real gRPC server speaking the KVStore protocol ------------------------------
-
-class RoguePeer(pb_grpc.KVStoreServicer):
-    """Answers Handshake / RegisterNamespace / Get like a daemon, serving bytes of its choosing,
-    and records every call with the metadata it came with (where a peer token would show)."""
-
-    def __init__(self, blocks: dict[bytes, bytes]) -> None:
-        self.blocks = blocks
-        self.calls: list[tuple[str, dict]] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_KVStoreServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.address = f"127.0.0.1:{self.port}"
-        self.server.start()
-
-    def _record(self, method: str, context) -> None:
-        self.calls.append((method, dict(context.invocation_metadata())))
-
-    def Handshake(self, request, context):
-        self._record("Handshake", context)
-        return pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id="rogue", lease_seconds=5.0,
-                                    max_message_bytes=16 << 20, chunk_bytes=1 << 20)
-
-    def RegisterNamespace(self, request, context):
-        self._record("RegisterNamespace", context)
-        return pb.RegisterNamespaceResponse(namespace_id=NS.id, block_bytes=BLOCK, tenant="t")
-
-    def Get(self, request, context):
-        self._record("Get", context)
-        for i, h in enumerate(request.hashes):
-            data = self.blocks.get(bytes(h))
-            if data is None:
-                yield pb.GetChunk(index=i, hit=False)
-            else:
-                yield pb.GetChunk(index=i, hit=True, size=len(data), offset=0, data=data)
-
-    def tokens_seen(self) -> list[str]:
-        return [meta.get("authorization", "") for _, meta in self.calls]
-
-    def stop(self) -> None:
-        self.server.stop(0)
 
 
 # -- real daemons in fleet mode ------------------------------------------------------------------

@@ -13,66 +13,19 @@ from __future__ import annotations
 import hashlib
 import textwrap
 import time
-from concurrent import futures
 
 import grpc
 import pytest
 import redis
 
 from daemon_util import start_daemon
-from fleet_util import BLOCK, NS, SECRET, chain, wait_for
+from fleet_util import NS, SECRET, RoguePeer, chain, wait_for
 
 from kvstore.fleet import Directory
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import PROTOCOL_VERSION
 
 PEER_TOKEN = "peer-token-of-tenant-t-must-not-leak"
 TTL_S = 30.0   # long enough that the saved entry is still ahead of its expiry when it is written back
-
-
-class PortThief(pb_grpc.KVStoreServicer):
-    """A real gRPC server on the departed node's port: answers like a daemon (serving the departed
-    node's own bytes, which match their published checksums) and keeps every call's metadata and
-    request bytes, to look for secrets and to replay them."""
-
-    def __init__(self, address: str, blocks: dict[bytes, bytes]) -> None:
-        self.blocks = blocks
-        self.calls: list[tuple[str, tuple, bytes]] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_KVStoreServicer_to_server(self, self.server)
-        deadline = time.monotonic() + 10
-        while not self.server.add_insecure_port(address):   # the departed daemon's socket may linger
-            assert time.monotonic() < deadline, f"could not bind {address}"
-            time.sleep(0.1)
-        self.server.start()
-
-    def _keep(self, method: str, request, context) -> None:
-        self.calls.append((method, tuple(context.invocation_metadata()), request.SerializeToString()))
-
-    def Handshake(self, request, context):
-        self._keep("Handshake", request, context)
-        return pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id="thief", lease_seconds=5.0,
-                                    max_message_bytes=16 << 20, chunk_bytes=1 << 20)
-
-    def RegisterNamespace(self, request, context):
-        self._keep("RegisterNamespace", request, context)
-        return pb.RegisterNamespaceResponse(namespace_id=NS.id, block_bytes=BLOCK, tenant="t")
-
-    def Get(self, request, context):
-        self._keep("Get", request, context)
-        for i, h in enumerate(request.hashes):
-            data = self.blocks.get(bytes(h))
-            if data is None:
-                yield pb.GetChunk(index=i, hit=False)
-            else:
-                yield pb.GetChunk(index=i, hit=True, size=len(data), offset=0, data=data)
-
-    def metadata_text(self) -> str:
-        return " ".join(f"{k}={v}" for _, meta, _ in self.calls for k, v in meta)
-
-    def stop(self) -> None:
-        self.server.stop(0)
 
 
 def node(workdir, redis_url: str, prefix: str, node_id: str):
@@ -154,7 +107,7 @@ def test_a_replayed_entry_of_a_departed_node_gets_no_secret_and_no_usable_proof(
     d1_address = f"127.0.0.1:{d1.port}"
     assert d1.stop() == 0                                   # a clean leave: d1 withdraws its entries
     assert directory.entries(NS.id, "d1") == 0
-    thief = PortThief(d1_address, {h: b.tobytes() for h, b in zip(hashes, blocks)})
+    thief = RoguePeer({h: b.tobytes() for h, b in zip(hashes, blocks)}, d1_address)
     try:
         for slot, value in saved_nodes.items():             # written back within the entry's TTL
             r.hset(nodes_key, slot, value)
