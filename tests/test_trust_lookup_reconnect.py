@@ -61,6 +61,24 @@ def stop(p: subprocess.Popen) -> None:
     p.wait(30)
 
 
+def pushed_out(bob, hashes) -> tuple:
+    """Bob stores 8 blocks and looks them up over his lookup connection, then a flood of his own
+    tenant's connections pushes that connection out and stops: (namespace, the pushed-out
+    connection, the Handshake that named the socket)."""
+    ns = bob.register_namespace(Namespace(LAYOUT))
+    bob.put(ns, hashes, [np.zeros(4096, np.uint8)] * 8)
+    assert bob.lookup(ns, hashes).num_hit == 8
+    first = bob._negotiation.lookups
+    hs = bob.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+    p = flood(hs.lookup_socket, hs.lookup_ticket, "bob")
+    deadline = time.monotonic() + 10   # the daemon admits the flood's greetings as it reads them
+    while not peer_closed(first._sock):
+        assert time.monotonic() < deadline, "the flood did not push the client's connection out"
+        time.sleep(0.05)
+    stop(p)
+    return ns, first, hs
+
+
 def test_another_tenant_s_connections_push_out_none_of_ours(daemon):
     hashes = ChainHasher(seed=1).chain(np.arange(8 * 16), 16)
     with daemon.client(token="bob-token") as bob, daemon.client(token="alice-token") as alice:
@@ -85,17 +103,7 @@ def test_a_pushed_out_connection_comes_back_on_the_next_lookup(daemon):
     again on its next lookup rather than staying on gRPC."""
     hashes = ChainHasher(seed=2).chain(np.arange(8 * 16), 16)
     with daemon.client(token="bob-token") as bob:
-        ns = bob.register_namespace(Namespace(LAYOUT))
-        bob.put(ns, hashes, [np.zeros(4096, np.uint8)] * 8)
-        assert bob.lookup(ns, hashes).num_hit == 8
-        first = bob._negotiation.lookups
-        hs = bob.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
-        p = flood(hs.lookup_socket, hs.lookup_ticket, "bob")
-        deadline = time.monotonic() + 10   # the daemon admits the flood's greetings as it reads them
-        while not peer_closed(first._sock):
-            assert time.monotonic() < deadline, "the flood did not push the client's connection out"
-            time.sleep(0.05)
-        stop(p)
+        ns, first, _ = pushed_out(bob, hashes)
         assert bob.lookup(ns, hashes).num_hit == 8
         again = bob._negotiation.lookups
         assert again is not None and again is not first, "lookups stayed on gRPC"
@@ -115,17 +123,7 @@ def test_while_the_socket_cannot_be_reached_lookups_go_over_grpc_and_attempts_ba
         return real(*args, **kwargs)
 
     with daemon.client(token="bob-token") as bob:
-        ns = bob.register_namespace(Namespace(LAYOUT))
-        bob.put(ns, hashes, [np.zeros(4096, np.uint8)] * 8)
-        assert bob.lookup(ns, hashes).num_hit == 8
-        first = bob._negotiation.lookups
-        hs = bob.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
-        p = flood(hs.lookup_socket, hs.lookup_ticket, "bob")
-        deadline = time.monotonic() + 10
-        while not peer_closed(first._sock):
-            assert time.monotonic() < deadline, "the flood did not push the client's connection out"
-            time.sleep(0.05)
-        stop(p)
+        ns, first, hs = pushed_out(bob, hashes)
         monkeypatch.setattr(negotiation, "LocalLookup", counted)
         os.rename(hs.lookup_socket, hs.lookup_socket + ".away")
         try:
