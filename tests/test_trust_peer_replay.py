@@ -11,7 +11,6 @@ token, no fleet secret, no proof it can use on an honest peer, and no bytes take
 from __future__ import annotations
 
 import hashlib
-import textwrap
 import time
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 import redis
 
 from daemon_util import start_daemon
-from fleet_util import NS, SECRET, RoguePeer, chain, wait_for
+from fleet_util import NS, SECRET, RoguePeer, chain, wait_for, write_fleet_config
 
 from kvstore.fleet import Directory
 from kvstore.proto import kvstore_pb2 as pb
@@ -32,28 +31,10 @@ def node(workdir, redis_url: str, prefix: str, node_id: str):
     """A `kvstore serve` in fleet mode with auth on: the peer token is tenant t's token on every node
     (t is an admin, so its Stats show the fleet's counters)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    config = workdir / "kvstore.yaml"
-    config.write_text(textwrap.dedent(f"""
-        cpu_bytes: 16MiB
-        cpu_slot_bytes: 4KiB
-        nvme_bytes: 0
-        shm_dir: {workdir}
-        lease_seconds: 1.0
-        bulk_channel: false
-        tokens:
-          {PEER_TOKEN}: t
-        admin_tenants: [t]
-        fleet:
-          enabled: true
-          redis_url: {redis_url}
-          node_id: {node_id}
-          key_prefix: {prefix}
-          heartbeat_s: 0.2
-          ttl_s: {TTL_S}
-          peer_timeout_s: 2.0
-          peer_token: {PEER_TOKEN}
-    """))
-    return start_daemon(workdir, "--config", str(config), cpu_bytes="16MiB", nvme_bytes="0",
+    config = write_fleet_config(workdir, redis_url, prefix, node_id, secret_in_file=False, ttl_s=TTL_S,
+                                fleet_extra=f"peer_token: {PEER_TOKEN}\n",
+                                extra=f"tokens:\n  {PEER_TOKEN}: t\nadmin_tenants: [t]\n")
+    return start_daemon(workdir, "--config", config, cpu_bytes="16MiB", nvme_bytes="0",
                         env={"KVSTORE_FLEET__SECRET": SECRET}, client_kwargs={"token": PEER_TOKEN})
 
 
