@@ -110,12 +110,12 @@ def test_stub_imports_its_messages_from_the_package():
     assert "from kvstore.proto import kvstore_pb2" in source
 
 
-def test_shm_with_auth_is_removed_and_refused_by_name():
-    """With tokens set, same-host clients always get shared memory in tenant segments
-    (tests/test_trust_shm_tenants.py): the old switch that shared one arena between tenants is
-    refused by name, and the error names no token."""
+def test_unknown_setting_is_refused_by_name_without_echoing_tokens():
+    """A key that is no setting (here ``shm_with_auth``: with tokens set, same-host clients always
+    get tenant segments, tests/test_trust_shm_tenants.py) is refused by name, and the error names
+    no token."""
     for value in (True, False):
-        with pytest.raises(ConfigError, match="shm_with_auth") as e:
+        with pytest.raises(ConfigError, match="shm_with_auth: unknown setting") as e:
             load_settings(tokens={"tok-alice-secret": "alice", "tok-bob-secret": "bob"}, shm_with_auth=value)
         assert "tok-alice-secret" not in str(e.value) and "tok-bob-secret" not in str(e.value)
 

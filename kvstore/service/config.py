@@ -193,7 +193,6 @@ class Settings(BaseSettings):
     # slots of each tenant's same-host lookup index (kvstore.transport.lookup_index; 24 bytes each,
     # it indexes up to half as many blocks, past that lookups ask the daemon); 0: no index
     lookup_index_slots: int = Field(1 << 18, ge=0, le=1 << 28)
-    shm_with_auth: bool | None = None   # removed: refused by name in model_post_init
     metrics_port: int | None = Field(None, ge=0, le=65535)   # None = no endpoint, 0 = any free port
     metrics_host: str = "127.0.0.1"
     metrics_top_n: int = Field(10, ge=1, le=1000)   # per-tenant / per-namespace series kept; the rest is "other"
@@ -228,10 +227,6 @@ class Settings(BaseSettings):
     def model_post_init(self, _: Any) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
-        if self.shm_with_auth is not None:
-            raise ValueError("shm_with_auth: removed; with tokens set, same-host clients always get "
-                             "shared memory, each tenant's blocks in segments only its clients can map; "
-                             "delete this key")
         unknown = sorted(set(self.admin_tenants) - set(self.tokens.values()))
         if self.tokens and unknown:
             raise ValueError(f"admin_tenants: {unknown} have no token in tokens")
