@@ -136,7 +136,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     mapped = local_lookup.LocalLookup(hs.lookup_socket, hs.lookup_ticket, "alice")   # with the lookup index
     if lookup_index.supported():
         assert mapped.index is not None and mapped.index.leading_hits(ns, hashes) == (2, ["cpu"] * 2)
-    assert segments.request_segments(hs.segment_socket, hs.segment_ticket, "alice", []) == []
+    assert segments.ask(hs.segment_socket, hs.segment_ticket, "alice", []).handed == []
     bulk = BulkChannel("127.0.0.1", hs.bulk_port, hs.bulk_ticket, 5.0)
     hs_b = handshake(daemon, "bob-token")
     reload_tokens(daemon, "{bob-token: bob, ops-token: ops}" if change == "removed"
@@ -161,7 +161,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
         assert lookup_over(again, ns, hashes) is None
     # the broker hands out nothing for the old ticket
     with pytest.raises(PermissionError):
-        segments.request_segments(hs.segment_socket, hs.segment_ticket, "alice", [])
+        segments.ask(hs.segment_socket, hs.segment_ticket, "alice", [])
     # the side-channel session is closed and the old ticket opens no new one
     deadline = time.monotonic() + 5
     while bulk.alive():
@@ -170,7 +170,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     with pytest.raises(OSError):
         BulkChannel("127.0.0.1", hs.bulk_port, hs.bulk_ticket, 5.0)
     # bob's tickets from before the reload still work (his token did not change)
-    assert segments.request_segments(hs_b.segment_socket, hs_b.segment_ticket, "bob", []) == []
+    assert segments.ask(hs_b.segment_socket, hs_b.segment_ticket, "bob", []).handed == []
     BulkChannel("127.0.0.1", hs_b.bulk_port, hs_b.bulk_ticket, 5.0).sock.close()
     with greeted(hs_b.lookup_socket, hs_b.lookup_ticket, "bob") as sock:
         assert lookup_over(sock, ns, hashes) is not None   # answered (alice's namespace: an error by name)

@@ -63,7 +63,7 @@ ROGUE = textwrap.dedent("""
     from kvstore.transport import segments
     path, ticket, tenant, wanted = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     try:
-        got = segments.request_segments(path, ticket, tenant, wanted)
+        got = segments.ask(path, ticket, tenant, wanted).handed
     except PermissionError:
         print(json.dumps({"refused": True})); sys.exit(0)
     out = {"refused": False, "segments": [s for s, _, _ in got]}

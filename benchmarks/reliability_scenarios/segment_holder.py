@@ -59,7 +59,7 @@ def main(address: str, token: str, mode: str) -> None:
                 stored, error = 0, f"{type(e).__name__}: {e}"
             for s in range(every):
                 try:
-                    got = segments.request_segments(hs.segment_socket, hs.segment_ticket, hs.tenant, [s])
+                    got = segments.ask(hs.segment_socket, hs.segment_ticket, hs.tenant, [s]).handed
                 except PermissionError as e:
                     reason = "limit" if "max_held_segment_bytes_per_tenant" in str(e) else "not_ours"
                     refused[reason] = refused.get(reason, 0) + 1

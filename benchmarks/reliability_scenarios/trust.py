@@ -196,7 +196,7 @@ def revocation(workdir: str) -> dict:
                         hs.lookup_socket, hs.lookup_ticket, "a", ns, hashes[:4]) else "refused"
                 if hs.segment_socket:
                     try:
-                        segments.request_segments(hs.segment_socket, hs.segment_ticket, "a", [])
+                        segments.ask(hs.segment_socket, hs.segment_ticket, "a", [])
                         old_tickets["segment_broker"] = "answered"
                     except PermissionError:
                         old_tickets["segment_broker"] = "refused"

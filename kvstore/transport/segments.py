@@ -2,11 +2,11 @@
 
 With tokens configured the daemon's CPU arena is one sealed ``memfd`` per segment, each holding
 one tenant's blocks (``kvstore.tiers.cpu``). No path leads to them. A client gets the
-descriptors of its own tenant's segments over a Unix socket beside the old arena path: it sends
-the ticket Handshake gave it (bound to its token and checked against the current tokens on every
-request: ``transport.tickets``) and the
-segment numbers a lease named; the daemon answers with ``SCM_RIGHTS`` descriptors only for
-segments that hold that tenant's blocks at that moment, else refuses the whole request.
+descriptors of its own tenant's segments over a Unix socket in ``shm_dir``: it sends the ticket
+Handshake gave it (bound to its token and checked against the current tokens on every request:
+``transport.tickets``) and the segment numbers a lease named; the daemon answers with
+``SCM_RIGHTS`` descriptors only for segments that hold that tenant's blocks at that moment, else
+refuses the whole request.
 
 Lease extents carry their segment's generation; a segment that passed to another tenant and back
 has a new generation (and new memory), so a client maps it again rather than reading its old
@@ -165,12 +165,6 @@ class OverHeldLimit(PermissionError):
         super().__init__(f"segment broker refused: {LIMIT_SETTING} reached (this tenant's clients still "
                          f"hold {len(replaced)} replaced segments)")
         self.replaced = replaced
-
-
-def request_segments(path: str, ticket: bytes, tenant: str, segments: Sequence[int],
-                     timeout_s: float = 2.0) -> list[tuple[int, int, int]]:
-    """Client side: ``[(segment, fd, generation)]`` for ``segments`` (the caller owns the fds)."""
-    return ask(path, ticket, tenant, segments, timeout_s).handed
 
 
 def ask(path: str, ticket: bytes, tenant: str, segments: Sequence[int], timeout_s: float = 2.0) -> Answer:
