@@ -85,7 +85,7 @@ def check_string(value: str, field: str) -> str:
 
 
 def layout_from_proto(m: pb.Layout) -> KVLayout:
-    """Proto3 zeros mean "unset": fall back to KVLayout's defaults so old clients keep working."""
+    """Proto3 zeros mean "unset": a field a client leaves out gets KVLayout's default."""
     for name in ("model", "dtype", "layout"):
         check_string(getattr(m, name), f"layout.{name}")
     return KVLayout(model=m.model, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,

@@ -1,6 +1,6 @@
 """Remote fallback: blocks as streams of ~1 MiB protobuf chunks.
 
-One large protobuf message moves at ~0.3 GB/s here, 1 MiB chunks at ~2 GB/s (shared/notes), and
+gRPC moves one large protobuf message several times slower than a stream of ~1 MiB ones, and
 each message costs a send of its own, so Put sends the blocks back to back in messages of up to
 ``chunk_bytes`` (several small blocks to one; the first message also carries the header) and Get
 answers with chunks that carry a block index: a piece of one block at an offset, or several
@@ -35,8 +35,8 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
     straight out of the message); a larger block is cut into ``chunk_bytes`` pieces of its own.
 
     Encoded here, not by protobuf: the header goes through protobuf, the data is appended as
-    field 2 in one copy out of the caller's arrays (a message per 64 KiB block cost a gRPC send
-    each; building and serializing a message copies the bytes three times)."""
+    field 2 in one copy out of the caller's arrays (building and serializing a message would copy
+    the bytes three times)."""
     prefix = [_length_delimited(_PUT_CHUNK_HEADER, header.SerializeToString())]   # consumed by the first
     parts: list[memoryview] = []
     size = 0
@@ -70,8 +70,8 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
 def split_payload(raw: bytes, field: int) -> tuple[bytes, memoryview]:
     """An encoded message as the encoding of all its fields but ``field`` (a bytes field), and
     a view of that field's value where it arrived (the last occurrence, as protobuf reads it).
-    protobuf's parse copies a message's payload, and so does every read of the field (about
-    33 us per MiB each here; ``ByteSize`` 67 us): parsing only the rest keeps the payload in place.
+    protobuf's parse copies a message's payload, and so does every read of the field (and
+    ``ByteSize``): parsing only the rest keeps the payload in place.
 
     ``field`` with another wire type than length-delimited stays in the rest, where protobuf
     skips it as it would. ``ValueError`` for bytes that are not a message (truncated, a bad

@@ -278,11 +278,10 @@ TELLER_IDLE_S = 0.2    # the teller thread sleeps until the next lookup after th
 class Teller:
     """Sends the daemon the notes of index-answered lookups from a thread of its own, all that
     piled up in one send every ``TELL_EVERY_S`` (encoding them there too). Why: a send wakes the
-    daemon's socket thread, and a lookup that sent its own note paid for that wakeup — about
-    40% of an idle lookup here, and on a busy host the woken thread can preempt the caller (the
-    tail). The caller now only appends to a list; the one wakeup it may cause is the teller's,
-    after ``TELLER_IDLE_S`` without lookups. The cost: the pins land up to ``TELL_EVERY_S`` later (a block evicted in
-    between is a later miss, as any lost race to eviction)."""
+    daemon's socket thread, which costs the sender that wakeup and, on a busy host, can preempt
+    it; so the caller only appends to a list, and the one wakeup it may cause is the teller's,
+    after ``TELLER_IDLE_S`` without lookups. The cost: the pins land up to ``TELL_EVERY_S`` later
+    (a block evicted in between is a later miss, as any lost race to eviction)."""
 
     def __init__(self, send: Callable[[list], None]) -> None:
         self._send = send
