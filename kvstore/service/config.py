@@ -239,6 +239,12 @@ class Settings(BaseSettings):
         return self.cpu_bytes // 4
 
     @property
+    def tier_codecs(self) -> dict[str, str]:
+        """Tier name -> codec, for every tier whose codec is not raw."""
+        named = {**self.codecs.model_dump(), "redis": self.redis_tier.codec}
+        return {tier: codec for tier, codec in named.items() if codec != "raw"}
+
+    @property
     def host(self) -> str:
         return self.listen.rpartition(":")[0]
 

@@ -20,8 +20,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from grpc_health.v1 import health_pb2
-
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
 from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
@@ -159,15 +157,13 @@ class Daemon:
         """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``); None:
         this daemon cannot reload."""
         determinism_self_check()
-        codecs_by_tier = {**settings.codecs.model_dump(), "redis": settings.redis_tier.codec}
-        tier_codecs = {tier: codec for tier, codec in codecs_by_tier.items() if codec != "raw"}
         # Until the codec kernels are compiled (seconds on a cold numba cache) the first put into a
         # codec tier would wait for the compiler past a client's deadline: the daemon answers health
         # NOT_SERVING and writes its ready file only once they are (see ``start``, ``wait_ready``).
         self._warm = threading.Event()
         self._warm_up = None
         preflight.check_codecs(settings)    # fp8/int4 without torch: refused now, naming the extra
-        if tier_codecs:
+        if settings.tier_codecs:
             from kvstore import codecs
             self._warm_up = threading.Thread(target=self._compile_codecs, args=(codecs.warm_up,),
                                              name="kvstore-codec-warm-up", daemon=True)
@@ -178,13 +174,12 @@ class Daemon:
         self._tiers: list = []
         self.store = self.metrics = self.server = self.servicer = self.fleet = self.gc_pauses = None
         try:
-            self._assemble(settings, reload_settings, tier_codecs)
+            self._assemble(settings, reload_settings)
         except BaseException:
             self.abandon()
             raise
 
-    def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings] | None,
-                  tier_codecs: dict[str, str]) -> None:
+    def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings] | None) -> None:
         check_memory(settings.cpu_bytes)
         clean_stale_segments(settings.shm_dir)
         self._tiers = build_tiers(settings)
@@ -195,8 +190,9 @@ class Daemon:
             self.store = Store(self._tiers, StoreConfig(
                 eviction_policy=settings.eviction_policy, write_through=settings.write_through,
                 promote_on_hit=settings.promote_on_hit, lease_seconds=settings.lease_seconds,
-                tier_codecs=tier_codecs, tenant_quotas=settings.quotas, max_block_bytes=settings.max_block_bytes,
-                min_blocks_per_tier=4, max_namespaces_per_tenant=settings.max_namespaces_per_tenant),
+                tier_codecs=settings.tier_codecs, tenant_quotas=settings.quotas,
+                max_block_bytes=settings.max_block_bytes, min_blocks_per_tier=4,
+                max_namespaces_per_tenant=settings.max_namespaces_per_tenant),
                 on_recovery=recovering)
         finally:
             recovering.close()
@@ -254,8 +250,7 @@ class Daemon:
         finally:
             self._warm.set()
             if not self._stop.is_set():
-                for name in ("", "kvstore.v1.KVStore"):
-                    self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                self.health.set(serving=True)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the daemon serves at full speed (its codec kernels are compiled)."""
@@ -271,8 +266,7 @@ class Daemon:
 
     def _start(self) -> None:
         if self._warm_up is not None:
-            for name in ("", "kvstore.v1.KVStore"):
-                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(serving=False)
             self._warm_up.start()
         self.server.start()
         if self.fleet is not None:
@@ -301,18 +295,12 @@ class Daemon:
         """Graceful: refuse new work, finish in-flight RPCs, flush to NVMe. Returns blocks flushed."""
         if self._stop.is_set():
             return 0
-        for name in ("", "kvstore.v1.KVStore"):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(serving=False)
         if self.fleet is not None:
             self.fleet.close()  # withdraw first: peers stop routing here before we go
         self.server.stop(grace_s).wait()
         self._stop.set()
-        if self.servicer.bulk is not None:
-            self.servicer.bulk.close()
-        if self.servicer.segments is not None:
-            self.servicer.segments.close()
-        if self.servicer.local_lookups is not None:
-            self.servicer.local_lookups.close()
+        self.servicer.close_transports()
         flushed = self.store.flush()
         self.store.expire_leases(now=float("inf"))
         self.metrics.close()
@@ -328,11 +316,8 @@ class Daemon:
         self._stop.set()
         parts = [self.metrics.close if self.metrics is not None else None,
                  self.fleet.close if self.fleet is not None else None,
-                 self._stop_server if self.server is not None else None]
-        if self.servicer is not None:
-            parts += [self.servicer.bulk and self.servicer.bulk.close,
-                      self.servicer.segments and self.servicer.segments.close,
-                      self.servicer.local_lookups and self.servicer.local_lookups.close]
+                 self._stop_server if self.server is not None else None,
+                 self.servicer.close_transports if self.servicer is not None else None]
         parts.append(self.store.close if self.store is not None else
                      lambda: [tier.close() for tier in reversed(self._tiers)])
         parts.append(self.gc_pauses.uninstall if self.gc_pauses is not None else None)

@@ -60,14 +60,17 @@ SERVER_OPTIONS = [
 
 
 class HealthStatus:
-    """Sets the standard health service's answers from any thread (the servicer lives on the loop)."""
+    """Sets the standard health service's answers, for the server and the KVStore service alike,
+    from any thread (the health servicer lives on the loop)."""
 
     def __init__(self, servicer: health_aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
         self.servicer = servicer
         self._loop = loop
 
-    def set(self, service: str, status) -> None:
-        asyncio.run_coroutine_threadsafe(self.servicer.set(service, status), self._loop).result(10)
+    def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(self.servicer.set(service, status), self._loop).result(10)
 
 
 class GrpcServer:
@@ -176,11 +179,6 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
             raise OSError(f"listen: cannot bind {listen}")
     except Exception:
         server.discard()
-        if bulk is not None:
-            bulk.close()
-        if segments is not None:
-            segments.close()
-        if servicer.local_lookups is not None:
-            servicer.local_lookups.close()
+        servicer.close_transports()
         raise
     return server, servicer, HealthStatus(health, server.loop), port

@@ -33,23 +33,16 @@ OTHER_VARIABLES = {"KVSTORE_CONFIG", "KVSTORE_URL", "KVSTORE_TOKEN", "KVSTORE_NO
 OTHER_PREFIXES = ("KVSTORE_VENV_",)   # scripts/engine-venv.sh, scripts/test.sh
 
 
-def tier_codecs(settings: Settings) -> dict[str, str]:
-    """Setting name -> codec, for every tier codec set to something other than raw."""
-    named = {f"codecs.{tier}": codec for tier, codec in settings.codecs.model_dump().items()}
-    named["redis_tier.codec"] = settings.redis_tier.codec
-    return {key: codec for key, codec in named.items() if codec != "raw"}
-
-
 def check_codecs(settings: Settings) -> None:
     """Raise ``ConfigError`` (one line naming the setting) if a tier's codec cannot run here."""
-    wanted = tier_codecs(settings)
+    wanted = settings.tier_codecs
     if not wanted:
         return
     from kvstore import codecs
-    for key, codec in wanted.items():
+    for tier, codec in wanted.items():
         reason = codecs.unavailable(codec)
         if reason:
-            raise ConfigError(f"{key}: {reason}")
+            raise ConfigError(f"{'redis_tier.codec' if tier == 'redis' else f'codecs.{tier}'}: {reason}")
 
 
 def setting_variables() -> set[str]:

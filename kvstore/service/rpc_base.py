@@ -61,6 +61,13 @@ class ServiceState:
         self.stalls = StallWatch(stream_idle_s)
         self.usage = NamespaceUsage()   # lookups per namespace: Stats, ListNamespaces, metrics
 
+    def close_transports(self) -> None:
+        """Close the socket servers beside gRPC: the side channel, the segment broker, the
+        same-host lookup socket."""
+        for server in (self.bulk, self.segments, self.local_lookups):
+            if server is not None:
+                server.close()
+
     def cancel_stalled_streams(self, idle_s: float | None = None) -> int:
         """End calls idle for longer than ``idle_s`` (default ``stream_idle_s``); see stalls.py."""
         return self.stalls.cancel_stalled(idle_s)
