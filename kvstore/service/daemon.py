@@ -203,9 +203,7 @@ class Daemon:
         self.server, self.servicer, self.health, self.port = build_server(
             self.store, listen=settings.listen, workers=BUDGET.with_rpc(settings.workers).rpc,
             max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
-            metrics=self.metrics, shm_dir=settings.shm_dir,
-            offer_shm=True,
-            bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+            metrics=self.metrics, shm_dir=settings.shm_dir, bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
             stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)
         self.metrics.watch(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
         self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in stats and metrics

@@ -123,7 +123,7 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
 
 def build_server(store: Store, *, listen: str, workers: int | None = None, max_message_bytes: int = 16 << 20,
                  chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
-                 shm_dir: str = "/dev/shm", offer_shm: bool = True, bulk_channel: bool = True,
+                 shm_dir: str = "/dev/shm", bulk_channel: bool = True,
                  tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0,
                  lookup_index_slots: int = 1 << 18):
     """A ready-to-start gRPC server with the KVStore service, health and reflection.
@@ -135,15 +135,15 @@ def build_server(store: Store, *, listen: str, workers: int | None = None, max_m
     bulk = BulkServer(host, tokens=auth) if bulk_channel and not tls_cert else None
     arena = store.shared_arena()
     segments = SegmentBroker(shm_dir, arena.descriptor_for, arena.replaced_for, tokens=auth) \
-        if offer_shm and arena is not None and arena.segmented else None
-    servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, offer_shm=offer_shm,
-                               chunk_bytes=chunk_bytes, max_message_bytes=max_message_bytes, bulk=bulk,
-                               stream_idle_s=stream_idle_s, segments=segments, threads=BUDGET.with_rpc(workers))
-    if offer_shm:   # a same-host client's scheduler asks here instead of over gRPC
-        servicer.local_lookups = LocalLookupServer(
-            shm_dir, servicer.local_lookup, servicer.local_lookup_told,
-            LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
-            CallServer(servicer.leases.local_call) if arena is not None else None, tokens=auth)
+        if arena is not None and arena.segmented else None
+    servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, chunk_bytes=chunk_bytes,
+                               max_message_bytes=max_message_bytes, bulk=bulk, stream_idle_s=stream_idle_s,
+                               segments=segments, threads=BUDGET.with_rpc(workers))
+    # a same-host client's scheduler asks here instead of over gRPC
+    servicer.local_lookups = LocalLookupServer(
+        shm_dir, servicer.local_lookup, servicer.local_lookup_told,
+        LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
+        CallServer(servicer.leases.local_call) if arena is not None else None, tokens=auth)
     credentials = None
     if tls_cert:
         with open(tls_key, "rb") as f:

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 
-from kvstore.errors import KVStoreError, LeaseExpired, PermissionDenied
+from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs
 from kvstore.service.rpc_base import PUT_RESULT, ServiceState
@@ -106,18 +106,11 @@ class LeaseRpcs:
         _fill_table(resp.table, lease.extents, codecs, sizes, present_none, arena.generation_at if segmented else None)
         return resp
 
-    def _require_shared_arena(self) -> None:
-        """The zero-copy RPCs only where the arena is offered. With auth on it is offered as
-        tenant segments: a lease's slots lie in segments of the caller's tenant only (the store
+    def PrepareStore(self, request, context):
+        """With auth on, a lease's slots lie in segments of the caller's tenant only (the store
         places each tenant's blocks in its own segments, and a segment that changes tenant gets
         fresh memory), so completing a store one never wrote publishes only zeros or the
         tenant's own earlier bytes, never another tenant's."""
-        if not self.service.offer_shm:
-            raise PermissionDenied("transport: this daemon does not share its CPU arena with clients; "
-                                   "use the gRPC or side-channel transports")
-
-    def PrepareStore(self, request, context):
-        self._require_shared_arena()
         ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         parent = check_parent(request.parent)
@@ -138,7 +131,6 @@ class LeaseRpcs:
         return pb.Empty()
 
     def PrepareLoad(self, request, context):
-        self._require_shared_arena()
         ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         lease = self.store.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))

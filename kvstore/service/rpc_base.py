@@ -33,7 +33,7 @@ PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.
 
 class ServiceState:
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
-                 shm_dir: str = "/dev/shm", offer_shm: bool = True, chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
+                 shm_dir: str = "/dev/shm", chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
                  max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
                  stream_idle_s: float = 30.0, segments: SegmentBroker | None = None,
                  local_lookups: LocalLookupServer | None = None, threads: ThreadBudget = BUDGET) -> None:
@@ -42,7 +42,6 @@ class ServiceState:
         self.auth = auth or Authenticator()
         self.metrics = metrics
         self.shm_dir = shm_dir
-        self.offer_shm = offer_shm
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self.bulk = bulk

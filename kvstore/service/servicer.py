@@ -65,7 +65,7 @@ class KVStoreServicer(ServiceState):
                                     max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
                                     tenant=tenant, stored_codecs=self.store.stored_codecs())
         arena = self.store.shared_arena()
-        if arena is not None and self.offer_shm and request.nonce:
+        if arena is not None and request.nonce:
             if arena.segmented:   # auth on: this tenant's segments, by descriptor (transport.segments)
                 if self.segments is not None:
                     resp.segment_socket = self.segments.path
@@ -84,7 +84,7 @@ class KVStoreServicer(ServiceState):
             if self.fleet is None:
                 resp.lookup_socket = self.local_lookups.path
                 resp.lookup_ticket = self.local_lookups.ticket_for(tenant, token)
-            if arena is not None and self.offer_shm and self.local_lookups.takes_calls:
+            if arena is not None and self.local_lookups.takes_calls:
                 resp.lease_socket = self.local_lookups.path
                 resp.lease_ticket = self.local_lookups.ticket_for(tenant, token)
         return resp
