@@ -42,12 +42,8 @@ class AdminRpcs:
     def operated_namespace(self, context, namespace_id: bytes) -> Namespace:
         """The namespace an operator command names: any registered one for an admin, else the
         caller's own (another tenant's is NOT_FOUND)."""
-        _, admin = self._is_admin(context)
-        if not admin:
-            return self.service.caller_namespace(context, namespace_id)
-        if len(namespace_id) != 16:
-            raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
-        return self.store.namespace(bytes(namespace_id))
+        tenant, admin = self._is_admin(context)
+        return self.service.tenant_namespace(tenant, namespace_id, any_tenant=admin)
 
     def visible_namespaces(self, context) -> list[Namespace]:
         tenant, admin = self._is_admin(context)

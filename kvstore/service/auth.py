@@ -31,6 +31,14 @@ from collections.abc import Iterable, Mapping
 from kvstore.errors import Unauthenticated
 
 
+def authorization(metadata) -> str:
+    """The call's ``authorization`` header ("" without one)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value or ""
+    return ""
+
+
 class _Credentials:
     """One immutable set of tokens (as digests) and admins: what ``replace`` swaps whole."""
 
@@ -92,12 +100,7 @@ class Authenticator:
         credentials = self._credentials   # one snapshot for the whole check: reload may swap it
         if not credentials.digests:
             return requested, b""
-        header = ""
-        for key, value in metadata or ():
-            if key == "authorization":
-                header = value
-                break
-        scheme, _, token = (header or "").partition(" ")
+        scheme, _, token = authorization(metadata).partition(" ")
         peers = self.peers
         if peers is not None and scheme == peers.scheme:
             return peers.tenant(token, credentials.digests)

@@ -283,7 +283,7 @@ class Daemon:
             try:
                 self.store.expire_leases()
                 self.servicer.prune_leases()
-                self.servicer.cancel_stalled_streams()
+                self.servicer.stalls.cancel_stalled()
                 shm.reap_probes(self.settings.shm_dir)
                 heap.maybe_trim()
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad tick

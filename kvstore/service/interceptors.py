@@ -21,7 +21,7 @@ import hmac
 import grpc
 
 from kvstore.errors import Unauthenticated
-from kvstore.service.auth import Authenticator
+from kvstore.service.auth import Authenticator, authorization
 from kvstore.service.calls import status_of
 from kvstore.service.validation import Malformed
 
@@ -36,13 +36,6 @@ class _OtherRequest(Malformed):
         return Unauthenticated("authorization: the peer proof was made for another request")
 
 
-def _authorization(metadata) -> str:
-    for key, value in metadata or ():
-        if key == "authorization":
-            return value
-    return ""
-
-
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator, service_name: str, method_names, metrics=None) -> None:
         self.auth = auth
@@ -55,7 +48,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         name = self.methods.get(handler_call_details.method)
         peers = self.auth.peers
         if name is not None and peers is not None:
-            scheme, _, proof = _authorization(handler_call_details.invocation_metadata).partition(" ")
+            scheme, _, proof = authorization(handler_call_details.invocation_metadata).partition(" ")
             if scheme == peers.scheme:
                 try:
                     claim = peers.admit(proof, handler_call_details.method)

@@ -67,10 +67,6 @@ class ServiceState:
             if server is not None:
                 server.close()
 
-    def cancel_stalled_streams(self, idle_s: float | None = None) -> int:
-        """End calls idle for longer than ``idle_s`` (default ``stream_idle_s``); see stalls.py."""
-        return self.stalls.cancel_stalled(idle_s)
-
     def tenant_of(self, context, requested: str = "") -> str:
         """The caller's tenant, resolved once per call: with auth on, the token check hashes the
         token and compares it with every known one, and a side-channel RPC asks three times."""
@@ -85,15 +81,17 @@ class ServiceState:
         """The caller's namespace, or NOT_FOUND (also for another tenant's: no probing)."""
         return self.tenant_namespace(self.tenant_of(context), namespace_id, block_bytes)
 
-    def tenant_namespace(self, tenant: str, namespace_id: bytes, block_bytes: int = 0) -> Namespace:
-        """``tenant``'s namespace, or NOT_FOUND (also for another tenant's)."""
+    def tenant_namespace(self, tenant: str, namespace_id: bytes, block_bytes: int = 0,
+                         any_tenant: bool = False) -> Namespace:
+        """``tenant``'s namespace, or NOT_FOUND (also for another tenant's, unless ``any_tenant``:
+        an admin's operator command)."""
         if len(namespace_id) != 16:
             raise InvalidArgument("namespace_id", f"must be 16 bytes (from RegisterNamespace), got {len(namespace_id)}")
         try:
             ns = self.store.namespace(bytes(namespace_id))
         except UnknownNamespace:
             raise UnknownNamespace(bytes(namespace_id)) from None
-        if self.auth.enabled and ns.tenant != tenant:
+        if self.auth.enabled and not any_tenant and ns.tenant != tenant:
             raise UnknownNamespace(bytes(namespace_id))
         if block_bytes and block_bytes != ns.block_bytes:
             raise LayoutMismatch(f"block_bytes: the client expects {block_bytes}-byte blocks; namespace "
@@ -118,6 +116,3 @@ class ServiceState:
     def moved(self, direction: str, transport: str, nbytes: int) -> None:
         if self.metrics is not None:
             self.metrics.moved(direction, transport, nbytes)
-
-    def record_lookup(self, namespace_id: bytes, asked: int, found: int) -> None:
-        self.usage.looked_up(namespace_id, asked, found)

@@ -104,7 +104,7 @@ class KVStoreServicer(ServiceState):
         if not hashes:
             return 0, []
         found = self.store.lookup(ns.id, hashes, lease=lease)
-        self.record_lookup(ns.id, len(hashes), found.num_hit)
+        self.usage.looked_up(ns.id, len(hashes), found.num_hit)
         return found.num_hit, list(found.tiers)
 
     def local_lookup_told(self, tenant: str, namespace_id: bytes, hit: list[bytes], asked: int, lease: bool) -> None:
@@ -113,7 +113,7 @@ class KVStoreServicer(ServiceState):
         ns = self.tenant_namespace(tenant, namespace_id)
         hit = check_hashes(hit, allow_empty=True)
         found = self.store.lookup(ns.id, hit, lease=True).num_hit if hit and lease else len(hit)
-        self.record_lookup(ns.id, max(asked, len(hit)), found)
+        self.usage.looked_up(ns.id, max(asked, len(hit)), found)
 
     def RegisterNamespace(self, request, context):
         check_string(request.cache_salt, "cache_salt")
@@ -132,7 +132,7 @@ class KVStoreServicer(ServiceState):
             return pb.LookupResponse(num_hit=0)
         # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
         found = (self.fleet or self.store).lookup(ns.id, hashes, lease=not request.no_lease)
-        self.record_lookup(ns.id, len(hashes), found.num_hit)
+        self.usage.looked_up(ns.id, len(hashes), found.num_hit)
         return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
 
     def Route(self, request, context):
@@ -169,7 +169,7 @@ class KVStoreServicer(ServiceState):
         ns = self.caller_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes, allow_empty=True)
         present = self.store.contains(ns.id, hashes) if hashes else []
-        self.record_lookup(ns.id, len(hashes), sum(present))
+        self.usage.looked_up(ns.id, len(hashes), sum(present))
         return pb.ExistsResponse(present=present)
 
     def Delete(self, request, context):
