@@ -24,12 +24,13 @@ class ThreadBudget:
     disk_writes: int   # disk writes one put keeps in flight (``store.puts``)
     copy: int          # threads one large arena copy is split across (``buffers.copy_each``)
     codec: int         # threads one large block's encode or decode is split across (``codecs.fast_runner``)
+    http: int          # requests of the HTTP port (``/metrics``, ``/v1/route``) answered at once
 
     @classmethod
     def for_cores(cls, cores: int) -> ThreadBudget:
         io = min(16, max(4, cores))
         return cls(cores=cores, rpc=min(64, max(16, 4 * cores)), local_calls=io, slow_reads=io, disk_writes=io,
-                   copy=min(4, cores), codec=cores)
+                   copy=min(4, cores), codec=cores, http=min(4, io))
 
     def with_rpc(self, rpc: int | None) -> ThreadBudget:
         """This budget with ``rpc`` request threads (None: as sized here)."""

@@ -35,7 +35,6 @@ from kvstore.service.metrics_breakdown import FleetCollector, TenantCollector
 from kvstore.service.reload import Reloader
 from kvstore.service.grpc_server import build_server
 from kvstore.store import Store, StoreConfig
-from kvstore.threads import BUDGET
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
 from kvstore.units import format_size
@@ -201,7 +200,7 @@ class Daemon:
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
         self.server, self.servicer, self.health, self.port = build_server(
-            self.store, listen=settings.listen, workers=BUDGET.with_rpc(settings.workers).rpc,
+            self.store, listen=settings.listen, workers=settings.workers,
             max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
             metrics=self.metrics, shm_dir=settings.shm_dir, bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
             stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)

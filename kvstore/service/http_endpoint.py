@@ -26,7 +26,7 @@ never a thread. Bounds:
 * at most ``MAX_PER_CLIENT`` connections per client address and ``MAX_CONNECTIONS`` in all: a new
   one pushes out that client's (or anyone's, when all are taken) connection that has waited longest
   for its request, so a client holding idle connections delays no one else's answer;
-* at most ``MAX_CONCURRENT`` requests are answered at once, on a few threads (503 beyond).
+* at most ``MAX_CONCURRENT`` requests are answered at once, on ``BUDGET.http`` threads (503 beyond).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChainHasher
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.threads import BUDGET
 
 log = logging.getLogger("kvstore.service.http")
 
@@ -58,7 +59,6 @@ WRITE_DEADLINE_S = 10.0
 MAX_PER_CLIENT = 64
 MAX_CONNECTIONS = 1024
 MAX_CONCURRENT = 32
-ANSWER_THREADS = 4
 ROUTE_PATH = "/v1/route"
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
@@ -154,7 +154,7 @@ class HttpEndpoint:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
-        self._answers = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="kvstore-http")
+        self._answers = ThreadPoolExecutor(BUDGET.http, thread_name_prefix="kvstore-http")
 
     def serve(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port; raises ``OSError`` when taken) and serve
