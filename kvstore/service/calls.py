@@ -67,12 +67,6 @@ class CallContext:
     def set_trailing_metadata(self, metadata) -> None:
         self._context.set_trailing_metadata(tuple(metadata))
 
-    def peer(self) -> str:
-        return self._context.peer()
-
-    def time_remaining(self) -> float | None:
-        return self._context.time_remaining()
-
     def is_active(self) -> bool:
         return not self._ended.is_set()
 

@@ -99,11 +99,15 @@ class KVStoreServicer(ServiceState):
     def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:
         """Lookup for a same-host client over the Unix socket (``transport.local_lookup``): the
         same checks and answer as the RPC, local blocks only (not offered in fleet mode)."""
-        ns = self.tenant_namespace(tenant, namespace_id)
+        return self._look_up(self.store, self.tenant_namespace(tenant, namespace_id), hashes, lease)
+
+    def _look_up(self, source, ns: Namespace, hashes, lease: bool) -> tuple[int, list[str]]:
+        """``(hits, their tiers)`` from ``source`` (the store, or the fleet that completes a short
+        local run from peers), counted in the namespace's usage."""
         hashes = check_hashes(hashes, allow_empty=True)
         if not hashes:
             return 0, []
-        found = self.store.lookup(ns.id, hashes, lease=lease)
+        found = source.lookup(ns.id, hashes, lease=lease)
         self.usage.looked_up(ns.id, len(hashes), found.num_hit)
         return found.num_hit, list(found.tiers)
 
@@ -127,13 +131,9 @@ class KVStoreServicer(ServiceState):
 
     def _lookup(self, context, request) -> pb.LookupResponse:
         ns = self.caller_namespace(context, request.namespace_id)
-        hashes = check_hashes(request.hashes, allow_empty=True)
-        if not hashes:
-            return pb.LookupResponse(num_hit=0)
         # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
-        found = (self.fleet or self.store).lookup(ns.id, hashes, lease=not request.no_lease)
-        self.usage.looked_up(ns.id, len(hashes), found.num_hit)
-        return pb.LookupResponse(num_hit=found.num_hit, tiers=found.tiers)
+        hits, tiers = self._look_up(self.fleet or self.store, ns, request.hashes, not request.no_lease)
+        return pb.LookupResponse(num_hit=hits, tiers=tiers)
 
     def Route(self, request, context):
         ns = self.caller_namespace(context, request.namespace_id)
