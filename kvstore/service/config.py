@@ -45,13 +45,18 @@ def default_nvme_path() -> str:
     return os.path.join(cache, "kvstore", "nvme")
 
 
+def existing_parent(path: str) -> str:
+    """``path`` itself, or its nearest ancestor that exists (whose filesystem would hold it)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def default_nvme_bytes() -> int:
     """16 GiB, or half the free space of the filesystem that would hold the NVMe directory."""
-    path = default_nvme_path()
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
     try:
-        free = psutil.disk_usage(path or "/").free
+        free = psutil.disk_usage(existing_parent(default_nvme_path())).free
     except OSError:
         return 16 * GiB
     return max(256 * MiB, min(16 * GiB, free // 2))

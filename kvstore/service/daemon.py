@@ -23,7 +23,7 @@ from collections.abc import Callable
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
 from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
-from kvstore.service.banner import RecoveryProgress, announced, banner_lines
+from kvstore.service.banner import RecoveryProgress, announced, banner_lines, redacted_url
 from kvstore.service.config import ConfigError, Settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
@@ -145,7 +145,7 @@ def build_redis_tier(settings: Settings):
         tier.redis.ping()
     except Exception as e:  # noqa: BLE001 - any client failure: the tier degrades, the daemon serves
         log.warning("redis_tier: %s does not answer now (%s); blocks demoted there will be dropped until it does",
-                    r.connect_url.rpartition("@")[2], type(e).__name__)
+                    redacted_url(r.connect_url), type(e).__name__)
     return tier
 
 

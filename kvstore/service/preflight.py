@@ -23,7 +23,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 
-from kvstore.service.config import ConfigError, Settings
+from kvstore.service.config import ConfigError, Settings, existing_parent
 from kvstore.units import format_size
 
 #: ``KVSTORE_*`` variables that are read by something other than the daemon's settings
@@ -70,13 +70,6 @@ def unknown_environment(environ: Mapping[str, str]) -> Iterator[str]:
         yield f"environment variable {var} is not a kvstore setting and is ignored{hint}"
 
 
-def _existing_parent(path: str) -> str:
-    path = os.path.abspath(os.path.expanduser(path))
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def _bytes_held(path: str) -> int:
     """Bytes the files directly in ``path`` take on disk now (the tier's slabs: a restarted tier
     may grow back into what it already holds)."""
@@ -97,7 +90,7 @@ def nvme_room_warning(settings: Settings) -> str | None:
         return None
     path = os.path.abspath(os.path.expanduser(settings.nvme_path))
     try:
-        free = os.statvfs(_existing_parent(path))
+        free = os.statvfs(existing_parent(path))
     except OSError:
         return None   # the tier says why it cannot use the directory when it opens it
     room = free.f_bavail * free.f_frsize + _bytes_held(path)
