@@ -17,7 +17,8 @@ from kvstore.keys import KVLayout
 AXES = ("kv", "layer", "token", "head", "dim")
 LAYOUTS = ["kv,layer,token,head,dim", "kv,token,layer,head,dim", "kv,head,token,layer,dim",
            "layer,kv,token,head,dim", "vllm_cpu"]
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
+         "int8_kchan"]
 ROTATED = ("int8_had", "int4_g64_k16_had")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -77,7 +78,7 @@ def test_codec_ids_are_pinned():
     # Stored blocks name their codec by id: these numbers may never change.
     assert CODEC_IDS == {"raw": 0, "fp8": 1, "fp8_head": 2, "int4_g32": 3, "int4_g64": 4,
                          "int4_g128": 5, "zstd": 6, "int4_g64_k16": 7, "int8": 8, "int8_had": 9,
-                         "int4_g64_k16_had": 10}
+                         "int4_g64_k16_had": 10, "int8_kchan": 11}
     for name, cid in CODEC_IDS.items():
         assert get_codec(name) is codec_for_id(cid) is get_codec(cid)
 
@@ -163,7 +164,9 @@ def test_elementwise_error_bounds(codec, dtype):
         err = (x2 - x).abs()
         if codec.startswith("int8"):   # half a step of each (token, head) row's amax / 127
             rot = codec == "int8_had" and is_key   # (int8_had rotates keys only)
-            amax = (rotated(x) if rot else x).abs().amax(dim=3, keepdim=True)
+            # (int8_kchan: of each key channel's amax over the block's tokens)
+            amax = (rotated(x) if rot else x).abs().amax(dim=1 if codec == "int8_kchan" and is_key else 3,
+                                                         keepdim=True)
             # (the scale is rounded up to bf16: up to 2**-8 coarser than amax / 127)
             half_step = amax / 127 / 2 * (1 + 2 ** -7)
             assert bool((err <= half_step * (D if rot else 1) * (1 + 1e-5) + x2.abs() * eps).all())
@@ -290,6 +293,50 @@ def test_rotation_shrinks_the_error_of_outlier_channels():
     assert errors("int8_had")[1] == errors("int8")[1]
     assert errors("int4_g64_k16_had")[1] * 2 < errors("int4_g64_k16")[1], (errors("int4_g64_k16_had"),
                                                                           errors("int4_g64_k16"))
+
+
+def test_int8_kchan_known_answer():
+    """Keys get one scale per (layer, head, channel) over the block's tokens, values one per row:
+    key channel d holding integers up to 127 * 2**d gets scale 2**d (its codes the integers, exact
+    on decode), values as int8's rows; sections codes, key scales [L, H, D], value scales [L, T, H]."""
+    L, T, H, D = 1, 4, 1, 8
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    ints = torch.tensor([[127, -3, 0, 5, -127, 64, 1, 2], [-127, 3, 127, -5, 100, -64, 127, -2],
+                         [1, 127, -1, 127, 0, 127, -127, 127], [0, 0, 2, 0, 127, 0, 0, 0]])   # [T, D]
+    k = ints * 2.0 ** torch.arange(D)   # channel d scaled by 2**d
+    v = ints.flip(0) * 0.5   # every row's amax 63.5: scale 0.5
+    block = pack_block(k.view(1, T, 1, D), v.view(1, T, 1, D), layout.layout).to(torch.bfloat16)
+    cid, payload = encode_block("int8_kchan", as_bytes(block), layout)
+    assert cid == 11 and int.from_bytes(bytes(payload[8:10]), "little") == 0
+    body = payload[HEADER_BYTES:]
+    codes = body[:2 * T * D].view(np.int8).reshape(2, T, D)
+    assert codes[0].tolist() == ints.tolist() and codes[1].tolist() == ints.flip(0).tolist()
+    k_scales = torch.from_numpy(body[2 * T * D:2 * T * D + 2 * D].copy()).view(torch.bfloat16)
+    assert k_scales.tolist() == (2.0 ** torch.arange(D)).tolist()
+    v_scales = torch.from_numpy(body[2 * T * D + 16:2 * T * D + 16 + 2 * T].copy()).view(torch.bfloat16)
+    assert v_scales.tolist() == [0.5] * T
+    assert len(body) == 2 * T * D + 16 + 16   # codes, 8 key scales, 4 value scales (16-byte aligned)
+    assert torch.equal(decode_block(cid, payload, layout).view(torch.bfloat16), block)
+
+
+def test_per_channel_key_scales_shrink_the_error_of_outlier_channels():
+    """Keys with outlier channels: int8_kchan's key error (L2, relative) is far below int8's, at
+    about int8's size; its values are int8's rows, so their codes, scales and error are int8's."""
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k, v = realistic_kv(L, T, H, D, seed=41)
+    block = pack_block(k, v, layout.layout)
+
+    def errors(codec):
+        k2, v2 = unpack_block(roundtrip(codec, block, layout), layout.layout, L, T, H, D)
+        return [float((b.float() - a.float()).norm() / a.float().norm()) for a, b in ((k, k2), (v, v2))]
+    raw = as_bytes(block)
+    plain, kchan = encode_block("int8", raw, layout)[1], encode_block("int8_kchan", raw, layout)[1]
+    assert len(plain) < len(kchan) <= len(plain) * 1.02
+    assert errors("int8_kchan")[0] * 3 < errors("int8")[0], (errors("int8_kchan"), errors("int8"))
+    assert errors("int8_kchan")[1] == errors("int8")[1]
+    n = L * T * H * D   # V codes follow K codes in both
+    assert bytes(kchan[HEADER_BYTES + n:HEADER_BYTES + 2 * n]) == bytes(plain[HEADER_BYTES + n:HEADER_BYTES + 2 * n])
 
 
 def test_fp8_known_answer():

@@ -24,7 +24,8 @@ from kvstore.codecs import (CODEC_IDS, REASONS, Refused, check_layout, compiled_
 from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
-LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had"]
+LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
+         "int8_kchan"]
 L, T, H, D = 3, 16, 2, 64        # layers, tokens per block / page, KV heads, head_dim
 LATENT = 80                      # MLA kv_lora_rank + rope dims (64 + 16)
 BLOCKS = 3                       # blocks (pages) per engine tensor; the middle one is checked
@@ -221,14 +222,17 @@ def rotated(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def error_bound(codec: str, x: torch.Tensor, y: torch.Tensor, role: str) -> torch.Tensor:
     """The codec's stated elementwise error for ``x`` ([L, T, H, D], float) decoded as ``y``: fp8
-    half an e4m3 step of each (token, head) row's (or head's) scale; int4 half a step of the group
+    half an e4m3 step of each (token, head) row's (or head's) scale; int8 half a step of each row's
+    scale (int8_kchan's keys and one-tensor blocks: of each channel's); int4 half a step of the group
     range, keys (and one-tensor blocks) per channel over the block's tokens, values per token; a
     rotated row (int8_had's keys and one-tensor blocks, every int4_g64_k16_had row) n half steps of
     the rotated row."""
     eps = torch.finfo(BF16).eps
     if codec.startswith("int8"):
-        plain = x.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) + y.abs() * eps
-        if codec == "int8":
+        # (int8_kchan: keys and one-tensor blocks per channel over the block's tokens)
+        dim = 1 if codec == "int8_kchan" and role == "k" else 3
+        plain = x.abs().amax(dim=dim, keepdim=True) / 127 / 2 * (1 + 2 ** -7) + y.abs() * eps
+        if codec in ("int8", "int8_kchan"):
             return plain
         r, n = rotated(x)   # (a V-only segment is rotated as a one-tensor block: either bound)
         return torch.maximum(plain, r.abs().amax(dim=3, keepdim=True) / 127 / 2 * (1 + 2 ** -7) * n * (1 + 1e-5)

@@ -1,5 +1,5 @@
-"""KV block codecs: raw, FP8 e4m3, INT8, INT4 (KIVI-style), their Hadamard-rotated forms, zstd — the API
-the store and client call.
+"""KV block codecs: raw, FP8 e4m3, INT8 (per-row or per-channel key scales), INT4 (KIVI-style), their
+Hadamard-rotated forms, zstd — the API the store and client call.
 
 Owns how a block's bytes become a smaller payload and back, for every layout it understands. It
 imports only the leaves ``kvstore.keys``, ``kvstore.errors`` and ``kvstore.buffers`` from the rest
@@ -55,7 +55,8 @@ INSTALL_HINT = "pip install 'kvstore[codecs]'"
 _LOSSY = (("fp8", 1, "fp8", False), ("fp8_head", 2, "fp8", True),
           ("int4_g32", 3, "int4", 32), ("int4_g64", 4, "int4", 64), ("int4_g128", 5, "int4", 128),
           ("int4_g64_k16", 7, "int4", (64, 16)), ("int8", 8, "int8", False),
-          ("int8_had", 9, "int8", True), ("int4_g64_k16_had", 10, "int4", (64, 16, True)))
+          ("int8_had", 9, "int8", True), ("int4_g64_k16_had", 10, "int4", (64, 16, True)),
+          ("int8_kchan", 11, "int8_kchan", None))
 
 
 class NeedsTorch(Codec):
@@ -90,12 +91,15 @@ def _lossy_codecs() -> tuple[Codec, ...]:
     from kvstore.codecs.fp8 import Fp8Codec
     from kvstore.codecs.int4 import Int4Codec
     from kvstore.codecs.int8 import Int8Codec
+    from kvstore.codecs.int8_kchan import Int8KchanCodec
 
     def make(name: str, codec_id: int, kind: str, param) -> Codec:
         if kind == "fp8":
             return Fp8Codec(name, codec_id, per_head=param)
         if kind == "int8":
             return Int8Codec(name, codec_id, rotated=param)
+        if kind == "int8_kchan":
+            return Int8KchanCodec(name, codec_id)
         group, key_group, rotated = (param + (False,))[:3] if isinstance(param, tuple) else (param, None, False)
         return Int4Codec(name, codec_id, group=group, key_group=key_group, rotated=rotated)
     return tuple(make(*spec) for spec in _LOSSY)
