@@ -185,7 +185,7 @@ def main() -> None:
                 "cached": [lp["num_cached_tokens"], gr["num_cached_tokens"]], "kinds": kinds,
                 "seconds": [lp["seconds"][0], gr["seconds"][0]]}
 
-    def run(name: str, job: dict) -> dict:
+    def run_engine(name: str, job: dict) -> dict:
         t = time.perf_counter()
         (r,) = run_engine_jobs(python, VLLM_DRIVER, work, [(name, job)], timeout_s=3600, env=env)
         print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
@@ -199,12 +199,12 @@ def main() -> None:
             save_steps = [{"generate": ids, "max_tokens": 1}, {"drain": True}]
             if codec == "raw":
                 save_steps += steps_measure("prefix_cache")
-            saved = run(f"save-{codec}", {"engine": {**engine, "enable_prefix_caching": True}, "steps": save_steps,
+            saved = run_engine(f"save-{codec}", {"engine": {**engine, "enable_prefix_caching": True}, "steps": save_steps,
                                           "kv_transfer_config": vllm_kv_transfer_config(d.url, **SAVE_SETTINGS)})
             if codec == "raw":
                 runs["prefix_cache"] = measured(saved, "prefix_cache", 2)
             after_save = codec_stats(d)
-            loaded = run(f"load-{codec}", {"engine": {**engine, "enable_prefix_caching": False},
+            loaded = run_engine(f"load-{codec}", {"engine": {**engine, "enable_prefix_caching": False},
                                            "steps": steps_measure(codec),
                                            "kv_transfer_config": vllm_kv_transfer_config(d.url, save=False)})
             runs[codec] = measured(loaded, codec, 0)
