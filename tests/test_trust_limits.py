@@ -359,16 +359,14 @@ def test_store_caps_block_bytes_and_namespaces_per_tenant(tmp_path):
     store.close()
 
 
-def test_namespace_files_skip_planted_entries_and_upgrade_the_old_file(tmp_path):
+def test_namespace_files_skip_planted_entries(tmp_path):
     from kvstore.store.namespace_files import DIR_NAME
 
     nvme = tmp_path / "nvme"
-    legacy = Namespace(layout(4 * KiB), cache_salt="from namespaces.json")
     store = small_store(nvme)
     ns_id = store.register_namespace(Namespace(layout(4 * KiB), cache_salt="kept"))
     store.close()
     registry = nvme / DIR_NAME
-    (nvme / "namespaces.json").write_text(json.dumps([legacy.to_dict()]))
     planted_fifo, planted_link = Namespace(layout(8 * KiB)), Namespace(layout(16 * KiB))
     os.mkfifo(registry / f"{planted_fifo.id.hex()}.json")
     target = tmp_path / "elsewhere.json"
@@ -381,9 +379,8 @@ def test_namespace_files_skip_planted_entries_and_upgrade_the_old_file(tmp_path)
 
     store = small_store(nvme)                                        # a FIFO would hang an open(); it must not
     known = {ns.id for ns in store.namespaces()}
-    assert known == {ns_id, legacy.id}
+    assert known == {ns_id}
     assert store.stats()["counters"]["namespace_files_skipped_not_regular"] == 2
-    assert not (nvme / "namespaces.json").exists()                   # upgraded once, then removed
     store.register_namespace(new)
     assert victim.read_text() == "untouched"
     assert stat.S_IMODE(os.stat(registry / f"{new.id.hex()}.json").st_mode) == 0o600

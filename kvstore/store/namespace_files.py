@@ -11,9 +11,6 @@ is never written through), fsynced, renamed into place, and the directory fsynce
 leaves the namespace registered or not, never a torn file. Loading opens each file with
 ``open_regular`` (a FIFO, symlink or device is skipped without being opened through or waited on)
 and drops files that do not parse or whose name is not their namespace's id; both are counted.
-
-Upgrade: a ``namespaces.json`` written by an older daemon (one JSON list) is read once, its
-namespaces written as files, and then removed.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, fsyn
 log = logging.getLogger("kvstore.store.namespace_files")
 
 DIR_NAME = "namespaces"
-LEGACY_FILE = "namespaces.json"
 SUFFIX = ".json"
 MAX_FILE_BYTES = 64 << 10   # a namespace is a few hundred bytes; anything bigger is not ours
 
@@ -38,7 +34,6 @@ class NamespaceFiles:
     """The per-namespace files under ``<directory>/namespaces``."""
 
     def __init__(self, directory: str) -> None:
-        self.parent = directory
         self.path = os.path.join(directory, DIR_NAME)
         claim_private_dir(self.path, "namespace registry")
         self.skipped_not_regular = 0   # FIFOs, symlinks, ... named like a namespace file
@@ -48,17 +43,23 @@ class NamespaceFiles:
         return os.path.join(self.path, namespace_id.hex() + SUFFIX)
 
     def load(self) -> list[Namespace]:
-        """Every namespace on disk (after upgrading a legacy ``namespaces.json``)."""
-        found = {ns.id: ns for ns in self._load_dir()}
-        legacy = self._read_legacy()
-        if legacy is not None:
-            for ns in legacy:
-                if ns.id not in found:
-                    self.save(ns)
-                    found[ns.id] = ns
-            os.unlink(self._legacy_path())   # every namespace it held is a file of its own now
-            fsync_dir(self.parent)
-        return list(found.values())
+        """Every namespace on disk. A ``.tmp`` file is a save a crash cut short: removed."""
+        out = []
+        for name in os.listdir(self.path):
+            path = os.path.join(self.path, name)
+            if name.endswith(".tmp"):
+                unlink_quietly(path)   # that registration never completed
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            ns = self._read_one(path)
+            if ns is not None and ns.id.hex() + SUFFIX != name:
+                self.dropped_damaged += 1
+                log.warning("namespace registry: %s does not hold the namespace it is named after; ignored", path)
+                ns = None
+            if ns is not None:
+                out.append(ns)
+        return out
 
     def save(self, ns: Namespace) -> None:
         """Persist one namespace durably (OSError on failure, nothing left behind)."""
@@ -73,26 +74,6 @@ class NamespaceFiles:
             return
         fsync_dir(self.path)
 
-    # -- loading ---------------------------------------------------------------------------------
-
-    def _load_dir(self) -> list[Namespace]:
-        out = []
-        for name in os.listdir(self.path):
-            path = os.path.join(self.path, name)
-            if name.endswith(".tmp"):
-                unlink_quietly(path)   # a crash mid-save: that registration never completed
-                continue
-            if not name.endswith(SUFFIX):
-                continue
-            ns = self._read_one(path)
-            if ns is not None and ns.id.hex() + SUFFIX != name:
-                self.dropped_damaged += 1
-                log.warning("namespace registry: %s does not hold the namespace it is named after; ignored", path)
-                ns = None
-            if ns is not None:
-                out.append(ns)
-        return out
-
     def _read_one(self, path: str) -> Namespace | None:
         data = self._read_regular(path)
         if data is None:
@@ -104,8 +85,8 @@ class NamespaceFiles:
             log.warning("namespace registry: %s is damaged; ignored", path)
             return None
 
-    def _read_regular(self, path: str, limit: int | None = MAX_FILE_BYTES) -> bytes | None:
-        """The bytes of a regular file, or None (counted) for anything else or one over ``limit``."""
+    def _read_regular(self, path: str) -> bytes | None:
+        """The bytes of a regular file, or None (counted) for anything else or one over ``MAX_FILE_BYTES``."""
         try:
             fd = open_regular(path)
         except NotRegularFile as e:
@@ -116,30 +97,11 @@ class NamespaceFiles:
             return None
         try:
             with os.fdopen(fd, "rb") as f:
-                data = f.read() if limit is None else f.read(limit + 1)
+                data = f.read(MAX_FILE_BYTES + 1)
         except OSError:
             self.dropped_damaged += 1
             return None
-        if limit is not None and len(data) > limit:
+        if len(data) > MAX_FILE_BYTES:
             self.dropped_damaged += 1
             return None
         return data
-
-    # -- upgrade from one namespaces.json --------------------------------------------------------
-
-    def _legacy_path(self) -> str:
-        return os.path.join(self.parent, LEGACY_FILE)
-
-    def _read_legacy(self) -> list[Namespace] | None:
-        """The namespaces of an old ``namespaces.json``; None if there is none (or it is not a
-        regular file: skipped and counted, left in place)."""
-        path = self._legacy_path()
-        data = self._read_regular(path, limit=None) if os.path.lexists(path) else None
-        if data is None:
-            return None
-        try:
-            return [Namespace.from_dict(d) for d in json.loads(data)]
-        except (ValueError, KeyError, TypeError):
-            self.dropped_damaged += 1
-            log.warning("namespace registry: %s is damaged; its namespaces must be registered again", path)
-            return []
