@@ -15,9 +15,10 @@ method here that changes them expects it held unless its docstring says it takes
 
 No I/O runs under that lock. Under it the cascade plans (picks victims, allocates room, pins what
 a copy reads) and records what was done; disk and network reads and writes run between the two
-with it released, the blocks they touch pinned: a victim written down (``clear_room``), a
+with it released (``transfers.Transfers``, whose ``clear_room``, ``copy_out`` and ``copy_out_many``
+the cascade answers as its own), the blocks they touch pinned: a victim written down (``clear_room``), a
 write-through, a flush, a prewarm or a promotion into a disk tier (``copy_out``), a dropped
-block's slot erased (``StoreLock`` runs ``Tier.finish_drops`` on release). Under the lock only
+block's slot erased (``store_lock.StoreLock`` runs ``Tier.finish_drops`` on release). Under the lock only
 memory copies run (a GPU victim into the CPU tier, a promotion into RAM); ``make_room`` there
 refuses with ``RoomNotReady`` when room needs a write down, and the caller clears it and retries.
 
@@ -38,8 +39,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
-from kvstore.errors import (BlockBusy, BlockCorrupt, BlockTooLarge, CodecError, QuotaExceeded, StoreFull, TierFull,
-                            TierIOError)
+from kvstore.errors import BlockBusy, BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import BlockIndex, Entry
@@ -47,12 +47,12 @@ from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.policy import make_tier_policies
 from kvstore.store.quotas import TenantQuotas
+from kvstore.store.store_lock import StoreLock
 from kvstore.store.transcoding import StagedBlock, Transcoder
+from kvstore.store.transfers import (COPIED, CORRUPT, NO_ROOM, PLACEMENT_ERRORS,  # noqa: F401 (the cascade's outcomes)
+                                     ROOM_ATTEMPTS, RoomNotReady, Transfers)
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.cpu import CpuTier
-
-#: what a failed copy into a tier raises when the failure is only "it did not fit / did not write"
-PLACEMENT_ERRORS = (TierFull, TierIOError, BlockTooLarge)
 
 #: how often a put of a deleted-but-still-pinned block looks again whether its last reader let go
 DOOMED_POLL_S = 0.005
@@ -60,53 +60,6 @@ DOOMED_POLL_S = 0.005
 DOOMED_WAITERS = 4
 #: the longest such a put waits: within a client's default 5 s deadline
 DOOMED_WAIT_MAX_S = 3.0
-#: victims one ``clear_room`` call evicts at most before leaving the rest to ``make_room`` (a
-#: tier split by tenant can evict other tenants' blocks without making room for this one)
-CLEAR_ROOM_MAX_VICTIMS = 64
-#: victims ``clear_room`` picks under one lock acquisition and writes down together at most
-WRITE_DOWN_BATCH = 64
-#: times a caller without the lock makes room and tries its allocation again when another caller
-#: took the room between its ``clear_room`` and its ``make_room``
-ROOM_ATTEMPTS = 3
-#: what ``Cascade.copy_out`` did
-COPIED, NO_ROOM, CORRUPT = "copied", "no_room", "corrupt"
-
-
-class RoomNotReady(TierFull):
-    """Room in tier ``tier`` needs a victim written down (disk or network I/O), which never runs
-    under the lock: the caller lets go of it, calls ``clear_room`` and tries again."""
-
-    def __init__(self, tier: int, message: str) -> None:
-        super().__init__(message)
-        self.tier = tier
-
-
-class StoreLock:
-    """The store lock: reentrant. A thread's last release of it finishes the tiers' drops (erasing
-    dropped slots on disk, ``Tier.finish_drops``) with it released: drops happen under the lock,
-    their I/O never does."""
-
-    def __init__(self, tiers: Sequence[Tier]) -> None:
-        self._lock = threading.RLock()
-        self._held = threading.local()   # .depth: this thread's nesting
-        self._finishing = [t for t in tiers if type(t).finish_drops is not Tier.finish_drops]
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        held = self._held
-        held.depth = getattr(held, "depth", 0) + 1
-
-    def __exit__(self, *exc) -> None:
-        held = self._held
-        held.depth -= 1
-        self._lock.release()
-        if held.depth == 0:
-            for tier in self._finishing:
-                tier.finish_drops()
-
-    def held(self) -> bool:
-        """Whether the calling thread holds it."""
-        return getattr(self._held, "depth", 0) > 0
 
 
 class Cascade:
@@ -127,9 +80,11 @@ class Cascade:
         self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
         # page-aligned: the NVMe tier reads into it with O_DIRECT
         self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
-        # copy_out's, one per source tier: writing a victim down to make room below reads through the next one's
-        self._copy_scratch = [Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
-                              for _ in self.tiers]
+        # the copies that do I/O (transfers.py), called as the cascade's own
+        self.transfers = Transfers(self)
+        self.clear_room = self.transfers.clear_room
+        self.copy_out = self.transfers.copy_out
+        self.copy_out_many = self.transfers.copy_out_many
 
     # -- pins ------------------------------------------------------------------------------------
 
@@ -166,7 +121,7 @@ class Cascade:
                 if entry is not None and entry.pins > 0:
                     self.unpin(entry)
 
-    def _is_pinned(self, key: bytes) -> bool:
+    def is_pinned(self, key: bytes) -> bool:
         e = self.index.entries.get(key)
         return e is not None and (e.pins > 0 or e.held or not e.ready or e.pinned_until > self.clock())
 
@@ -385,234 +340,16 @@ class Cascade:
         tier = self.tiers[t]
         need = tier.footprint(nbytes)
         while tier.free_bytes_for(namespace_id) < need:
-            victim = self.index.policies[t].pick_victim(self._is_pinned)
+            victim = self.index.policies[t].pick_victim(self.is_pinned)
             if victim is None:
                 raise TierFull(f"{tier.name} tier is full and every block in it is pinned")
-            self._evict_copy(t, victim)
+            self.evict_copy(t, victim)
 
-    def clear_room(self, t: int, nbytes: int, namespace_id: bytes, blocks: int = 1) -> None:
-        """Make room as ``make_room`` does, for ``blocks`` blocks of ``nbytes``, for a caller that
-        does not hold the lock, where tier ``t``'s victims go down by a disk or network write (or
-        are read from disk): the victims' copies below are written with the lock released, so other
-        requests (a get of hot blocks) never wait on the I/O, only this caller does. Room for a run
-        (``blocks`` > 1) in a CPU tier is made by picking up to ``WRITE_DOWN_BATCH`` victims at a
-        time and writing them down together (``_write_down_many``); otherwise one at a time. Each is pinned meanwhile (nobody else evicts it; a delete dooms it)
-        and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once there
-        is room, or leaves what it could not do (every block pinned, a race lost to another put, a
-        tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
-        if not self._writes_down_slowly(t):
-            return
-        tier, policy = self.tiers[t], self.index.policies[t]
-        try:
-            need = tier.footprint(nbytes) * blocks
-        except BlockTooLarge:
-            return
-        if tier.free_bytes_for(namespace_id) >= need:   # the common case, without the lock (make_room rechecks)
-            return
-        # victims go down together only where copy_out_many writes them with one call (a run of
-        # puts making room in a CPU tier); elsewhere one at a time, as a victim stays pinned until
-        # its batch is written, and a pinned victim is room nobody else can make meanwhile
-        batch = WRITE_DOWN_BATCH if blocks > 1 and isinstance(tier, CpuTier) else 1
-        left = CLEAR_ROOM_MAX_VICTIMS * blocks
-        while left > 0:
-            victims: list[Entry] = []
-            with self.lock:
-                free = tier.free_bytes_for(namespace_id)
-                while free < need and left > 0 and len(victims) < batch:
-                    key = policy.pick_victim(self._is_pinned)
-                    if key is None:
-                        break
-                    left -= 1
-                    entry = self.index.entries[key]
-                    if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
-                        self._evict_copy(t, key)
-                        free = tier.free_bytes_for(namespace_id)
-                        continue
-                    self.pin_entry(entry)
-                    entry.writing_down = True
-                    victims.append(entry)
-                    free += tier.footprint(entry.copies[t].stored_size)   # once written down
-            if not victims:
-                return
-            self._write_down_many(victims, t)
-
-    def _writes_down_slowly(self, t: int) -> bool:
-        """Whether demoting a victim of tier ``t`` is I/O (a disk or network read or write), not a
-        copy from memory to memory."""
-        return t + 1 < len(self.tiers) and not (self.tiers[t].in_memory and self.tiers[t + 1].in_memory)
-
-    def _write_down_many(self, entries: list[Entry], t: int) -> None:
-        """Demote pinned victims of tier ``t`` to the tier below (``copy_out_many``: the I/O outside
-        the lock), then evict each one's copy in ``t`` (kept if someone pinned it meanwhile: it is
-        then clean, and a later eviction is a drop). A failed demotion loses its block, as any
-        eviction does."""
-        outcomes: list[str | None] = [None] * len(entries)
-        unexpected = None
-        try:
-            outcomes = list(self.copy_out_many(entries, t, t + 1))
-        except BaseException as e:   # noqa: BLE001 - unpinned below, then raised
-            unexpected = e
-        with self.lock:
-            for entry, outcome in zip(entries, outcomes):
-                entry.writing_down = False
-                if outcome == COPIED:
-                    self.counters["demotions"] += 1
-                    self.counters["demotions_outside_lock"] += 1
-                else:
-                    self.counters["demotion_failures"] += 1
-                self.unpin(entry)   # doomed: freed here, every copy with it
-                if (unexpected is None and self.index.entries.get(entry.key) is entry and t in entry.copies
-                        and not self._is_pinned(entry.key)):
-                    self.drop_copy(entry, t)
-                    if not entry.copies:
-                        self.counters["evictions"] += 1
-        if unexpected is not None:
-            raise unexpected
-
-    def copy_out_many(self, entries: Sequence[Entry], src: int, dst: int) -> list[str]:
-        """``copy_out`` for blocks the caller has pinned, their writes into ``dst`` made by one
-        ``Tier.write_many_unsynced`` (neighbouring slots of a disk tier in one call) where each
-        copy in ``src`` is one view of memory (a CPU arena slot: no scratch buffer is shared
-        between them); the others go one by one. Returns each block's outcome. Takes the lock
-        itself."""
-        outcomes: list[str] = [NO_ROOM] * len(entries)
-        placed_all = []   # (position, entry, its placement in dst)
-        alone: list[int] = []
-        src_tier = self.tiers[src]
-        for k, entry in enumerate(entries):
-            record = entry.copies.get(src)
-            if dst in entry.copies:
-                outcomes[k] = COPIED
-                continue
-            if record is None:
-                continue
-            views = src_tier.view(entry.key) if isinstance(src_tier, CpuTier) and len(entries) > 1 else ()
-            if len(views) != 1:
-                alone.append(k)
-                continue
-            self.clear_room(dst, record.stored_size, entry.namespace_id)
-            try:
-                placed = self.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, views[0],
-                                               downward=True)
-            except (BlockCorrupt, CodecError):
-                with self.lock:
-                    if entry.copies.get(src) is record:
-                        self.discard_corrupt_copy(entry, src)
-                outcomes[k] = CORRUPT
-                continue
-            placed_all.append((k, entry, placed))
-        writing = []
-        with self.lock:
-            for k, entry, placed in placed_all:
-                if dst in entry.copies:
-                    outcomes[k] = COPIED
-                    continue
-                try:
-                    self.make_room(dst, placed.record.stored_size, entry.namespace_id)
-                    self.tiers[dst].allocate(placed.record)
-                except RoomNotReady:
-                    alone.append(k)   # copy_out clears the room below and tries again
-                    continue
-                except PLACEMENT_ERRORS:
-                    continue
-                writing.append((k, entry, placed))
-        try:
-            failed = self.tiers[dst].write_many_unsynced([p.record for _, _, p in writing],
-                                                         [p.payload for _, _, p in writing], durable=False)
-        except BaseException:
-            with self.lock:
-                for _, _, placed in writing:
-                    self.tiers[dst].drop(placed.record.key)
-            raise
-        with self.lock:
-            for (k, entry, placed), error in zip(writing, failed):
-                if error is not None or entry.doomed or self.index.entries.get(entry.key) is not entry:
-                    self.tiers[dst].drop(placed.record.key)   # not written, or a copy nobody will read
-                    continue
-                entry.copies[dst] = placed.record
-                self.transcoder.count(dst, placed, entry.raw_size)
-                self.index.track_copy(entry, dst)
-                self._copies_changed(entry)
-                outcomes[k] = COPIED
-        for k in sorted(alone):
-            outcomes[k] = self.copy_out(entries[k], src, dst)
-        return outcomes
-
-    def copy_out(self, entry: Entry, src: int, dst: int, data=None, decoded=None) -> str:
-        """Copy a block the caller has pinned (or that is still invisible) from tier ``src`` to
-        tier ``dst`` with the lock released for every I/O: the read of ``src`` (skipped when
-        ``data`` holds its payload already; ``decoded``: its raw bytes, if at hand), room in
-        ``dst`` (``clear_room``, then ``make_room`` under the lock, tried again if another caller
-        took it), the write. The copy is recorded only if the block is still wanted (not deleted
-        meanwhile). Returns ``COPIED`` (or ``dst`` had a copy already), ``NO_ROOM`` (the tier
-        refused it, or its write failed) or ``CORRUPT`` (the ``src`` copy was damaged: dropped,
-        counted). Takes the lock itself."""
-        record = entry.copies.get(src)
-        if dst in entry.copies:
-            return COPIED
-        if record is None:
-            return NO_ROOM
-        if data is None:
-            # room below first, and into this tier's own buffer: writing another victim down to
-            # make that room reads it through the next tier's
-            self.clear_room(dst, record.stored_size, entry.namespace_id)
-            try:
-                data = self.read_copy(entry, src, self._copy_scratch[src])
-            except (BlockCorrupt, CodecError, KeyError):
-                with self.lock:
-                    if entry.copies.get(src) is record:
-                        self.discard_corrupt_copy(entry, src)
-                return CORRUPT
-        try:
-            placed = self.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, data,
-                                           downward=dst > src, decoded=decoded)
-        except (BlockCorrupt, CodecError):
-            with self.lock:
-                if entry.copies.get(src) is record:
-                    self.discard_corrupt_copy(entry, src)
-            return CORRUPT
-        target = placed.record
-        for attempt in range(ROOM_ATTEMPTS):
-            if attempt:
-                self.clear_room(dst, target.stored_size, entry.namespace_id)
-            with self.lock:
-                if dst in entry.copies:
-                    return COPIED
-                try:
-                    self.make_room(dst, target.stored_size, entry.namespace_id)
-                    self.tiers[dst].allocate(target)
-                    break
-                except RoomNotReady:
-                    continue
-                except PLACEMENT_ERRORS:
-                    return NO_ROOM
-        else:
-            return NO_ROOM
-        try:
-            self.tiers[dst].write_unsynced(target, placed.payload, durable=False)
-        except PLACEMENT_ERRORS:
-            with self.lock:
-                self.tiers[dst].drop(target.key)
-            return NO_ROOM
-        except BaseException:
-            with self.lock:
-                self.tiers[dst].drop(target.key)
-            raise
-        with self.lock:
-            if entry.doomed or self.index.entries.get(entry.key) is not entry:
-                self.tiers[dst].drop(target.key)   # a copy nobody will read
-                return NO_ROOM
-            entry.copies[dst] = target
-            self.transcoder.count(dst, placed, entry.raw_size)
-            self.index.track_copy(entry, dst)
-            self._copies_changed(entry)
-        return COPIED
-
-    def _evict_copy(self, t: int, key: bytes) -> None:
+    def evict_copy(self, t: int, key: bytes) -> None:
         entry = self.index.entries[key]
         lower = [i for i in entry.copies if i > t]
         if not lower and t + 1 < len(self.tiers):
-            if self._writes_down_slowly(t):
+            if self.transfers.writes_down_slowly(t):
                 raise RoomNotReady(t, f"{self.tiers[t].name} tier: its victim must be written down first")
             try:
                 self._demote(entry, t, t + 1)
@@ -710,9 +447,9 @@ class Cascade:
         entry.copies[t] = record
         self.transcoder.count(t, placed, entry.raw_size)
         self.index.track_copy(entry, t)
-        self._copies_changed(entry)
+        self.copies_changed(entry)
 
-    def _copies_changed(self, entry: Entry) -> None:
+    def copies_changed(self, entry: Entry) -> None:
         self.index.copies_changed(entry)
         if entry.visible:
             self.listeners.moved(entry.namespace_id, entry.block_hash, entry.fastest)
@@ -747,7 +484,7 @@ class Cascade:
         self.index.policies[t].remove(entry.key)
         del entry.copies[t]
         if entry.copies:
-            self._copies_changed(entry)
+            self.copies_changed(entry)
         else:
             self._forget(entry)
 
@@ -758,7 +495,7 @@ class Cascade:
         self.index.policies[t].remove(entry.key)
         entry.copies.pop(t, None)
         if entry.copies:
-            self._copies_changed(entry)
+            self.copies_changed(entry)
         else:
             self._forget(entry)
 
