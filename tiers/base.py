@@ -69,6 +69,8 @@ class BlockRecord:
     checksum: int = 0  # xxh3_64 of the stored payload; 0 = not computed yet
     #: where the tier holding this copy keeps it (the NVMe tier: its slot), set by that tier
     slot: int = dataclasses.field(default=-1, compare=False)
+    #: the tier whose copy this is, once the index holds it (``store.index.Copies``); not copied by ``replace``
+    tier: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
     _key: bytes | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -9,7 +9,6 @@ policies never see a stale chain. Callers hold the store lock.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 from kvstore.keys import block_key
@@ -21,21 +20,30 @@ class Copies:
     """An entry's copies: tier index -> ``BlockRecord``, with the part of a dict's interface the
     store uses (``[t]``, ``in``, ``get``, ``pop``, ``del``, ``items``, ``len``, iteration in tier
     order). Why not a dict: an index of millions of blocks holds one per block, and a dict with
-    one item takes 224 bytes; this takes 104. The copies are one flat tuple (tier, record, tier,
-    record, ...) in tier order, replaced whole on each change, so a reader that does not hold
-    the store lock still sees one consistent state."""
+    one item takes 224 bytes; this takes 40. The copies are one value, replaced whole on each
+    change, so a reader that does not hold the store lock still sees one consistent state: None
+    (no copy), the record of the one copy (most blocks; its tier is ``record.tier``), or a flat
+    tuple (tier, record, tier, record, ...) in tier order."""
 
     __slots__ = ("_flat",)
 
     def __init__(self) -> None:
-        self._flat: tuple = ()
+        self._flat: tuple | BlockRecord | None = None
+
+    def _pairs(self) -> tuple:
+        flat = self._flat
+        if flat is None:
+            return ()
+        return flat if type(flat) is tuple else (flat.tier, flat)
 
     def get(self, t: int, default=None):
         flat = self._flat
-        for i in range(0, len(flat), 2):
-            if flat[i] == t:
-                return flat[i + 1]
-        return default
+        if type(flat) is tuple:
+            for i in range(0, len(flat), 2):
+                if flat[i] == t:
+                    return flat[i + 1]
+            return default
+        return flat if flat is not None and flat.tier == t else default
 
     def __getitem__(self, t: int) -> BlockRecord:
         record = self.get(t)
@@ -45,15 +53,27 @@ class Copies:
 
     def __contains__(self, t: object) -> bool:
         flat = self._flat
-        return flat[0] == t if len(flat) == 2 else t in flat[::2]
+        if type(flat) is tuple:
+            return t in flat[::2]
+        return flat is not None and flat.tier == t
+
+    def _set(self, pairs: list) -> None:
+        if not pairs:
+            self._flat = None
+        elif len(pairs) == 1 and pairs[0][1].tier in (-1, pairs[0][0]):
+            t, record = pairs[0]
+            record.tier = t   # set before it is published below
+            self._flat = record
+        else:
+            pairs.sort(key=lambda p: p[0])
+            self._flat = tuple(x for p in pairs for x in p)
 
     def __setitem__(self, t: int, record: BlockRecord) -> None:
-        if not self._flat:   # most entries: their first copy
-            self._flat = (t, record)
+        if self._flat is None and record.tier in (-1, t):   # most entries: their first copy
+            record.tier = t
+            self._flat = record
             return
-        pairs = [p for p in self.items() if p[0] != t] + [(t, record)]
-        pairs.sort(key=lambda p: p[0])
-        self._flat = tuple(x for p in pairs for x in p)
+        self._set([p for p in self.items() if p[0] != t] + [(t, record)])
 
     def pop(self, t: int, *default):
         record = self.get(t)
@@ -61,50 +81,68 @@ class Copies:
             if default:
                 return default[0]
             raise KeyError(t)
-        flat = self._flat
-        self._flat = tuple(x for i in range(0, len(flat), 2) if flat[i] != t for x in flat[i:i + 2])
+        self._set([p for p in self.items() if p[0] != t])
         return record
 
     def __delitem__(self, t: int) -> None:
         self.pop(t)
 
     def items(self) -> list[tuple[int, BlockRecord]]:
-        flat = self._flat
+        flat = self._pairs()
         return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def __iter__(self):
-        return iter(self._flat[::2])
+        return iter(self._pairs()[::2])
 
     def __len__(self) -> int:
-        return len(self._flat) // 2
+        flat = self._flat
+        return 0 if flat is None else len(flat) // 2 if type(flat) is tuple else 1
 
     def __repr__(self) -> str:
         return f"Copies({dict(self.items())!r})"
 
 
-@dataclasses.dataclass(slots=True)
+_READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN = 1, 2, 4, 8, 16
+
+
+def _flag(bit: int, doc: str) -> property:
+    def get(self) -> bool:
+        return bool(self._flags & bit)
+
+    def put(self, on: bool) -> None:
+        self._flags = self._flags | bit if on else self._flags & ~bit
+    return property(get, put, doc=doc)
+
+
 class Entry:
-    """The index's view of one block: where its copies are and who holds it. Slotted, with its
-    key made once: hot paths read ``key`` several times per block."""
+    """The index's view of one block: where its copies are and who holds it. Slotted, its five
+    flags in one int and its key made once (hot paths read ``key`` several times per block): an
+    index of millions holds one per block."""
 
-    namespace_id: bytes
-    block_hash: bytes
-    parent_hash: bytes | None
-    raw_size: int
-    copies: Copies = dataclasses.field(default_factory=Copies)  # tier index -> record
-    ready: bool = False          # visible to lookups and gets
-    pins: int = 0                # explicit pins (in-flight reads, leases)
-    pinned_until: float = 0.0    # lookup lease
-    doomed: bool = False         # deleted while pinned: freed on last unpin
-    children: tuple[bytes, ...] | set[bytes] = ()   # keys of visible children (see BlockIndex.link)
-    linked: bool = False         # listed in its parent's ``children``
-    charged_to: str | None = None  # the tenant whose quota counts this block (see quotas.py)
-    held: bool = False           # in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted
-    writing_down: bool = False   # its demotion's disk write runs outside the lock (``Cascade.clear_room``)
-    key: bytes = dataclasses.field(init=False, repr=False, compare=False)   # block_key(namespace, hash)
+    __slots__ = ("namespace_id", "block_hash", "parent_hash", "raw_size", "copies", "pins", "pinned_until",
+                 "children", "charged_to", "key", "_flags")
 
-    def __post_init__(self) -> None:
-        self.key = block_key(self.namespace_id, self.block_hash)
+    def __init__(self, namespace_id: bytes, block_hash: bytes, parent_hash: bytes | None, raw_size: int, *,
+                 ready: bool = False, charged_to: str | None = None, key: bytes | None = None) -> None:
+        self.namespace_id = namespace_id
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+        self.raw_size = raw_size
+        self.copies = Copies()        # tier index -> record
+        self.pins = 0                 # explicit pins (in-flight reads, leases)
+        self.pinned_until = 0.0       # lookup lease
+        #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
+        self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
+        self.charged_to = charged_to  # the tenant whose quota counts this block (see quotas.py)
+        #: ``block_key(namespace_id, block_hash)``: given, where the caller holds it already (one object)
+        self.key = block_key(namespace_id, block_hash) if key is None else key
+        self._flags = _READY if ready else 0
+
+    ready = _flag(_READY, "visible to lookups and gets")
+    doomed = _flag(_DOOMED, "deleted while pinned: freed on last unpin")
+    linked = _flag(_LINKED, "listed in its parent's ``children``")
+    held = _flag(_HELD, "in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted")
+    writing_down = _flag(_WRITING_DOWN, "its demotion's disk write runs outside the lock (``Transfers.clear_room``)")
 
     @property
     def fastest(self) -> int:
@@ -113,11 +151,32 @@ class Entry:
     @property
     def visible(self) -> bool:
         """Served to lookups and gets: written, and not deleted."""
-        return self.ready and not self.doomed
+        return self._flags & (_READY | _DOOMED) == _READY
+
+    def child_keys(self) -> tuple[bytes, ...] | set[bytes]:
+        kids = self.children
+        return (kids,) if type(kids) is bytes else kids
+
+    def __repr__(self) -> str:
+        return (f"Entry({self.key.hex()[:24]}..., copies={self.copies!r}, ready={self.ready}, pins={self.pins}, "
+                f"doomed={self.doomed})")
 
 
 #: children a block keeps in a tuple; more go into a set (adding to a tuple copies it)
 SMALL_FAMILY = 8
+
+
+def _add_child(parent: Entry, key: bytes) -> None:
+    """Most blocks have 0 or 1 children: the one child's key itself (no container), a tuple of a
+    few (48 bytes and up) where a set costs 216."""
+    kids = parent.children
+    if type(kids) is set:
+        kids.add(key)
+    elif not kids:
+        parent.children = key
+    else:
+        kids = parent.child_keys() + (key,)
+        parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
 
 
 class BlockIndex:
@@ -155,12 +214,7 @@ class BlockIndex:
         parent = self.parent(entry)
         if parent is not None and not entry.linked:
             entry.linked = True
-            kids = parent.children
-            if isinstance(kids, set):
-                kids.add(entry.key)
-            else:   # most blocks have 0 or 1 children: a tuple (48 bytes) where a set costs 216
-                kids += (entry.key,)
-                parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
+            _add_child(parent, entry.key)
             self.refresh_policies(parent)
 
     def link_recovered(self) -> None:
@@ -174,12 +228,7 @@ class BlockIndex:
             if parent is None:
                 continue
             entry.linked = True
-            kids = parent.children
-            if isinstance(kids, set):
-                kids.add(entry.key)
-            else:
-                kids += (entry.key,)
-                parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
+            _add_child(parent, entry.key)
 
     def track_recovered(self) -> None:
         """``track_copy`` for every copy of every entry, in index order; a policy that ignores
@@ -196,10 +245,11 @@ class BlockIndex:
         parent = self.parent(entry)
         if entry.linked and parent is not None:
             kids = parent.children
-            if isinstance(kids, set):
+            if type(kids) is set:
                 kids.discard(entry.key)
             else:
-                parent.children = tuple(k for k in kids if k != entry.key)
+                left = tuple(k for k in parent.child_keys() if k != entry.key)
+                parent.children = left[0] if len(left) == 1 else left
             self.refresh_policies(parent)
         entry.linked = False
 
@@ -211,7 +261,7 @@ class BlockIndex:
         kids = 0
         if entry.children:
             entries = self.entries
-            for child_key in entry.children:
+            for child_key in entry.child_keys():
                 child = entries.get(child_key)
                 if child is not None and child.copies and min(child.copies) <= t:
                     kids += 1
@@ -234,7 +284,7 @@ class BlockIndex:
         parent = self.parent(entry)
         if parent is not None and entry.linked:
             self.refresh_policies(parent)
-        for child_key in entry.children:
+        for child_key in entry.child_keys():
             child = self.entries.get(child_key)
             if child is not None:
                 self.refresh_policies(child)

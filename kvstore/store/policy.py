@@ -59,34 +59,67 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first.
+
+    Keys handed over in bulk into an empty policy (``insert_many``: a warm restart's recovered
+    blocks) are older than any inserted since. They wait in ``_cold``, a plain dict in reverse
+    order, oldest last, at about half an ``OrderedDict``'s bytes per key (an index of millions
+    holds one per block): ``popitem`` takes its oldest and leaves no hole behind. Touching one
+    moves it into ``_order``, which holds everything else, oldest first.
+    """
 
     name = "lru"
     picks_ahead = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._cold: dict[bytes, None] = {}
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
-        self._order[key] = None
+        if key not in self._cold:
+            self._order[key] = None
 
     def insert_many(self, keys: Iterable[bytes]) -> None:
-        self._order.update(dict.fromkeys(keys))
+        if self._order or self._cold:
+            self._order.update(dict.fromkeys(k for k in keys if k not in self._cold))
+        else:
+            keys = list(keys)
+            keys.reverse()
+            self._cold = dict.fromkeys(keys)
 
     def touch(self, key: bytes) -> None:
-        self._order.move_to_end(key)
+        try:
+            self._order.move_to_end(key)
+        except KeyError:
+            del self._cold[key]   # KeyError, as for a key not held at all
+            self._order[key] = None
 
     def remove(self, key: bytes) -> None:
-        self._order.pop(key, None)
+        if self._order.pop(key, 0) is not None and self._cold:
+            self._cold.pop(key, None)
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
+        cold = self._cold
+        if cold:
+            looked: list[bytes] = []   # taken off the old end, and put back in their place
+            victim = None
+            while cold:
+                key = cold.popitem()[0]
+                looked.append(key)
+                if not is_pinned(key):
+                    victim = key
+                    break
+            for key in reversed(looked):
+                cold[key] = None
+            if victim is not None:
+                return victim
         for key in self._order:
             if not is_pinned(key):
                 return key
         return None
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._cold)
 
 
 class PrefixAwarePolicy(EvictionPolicy):
