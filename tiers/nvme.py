@@ -40,7 +40,6 @@ import logging
 import mmap
 import os
 import stat
-import struct
 import threading
 from collections.abc import Iterator
 
@@ -50,6 +49,8 @@ import xxhash
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
+from kvstore.tiers.block_headers import (HEADER_BYTES, SUMMED_BYTES, decode_header, decode_headers, encode_header,
+                                         find_blocks)  # noqa: F401 (find_blocks: where inspection has found it)
 from kvstore.tiers.private_files import (NotRegularFile, claim_private_dir, create_exclusive, file_kind,
                                          fsync_dir, open_regular, unlink_quietly)
 from kvstore.tiers.slabs import RECORD_BYTES, RECORDS_NAME, SLAB_NAME, Slab, records_path
@@ -57,10 +58,6 @@ from kvstore.tiers.slabs import RECORD_BYTES, RECORDS_NAME, SLAB_NAME, Slab, rec
 log = logging.getLogger("kvstore.tiers.nvme")
 
 ALIGN = 4096
-HEADER_BYTES = 4096
-MAGIC = b"KVSBLK02"
-_HEADER = struct.Struct("<8s16sB64sB64sHQQQ")  # magic ns hash_len hash parent_len parent codec raw stored sum
-_HEADER_SUM = struct.Struct("<Q")
 LEGACY_SUFFIXES = (".kvb", ".kvb.tmp")   # the one-file-per-block layout before slabs
 MAX_SLABS = 64   # distinct block footprints at once (a slab file and descriptor each)
 # Neighbouring slots read with one preadv, up to this many bytes: one large read costs the disk
@@ -74,27 +71,6 @@ WRITE_RUN_BLOCKS = 512
 
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def encode_header(r: BlockRecord) -> bytes:
-    parent = r.parent_hash or b""
-    body = _HEADER.pack(MAGIC, r.namespace_id, len(r.block_hash), r.block_hash, len(parent), parent,
-                        r.codec, r.raw_size, r.stored_size, r.checksum)
-    return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def decode_header(buf: bytes) -> BlockRecord:
-    """Parse a header; ValueError if it is not one of ours or is damaged."""
-    if len(buf) < _HEADER.size + _HEADER_SUM.size:
-        raise ValueError(f"header is {len(buf)} bytes (torn or empty file)")
-    body = bytes(buf[:_HEADER.size])
-    (want,) = _HEADER_SUM.unpack_from(buf, _HEADER.size)
-    if xxhash.xxh3_64_intdigest(body) != want:
-        raise ValueError("header checksum mismatch")
-    magic, ns, hlen, h, plen, p, codec, raw, stored, checksum = _HEADER.unpack(body)
-    if magic != MAGIC:
-        raise ValueError("bad magic")
-    return BlockRecord(ns, h[:hlen], p[:plen] if plen else None, stored, raw, codec, checksum)
 
 
 def o_direct_supported(directory: str) -> bool:
@@ -565,13 +541,11 @@ class NvmeTier(Tier):
         found: list[tuple[int, BlockRecord]] = []
         keys: set[bytes] = set()
         room = self.capacity_bytes - self.used_bytes
-        for slot in np.flatnonzero(rows.any(axis=1)).tolist():
-            at = slot * RECORD_BYTES
-            try:
-                record = decode_header(flat[at:at + RECORD_BYTES])
-            except ValueError:   # bytes where a record should be that are not one
-                record = None
+        slots = np.flatnonzero(rows.any(axis=1))
+        share = shared.setdefault
+        for slot, record in zip(slots.tolist(), decode_headers(rows[slots])):
             key = None if record is None else record.key
+            at = slot * RECORD_BYTES
             if (record is None or HEADER_BYTES + _round_up(record.stored_size) != slab.slot_bytes
                     or key in keys or key in self._blocks or room < slab.slot_bytes
                     or (self.verify_on_recover and not self._slot_intact(slab, slot, flat[at:at + RECORD_BYTES], record,
@@ -582,18 +556,18 @@ class NvmeTier(Tier):
                 continue
             keys.add(key)
             room -= slab.slot_bytes
-            record.namespace_id = shared.setdefault(record.namespace_id, record.namespace_id)
-            record.block_hash = shared.setdefault(record.block_hash, record.block_hash)
+            record.namespace_id = share(record.namespace_id, record.namespace_id)
+            record.block_hash = share(record.block_hash, record.block_hash)
             if record.parent_hash is not None:
-                record.parent_hash = shared.setdefault(record.parent_hash, record.parent_hash)
-            record.raw_size = shared.setdefault(record.raw_size, record.raw_size)
-            record.stored_size = shared.setdefault(record.stored_size, record.stored_size)
+                record.parent_hash = share(record.parent_hash, record.parent_hash)
+            record.raw_size = share(record.raw_size, record.raw_size)
+            record.stored_size = share(record.stored_size, record.stored_size)
+            record.slot = slot
             found.append((slot, record))
         if rebuild:
             slab.write_records(rows)
         with self._lock:
             for slot, record in found:
-                record.slot = slot
                 self._blocks[record.key] = record
             self.used_bytes += len(found) * slab.slot_bytes
             slab.adopt([slot for slot, _ in found], count)
@@ -628,7 +602,7 @@ class NvmeTier(Tier):
             got = os.preadv(slab.fd, [view[:slab.slot_bytes]], slab.offset(slot))
         except OSError:
             return False
-        body = _HEADER.size + _HEADER_SUM.size
+        body = SUMMED_BYTES
         return (got >= HEADER_BYTES + record.stored_size and view[:body] == row[:body]
                 and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:HEADER_BYTES + record.stored_size]) == record.checksum)
 
@@ -643,50 +617,6 @@ class NvmeTier(Tier):
                 "slab_files": sum(1 for s in self._slabs.values() if s.fd >= 0),
                 "recovery_skipped_not_regular": self.recovery_skipped_not_regular,
                 "file_fsyncs": self.file_fsyncs, "filesystem_flushes": self.filesystem_flushes}
-
-
-def find_blocks(directory: str) -> dict[bytes, tuple[str, int]]:
-    """Where each block with an intact header lies in a tier's directory, read from outside the
-    daemon (inspection, and tests that damage blocks on disk): key -> (slab file, offset of its
-    header). Like recovery it reads headers at slot starts only, and opens regular files only."""
-    found: dict[bytes, tuple[str, int]] = {}
-    for name in sorted(os.listdir(directory)):
-        m = SLAB_NAME.fullmatch(name)
-        if m is None:
-            continue
-        path, slot_bytes = os.path.join(directory, name), int(m.group(1))
-        try:
-            fd = open_regular(path)
-        except (NotRegularFile, OSError):
-            continue
-        try:
-            page = np.empty(HEADER_BYTES, np.uint8)
-            for slot, record, _ in _slot_headers(fd, os.fstat(fd).st_size // slot_bytes, slot_bytes, page):
-                if record is not None:
-                    found.setdefault(record.key, (path, slot * slot_bytes))
-        finally:
-            os.close(fd)
-    return found
-
-
-def _slot_headers(fd: int, count: int, slot_bytes: int, page) -> Iterator[tuple[int, BlockRecord | None, bool]]:
-    """``(slot, record or None, damaged)`` for the first ``count`` slots of a slab, read into
-    ``page`` (page-aligned where ``fd`` is O_DIRECT) at slot starts only; ``damaged``: the slot
-    holds bytes where its header should be that are not a valid header."""
-    view = memoryview(page)[:HEADER_BYTES]
-    for slot in range(count):
-        try:
-            got = os.preadv(fd, [view], slot * slot_bytes)
-        except OSError:
-            yield slot, None, False
-            continue
-        if got < HEADER_BYTES:
-            yield slot, None, False
-            continue
-        try:
-            yield slot, decode_header(page[:HEADER_BYTES]), False
-        except ValueError:
-            yield slot, None, bool(np.any(np.frombuffer(view, np.uint8)))
 
 
 def _lands_in_place(dst: np.ndarray, n: int) -> bool:

@@ -19,18 +19,22 @@ from kvstore.store.index import Entry
 
 #: told (tier name, blocks found in it so far, whether that tier is done) during a recovery
 RecoveryProgress = Callable[[str, int, bool], None]
+#: blocks found between two reports of a tier's count
+PROGRESS_EVERY = 256
 
 
 def _found_in(tier, on_progress: RecoveryProgress | None) -> list:
-    """The records ``tier`` finds; ``on_progress`` hears a durable tier's count as they come (a
-    large NVMe tier takes seconds: the daemon shows it), and once more when the tier is done."""
+    """The records ``tier`` finds; ``on_progress`` hears a durable tier's count as they come, each
+    ``PROGRESS_EVERY`` blocks (a large NVMe tier takes seconds: the daemon shows it), and once more
+    when the tier is done."""
     if on_progress is None or not tier.durable:
         return list(tier.recover())
     records: list = []
     on_progress(tier.name, 0, False)
     for record in tier.recover():
         records.append(record)
-        on_progress(tier.name, len(records), False)
+        if len(records) % PROGRESS_EVERY == 0:
+            on_progress(tier.name, len(records), False)
     on_progress(tier.name, len(records), True)
     return records
 
@@ -54,10 +58,8 @@ def recover(cascade: Cascade, on_progress: RecoveryProgress | None = None) -> No
                         ns = cascade.namespaces.find(nsid)
                         tenants[nsid] = None if ns is None else ns.tenant
                     tenant = tenants[nsid]
-                    entry = Entry(nsid, record.block_hash, record.parent_hash, record.raw_size, ready=True,
-                                  charged_to=tenant)
-                    entry.key = key
-                    entries[key] = entry
+                    entry = entries[key] = Entry(nsid, record.block_hash, record.parent_hash, record.raw_size,
+                                                 ready=True, charged_to=tenant, key=key)
                     namespace_bytes[nsid] += record.raw_size
                     if tenant is not None:  # whatever the quota now: these bytes are already stored
                         restored[tenant] += record.raw_size

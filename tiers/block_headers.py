@@ -1,0 +1,129 @@
+"""The NVMe tier's block header: what a slot's first page and its row in the slab's record file
+hold (the block's record and two checksums), encoded, decoded one by one (a read verifies its
+slot's header) or in bulk (a warm restart decodes every row of a record file at once), and found
+again from outside the daemon (``find_blocks``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import xxhash
+
+from kvstore.tiers.base import BlockRecord
+from kvstore.tiers.private_files import NotRegularFile, open_regular
+from kvstore.tiers.slabs import RECORD_BYTES, SLAB_NAME
+
+HEADER_BYTES = 4096
+MAGIC = b"KVSBLK02"
+_HEADER = struct.Struct("<8s16sB64sB64sHQQQ")  # magic ns hash_len hash parent_len parent codec raw stored sum
+_HEADER_SUM = struct.Struct("<Q")
+#: a header's bytes that matter: its fields and their checksum (the rest of its page is zeros)
+SUMMED_BYTES = _HEADER.size + _HEADER_SUM.size
+#: ``_HEADER`` and its checksum as numpy sees one row of a record file
+_ROW = np.dtype({"names": ["magic", "ns", "hlen", "plen", "codec", "raw", "stored", "sum", "hsum"],
+                 "formats": ["S8", "V16", "u1", "u1", "<u2", "<u8", "<u8", "<u8", "<u8"],
+                 "offsets": [0, 8, 24, 89, 154, 156, 164, 172, _HEADER.size], "itemsize": RECORD_BYTES})
+_HASH_AT, _PARENT_AT, _MAX_HASH = 25, 90, 64
+
+
+def encode_header(r: BlockRecord) -> bytes:
+    parent = r.parent_hash or b""
+    body = _HEADER.pack(MAGIC, r.namespace_id, len(r.block_hash), r.block_hash, len(parent), parent,
+                        r.codec, r.raw_size, r.stored_size, r.checksum)
+    return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(buf: bytes) -> BlockRecord:
+    """Parse a header; ValueError if it is not one of ours or is damaged."""
+    if len(buf) < _HEADER.size + _HEADER_SUM.size:
+        raise ValueError(f"header is {len(buf)} bytes (torn or empty file)")
+    body = bytes(buf[:_HEADER.size])
+    (want,) = _HEADER_SUM.unpack_from(buf, _HEADER.size)
+    if xxhash.xxh3_64_intdigest(body) != want:
+        raise ValueError("header checksum mismatch")
+    magic, ns, hlen, h, plen, p, codec, raw, stored, checksum = _HEADER.unpack(body)
+    if magic != MAGIC:
+        raise ValueError("bad magic")
+    return BlockRecord(ns, h[:hlen], p[:plen] if plen else None, stored, raw, codec, checksum)
+
+
+def decode_headers(rows: np.ndarray) -> list[BlockRecord | None]:
+    """``decode_header`` of each row of ``rows`` (one record file row of ``RECORD_BYTES`` each), in
+    bulk: numpy reads the fields of every row at once, and only the header checksum and the
+    record itself are made per row. None where a row is not an intact header."""
+    n = len(rows)
+    if n == 0:
+        return []
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    fields = rows.view(_ROW).reshape(n)
+    size = _HEADER.size
+    bodies = rows[:, :size].tobytes()
+    xxh = xxhash.xxh3_64_intdigest
+    intact = [xxh(bodies[i * size:(i + 1) * size]) == want for i, want in enumerate(fields["hsum"].tolist())]
+    ours = (fields["magic"] == MAGIC).tolist()
+    hashes = _cut(rows, _HASH_AT, fields["hlen"])
+    parents = _cut(rows, _PARENT_AT, fields["plen"])
+    return [BlockRecord(ns, h, p or None, stored, raw, codec, checksum) if ok and mine else None
+            for ok, mine, ns, h, p, stored, raw, codec, checksum
+            in zip(intact, ours, fields["ns"].tolist(), hashes, parents, fields["stored"].tolist(),
+                   fields["raw"].tolist(), fields["codec"].tolist(), fields["sum"].tolist())]
+
+
+def _cut(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:
+    """Per row its bytes from ``at`` on, as many as its length says (at most ``_MAX_HASH``): with
+    one slice when every row's length is the same (a tier's blocks share a hash size)."""
+    lengths = np.minimum(lengths, _MAX_HASH)
+    if (lengths == lengths[0]).all():
+        size = int(lengths[0])
+        if size == 0:
+            return [b""] * len(rows)
+        return np.ascontiguousarray(rows[:, at:at + size]).view(f"V{size}").reshape(-1).tolist()
+    return [rows[i, at:at + size].tobytes() for i, size in enumerate(lengths.tolist())]
+
+
+def find_blocks(directory: str) -> dict[bytes, tuple[str, int]]:
+    """Where each block with an intact header lies in a tier's directory, read from outside the
+    daemon (inspection, and tests that damage blocks on disk): key -> (slab file, offset of its
+    header). Like recovery it reads headers at slot starts only, and opens regular files only."""
+    found: dict[bytes, tuple[str, int]] = {}
+    for name in sorted(os.listdir(directory)):
+        m = SLAB_NAME.fullmatch(name)
+        if m is None:
+            continue
+        path, slot_bytes = os.path.join(directory, name), int(m.group(1))
+        try:
+            fd = open_regular(path)
+        except (NotRegularFile, OSError):
+            continue
+        try:
+            page = np.empty(HEADER_BYTES, np.uint8)
+            for slot, record, _ in _slot_headers(fd, os.fstat(fd).st_size // slot_bytes, slot_bytes, page):
+                if record is not None:
+                    found.setdefault(record.key, (path, slot * slot_bytes))
+        finally:
+            os.close(fd)
+    return found
+
+
+def _slot_headers(fd: int, count: int, slot_bytes: int, page) -> Iterator[tuple[int, BlockRecord | None, bool]]:
+    """``(slot, record or None, damaged)`` for the first ``count`` slots of a slab, read into
+    ``page`` (page-aligned where ``fd`` is O_DIRECT) at slot starts only; ``damaged``: the slot
+    holds bytes where its header should be that are not a valid header."""
+    view = memoryview(page)[:HEADER_BYTES]
+    for slot in range(count):
+        try:
+            got = os.preadv(fd, [view], slot * slot_bytes)
+        except OSError:
+            yield slot, None, False
+            continue
+        if got < HEADER_BYTES:
+            yield slot, None, False
+            continue
+        try:
+            yield slot, decode_header(page[:HEADER_BYTES]), False
+        except ValueError:
+            yield slot, None, bool(np.any(np.frombuffer(view, np.uint8)))
