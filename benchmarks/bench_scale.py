@@ -1,9 +1,10 @@
 """How the store's cost grows with the number of blocks, in one process (no daemon, no wire).
 
-    .venv/bin/python benchmarks/bench_scale.py [--blocks N [N ...]] [--dir DIR] [--out PREFIX]
+    .venv/bin/python benchmarks/bench_scale.py [--blocks N [N ...]] [--policies P [P ...]] [--dir DIR] [--out PREFIX]
 
-For each N: a Store over a 64 MiB CPU tier of 16 KiB slots (LRU) and an NVMe tier large enough
-for every block: N blocks of 16 KiB are put in chains of 1,024 per call, so all but the last 4,096
+For each N, and each eviction policy (``--policies``: LRU, and the default prefix-aware one): a Store
+over a 64 MiB CPU tier of 16 KiB slots and an NVMe tier large enough for every block, both under
+that policy: N blocks of 16 KiB are put in chains of 1,024 per call, so all but the last 4,096
 reach NVMe as demotions. Against it, in the same run: raw O_DIRECT writes of the same N blocks of 16 KiB into
 one preallocated file (no fsync each: what a write-back demotion needs). Then the store is closed
 and opened again on the same directory (warm restart: the index rebuilt from the slabs' record files),
@@ -40,9 +41,9 @@ def layout() -> KVLayout:
                     block_tokens=16, block_bytes=BLOCK)
 
 
-def open_store(nvme_dir: str, blocks: int) -> Store:
+def open_store(nvme_dir: str, blocks: int, policy: str) -> Store:
     return Store([CpuTier(CPU_BYTES, slot_bytes=BLOCK), NvmeTier(nvme_dir, blocks * (HEADER_BYTES + BLOCK) + (64 << 20))],
-                 StoreConfig(eviction_policy="lru"))
+                 StoreConfig(eviction_policy=policy))
 
 
 def raw_o_direct_writes(directory: str, blocks: int) -> float:
@@ -67,12 +68,12 @@ def raw_o_direct_writes(directory: str, blocks: int) -> float:
         os.unlink(path)
 
 
-def run(blocks: int, directory: str) -> dict:
+def run(blocks: int, directory: str, policy: str, raw_s: float) -> dict:
+    """One size under one policy, against ``raw_s`` seconds of raw O_DIRECT writes of as many blocks."""
     work = tempfile.mkdtemp(prefix="bench-scale-", dir=directory)
     nvme_dir = os.path.join(work, "nvme")
     try:
-        raw_s = raw_o_direct_writes(work, blocks)
-        store = open_store(nvme_dir, blocks)
+        store = open_store(nvme_dir, blocks, policy)
         ns = store.register_namespace(Namespace(layout()))
         sources = [np.random.default_rng(k).integers(0, 256, BLOCK, dtype=np.uint8) for k in range(8)]
         hasher = ChainHasher()
@@ -87,14 +88,14 @@ def run(blocks: int, directory: str) -> dict:
         store.close()
 
         t0, c0 = time.perf_counter(), time.process_time()
-        again = open_store(nvme_dir, blocks)
+        again = open_store(nvme_dir, blocks, policy)
         restart_s, restart_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         recovered = again.stats()["blocks"]
         again.close()
 
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
-        measured = open_store(nvme_dir, blocks)
+        measured = open_store(nvme_dir, blocks, policy)
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         index_bytes = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -102,7 +103,7 @@ def run(blocks: int, directory: str) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "blocks": blocks, "block_bytes": BLOCK, "chain": CHAIN, "cpu_bytes": CPU_BYTES,
+        "blocks": blocks, "policy": policy, "block_bytes": BLOCK, "chain": CHAIN, "cpu_bytes": CPU_BYTES,
         "put_s": put_s, "put_blocks_per_s": blocks / put_s, "put_gbps": blocks * BLOCK / put_s / 1e9,
         "blocks_on_nvme": on_nvme,
         "raw_o_direct_s": raw_s, "raw_o_direct_gbps": blocks * BLOCK / raw_s / 1e9,
@@ -117,15 +118,18 @@ def run(blocks: int, directory: str) -> dict:
 
 def markdown(r: dict) -> str:
     m, runs = r["machine"], r["scale"]
-    sizes = " ".join(str(x["blocks"]) for x in runs)
+    sizes = " ".join(dict.fromkeys(str(x["blocks"]) for x in runs))
+    policies = " ".join(dict.fromkeys(x.get("policy", "lru") for x in runs))
     x0 = runs[0]
-    cols = " | ".join(f"{x['blocks']:,} blocks" for x in runs)
+    cols = " | ".join(f"{x['blocks']:,} blocks, {x.get('policy', 'lru')}" for x in runs)
     row = lambda name, f: f"| {name} | " + " | ".join(f(x) for x in runs) + " |"   # noqa: E731
     return "\n".join([
         "# Store scale: demoting puts, warm restart, index bytes",
         "",
-        f"`python benchmarks/bench_scale.py --blocks {sizes}` — one process per size in turn, a Store over a "
-        f"{x0['cpu_bytes'] >> 20} MiB CPU tier of 16 KiB slots (LRU) and an NVMe tier; N blocks of 16 KiB put in "
+        f"`python benchmarks/bench_scale.py --blocks {sizes} --policies {policies}` — one process, each size "
+        f"and eviction policy in turn (lru; prefix: the prefix-aware default), a Store over a "
+        f"{x0['cpu_bytes'] >> 20} MiB CPU tier of 16 KiB slots and an NVMe tier, both under that policy; N blocks of "
+        "16 KiB put in "
         f"chains of {x0['chain']} per call (all but the CPU tier's last blocks reach NVMe as demotions, "
         "one flush at the end counted); then the store is closed and opened again on the same directory (warm "
         "restart, timed: the tiers set up, the index rebuilt from the slabs' record files), and opened once more "
@@ -146,9 +150,10 @@ def markdown(r: dict) -> str:
             if "restart_cpu_s" in x else "-"),
         row("index memory per recovered block (tracemalloc)", lambda x: f"{x['index_bytes_per_block']:.0f} bytes"),
         "",
-        *([f"Warm restart grows by {_marginal(runs):.2f} s ({_marginal_cpu(runs):.2f} s of CPU) per 100k more "
-           f"blocks recovered from {runs[0]['recovered_blocks']:,} to {runs[-1]['recovered_blocks']:,} (the rest "
-           "is a fixed cost: the CPU tier's arena, the NVMe directory's checks)."] if len(runs) > 1 else []),
+        *[f"Under {p}, warm restart grows by {_marginal(rs):.2f} s ({_marginal_cpu(rs):.2f} s of CPU) per 100k "
+          f"more blocks recovered from {rs[0]['recovered_blocks']:,} to {rs[-1]['recovered_blocks']:,} (the rest "
+          "is a fixed cost: the CPU tier's arena, the NVMe directory's checks)."
+          for p in policies.split() if len(rs := [x for x in runs if x.get("policy", "lru") == p]) > 1],
         "",
     ])
 
@@ -166,16 +171,23 @@ def _marginal_cpu(runs: list[dict]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[100_000])
+    ap.add_argument("--policies", nargs="+", default=["lru", "prefix"], help="eviction policies, each run in turn")
     ap.add_argument("--dir", default="/var/tmp", help="where the NVMe tier and the raw file go")
     ap.add_argument("--out", default=None, help="output prefix (default benchmarks/results/scale)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     load = lambda: " ".join(f"{v:.1f}" for v in os.getloadavg())   # noqa: E731
     results = {"machine": machine_facts(args.dir), "load": load(), "scale": []}
-    for n in args.blocks:   # the report is written after each size: a long last size does not hold back the rest
-        results["scale"].append(run(n, args.dir))
-        results["load_after"] = load()
-        write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
+    for n in args.blocks:   # the report is written after each run: a long last one does not hold back the rest
+        scratch = tempfile.mkdtemp(prefix="bench-scale-raw-", dir=args.dir)
+        try:
+            raw_s = raw_o_direct_writes(scratch, n)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for policy in args.policies:
+            results["scale"].append(run(n, args.dir, policy, raw_s))
+            results["load_after"] = load()
+            write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
 
 
 if __name__ == "__main__":
