@@ -257,7 +257,7 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs", "range_offset", "range_bytes", "packed")
+    __slots__ = ("namespace_id", "hashes", "block_bytes", "chunk_bytes", "accept_codecs", "range_offset", "range_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -265,7 +265,6 @@ class GetRequest(_message.Message):
     ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_bytes: int
@@ -273,8 +272,7 @@ class GetRequest(_message.Message):
     accept_codecs: _containers.RepeatedScalarFieldContainer[int]
     range_offset: int
     range_bytes: int
-    packed: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[int]] = ..., range_offset: _Optional[int] = ..., range_bytes: _Optional[int] = ...) -> None: ...
 
 class GetChunk(_message.Message):
     __slots__ = ("index", "hit", "codec", "size", "offset", "data", "sizes", "codecs")

@@ -1,8 +1,7 @@
-"""The gRPC fallback packs small blocks into shared messages (issue #14: a message per 64 KiB block
-held gRPC puts to 0.2 GB/s), against a real daemon and a real rogue gRPC server: a packed Get
-answers 64 KiB blocks sixteen to a 1 MiB message with misses and large blocks on their own, a
-client that does not ask for packing still gets a chunk per block, and a packed chunk whose sizes
-do not add up is refused by name before a byte of it lands."""
+"""The gRPC fallback packs small blocks into shared messages, against a real daemon and a real rogue
+gRPC server: a Get answers 64 KiB blocks sixteen to a 1 MiB message with misses and large blocks on
+their own, and a packed chunk whose sizes do not add up is refused by name before a byte of it
+lands."""
 
 from __future__ import annotations
 
@@ -39,12 +38,12 @@ def chain(layout: KVLayout, n: int, seed: int) -> tuple[list[bytes], list[np.nda
             [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8) for _ in range(n)])
 
 
-def raw_get(daemon, ns_id: bytes, hashes: list[bytes], block_bytes: int, packed: bool) -> list[pb.GetChunk]:
+def raw_get(daemon, ns_id: bytes, hashes: list[bytes], block_bytes: int) -> list[pb.GetChunk]:
     """The daemon's Get answer as a client of the bare protocol sees it."""
     with grpc.insecure_channel(daemon.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.KVStoreStub(ch)
         return list(stub.Get(pb.GetRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes,
-                                           chunk_bytes=MIB, packed=packed), timeout=30))
+                                           chunk_bytes=MIB), timeout=30))
 
 
 def test_small_blocks_share_messages_and_misses_stand_alone(daemon):
@@ -53,7 +52,7 @@ def test_small_blocks_share_messages_and_misses_stand_alone(daemon):
         hashes, data = chain(SMALL, 40, seed=1)
         assert c.put(ns, hashes, data) == ["stored"] * 40
         c.delete(ns, [hashes[17]])
-        chunks = raw_get(daemon, ns, hashes, SMALL.block_bytes, packed=True)
+        chunks = raw_get(daemon, ns, hashes, SMALL.block_bytes)
         # 0-15 fill a 1 MiB message; the run before the miss ends at 16; the miss; 18-33; 34-39
         assert [(m.index, m.hit, len(m.sizes)) for m in chunks] == [
             (0, True, 16), (16, True, 1), (17, False, 0), (18, True, 16), (34, True, 6)]
@@ -65,23 +64,19 @@ def test_small_blocks_share_messages_and_misses_stand_alone(daemon):
             assert not m.codecs   # raw blocks: no codec list
         assert sorted(got) == [i for i in range(40) if i != 17]
         assert all(got[i] == data[i].tobytes() for i in got)
-        # a client that does not ask for packing (older ones) gets a chunk per block, as before
-        plain = raw_get(daemon, ns, hashes, SMALL.block_bytes, packed=False)
-        assert [(m.index, m.hit) for m in plain] == [(i, i != 17) for i in range(40)]
-        assert not any(m.sizes for m in plain)
-        # and the client itself, which asks for packing, lands every block in its own buffer
+        # and the client lands every block in its own buffer
         outs = [np.zeros(SMALL.block_bytes, np.uint8) for _ in hashes]
         assert c.get_into(ns, hashes, outs) == [None if i == 17 else SMALL.block_bytes for i in range(40)]
         assert all(np.array_equal(outs[i], data[i]) for i in range(40) if i != 17)
         assert not outs[17].any()
 
 
-def test_blocks_larger_than_a_message_are_cut_as_before(daemon):
+def test_blocks_larger_than_a_message_are_cut_into_chunks_of_their_own(daemon):
     with daemon.client(transport="grpc") as c:
         ns = c.register_namespace(Namespace(LARGE, cache_salt="packing"))
         hashes, data = chain(LARGE, 3, seed=2)
         assert c.put(ns, hashes, data) == ["stored"] * 3
-        chunks = raw_get(daemon, ns, hashes, LARGE.block_bytes, packed=True)
+        chunks = raw_get(daemon, ns, hashes, LARGE.block_bytes)
         assert [(m.index, m.offset, len(m.data)) for m in chunks] == [
             (i, k * MIB, MIB) for i in range(3) for k in range(3)]
         assert not any(m.sizes for m in chunks)

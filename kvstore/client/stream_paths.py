@@ -150,7 +150,7 @@ class GrpcPath:
         offset, length = byte_range or (0, 0)
         req = pb.GetRequest(namespace_id=ns_id, hashes=hashes, block_bytes=block_bytes,
                             chunk_bytes=self.negotiation.chunk_bytes or 0, accept_codecs=accept,
-                            range_offset=offset, range_bytes=length, packed=True)
+                            range_offset=offset, range_bytes=length)
         stream = self.rpc.call("Get", req, data_timeout(self.rpc.timeout_s, sum(s.capacity for s in sinks)))
         landing: dict[int, np.ndarray] = {}
         try:

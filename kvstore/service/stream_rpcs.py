@@ -15,12 +15,11 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import accepted_codecs, pinned_blocks, pinned_runs
+from kvstore.service.block_reads import accepted_codecs, pinned_runs
 from kvstore.service.rpc_base import PUT_RESULT, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, check_range
 from kvstore.store.puts import check_encoded, payload_codecs
 from kvstore.transport import chunks
-from kvstore.wire import RAW_CODEC
 
 
 def _own_buffer(nbytes: int) -> np.ndarray:
@@ -119,25 +118,15 @@ class StreamRpcs:
         chunk = max(4096, min(chunk, service.max_message_bytes - 4096))
         accept = accepted_codecs(service.store, request.accept_codecs)
         byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
-        sent = 0
-        # Chunks are copied out of the pinned arena as the client takes them; a block whose pin ran
-        # out meanwhile ends the stream with an error (the client then trusts none of it).
-        if request.packed:   # small blocks share messages
-            with contextlib.closing(pinned_runs(service.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
-                first = 0
-                for run in runs:
-                    sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
-                    yield from chunks.run_messages(first, run.blocks, chunk)
-                    first += len(run.blocks)
-                    if not context.is_active():
-                        return
-        else:
-            blocks = pinned_blocks(service.store, ns, hashes, _own_buffer, accept, byte_range)
-            with contextlib.closing(blocks):
-                for i, block in enumerate(blocks):
-                    payload, codec = (None, RAW_CODEC) if block is None else block
-                    sent += 0 if payload is None else payload.nbytes
-                    yield from chunks.get_messages(i, payload, codec, chunk)
-                    if not context.is_active():
-                        return
+        sent = first = 0
+        # Chunks are copied out of the pinned arena as the client takes them, small blocks sharing
+        # messages; a block whose pin ran out meanwhile ends the stream with an error (the client
+        # then trusts none of it).
+        with contextlib.closing(pinned_runs(service.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
+            for run in runs:
+                sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
+                yield from chunks.run_messages(first, run.blocks, chunk)
+                first += len(run.blocks)
+                if not context.is_active():
+                    return
         service.moved("out", "grpc", sent)
