@@ -204,15 +204,15 @@ def test_a_copy_failing_inside_a_run_publishes_the_blocks_before_and_frees_the_r
     ev = Events()
     store.subscribe(ev)
     writes = []
-    real = CpuTier.write
+    real = CpuTier.write_unsynced   # what the store's runs call
 
-    def failing(self, record, payload):
+    def failing(self, record, payload, durable=True):
         writes.append(record.block_hash)
         if len(writes) == 3:
             raise OSError("disk on fire")
-        real(self, record, payload)
+        real(self, record, payload, durable)
 
-    monkeypatch.setattr(CpuTier, "write", failing)
+    monkeypatch.setattr(CpuTier, "write_unsynced", failing)
     hashes = chain(6)
     with pytest.raises(OSError):
         store.put(ns, hashes, [data(h) for h in hashes])

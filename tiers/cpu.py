@@ -175,12 +175,26 @@ class CpuTier(Tier):
         self.used_bytes += done * self.slots.footprint(size)
         return done
 
-    def write(self, record: BlockRecord, data) -> None:
-        scatter(self.arena, self.slots.lookup(record.key)[0], as_bytes(data))
+    def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
+        """``write``: nothing to sync in memory (one call per block, no hop through ``write``)."""
+        extents = self.slots.lookup(record.key)[0]
+        data = as_bytes(data)
+        if len(extents) == 1:   # most blocks: one copy, no loop
+            off, n = extents[0]
+            np.copyto(self.arena[off:off + n], data if data.nbytes == n else data[:n])
+        else:
+            scatter(self.arena, extents, data)
+
+    write = write_unsynced
 
     def read_into(self, key: bytes, out) -> int:
         extents, nbytes = self.slots.lookup(key)
-        gather(self.arena, extents, as_bytes(out))
+        out = as_bytes(out)
+        if len(extents) == 1:
+            off = extents[0][0]
+            np.copyto(out[:nbytes], self.arena[off:off + nbytes])
+        else:
+            gather(self.arena, extents, out)
         return nbytes
 
     def view(self, key: bytes) -> list[np.ndarray]:

@@ -277,17 +277,17 @@ class Cascade:
         reports as "persisted" after ``sync_durable``. Takes the lock itself."""
         durable = self._write_through(entry, data)
         with self.lock:
-            self._show(entry)
+            self._show_run((entry,))
         return durable
 
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
         """``publish`` for written entries, in order, the visible step under one lock acquisition
-        (listeners hear each block's "added" and "moved" in turn); returns the positions of those
-        with a durable copy (see ``publish``). Takes the lock itself."""
-        durable = [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self._write_through(entry, data)]
+        (``_show_run``); returns the positions of those with a durable copy (see ``publish``).
+        Takes the lock itself."""
+        durable = [] if self.durable_index is None else \
+            [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self._write_through(entry, data)]
         with self.lock:
-            for entry in entries:
-                self._show(entry)
+            self._show_run(entries)
         return durable
 
     def _write_through(self, entry: Entry, data) -> bool:
@@ -304,19 +304,22 @@ class Cascade:
         self.count("write_through_failures")
         return False
 
-    def _show(self, entry: Entry) -> int:
-        """Make a written entry visible in its fastest tier (returned): the policy, the chain,
-        the listeners and the counts learn of it. Caller holds the lock."""
-        t = entry.fastest
-        self.index.track_copy(entry, t)
-        entry.ready = True
-        self.index.link(entry)
-        self.listeners.added(entry.namespace_id, entry.block_hash)
-        self.listeners.moved(entry.namespace_id, entry.block_hash, t)
-        self.index.namespace_bytes[entry.namespace_id] += entry.raw_size
-        self.counters["puts"] += 1
-        self.counters["bytes_in"] += entry.raw_size
-        return t
+    def _show_run(self, entries: Sequence[Entry]) -> None:
+        """Make written entries visible, in order, each in its fastest tier: the policies and the
+        chains learn of each in turn (a block's parent is linked before it), then the listeners
+        hear of each in turn (``Listeners.added_run``); the counts once per run. Caller holds the lock."""
+        index = self.index
+        track, link, namespace_bytes = index.track_copy, index.link, index.namespace_bytes
+        nbytes = 0
+        for entry in entries:
+            track(entry, entry.fastest)
+            entry.ready = True
+            link(entry)
+            namespace_bytes[entry.namespace_id] += entry.raw_size
+            nbytes += entry.raw_size
+        self.listeners.added_run(entries)
+        self.counters["puts"] += len(entries)
+        self.counters["bytes_in"] += nbytes
 
     def sync_durable(self) -> bool:
         """Make a batch of durable writes durable: the payloads were written without an fsync

@@ -94,6 +94,16 @@ class Copies:
     def __iter__(self):
         return iter(self._pairs()[::2])
 
+    def first(self) -> int:
+        """The fastest tier holding a copy (``min`` of the tiers, read off the front: they are in
+        tier order). IndexError when there is none."""
+        return self._flat[0]
+
+    def first_item(self) -> tuple[int, BlockRecord]:
+        """``(first(), its record)``: the fastest copy."""
+        flat = self._flat
+        return flat[0], flat[1]
+
     def __len__(self) -> int:
         flat = self._flat
         return 0 if flat is None else len(flat) // 2 if type(flat) is tuple else 1
@@ -146,7 +156,7 @@ class Entry:
 
     @property
     def fastest(self) -> int:
-        return min(self.copies)
+        return self.copies.first()
 
     @property
     def visible(self) -> bool:
@@ -263,20 +273,28 @@ class BlockIndex:
             entries = self.entries
             for child_key in entry.child_keys():
                 child = entries.get(child_key)
-                if child is not None and child.copies and min(child.copies) <= t:
+                if child is not None and child.copies and child.copies.first() <= t:
                     kids += 1
         if entry.parent_hash is None:
             return kids, False
         parent = self.entries.get(entry.namespace_id + entry.parent_hash)
-        return kids, parent is None or not parent.copies or min(parent.copies) > t
+        return kids, parent is None or not parent.copies or parent.copies.first() > t
 
     def track_copy(self, entry: Entry, t: int) -> None:
-        """Tell tier ``t``'s policy about the copy ``entry`` now has there."""
-        self.policies[t].insert(entry.key, *self.chain_state(entry, t))
+        """Tell tier ``t``'s policy about the copy ``entry`` now has there (its chain state only
+        to a policy that uses it: working it out is most of the cost)."""
+        policy = self.policies[t]
+        if policy.uses_chains:
+            policy.insert(entry.key, *self.chain_state(entry, t))
+        else:
+            policy.insert(entry.key)
 
     def refresh_policies(self, entry: Entry) -> None:
+        """Tell the policies of ``entry``'s tiers that use chains its chain state now."""
         for t in entry.copies:
-            self.policies[t].update(entry.key, *self.chain_state(entry, t))
+            policy = self.policies[t]
+            if policy.uses_chains:
+                policy.update(entry.key, *self.chain_state(entry, t))
 
     def copies_changed(self, entry: Entry) -> None:
         """``entry`` gained or lost a copy: its parent's children and its children's prefix, as

@@ -42,6 +42,19 @@ class Listeners:
         for listener in self._registered:
             listener.blocks_added(namespace_id, [block_hash])
 
+    def added_run(self, entries) -> None:
+        """Blocks made visible together (index entries, in order): for each in turn, "added", then
+        "moved" naming its fastest tier (to the listeners that take moves)."""
+        registered = self._registered
+        if not registered:
+            return
+        movers = [listener for listener in registered if type(listener).block_moved is not StoreListener.block_moved]
+        for e in entries:
+            for listener in registered:
+                listener.blocks_added(e.namespace_id, [e.block_hash])
+            for listener in movers:
+                listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
+
     def removed(self, namespace_id: bytes, block_hash: bytes) -> None:
         for listener in self._registered:
             listener.blocks_removed(namespace_id, [block_hash])

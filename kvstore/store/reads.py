@@ -112,10 +112,9 @@ def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: 
             if entry is None or not entry.visible:
                 misses += 1
                 continue
-            t = entry.fastest
-            codec = entry.copies[t].codec
-            decode = codec != 0 and codec not in accept
-            reads.append(BlockRead(i, cascade.pin_entry(entry), t, codec, decode))
+            t, record = entry.copies.first_item()
+            codec = record.codec
+            reads.append(BlockRead(i, cascade.pin_entry(entry), t, codec, codec != 0 and codec not in accept))
         if misses:
             cascade.count("misses", misses)
     return reads
@@ -141,11 +140,21 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
                 run.append(slow[k + len(run)])
             in_flight.append(pool.submit(_read_run, cascade, run, dsts))
             k += len(run)
-    taken = {id(r) for r in slow}
+    taken = {id(r) for r in slow} if slow else ()
     try:
+        run: list[BlockRead] = []   # neighbours in the call of one tier, none to decode: one read_many_into
         for r in reads:
-            if id(r) not in taken:
+            if id(r) in taken:
+                continue
+            if run and (r.decode or r.tier != run[0].tier):
+                _read_run(cascade, run, dsts)
+                run = []
+            if r.decode:
                 _read_run(cascade, [r], dsts)
+            else:
+                run.append(r)
+        if run:
+            _read_run(cascade, run, dsts)
     finally:
         errors = [f.exception() for f in in_flight]   # waits for every read: none may outlive the pins
     for e in errors:
@@ -154,7 +163,8 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
 
 
 def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
-    """Read ``run`` (copies of one tier; more than one only where it reads runs) into their buffers."""
+    """Read ``run`` (copies of one tier, none to decode when more than one) into their buffers;
+    ``payload`` is kept only for copies below the first tier (what a promotion copies)."""
     tier = cascade.tiers[run[0].tier]
     if len(run) == 1 and run[0].decode:
         r = run[0]
@@ -176,13 +186,16 @@ def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]
             r.failed = e
         return
     sizes = tier.read_many_into([r.entry.key for r in run], [dsts[r.at] for r in run])
+    below = run[0].tier > 0
     for r, n in zip(run, sizes):
-        if isinstance(n, BlockCorrupt):
+        if type(n) is int:
+            r.n = n
+            if below:
+                r.payload = dsts[r.at][:n]
+        elif isinstance(n, BlockCorrupt):
             r.failed = n
-        elif isinstance(n, Exception):
-            raise n
         else:
-            r.n, r.payload = n, dsts[r.at][:n]
+            raise n
 
 
 def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
