@@ -95,14 +95,23 @@ class Copies:
         return iter(self._pairs()[::2])
 
     def first(self) -> int:
-        """The fastest tier holding a copy (``min`` of the tiers, read off the front: they are in
-        tier order). IndexError when there is none."""
-        return self._flat[0]
+        """The fastest tier holding a copy (``min`` of the tiers: the one copy's, or the front of
+        the tier-ordered tuple). ValueError when there is none."""
+        flat = self._flat
+        if type(flat) is tuple:
+            return flat[0]
+        if flat is None:
+            raise ValueError("no copy")
+        return flat.tier
 
     def first_item(self) -> tuple[int, BlockRecord]:
         """``(first(), its record)``: the fastest copy."""
         flat = self._flat
-        return flat[0], flat[1]
+        if type(flat) is tuple:
+            return flat[0], flat[1]
+        if flat is None:
+            raise ValueError("no copy")
+        return flat.tier, flat
 
     def __len__(self) -> int:
         flat = self._flat
