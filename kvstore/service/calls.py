@@ -166,18 +166,13 @@ class CallBridge:
         responses; a client-streaming one takes ``(first_message, context)`` and returns a sink
         with ``feed(message)``, ``finish() -> response`` and ``close()``."""
         name = method.name
-        if method.client_streaming:
-            async def handle(requests, context):
-                return await self._serve(name, context, lambda call: self._client_stream(body, context, call))
-        elif method.server_streaming:
-            async def handle(requests, context):
-                await self._serve(name, context, lambda call: self._server_stream(body, context, call))
-        else:
-            async def handle(requests, context):
-                return await self._serve(name, context, lambda call: self._unary(body, context, call))
-        make = grpc.stream_unary_rpc_method_handler
-        if method.server_streaming:
-            make = grpc.stream_stream_rpc_method_handler
+        serve = (self._client_stream if method.client_streaming else
+                 self._server_stream if method.server_streaming else self._unary)
+
+        async def handle(requests, context):
+            return await self._serve(name, context, lambda call: serve(body, context, call))
+        make = grpc.stream_stream_rpc_method_handler if method.server_streaming \
+            else grpc.stream_unary_rpc_method_handler
         return make(handle, request_deserializer=parse, response_serializer=_encoded_or(serialize))
 
     async def _serve(self, name: str, context, work: Callable):
