@@ -1,6 +1,7 @@
 """Side-channel puts move and store small blocks a run at a time: the client sends a run per
-``sendmsg``, the daemon reads a run per receive and stores it with one Store.put (of at most
-``RUN_BYTES``; issue 14: 64 KiB puts were bound by per-block work). What a put returns must not
+``sendmsg``, the daemon reads a run (of at most ``RUN_BYTES``; issue 14: 64 KiB puts were bound by
+per-block work) straight into arena slots reserved for it, or into a scratch buffer stored with one
+Store.put where the arena cannot take it. What a put returns must not
 depend on where the runs fall: blocks already present on either side of a run boundary are
 "exists", the rest "stored", the chain is linked across runs, and every block reads back; and
 every byte sent arrives in order, however the kernel splits a ``sendmsg``."""
@@ -79,3 +80,53 @@ def test_send_all_delivers_every_byte_in_order_through_a_small_socket_buffer():
         a.close()
         b.close()
     assert bytes(got) == want
+
+
+def test_recv_exact_into_each_fills_every_buffer_in_order_from_small_reads():
+    """The daemon's side of a run: many buffers (a run's blocks in their arena slots) filled by
+    ``recvmsg_into`` calls that each bring whatever the kernel has, a block's worth or a sliver."""
+    rng = np.random.default_rng(12)
+    sizes = [1, 7, 4096, 65536, 65536, 100] + [65536] * 300 + [3]
+    want = rng.integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    b.settimeout(30)
+
+    def writer():
+        for at in range(0, len(want), 5000):
+            a.sendall(want[at:at + 5000])
+
+    t = threading.Thread(target=writer)
+    t.start()
+    reads = []
+    try:
+        bulk.recv_exact_into_each(b, [memoryview(x) for x in bufs], lambda: reads.append(1))
+        t.join(timeout=30)
+    finally:
+        a.close()
+        b.close()
+    assert b"".join(x.tobytes() for x in bufs) == want
+    assert len(reads) > 1
+
+
+def test_a_side_channel_put_the_arena_cannot_take_lands_below_it(daemon_factory):
+    """Raw runs are received into CPU-arena slots reserved for them; when the arena has no room it
+    can make (every block in it leased by a lookup), the run is stored as a put would store it:
+    in the NVMe tier below, every byte intact."""
+    d = daemon_factory("--lease-seconds", "30", cpu_bytes="1MiB", nvme_bytes="64MiB")
+    layout = KVLayout(model="test/runs", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                      block_tokens=16, block_bytes=4 * BLOCK)
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 256, 4 * BLOCK, dtype=np.uint8) for _ in range(8)]
+    hashes = ChainHasher().chain(np.arange(16 * 8), 16)
+    with d.client(transport="bulk") as c:
+        assert c.active_transport == "bulk"
+        ns = c.register_namespace(Namespace(layout, cache_salt="full"))
+        assert c.put(ns, hashes[:4], data[:4]) == ["stored"] * 4
+        assert c.lookup(ns, hashes[:4]).tiers == ["cpu"] * 4   # leased: the arena cannot evict them
+        assert c.put(ns, hashes[4:], data[4:], parent=hashes[3]) == ["persisted"] * 4   # on NVMe
+        assert c.lookup(ns, hashes).tiers == ["cpu"] * 4 + ["nvme"] * 4
+        outs = [np.zeros(4 * BLOCK, dtype=np.uint8) for _ in range(8)]
+        assert c.get_into(ns, hashes, outs) == [4 * BLOCK] * 8
+        assert all(np.array_equal(o, x) for o, x in zip(outs, data))

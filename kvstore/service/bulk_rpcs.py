@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
 from kvstore.service.rpc_base import PUT_RESULT, ServiceState
@@ -20,9 +20,12 @@ from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
 
-#: a BulkPut stores small blocks a run at a time: one Store.put per run shares its per-call work and
-#: lock rounds among the run's blocks. Runs stay this small so the socket keeps filling while a run
-#: is stored (a larger block is a run of its own).
+#: a BulkPut stores small blocks a run at a time: with a CPU tier first, raw blocks are received
+#: straight into arena slots reserved for the run (``Store.reserve_store``) and published together;
+#: otherwise into a scratch buffer, then one Store.put per run. Either way the run's per-call work
+#: and lock rounds are shared among its blocks, and a transfer cut short keeps the runs that arrived
+#: whole. Runs stay this small so the socket keeps filling while a run is published (a larger block
+#: is a run of its own).
 RUN_BYTES = 1 << 20
 
 
@@ -132,26 +135,55 @@ class BulkRpcs:
                                                  codecs=None if codecs is None else codecs[a:b])
                         results.extend(PUT_RESULT[r] for r in run)
 
-                runs = put_runs(sizes)
-                buf = self.service.scratch.get(max((sum(sizes[a:b]) for a, b in runs), default=0))
+                def receive(a: int, b: int) -> None:   # blocks a..b into the scratch buffer, then stored
+                    nonlocal received
+                    run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
+                    buf = self.service.scratch.get(run_bytes)
+                    bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
+                    received += run_bytes
+                    payloads, at = [], 0
+                    for i in range(a, b):
+                        payload = buf[at:at + sizes[i]]
+                        at += sizes[i]
+                        if codecs is not None and codecs[i]:
+                            try:
+                                with progress.working():
+                                    check_encoded(ns, codecs[i], payload, i)
+                            except InvalidArgument:
+                                store(a, payloads)   # the blocks before it stay, as if each was stored on arrival
+                                raise
+                        payloads.append(payload)
+                    store(a, payloads)
+
+                def receive_into_arena(a: int, b: int) -> bool:
+                    """Raw blocks a..b straight into CPU-arena slots reserved for them (no second
+                    copy), published together; False, nothing received, when the arena cannot
+                    take them without a slower tier (``receive`` then stores them as a put would)."""
+                    nonlocal received
+                    try:
+                        with progress.working():
+                            lease = self.store.reserve_store(ns.id, hashes[a:b], hashes[a - 1] if a else parent)
+                    except StoreFull:
+                        return False
+                    try:
+                        views = []
+                        for extents in lease.extents:   # None: present already, its bytes read and dropped
+                            views += (arena.views(extents) if extents is not None
+                                      else [self.service.scratch.get(ns.block_bytes)[:ns.block_bytes]])
+                        bulk_transport.recv_exact_into_each(sock, [memoryview(v) for v in views], progress.touch)
+                        received += (b - a) * ns.block_bytes
+                    except BaseException:
+                        self.store.cancel_store(lease)
+                        raise
+                    with progress.working():
+                        results.extend(PUT_RESULT[r] for r in self.store.finish_store(lease))
+                    return True
+
+                arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
                 with self.service.quota_hold(ns, hashes):
-                    for a, b in runs:
-                        run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
-                        bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
-                        received += run_bytes
-                        payloads, at = [], 0
-                        for i in range(a, b):
-                            payload = buf[at:at + sizes[i]]
-                            at += sizes[i]
-                            if codecs is not None and codecs[i]:
-                                try:
-                                    with progress.working():
-                                        check_encoded(ns, codecs[i], payload, i)
-                                except InvalidArgument:
-                                    store(a, payloads)   # the blocks before it stay, as if each was stored on arrival
-                                    raise
-                            payloads.append(payload)
-                        store(a, payloads)
+                    for a, b in put_runs(sizes):
+                        if arena is None or not receive_into_arena(a, b):
+                            receive(a, b)
             except OSError as e:
                 self.service.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e

@@ -92,6 +92,14 @@ class Leases:
                       parent: bytes | None = None) -> Lease:
         """Reserve CPU-arena slots for the blocks not yet stored; ``extents[i]`` is None for those
         already present. The writer fills the slots, then calls ``complete_store``."""
+        lease = self.reserve_store(namespace_id, hashes, parent)
+        return self._new("store", lease.keys, lease.extents)
+
+    def reserve_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
+        """``prepare_store`` for a writer inside this process (the side channel receiving into the
+        arena): the same reservation, kept out of the lease table, so it never expires under the
+        writer; the writer ends it with ``finish_store`` or, on any failure, ``cancel_store``.
+        Reserved blocks are invisible, so nothing else frees their slots meanwhile."""
         ns = self._cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
         keys, extents = [], []
@@ -111,14 +119,22 @@ class Leases:
         except Exception:
             self._release_reservations([k for k, x in zip(keys, extents) if x is not None])
             raise
-        return self._new("store", keys, extents)
+        return Lease(0, "store", keys, float("inf"), extents)
 
     def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
         """Make the lease's blocks visible. ``codec``/``sizes``: the writer put payloads it encoded
         itself at the start of each block's slots (``puts.payload_codecs``); every one is checked
         (``puts.check_encoded``) before any block is made visible, and a bad one aborts the whole
         lease (``InvalidArgument`` naming it): nothing is stored, the slots are freed."""
-        lease = self._take(lease_id, "store")
+        return self.finish_store(self._take(lease_id, "store"), codec, sizes)
+
+    def cancel_store(self, lease: Lease) -> None:
+        """Free a ``reserve_store`` reservation's slots (nothing of it becomes visible)."""
+        self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+
+    def finish_store(self, lease: Lease, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
+        """``complete_store`` of a store lease already taken out of the table (or never in it:
+        ``reserve_store``)."""
         cascade = self._cascade
         try:
             encoded = self._client_payloads(lease, codec, sizes)

@@ -332,6 +332,17 @@ class Store:
     def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
         return self._leases.complete_store(lease_id, codec, sizes)
 
+    def reserve_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
+        """``prepare_store`` for a writer in this process: no lease id, no expiry; end it with
+        ``finish_store`` or ``cancel_store`` (``leases.Leases.reserve_store``)."""
+        return self._leases.reserve_store(namespace_id, hashes, parent)
+
+    def finish_store(self, lease: Lease) -> list[str]:
+        return self._leases.finish_store(lease)
+
+    def cancel_store(self, lease: Lease) -> None:
+        self._leases.cancel_store(lease)
+
     def abort_store(self, lease_id: int) -> None:
         self._leases.abort_store(lease_id)
 

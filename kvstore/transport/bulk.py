@@ -57,6 +57,25 @@ def recv_exact_into(sock: socket.socket, view: memoryview, on_bytes=None) -> Non
             on_bytes()
 
 
+def recv_exact_into_each(sock: socket.socket, views: list[memoryview], on_bytes=None) -> None:
+    """Fill every buffer of ``views`` in order from ``sock``, a run of up to ``SEND_RUN_BUFFERS``
+    per ``recvmsg_into`` (one syscall for many small blocks, as ``send_all`` sends them);
+    ``on_bytes()`` after each read that brought some."""
+    at, offset = 0, 0   # the first buffer not yet full, and how much of it is
+    while at < len(views):
+        run = [views[at][offset:]] + views[at + 1:at + SEND_RUN_BUFFERS]
+        k = sock.recvmsg_into(run)[0]
+        if k == 0:
+            raise ConnectionError("side channel closed mid-transfer")
+        if on_bytes is not None:
+            on_bytes()
+        k += offset
+        while at < len(views) and k >= len(views[at]):
+            k -= len(views[at])
+            at += 1
+        offset = k
+
+
 #: one ``sendmsg`` carries buffers up to this many bytes (and below the kernel's IOV_MAX of 1024)
 SEND_RUN_BYTES = 1 << 20
 SEND_RUN_BUFFERS = 256
