@@ -250,15 +250,12 @@ class BlockIndex:
             _add_child(parent, entry.key)
 
     def track_recovered(self) -> None:
-        """``track_copy`` for every copy of every entry, in index order; a policy that ignores
-        chains is handed the keys alone (``EvictionPolicy.insert_many``)."""
+        """``track_copy`` for every copy of every entry, in index order, handed to each policy at
+        once (``EvictionPolicy.insert_many``; a policy that ignores chains gets the keys alone)."""
         for t, policy in enumerate(self.policies):
-            held = (e for e in self.entries.values() if t in e.copies)
-            if policy.uses_chains:
-                for entry in held:
-                    policy.insert(entry.key, *self.chain_state(entry, t))
-            else:
-                policy.insert_many(e.key for e in held)
+            held = [e for e in self.entries.values() if t in e.copies]
+            chains = [self.chain_state(e, t) for e in held] if policy.uses_chains else None
+            policy.insert_many([e.key for e in held], chains)
 
     def unlink(self, entry: Entry) -> None:
         parent = self.parent(entry)

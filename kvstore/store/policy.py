@@ -15,6 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 IsPinned = Callable[[bytes], bool]
+#: a prefix-aware policy's class bits of a key (``PrefixAwarePolicy``)
+_ORPHAN, _LEAF = 1, 2
+_CLASS = _ORPHAN | _LEAF
 
 
 class EvictionPolicy(ABC):
@@ -37,10 +40,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None: ...
 
-    def insert_many(self, keys: Iterable[bytes]) -> None:
-        """``insert`` each key, in order, without a chain state (for policies that ignore it)."""
-        for key in keys:
-            self.insert(key)
+    def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
+        """``insert`` each key, in order, with its (children, orphan) from ``chains`` (None: without
+        a chain state, for policies that ignore it)."""
+        if chains is None:
+            for key in keys:
+                self.insert(key)
+        else:
+            for key, (children, orphan) in zip(keys, chains):
+                self.insert(key, children, orphan)
 
     @abstractmethod
     def touch(self, key: bytes) -> None: ...
@@ -79,7 +87,7 @@ class LRUPolicy(EvictionPolicy):
         if key not in self._cold:
             self._order[key] = None
 
-    def insert_many(self, keys: Iterable[bytes]) -> None:
+    def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         if self._order or self._cold:
             self._order.update(dict.fromkeys(k for k in keys if k not in self._cold))
         else:
@@ -130,6 +138,10 @@ class PrefixAwarePolicy(EvictionPolicy):
          cannot stream them from here anyway (the tail of a chain that outgrew the tier);
       2. leaves here: blocks with no child in this tier or a faster one;
       3. anything unpinned (only when every leaf is pinned).
+
+    Per key one int in one dict (an index of millions holds one per block): its last use (a tick)
+    and its class, ``tick << 2 | leaf << 1 | orphan``. The classes' heaps hold (tick, key) of
+    leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped lazily.
     """
 
     name = "prefix"
@@ -137,64 +149,75 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._lru = LRUPolicy()
-        self._children: dict[bytes, int] = {}
-        self._orphan: dict[bytes, bool] = {}
-        self._tick: dict[bytes, int] = {}
+        self._state: dict[bytes, int] = {}
         self._clock = itertools.count()
-        # heaps of (tick, key); stale entries (old tick, or no longer in that class) skipped lazily
         self._leaves: list[tuple[int, bytes]] = []
         self._orphans: list[tuple[int, bytes]] = []
 
-    def _is_leaf(self, key: bytes) -> bool:
-        return self._children.get(key) == 0
-
-    def _is_orphan_leaf(self, key: bytes) -> bool:
-        return self._children.get(key) == 0 and self._orphan.get(key, False)
-
-    def _push(self, key: bytes) -> None:
-        if not self._is_leaf(key):
+    def _push(self, key: bytes, state: int) -> None:
+        if not state & _LEAF:
             return
-        heap = self._orphans if self._orphan[key] else self._leaves
-        heapq.heappush(heap, (self._tick[key], key))
-        if len(heap) > 4 * len(self._tick) + 64:
-            self._leaves = [(t, k) for t, k in self._leaves if self._tick.get(k) == t and self._is_leaf(k)]
-            self._orphans = [(t, k) for t, k in self._orphans
-                             if self._tick.get(k) == t and self._is_orphan_leaf(k)]
+        heap = self._orphans if state & _ORPHAN else self._leaves
+        heapq.heappush(heap, (state >> 2, key))
+        if len(heap) > 4 * len(self._state) + 64:
+            self._leaves = [(t, k) for t, k in self._leaves if self._holds(k, t, _LEAF)]
+            self._orphans = [(t, k) for t, k in self._orphans if self._holds(k, t, _LEAF | _ORPHAN)]
             heapq.heapify(self._leaves)
             heapq.heapify(self._orphans)
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
         self._lru.insert(key)
-        self._tick[key] = next(self._clock)
-        self._children[key] = children
-        self._orphan[key] = orphan
-        self._push(key)
+        state = self._state[key] = next(self._clock) << 2 | (children == 0) << 1 | bool(orphan)
+        self._push(key, state)
+
+    def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
+        keys = list(keys)
+        if chains is None:
+            chains = [(0, False)] * len(keys)
+        fresh = not self._state
+        self._lru.insert_many(keys)
+        states, clock = self._state, self._clock
+        leaves: list[tuple[int, bytes]] = []
+        orphans: list[tuple[int, bytes]] = []
+        for key, (children, orphan) in zip(keys, chains):
+            tick = next(clock)
+            states[key] = tick << 2 | (children == 0) << 1 | bool(orphan)
+            if children == 0:
+                (orphans if orphan else leaves).append((tick, key))
+        if fresh:   # in tick order: each list is a heap already
+            self._leaves, self._orphans = leaves, orphans
+        else:
+            for tick, key in leaves + orphans:
+                self._push(key, states[key])
 
     def touch(self, key: bytes) -> None:
         self._lru.touch(key)
-        self._tick[key] = next(self._clock)
-        self._push(key)
+        state = self._state[key] = next(self._clock) << 2 | self._state[key] & _CLASS
+        self._push(key, state)
 
     def remove(self, key: bytes) -> None:
-        if self._tick.pop(key, None) is not None:
+        if self._state.pop(key, None) is not None:
             self._lru.remove(key)
-            del self._children[key]
-            del self._orphan[key]
 
     def update(self, key: bytes, children: int, orphan: bool) -> None:
-        if key not in self._tick:
+        old = self._state.get(key)
+        if old is None:
             return
-        changed = (self._children[key], self._orphan[key]) != (children, orphan)
-        self._children[key] = children
-        self._orphan[key] = orphan
-        if changed:
-            self._push(key)
+        state = old & ~_CLASS | (children == 0) << 1 | bool(orphan)
+        if state != old:
+            self._state[key] = state
+            self._push(key, state)
 
-    def _pick(self, heap: list[tuple[int, bytes]], valid, is_pinned: IsPinned) -> bytes | None:
+    def _holds(self, key: bytes, tick: int, need: int) -> bool:
+        """Whether a heap's (tick, key) is still the key's last use, and the key still of class ``need``."""
+        state = self._state.get(key)
+        return state is not None and state >> 2 == tick and state & need == need
+
+    def _pick(self, heap: list[tuple[int, bytes]], need: int, is_pinned: IsPinned) -> bytes | None:
         skipped, victim = [], None
         while heap:
             tick, key = heapq.heappop(heap)
-            if self._tick.get(key) != tick or not valid(key):
+            if not self._holds(key, tick, need):
                 continue
             skipped.append((tick, key))
             if not is_pinned(key):
@@ -205,12 +228,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         return victim
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        return (self._pick(self._orphans, self._is_orphan_leaf, is_pinned)
-                or self._pick(self._leaves, self._is_leaf, is_pinned)
+        return (self._pick(self._orphans, _LEAF | _ORPHAN, is_pinned)
+                or self._pick(self._leaves, _LEAF, is_pinned)
                 or self._lru.pick_victim(is_pinned))
 
     def __len__(self) -> int:
-        return len(self._tick)
+        return len(self._state)
 
 
 class S3FIFOPolicy(EvictionPolicy):

@@ -11,8 +11,10 @@ block, before any request.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
@@ -39,9 +41,27 @@ def _found_in(tier, on_progress: RecoveryProgress | None) -> list:
     return records
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Recovery makes several objects per block, all kept: the cyclic collector, run every few
+    hundred allocations, would walk them again and again for nothing (it halves a restart's CPU)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def recover(cascade: Cascade, on_progress: RecoveryProgress | None = None) -> None:
     """Rebuild ``cascade``'s index from its tiers, then the chain links, then the policies.
     ``on_progress``: see ``_found_in``."""
+    with _no_cycle_collection():
+        _recover(cascade, on_progress)
+
+
+def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
     index = cascade.index
     entries, namespace_bytes = index.entries, index.namespace_bytes
     tenants: dict[bytes, str | None] = {}
