@@ -27,6 +27,9 @@ from kvstore.codecs.bits import (BF16_NONFINITE, F32_INF, KEY_NEG_INF, KEY_POS_I
                                  and32, bf16_round_down, bf16_round_up, bf16_to_f32, bits_f32, e4m3_as_half, f32_bits,
                                  f32_to_bf16_bits, f32_to_e4m3, half_to_f32, key_to_f32, max16, min16, or32, order_key,
                                  plus_zero, shl32, shr32)
+from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_from_bf16,
+                                            int4_hadamard64_to_bf16, int8_hadamard64_to_bf16, load_rotated,
+                                            rotate64_from_bf16, rotate_to_bf16)
 
 E4M3_MAX = np.float32(448.0)
 HALF_SCALE = np.float32(256.0)   # e4m3_as_half reads a code as value * 2**-8
@@ -416,55 +419,23 @@ def int8_decode(codes, scales, out, off, T, H, D2, sl, st, sh, u0, u1):
                 o[j] = _int8_pair(c[j], sf)
 
 
-# --- rotated rows (``rotation.py``): Hadamard butterflies on a row in float32 ------------------
+# --- rotated rows (``rotation.py``, run by ``fast_rotation``): float32 rows ----------------------
 
-_KEY32_MAX, _KEY32_MIN = np.int32(2147483647), np.int32(-2147483648)
+@njit(inline="always")
+def _row_nonfinite(x, D):
+    """1 if the bf16 row ``x[:D]`` holds a NaN/Inf, else 0."""
+    return 1 if _abs_max(x, D) >= BF16_NONFINITE else 0
 
 
 @njit(inline="always")
-def _stage(src, dst, D, n):
-    """One constant-geometry stage on each n-group of ``src[:D]`` into ``dst``: the sum of each
-    adjacent pair into the group's first half, the difference into its second."""
-    half = n // 2
-    for g in range(0, D, n):
-        s = src[g:g + n]
-        d = dst[g:g + n]
-        for j in range(half):
-            a = s[2 * j]
-            b = s[2 * j + 1]
-            d[j] = a + b
-            d[j + half] = a - b
-
-
-@njit(inline="always")
-def _rotate(a, b, D, n):
-    """``rotation.rotate`` of ``a[:D]`` in place (``b``: scratch of D), the same stages."""
-    k = 1
-    while k < n:
-        _stage(a, b, D, n)
-        k *= 2
-        if k < n:
-            _stage(b, a, D, n)
-            k *= 2
-        else:
-            for j in range(D):
-                a[j] = b[j]
-
-
-@njit(inline="always")
-def _load_rotated(x, a, b, D, n):
-    """A bf16 row -> ``H_n (x / n)`` in ``a`` (float32): ``rotation.rotate_for_encode``."""
-    inv = ONE / np.float32(n)
-    for d in range(D):
-        a[d] = bf16_to_f32(x[d]) * inv
-    _rotate(a, b, D, n)
-
-
-@njit(inline="always")
-def _store_pairs(a, o, D2):
-    """float32 ``a[:2*D2]`` -> bf16 pairs in 32-bit words (even element in the low half)."""
-    for j in range(D2):
-        o[j] = or32(f32_to_bf16_bits(a[2 * j]), shl32(f32_to_bf16_bits(a[2 * j + 1]), _S16))
+def _int4_range(lo, hi):
+    """(min bf16, scale bf16, min as float, divisor) of a group from its float32 ordered-key
+    extremes (as ``_int4_stats`` from 16-bit ones)."""
+    m = bf16_round_down(plus_zero(key32_to_f32(lo)))
+    mf = bf16_to_f32(m)
+    s = bf16_round_up((plus_zero(key32_to_f32(hi)) - mf) / LEVELS)
+    sf = bf16_to_f32(s)
+    return m, s, mf, (ONE if sf == ZERO else sf)
 
 
 @kernel
@@ -478,12 +449,13 @@ def int8_rot_encode(src, off, T, H, D, sl, st, sh, n, u0, u1, codes, scales):
         for h in range(H):
             row = _row(off, l, t, h, sl, st, sh)
             x = src[row:row + D]
-            if _abs_max(x, D) >= BF16_NONFINITE:
-                bad = 1
-            _load_rotated(x, a, b, D, n)
-            m = U32(0)
-            for d in range(D):
-                m = umax32(m, abs_bits32(a[d]))
+            bad |= _row_nonfinite(x, D)
+            if n == 64:
+                lo, hi = rotate64_from_bf16(src, row, a, 0, D)
+            else:
+                load_rotated(x, a, b, D, n)
+                lo, hi = extremes(a, D)
+            m = umax32(abs_bits32(key32_to_f32(lo)), abs_bits32(key32_to_f32(hi)))   # (the largest |y|)
             s = bf16_round_up(bits_f32(m) / INT8_MAX)
             sf = bf16_to_f32(s)
             safe = ONE if sf == ZERO else sf
@@ -506,12 +478,15 @@ def int8_rot_decode(codes, scales, out, off, T, H, D2, sl, st, sh, n, u0, u1):
         for h in range(H):
             i = u * H + h
             sf = bf16_to_f32(scales[i])
+            row = _row(off, l, t, h, sl, st, sh)
+            if n == 64:
+                for g in range(0, D, 64):
+                    int8_hadamard64_to_bf16(codes, i * D + g, sf, out, row + g // 2)
+                continue
             c = codes[i * D:(i + 1) * D]
             for d in range(D):
                 a[d] = np.float32(np.int8(c[d])) * sf
-            _rotate(a, b, D, n)
-            row = _row(off, l, t, h, sl, st, sh)
-            _store_pairs(a, out[row:row + D2], D2)
+            rotate_to_bf16(a, b, D, n, out, row)
 
 
 @kernel
@@ -521,28 +496,24 @@ def int4_encode_values_rot(src, off, T, H, D, sl, st, sh, vg, n, u0, u1, codes, 
     a, b = np.empty(D, np.float32), np.empty(D, np.float32)
     groups = D // vg
     D2, vg2 = D // 2, vg // 2
+    fast = n == 64 and vg == 64
     bad = 0
     for u in range(u0, u1):
         l, t = _split(u, T)
         for h in range(H):
             row = _row(off, l, t, h, sl, st, sh)
             x = src[row:row + D]
-            if _abs_max(x, D) >= BF16_NONFINITE:
-                bad = 1
-            _load_rotated(x, a, b, D, n)
+            bad |= _row_nonfinite(x, D)
+            if not fast:
+                load_rotated(x, a, b, D, n)
             i = u * H + h
             for g in range(groups):
                 y = a[g * vg:(g + 1) * vg]
-                lo, hi = _KEY32_MAX, _KEY32_MIN
-                for j in range(vg):
-                    k = order_key32(y[j])
-                    lo = min32(lo, k)
-                    hi = max32(hi, k)
-                m = bf16_round_down(plus_zero(key32_to_f32(lo)))
-                mf = bf16_to_f32(m)
-                s = bf16_round_up((plus_zero(key32_to_f32(hi)) - mf) / LEVELS)
-                sf = bf16_to_f32(s)
-                safe = ONE if sf == ZERO else sf
+                if fast:
+                    lo, hi = hadamard64_from_bf16(src, row + g * 64, INV64, a, g * 64)
+                else:
+                    lo, hi = extremes(y, vg)
+                m, s, mf, safe = _int4_range(lo, hi)
                 mn[i * groups + g] = m
                 scale[i * groups + g] = s
                 c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
@@ -562,6 +533,12 @@ def int4_decode_values_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg,
         l, t = _split(u, T)
         for h in range(H):
             i = u * H + h
+            row = _row(off, l, t, h, sl, st, sh)
+            if n == 64 and vg == 64:
+                for g in range(groups):
+                    int4_hadamard64_to_bf16(codes, (i * groups + g) * 32, bf16_to_f32(scale[i * groups + g]),
+                                            bf16_to_f32(mn[i * groups + g]), 0, out, row + g * 32)
+                continue
             for g in range(groups):
                 sf = bf16_to_f32(scale[i * groups + g])
                 mf = bf16_to_f32(mn[i * groups + g])
@@ -571,9 +548,7 @@ def int4_decode_values_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg,
                     w = U32(c[j])
                     y[2 * j] = np.float32(and32(w, _LOW4)) * sf + mf
                     y[2 * j + 1] = np.float32(shr32(w, _S4)) * sf + mf
-            _rotate(a, b, D, n)
-            row = _row(off, l, t, h, sl, st, sh)
-            _store_pairs(a, out[row:row + D2], D2)
+            rotate_to_bf16(a, b, D, n, out, row)
 
 
 @kernel
@@ -592,26 +567,23 @@ def int4_encode_keys_rot(src, off, T, H, D, sl, st, sh, kg, n, u0, u1, codes, sc
         l, g = _split(u, groups)
         for h in range(H):
             for d in range(D):
-                lo[d] = _KEY32_MAX
-                hi[d] = _KEY32_MIN
+                lo[d] = KEY32_MAX
+                hi[d] = KEY32_MIN
             for k in range(kg):
                 row = _row(off, l, g * kg + k, h, sl, st, sh)
                 x = src[row:row + D]
-                if _abs_max(x, D) >= BF16_NONFINITE:
-                    bad = 1
+                bad |= _row_nonfinite(x, D)
                 y = rows[k * D:(k + 1) * D]
-                _load_rotated(x, y, b, D, n)
+                if n == 64:
+                    rotate64_from_bf16(src, row, rows, k * D, D)
+                else:
+                    load_rotated(x, y, b, D, n)
                 for d in range(D):
                     key = order_key32(y[d])
                     lo[d] = min32(lo[d], key)
                     hi[d] = max32(hi[d], key)
             for d in range(D):
-                m = bf16_round_down(plus_zero(key32_to_f32(lo[d])))
-                mf[d] = bf16_to_f32(m)
-                s = bf16_round_up((plus_zero(key32_to_f32(hi[d])) - mf[d]) / LEVELS)
-                v = bf16_to_f32(s)
-                sf[d] = ONE if v == ZERO else v
-                mq[d], sq[d] = m, s
+                mq[d], sq[d], mf[d], sf[d] = _int4_range(lo[d], hi[d])
             base = (u * H + h) * D
             mn[base:base + D] = mq
             scale[base:base + D] = sq
@@ -643,11 +615,14 @@ def int4_decode_keys_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, n
             for k in range(kg):
                 t = g * kg + k
                 i = (l * T + t) * H + h
+                row = _row(off, l, t, h, sl, st, sh)
+                if n == 64:
+                    for p in range(0, D, 64):
+                        int4_hadamard64_to_bf16(codes, i * D2 + p // 2, sf, mf, p, out, row + p // 2)
+                    continue
                 c = codes[i * D2:(i + 1) * D2]
                 for j in range(D2):
                     w = U32(c[j])
                     a[2 * j] = np.float32(and32(w, _LOW4)) * sf[2 * j] + mf[2 * j]
                     a[2 * j + 1] = np.float32(shr32(w, _S4)) * sf[2 * j + 1] + mf[2 * j + 1]
-                _rotate(a, b, D, n)
-                row = _row(off, l, t, h, sl, st, sh)
-                _store_pairs(a, out[row:row + D2], D2)
+                rotate_to_bf16(a, b, D, n, out, row)
