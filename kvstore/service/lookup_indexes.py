@@ -109,6 +109,13 @@ class LookupIndexes(StoreListener):
             if table is not None:
                 table.put(key_of(namespace_id, block_hash), fastest_tier)
 
+    def blocks_moved(self, namespace_id: bytes, block_hashes: list[bytes], fastest_tier: int) -> None:
+        with self._lock:
+            table = self._table(namespace_id) if self._tables else None
+            if table is not None:
+                table.put_many([key_of(namespace_id, h) for h in block_hashes if len(h) >= MIN_HASH_BYTES],
+                               fastest_tier)
+
     def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
         with self._lock:
             table = self._table(namespace_id) if self._tables else None

@@ -24,6 +24,12 @@ class StoreListener:
         """A served block's fastest copy is now in tier ``fastest_tier`` (an index into the
         store's tiers): it was promoted, demoted, or lost a copy."""
 
+    def blocks_moved(self, namespace_id: bytes, block_hashes: list[bytes], fastest_tier: int) -> None:
+        """``block_moved`` for each of ``block_hashes`` in order, all now fastest in one tier (a
+        listener may take them at once)."""
+        for h in block_hashes:
+            self.block_moved(namespace_id, h, fastest_tier)
+
 
 class Listeners:
     """The registered listeners and the fan-out of each event to them. Caller holds the store lock."""
@@ -43,17 +49,32 @@ class Listeners:
             listener.blocks_added(namespace_id, [block_hash])
 
     def added_run(self, entries) -> None:
-        """Blocks made visible together (index entries, in order): for each in turn, "added", then
-        "moved" naming its fastest tier (to the listeners that take moves)."""
+        """Blocks made visible together (index entries, in order): each listener hears, for each
+        in turn, "added", then "moved" naming its fastest tier; one that takes only moves hears
+        them a run of one namespace and tier at a time (``blocks_moved``)."""
         registered = self._registered
         if not registered:
             return
-        movers = [listener for listener in registered if type(listener).block_moved is not StoreListener.block_moved]
-        for e in entries:
-            for listener in registered:
+        both = [x for x in registered if type(x).blocks_added is not StoreListener.blocks_added]
+        movers = [x for x in registered if type(x).block_moved is not StoreListener.block_moved
+                  or type(x).blocks_moved is not StoreListener.blocks_moved]
+        for e in entries if both else ():
+            for listener in both:
                 listener.blocks_added(e.namespace_id, [e.block_hash])
             for listener in movers:
-                listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
+                if listener in both:
+                    listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
+        movers = [x for x in movers if x not in both]
+        start = 0
+        while movers and start < len(entries):
+            ns, tier = entries[start].namespace_id, entries[start].fastest
+            stop = start + 1
+            while stop < len(entries) and entries[stop].namespace_id == ns and entries[stop].fastest == tier:
+                stop += 1
+            hashes = [e.block_hash for e in entries[start:stop]]
+            for listener in movers:
+                listener.blocks_moved(ns, hashes, tier)
+            start = stop
 
     def removed(self, namespace_id: bytes, block_hash: bytes) -> None:
         for listener in self._registered:

@@ -121,6 +121,12 @@ class IndexTable:
 
     # -- writes ----------------------------------------------------------------------------------
 
+    def put_many(self, keys, tier: int) -> None:
+        """``put`` of each key (each its own write round: a reader never spins out a batch)."""
+        put = self.put
+        for key in keys:
+            put(key, tier)
+
     def put(self, key: tuple[int, int], tier: int) -> None:
         """Record (or move) a served block."""
         w, base = self._w, HEADER_BYTES // 8
