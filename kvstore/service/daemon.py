@@ -37,6 +37,7 @@ from kvstore.service.grpc_server import build_server
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
+from kvstore.transport.socket_server import owner_gone
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.service.daemon")
@@ -48,20 +49,10 @@ def clean_stale_segments(shm_dir: str) -> int:
     for path in glob.glob(os.path.join(shm_dir, "kvstore-*")) + glob.glob(os.path.join(shm_dir, shm.PROBE_PREFIX + "*")):
         name = os.path.basename(path).removeprefix(shm.PROBE_PREFIX).removeprefix("kvstore-")
         pid = name.split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its owner is alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
+        if pid.isdigit() and int(pid) != os.getpid() and owner_gone(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
     return removed
 
 

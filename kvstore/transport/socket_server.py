@@ -310,16 +310,21 @@ class SocketServer:
                 os.unlink(self.path)
 
 
+def owner_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (one of another user's that runs counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 def sweep_stale_sockets(shm_dir: str) -> None:
     """Unlink service sockets left by daemons that died without closing (kill -9)."""
     for path in glob.glob(os.path.join(shm_dir, "kvstore-*.sock")):
         m = _SOCKET_NAME.match(os.path.basename(path))
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        if m is not None and owner_gone(int(m.group(1))):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        except PermissionError:
-            pass
