@@ -203,7 +203,7 @@ class Daemon:
         self.reloader = None
         if reload_settings is not None:
             self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics,
-                                     revoke=self.servicer.revoke)
+                                     revoke=self.servicer.local_lookups.revoke)
             self.servicer.reloader = self.reloader
         if settings.fleet.enabled:
             self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret

@@ -89,13 +89,6 @@ class KVStoreServicer(ServiceState):
                 resp.lease_ticket = self.local_lookups.ticket_for(tenant, token)
         return resp
 
-    def revoke(self, tenants: set[str]) -> None:
-        """After a reload took a token from each of ``tenants``: their mapped lookup indexes stop
-        being kept (readers then ask the daemon, which refuses the revoked tickets); connections
-        and sessions opened with those tickets are closed by their servers (``transport.tickets``)."""
-        if self.local_lookups is not None and tenants:
-            self.local_lookups.revoke(tenants)
-
     def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:
         """Lookup for a same-host client over the Unix socket (``transport.local_lookup``): the
         same checks and answer as the RPC, local blocks only (not offered in fleet mode)."""
