@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 import psutil
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SecretStr, Tag, ValidationError,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SecretStr, Tag, ValidationError,
                       field_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -75,12 +75,15 @@ def _redis_url(v: str) -> str:
     return v
 
 
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+
+
 class FleetSettings(BaseModel):
     """Sharing blocks between daemons through a Redis directory (kvstore.fleet)."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
     node_id: str = ""                 # default: the host name
     advertise_addr: str = ""          # default: the listen address; must be reachable by peers
     key_prefix: str = "kvs"
@@ -93,11 +96,6 @@ class FleetSettings(BaseModel):
     secret: Annotated[SecretStr | None, BeforeValidator(_text_not_echoed)] = None
     peer_tls_ca: str | None = None    # CA (PEM file): talk to peers over TLS and check their certificates
     max_peer_clients: int = Field(64, ge=1, le=4096)   # open peer connections kept (least recently used go)
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, v: str) -> str:
-        return _redis_url(v)
 
 
 CodecName = Literal["raw", "fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "zstd", "int4_g64_k16", "int8",
@@ -122,18 +120,13 @@ class RedisTierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
-    url: str = "redis://127.0.0.1:6379/0"      # redis://, rediss://, unix:// or redis+cluster://
+    url: RedisUrl = "redis://127.0.0.1:6379/0"  # redis://, rediss://, unix:// or redis+cluster://
     cluster: bool = False                       # a Redis Cluster (same as a redis+cluster:// url)
     capacity_bytes: Size = Field(1 * GiB, ge=1 * MiB, le=1024 * TiB)   # this daemon's budget in the pool
     ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)   # every key expires; refreshed on each read
     codec: CodecName = "raw"                    # blocks are encoded as they move into the pool
     key_prefix: str = Field("kvs", min_length=1, max_length=64, pattern=r"^[^{}\s]+$")
     socket_timeout_s: float = Field(2.0, gt=0, le=60)
-
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, v: str) -> str:
-        return _redis_url(v)
 
     @property
     def connect_url(self) -> str:
