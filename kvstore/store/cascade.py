@@ -237,7 +237,7 @@ class Cascade:
                 if record is None:
                     run.append(None)
                     continue
-                entry = Entry(nsid, record.block_hash, record.parent_hash, nbytes, charged_to=tenant)
+                entry = Entry(nsid, record.block_hash, record.parent_hash, nbytes, charged_to=tenant, key=record.key)
                 entry.copies[t] = record
                 entries[entry.key] = entry
                 run.append(entry)

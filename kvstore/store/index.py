@@ -204,6 +204,7 @@ class BlockIndex:
     def __init__(self, policies: list[EvictionPolicy]) -> None:
         self.entries: dict[bytes, Entry] = {}
         self.policies = policies
+        self._chains = any(p.uses_chains for p in policies)   # else no policy is told chain states
         self.namespace_bytes: dict[bytes, int] = defaultdict(int)
 
     def find(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
@@ -297,6 +298,8 @@ class BlockIndex:
 
     def refresh_policies(self, entry: Entry) -> None:
         """Tell the policies of ``entry``'s tiers that use chains its chain state now."""
+        if not self._chains:
+            return
         for t in entry.copies:
             policy = self.policies[t]
             if policy.uses_chains:
