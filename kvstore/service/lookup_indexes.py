@@ -19,7 +19,7 @@ import logging
 import threading
 
 from kvstore.store import Store, StoreListener
-from kvstore.transport.lookup_index import BEAT_S, LOADING, MIN_HASH_BYTES, IndexTable, key_of, supported
+from kvstore.transport.lookup_index import BEAT_S, LOADING, MIN_HASH_BYTES, IndexTable, key_of, keys_of, supported
 
 log = logging.getLogger("kvstore.service.lookup_indexes")
 
@@ -113,8 +113,7 @@ class LookupIndexes(StoreListener):
         with self._lock:
             table = self._table(namespace_id) if self._tables else None
             if table is not None:
-                table.put_many([key_of(namespace_id, h) for h in block_hashes if len(h) >= MIN_HASH_BYTES],
-                               fastest_tier)
+                table.put_many(keys_of(namespace_id, block_hashes), fastest_tier)
 
     def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
         with self._lock:

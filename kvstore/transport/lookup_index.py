@@ -64,6 +64,15 @@ def key_of(namespace_id: bytes, block_hash: bytes) -> tuple[int, int]:
     return lo, hi
 
 
+def keys_of(namespace_id: bytes, hashes: Sequence[bytes]) -> list:
+    """``key_of`` of each hash wide enough to have a key (a narrower one has none), as ``[lo, hi]``
+    pairs, in one numpy pass where the hashes allow (``_keys``)."""
+    words = _keys(namespace_id, hashes) if hashes else None
+    if words is not None:
+        return words.tolist()
+    return [key_of(namespace_id, h) for h in hashes if len(h) >= MIN_HASH_BYTES]
+
+
 def _keys(namespace_id: bytes, hashes: Sequence[bytes]) -> np.ndarray | None:
     """Each hash's key as a ``(n, 2)`` array of words, or None when a hash is too narrow to key or
     wider than the daemon takes (it is then refused by name), or the namespace id is not 16 bytes. Hashes of one width that is a multiple of 8 (xxh128,
@@ -121,37 +130,39 @@ class IndexTable:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def put_many(self, keys, tier: int) -> None:
-        """``put`` of each key (each its own write round: a reader never spins out a batch)."""
-        put = self.put
-        for key in keys:
-            put(key, tier)
-
     def put(self, key: tuple[int, int], tier: int) -> None:
         """Record (or move) a served block."""
-        w, base = self._w, HEADER_BYTES // 8
-        lo, hi = key
-        i = lo & self.mask
-        for _ in range(MAX_PROBE):
-            at = base + i * SLOT_WORDS
-            meta = w[at + 2]
-            if meta == 0:
-                self._begin()
-                w[at], w[at + 1], w[at + 2] = lo, hi, tier + 1
-                self.live += 1
-                w[_LIVE] = self.live
-                self._end()
-                self._unlist(key)
-                return
-            if w[at] == lo and w[at + 1] == hi:
-                if meta != tier + 1:
-                    self._begin()
-                    w[at + 2] = tier + 1
-                    self._end()
-                return
-            i = (i + 1) & self.mask
-        self._overflow[key] = tier
-        self.set_flag(INCOMPLETE, True)
+        self.put_many([key], tier)
+
+    def put_many(self, keys, tier: int) -> None:
+        """Record (or move) served blocks, all now fastest in ``tier``: ``keys`` are ``(lo, hi)``
+        pairs. Each write is its own round of the sequence counter, so a reader never spins out a
+        whole batch."""
+        w, base, mask, meta_now = self._w, HEADER_BYTES // 8, self.mask, tier + 1
+        for lo, hi in keys:
+            i = lo & mask
+            for _ in range(MAX_PROBE):
+                at = base + i * SLOT_WORDS
+                meta = w[at + 2]
+                if meta == 0:
+                    w[_SEQ] += 1   # odd: readers retry
+                    w[at], w[at + 1], w[at + 2] = lo, hi, meta_now
+                    self.live += 1
+                    w[_LIVE] = self.live
+                    w[_SEQ] += 1
+                    if self._overflow:
+                        self._unlist((lo, hi))
+                    break
+                if w[at] == lo and w[at + 1] == hi:
+                    if meta != meta_now:
+                        w[_SEQ] += 1
+                        w[at + 2] = meta_now
+                        w[_SEQ] += 1
+                    break
+                i = (i + 1) & mask
+            else:
+                self._overflow[(lo, hi)] = tier
+                self.set_flag(INCOMPLETE, True)
 
     def _unlist(self, key: tuple[int, int]) -> None:
         """``key`` has a slot or is gone: out of the overflow (INCOMPLETE cleared with the last)."""
