@@ -605,6 +605,7 @@ def int4_decode_keys_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, n
     D = 2 * D2
     a, b = np.empty(D, np.float32), np.empty(D, np.float32)
     sf, mf = np.empty(D, np.float32), np.empty(D, np.float32)
+    sf_split, mf_split = np.empty(D, np.float32), np.empty(D, np.float32)   # (int4_hadamard64_to_bf16's order)
     for u in range(u0, u1):
         l, g = _split(u, groups)
         for h in range(H):
@@ -612,13 +613,17 @@ def int4_decode_keys_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, n
             for d in range(D):
                 sf[d] = bf16_to_f32(scale[base + d])
                 mf[d] = bf16_to_f32(mn[base + d])
+            if n == 64:
+                for d in range(D):
+                    p = d - d % 64 + (d % 2) * 32 + (d % 64) // 2
+                    sf_split[p], mf_split[p] = sf[d], mf[d]
             for k in range(kg):
                 t = g * kg + k
                 i = (l * T + t) * H + h
                 row = _row(off, l, t, h, sl, st, sh)
                 if n == 64:
                     for p in range(0, D, 64):
-                        int4_hadamard64_to_bf16(codes, i * D2 + p // 2, sf, mf, p, out, row + p // 2)
+                        int4_hadamard64_to_bf16(codes, i * D2 + p // 2, sf_split, mf_split, p, out, row + p // 2)
                     continue
                 c = codes[i * D2:(i + 1) * D2]
                 for j in range(D2):

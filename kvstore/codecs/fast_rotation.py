@@ -69,21 +69,6 @@ def _hadamard64(builder: ir.IRBuilder, v: list) -> list:
     return [builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]), builder.fsub(v[0], v[2]), builder.fsub(v[1], v[3])]
 
 
-@intrinsic
-def hadamard64(typingctx, a, start):
-    """``rotation.rotate`` of the 64 float32 values ``a[start:start + 64]``, in place."""
-    if not _is_array(a, types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ptrs = _vectors(context, builder, signature.args[0], args[0], args[1], _F32)
-        for x, p in zip(_hadamard64(builder, [builder.load(p, align=4) for p in ptrs]), ptrs):
-            builder.store(x, p, align=4)
-        return context.get_dummy_value()
-
-    return types.none(a, types.int64), codegen
-
-
 def _key_extremes(builder: ir.IRBuilder, vectors) -> tuple:
     """(min, max) over the lanes of float32 vectors, as ``bits.order_key32`` keys (int32)."""
     sign, mag = (_splat(builder, ir.Constant(_I32, c), _I32) for c in (31, 0x7FFFFFFF))
@@ -123,28 +108,46 @@ def hadamard64_from_bf16(typingctx, x, start, scale, a, a_start):
     return types.UniTuple(types.int32, 2)(x, types.int64, types.float32, a, types.int64), codegen
 
 
-def _store_bf16(context, builder, ty, out, start, vectors) -> None:
-    """Four 16-lane float32 vectors rounded to bf16 (to nearest even, as ``bits.f32_to_bf16_bits``)
-    into the 32 words ``out[start:start + 32]`` (two bf16 a word, the even element in the low half)."""
+def _hadamard64_split(builder: ir.IRBuilder, even: list, odd: list) -> tuple:
+    """The six stages on 64 values held as their even elements (0, 2, .., 62: two 16-lane vectors)
+    and odd ones: stage 0 pairs them lane by lane, stages 1 to 4 run inside each vector (element
+    ``2j + c`` sits at lane ``j % 16`` of vector ``j // 16`` of its half ``c``), stage 5 pairs the two
+    vectors of a half. The output in the same layout: even elements, odd elements."""
+    v = [builder.fadd(even[0], odd[0]), builder.fadd(even[1], odd[1]),
+         builder.fsub(even[0], odd[0]), builder.fsub(even[1], odd[1])]
+    for stride in (1, 2, 4, 8):
+        v = [_in_vector_stage(builder, x, stride) for x in v]
+    return ([builder.fadd(v[0], v[1]), builder.fsub(v[0], v[1])],
+            [builder.fadd(v[2], v[3]), builder.fsub(v[2], v[3])])
+
+
+def _store_bf16(context, builder, ty, out, start, even: list, odd: list) -> None:
+    """64 values (even and odd elements, as ``_hadamard64_split`` leaves them) rounded to bf16 (to
+    nearest even, as ``bits.f32_to_bf16_bits``) into the 32 words ``out[start:start + 32]`` (two
+    bf16 a word, the even element in the low half)."""
     words = context.make_array(ty)(context, builder, out).data
-    base = builder.bitcast(builder.gep(words, [start]), ir.VectorType(_I16, 16).as_pointer())
-    shift, one, bias = (_splat(builder, ir.Constant(_I32, c), _I32) for c in (16, 1, 0x7FFF))
-    for k, y in enumerate(vectors):
+    base = builder.bitcast(builder.gep(words, [start]), _W16.as_pointer())
+    shift, one, bias, high = (_splat(builder, ir.Constant(_I32, c), _I32) for c in (16, 1, 0x7FFF, 0xFFFF0000))
+
+    def rounded(y):
         b = builder.bitcast(y, _W16)
-        r = builder.lshr(builder.add(builder.add(b, bias), builder.and_(builder.lshr(b, shift), one)), shift)
-        builder.store(builder.trunc(r, ir.VectorType(_I16, 16)), builder.gep(base, [ir.Constant(_I64, k)]), align=2)
+        return builder.add(builder.add(b, bias), builder.and_(builder.lshr(b, shift), one))
+
+    for k in range(2):
+        word = builder.or_(builder.lshr(rounded(even[k]), shift), builder.and_(rounded(odd[k]), high))
+        builder.store(word, builder.gep(base, [ir.Constant(_I64, k)]), align=4)
 
 
-def _quarters(builder, v) -> list:
-    """A 64-lane vector as four 16-lane ones."""
+def _halves(builder, v) -> list:
+    """A 32-lane vector as two 16-lane ones."""
     return [builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _lanes(list(range(16 * k, 16 * k + 16)), _I32))
-            for k in range(4)]
+            for k in range(2)]
 
 
-def _codes(context, builder, ty, codes, start, count):
-    """``count`` bytes from ``codes[start]`` as one vector of i8."""
-    data = context.make_array(ty)(context, builder, codes).data
-    vty = ir.VectorType(ir.IntType(8), count)
+def _load_vector(context, builder, ty, array, start, elem, count):
+    """``count`` elements from ``array[start]`` as one vector."""
+    data = context.make_array(ty)(context, builder, array).data
+    vty = ir.VectorType(elem, count)
     return builder.load(builder.bitcast(builder.gep(data, [start]), vty.as_pointer()), align=1)
 
 
@@ -156,9 +159,12 @@ def hadamard64_to_bf16(typingctx, a, start, out, o_start):
         return None
 
     def codegen(context, builder, signature, args):
-        src = _vectors(context, builder, signature.args[0], args[0], args[1], _F32)
-        v = _hadamard64(builder, [builder.load(p, align=4) for p in src])
-        _store_bf16(context, builder, signature.args[2], args[2], args[3], v)
+        x = _load_vector(context, builder, signature.args[0], args[0], args[1], _F32, 64)
+        pick = [builder.shuffle_vector(x, ir.Constant(x.type, ir.Undefined),
+                                       _lanes([2 * (16 * k + j) + c for j in range(16)], _I32)) for c in (0, 1)
+                for k in range(2)]
+        even, odd = _hadamard64_split(builder, pick[:2], pick[2:])
+        _store_bf16(context, builder, signature.args[2], args[2], args[3], even, odd)
         return context.get_dummy_value()
 
     return types.none(a, types.int64, out, types.int64), codegen
@@ -167,16 +173,19 @@ def hadamard64_to_bf16(typingctx, a, start, out, o_start):
 @intrinsic
 def int8_hadamard64_to_bf16(typingctx, codes, start, scale, out, o_start):
     """The 64 int8 codes ``codes[start:start + 64]`` times ``scale`` (float32), rotated back and
-    stored as ``hadamard64_to_bf16`` does; the dequantised row never goes through memory (a
-    64-byte vector load of narrower stores waits for them to retire: measured 4x slower)."""
+    stored as ``hadamard64_to_bf16`` does."""
     if not (_is_array(codes, types.uint8) and scale == types.float32 and _is_array(out, types.uint32)):
         return None
 
     def codegen(context, builder, signature, args):
-        q = _quarters(builder, _codes(context, builder, signature.args[0], args[0], args[1], 64))
+        w = builder.bitcast(_load_vector(context, builder, signature.args[0], args[0], args[1], ir.IntType(8), 64),
+                            ir.VectorType(_I16, 32))   # (little-endian: the even code is the low byte)
+        eight = _lanes([8] * 32, _I16)
         sf = _splat(builder, args[2])
-        v = [builder.fmul(builder.sitofp(x, _V16), sf) for x in q]
-        _store_bf16(context, builder, signature.args[3], args[3], args[4], _hadamard64(builder, v))
+        even, odd = ([builder.fmul(builder.sitofp(x, _V16), sf) for x in _halves(builder, h)]
+                     for h in (builder.ashr(builder.shl(w, eight), eight), builder.ashr(w, eight)))
+        even, odd = _hadamard64_split(builder, even, odd)
+        _store_bf16(context, builder, signature.args[3], args[3], args[4], even, odd)
         return context.get_dummy_value()
 
     return types.none(codes, types.int64, types.float32, out, types.int64), codegen
@@ -186,26 +195,26 @@ def int8_hadamard64_to_bf16(typingctx, codes, start, scale, out, o_start):
 def int4_hadamard64_to_bf16(typingctx, codes, start, scale, mn, p0, out, o_start):
     """The 64 INT4 codes in the bytes ``codes[start:start + 32]`` (even element in the low nibble)
     as ``q * scale + min`` in float32 steps, rotated back and stored as ``hadamard64_to_bf16``
-    does. ``scale`` and ``mn``: float32 (one group), or float32 arrays read from ``p0`` (one per
-    element)."""
+    does. ``scale`` and ``mn``: float32 (one group), or float32 arrays read from ``p0``, each 32
+    values of the even elements then 32 of the odd ones."""
     per_element = _is_array(scale, types.float32) and _is_array(mn, types.float32)
     if not (_is_array(codes, types.uint8) and _is_array(out, types.uint32)
             and (per_element or (scale == types.float32 and mn == types.float32))):
         return None
 
     def codegen(context, builder, signature, args):
-        b = _codes(context, builder, signature.args[0], args[0], args[1], 32)
         i8 = ir.IntType(8)
-        lo = builder.and_(b, _lanes([15] * 32, i8))
-        hi = builder.lshr(b, _lanes([4] * 32, i8))
-        q = _quarters(builder, builder.shuffle_vector(lo, hi, _lanes([j // 2 + 32 * (j % 2) for j in range(64)], _I32)))
+        b = _load_vector(context, builder, signature.args[0], args[0], args[1], i8, 32)
+        halves = [builder.and_(b, _lanes([15] * 32, i8)), builder.lshr(b, _lanes([4] * 32, i8))]
         if per_element:
-            sf = [builder.load(p, align=4) for p in _vectors(context, builder, signature.args[2], args[2], args[4], _F32)]
-            mf = [builder.load(p, align=4) for p in _vectors(context, builder, signature.args[3], args[3], args[4], _F32)]
+            sf, mf = ([builder.load(p, align=4) for p in _vectors(context, builder, signature.args[i], args[i], args[4],
+                                                                   _F32)] for i in (2, 3))
         else:
             sf, mf = [_splat(builder, args[2])] * 4, [_splat(builder, args[3])] * 4
+        q = [x for h in halves for x in _halves(builder, h)]
         v = [builder.fadd(builder.fmul(builder.uitofp(x, _V16), s), m) for x, s, m in zip(q, sf, mf)]
-        _store_bf16(context, builder, signature.args[5], args[5], args[6], _hadamard64(builder, v))
+        even, odd = _hadamard64_split(builder, v[:2], v[2:])
+        _store_bf16(context, builder, signature.args[5], args[5], args[6], even, odd)
         return context.get_dummy_value()
 
     return types.none(codes, types.int64, scale, mn, types.int64, out, types.int64), codegen
@@ -228,11 +237,7 @@ def _stage(src, dst, D, n):
 
 @njit(inline="always")
 def rotate(a, b, D, n):
-    """``rotation.rotate`` of ``a[:D]`` in place (``b``: scratch of D for groups under 64)."""
-    if n == 64:
-        for g in range(0, D, 64):
-            hadamard64(a, g)
-        return
+    """``rotation.rotate`` of ``a[:D]`` in place (``b``: scratch of D), as loops."""
     k = 1
     while k < n:
         _stage(a, b, D, n)
