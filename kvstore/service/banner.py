@@ -18,6 +18,7 @@ import time
 
 from kvstore.progress import Progress
 from kvstore.service.config import Settings
+from kvstore.store.policy import policy_name_for
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.service.daemon")
@@ -57,12 +58,6 @@ class RecoveryProgress:
             progress.__exit__(None, None, None)
 
 
-def policy_of(settings: Settings, tier: str) -> str:
-    """The eviction policy a tier runs (``eviction_policy``: one for all, or per tier)."""
-    policy = settings.eviction_policy
-    return policy if isinstance(policy, str) else policy.get(tier, "prefix")
-
-
 def redacted_url(url: str) -> str:
     """A Redis URL without its user and password."""
     scheme, sep, rest = url.partition("://")
@@ -98,7 +93,7 @@ def banner_lines(settings: Settings, info: dict, tiers: dict[str, dict], start_s
     for name, t in tiers.items():
         blocks = t.get("policy_blocks", t.get("blocks", 0))
         codec = (t.get("codec") or {}).get("configured", "raw")
-        lines.append(f"  tier {name:5} {size_text(t.get('capacity_bytes', 0)):32} policy {policy_of(settings, name):7} "
+        lines.append(f"  tier {name:5} {size_text(t.get('capacity_bytes', 0)):32} policy {policy_name_for(settings.eviction_policy, name):7} "
                      f"codec {codec:9} at {tier_place(settings, name, info.get('arena_path'))}")
         if blocks:
             recovered.append(f"{name} {blocks} blocks ({format_size(t.get('used_bytes', 0), 'readable')})")
