@@ -67,11 +67,13 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._lookup_links: list[NamespaceHandle] = []
         self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
         self._handoff_waits: dict[str, Wait] = {}
-        self._handoff_expected: dict[str, tuple[int, str]] = {}   # blocks named, how the wait ended
+        self._handoff_expected: dict[str, tuple[int, str, int]] = {}   # blocks named, how the wait ended, unsaved
         if self.enabled and role == KVConnectorRole.SCHEDULER:
             namespaces = lookup_namespaces(vllm_config, kv_cache_config, self.settings)
-            self._lookup_links = [self._daemon_handle(self.settings.lookup_timeout_s, "lookup", ns)
-                                  for ns in namespaces]
+            # a producer's lookup gets a save's time: its breaker opening is what tells it that its
+            # saves fail (``_offered_handoff``), so it must not open on a call a save would outlast
+            timeout_s = self.settings.lookup_timeout_s if self.kv_role.loads else self.settings.timeout_s
+            self._lookup_links = [self._daemon_handle(timeout_s, "lookup", ns) for ns in namespaces]
             if self.kv_role.loads and namespaces:
                 self._handoff_waiter = HandoffWaiter(
                     [self._daemon_handle(self.settings.lookup_timeout_s, "hand-off", ns) for ns in namespaces],

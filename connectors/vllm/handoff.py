@@ -3,16 +3,22 @@
 A producer's saves reach the daemon in the background, after the prefill request has already
 answered; a consumer that looked the prompt up at once would miss and recompute it (the race P/D
 exists to avoid). So the producer's finished request returns, in ``kv_transfer_params``, exactly
-what it saves:
+the blocks the consumer can expect:
 
     {"do_remote_prefill": true, "do_remote_decode": false,
-     "kvstore": {"namespace": "<id hex>", "blocks": 15, "block_tokens": 32,
+     "kvstore": {"namespace": "<id hex>", "blocks": 15, "unsaved": 0, "block_tokens": 32,
                  "last_hash": "<chain hash of block 15, hex>", "daemon": "<producer's daemon url>"}}
 
-and the consumer, handed those params (a proxy copies them into the decode request, as for vLLM's
+``blocks`` are the leading prompt blocks the producer stands behind: saved, queued for saving, or
+already held by its daemon (another request stored them; they are not saved again). ``unsaved``
+are the prompt's full blocks after those that it knows will not reach its daemon (its daemon did
+not answer it): the consumer recomputes them at once instead of waiting for them, and counts it.
+``last_hash`` is the chain hash of block ``blocks + unsaved``, the last one the params speak of.
+
+The consumer, handed those params (a proxy copies them into the decode request, as for vLLM's
 other P/D connectors), defers the request (``get_num_new_matched_tokens`` answers None) until its
 daemon holds all ``blocks`` leading blocks, then loads them. A chain hash commits to every token
-before it, so ``last_hash`` equal to the consumer's own hash of block ``blocks`` proves both name
+before it, so ``last_hash`` equal to the consumer's own hash of that block proves both name
 the same prompt under the same model and settings; params that do not match are refused (counted)
 and the request is served as any other. The wait is bounded (``pd_wait_s``): past it, or at once
 when the consumer's daemon does not answer, the consumer loads the leading blocks that did arrive
@@ -24,7 +30,7 @@ a dictionary read. With a fleet the consumer's daemon fetches the blocks from th
 during these lookups (verified peer fetch, docs/fleet.md), so nothing here names a peer to call.
 
 Params come from the client's request body, so they are untrusted: they can at most make their own
-request wait ``pd_wait_s`` for blocks of its own prompt.
+request wait ``pd_wait_s`` for blocks of its own prompt, or count its own recompute.
 """
 
 from __future__ import annotations
@@ -50,16 +56,17 @@ class Handoff:
     """The blocks a producer saves for one request."""
 
     namespace_id: bytes
-    blocks: int            # leading full blocks (kvstore blocks: chunks of ``block_tokens``)
+    blocks: int            # leading full blocks (kvstore blocks: chunks of ``block_tokens``) to wait for
     block_tokens: int
-    last_hash: bytes       # chain hash of the last of them
+    last_hash: bytes       # chain hash of block ``blocks + unsaved``
     daemon: str | None = None
+    unsaved: int = 0       # full blocks after those that the producer knows it did not save
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` for the finished prefill request (vLLM's P/D convention)."""
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 PARAMS_KEY: {"namespace": self.namespace_id.hex(), "blocks": self.blocks,
-                             "block_tokens": self.block_tokens, "last_hash": self.last_hash.hex(),
+                             "unsaved": self.unsaved, "block_tokens": self.block_tokens, "last_hash": self.last_hash.hex(),
                              "daemon": self.daemon}}
 
     @classmethod
@@ -79,14 +86,17 @@ class Handoff:
             return value
 
         blocks, block_tokens = field("blocks", int), field("block_tokens", int)
+        unsaved = field("unsaved", int) if "unsaved" in p else 0
         if not 0 <= blocks <= MAX_HANDOFF_BLOCKS or block_tokens <= 0:
             raise ValueError(f"kv_transfer_params.{PARAMS_KEY}.blocks/block_tokens: out of range")
+        if not 0 <= unsaved <= MAX_HANDOFF_BLOCKS:
+            raise ValueError(f"kv_transfer_params.{PARAMS_KEY}.unsaved: out of range")
         try:
             namespace_id, last_hash = bytes.fromhex(field("namespace", str)), bytes.fromhex(field("last_hash", str))
         except ValueError:
             raise ValueError(f"kv_transfer_params.{PARAMS_KEY}.namespace/last_hash: not hex") from None
         daemon = p.get("daemon")
-        return cls(namespace_id, blocks, block_tokens, last_hash, daemon if isinstance(daemon, str) else None)
+        return cls(namespace_id, blocks, block_tokens, last_hash, daemon if isinstance(daemon, str) else None, unsaved)
 
     def mismatch(self, namespace_id: bytes, block_tokens: int, hashes: Sequence[bytes]) -> str | None:
         """Why these params do not name blocks of this prompt in this namespace (None: they do)."""
@@ -94,9 +104,10 @@ class Handoff:
             return "another namespace (model, layout or settings differ from the producer's)"
         if self.block_tokens != block_tokens:
             return f"blocks of {self.block_tokens} tokens, not {block_tokens}"
-        if self.blocks > len(hashes):
-            return f"{self.blocks} blocks, the prompt has {len(hashes)} full ones"
-        if self.blocks and hashes[self.blocks - 1] != self.last_hash:
+        named = self.blocks + self.unsaved
+        if named > len(hashes):
+            return f"{named} blocks, the prompt has {len(hashes)} full ones"
+        if named and hashes[named - 1] != self.last_hash:
             return "another prompt (the chain hashes differ)"
         return None
 

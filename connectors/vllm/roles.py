@@ -2,11 +2,11 @@
 
 Disaggregated serving splits one request over two engines: a *producer* (prefill) computes the
 prompt's KV and saves it, a *consumer* (decode) loads it and generates. Each role does only its
-half, so a decode node's cache is not filled with prompts it was handed and a prefill node does
-not spend a lookup per request on blocks it will compute anyway:
+half, so a decode node's cache is not filled with prompts it was handed and a prefill node never
+waits on a load for blocks it will compute anyway:
 
-* ``kv_producer``: saves every full prompt block (and generated blocks with ``save_decode``);
-  never looks up or loads.
+* ``kv_producer``: saves every full prompt block its daemon does not hold yet (and generated
+  blocks with ``save_decode``); looks prompts up without a lease only to skip those, never loads.
 * ``kv_consumer``: looks up and loads; never saves prompt blocks. With ``save_decode`` it saves the
   blocks its generated tokens fill (the next turn of a conversation hits through them).
 * ``kv_both``: both, as a colocated engine.

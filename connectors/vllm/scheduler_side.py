@@ -80,25 +80,31 @@ class SchedulerSide:
             return False
         wait = self._handoff_waits.get(rid)
         if wait is None:
-            hashes = self._handoff_blocks(request)
-            if not hashes:
+            handoff = self._handoff_of(request)
+            if handoff is None:
+                return False
+            hashes, unsaved = handoff
+            if not hashes:      # the producer saved none of it: nothing to wait for
+                self._handoff_expected[rid] = (0, "", unsaved)
                 return False
             self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s)
+            self._handoff_expected[rid] = (len(hashes), "", unsaved)
             self._add_stat("pd_waits")
             return True
         if wait.outcome is None:
             return True
         del self._handoff_waits[rid]
-        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome)
+        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome, self._handoff_expected[rid][2])
         self._add_stat("pd_wait_seconds", wait.seconds)
         return False
 
-    def _handoff_blocks(self, request: "Request") -> list[bytes] | None:
-        """The hashes of the blocks named by the request's hand-off params, when they name blocks
-        of this very prompt in this namespace; None (counted, logged) when they do not."""
+    def _handoff_of(self, request: "Request") -> tuple[list[bytes], int] | None:
+        """The hashes of the blocks the request's hand-off params name, and how many blocks after
+        them its producer did not save, when the params speak of this very prompt in this
+        namespace; None for requests without params, and (counted, logged) for params that do not."""
         try:
             handoff = Handoff.from_params(request.kv_transfer_params)
-            if handoff is None or handoff.blocks == 0:
+            if handoff is None or handoff.blocks + handoff.unsaved == 0:
                 return None
             hashes = prompt_block_hashes(self.hasher, request, self.chunk_tokens)
             why = handoff.mismatch(self.namespace.id, self.chunk_tokens, hashes)
@@ -108,30 +114,37 @@ class SchedulerSide:
             logger.warning("kvstore connector: hand-off params of %s refused: %s", request.request_id, why)
             self._add_stat("pd_params_refused")
             return None
-        return hashes[:handoff.blocks]
+        return hashes[:handoff.blocks], handoff.unsaved
 
     def _settle_handoff(self, request: "Request", num_hit: int) -> None:
-        """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks."""
-        expected, outcome = self._handoff_expected.pop(request.request_id, (0, ""))
-        if not expected:
+        """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks: the
+        named blocks all there (loaded), and any block it spoke of that is not (recomputed)."""
+        expected, outcome, unsaved = self._handoff_expected.pop(request.request_id, (0, "", 0))
+        if not expected and not unsaved:
             return
-        if num_hit >= expected:
+        if expected and num_hit >= expected:
             self._add_stat("pd_loaded_requests")
             self._add_stat("pd_loaded_blocks", expected)
+        missing = expected + unsaved - min(num_hit, expected + unsaved)
+        if not missing:
             return
-        reason = "evicted" if outcome == "arrived" else outcome
+        reason = ("evicted" if outcome == "arrived" else outcome) if num_hit < expected else "unsaved"
         self._add_stat("pd_recomputes")
         self._add_stat(f"pd_recomputes_{reason}")
-        self._add_stat("pd_recomputed_blocks", expected - num_hit)
-        logger.warning("kvstore connector: %s: %d of the %d blocks its prefill named are in the daemon (%s); "
-                       "recomputing the rest", request.request_id, num_hit, expected,
+        self._add_stat("pd_recomputed_blocks", missing)
+        logger.warning("kvstore connector: %s: %d of the %d blocks its prefill computed are in the daemon (%s); "
+                       "recomputing the rest", request.request_id, num_hit, expected + unsaved,
                        {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s",
                         "unavailable": "the daemon did not answer",
-                        "evicted": "evicted after they arrived"}[reason])
+                        "evicted": "evicted after they arrived",
+                        "unsaved": f"the prefill did not save {unsaved} of them"}[reason])
 
     def _offered_handoff(self, request: "Request", state: RequestState | None) -> dict[str, Any] | None:
-        """A producer's finished request: ``kv_transfer_params`` naming the prompt blocks it saves
-        (asked for by ``kv_producer``, or by a ``kv_both`` request with ``do_remote_decode``)."""
+        """A producer's finished request: ``kv_transfer_params`` naming the prompt blocks its
+        daemon holds or gets from its saves (asked for by ``kv_producer``, or by a ``kv_both``
+        request with ``do_remote_decode``). When its daemon failed to answer a call lately (the
+        breaker is open: saves are failing too) it names none of them and marks them unsaved, so
+        a consumer recomputes at once instead of waiting for blocks that are not coming."""
         params = request.kv_transfer_params or {}
         if state is None or not state.cacheable or not self.kv_role.saves_prompt:
             return None
@@ -140,8 +153,15 @@ class SchedulerSide:
         n = min(state.num_stored, len(request.prompt_token_ids or ()) // self.chunk_tokens, len(state.hashes))
         if n == 0:
             return None
+        unsaved = 0
+        if not all(link.available() for link in self._lookup_links):
+            n, unsaved = 0, n
+            self._add_stat("pd_unsaved_blocks", unsaved)
+            logger.warning("kvstore connector: %s: the daemon does not answer; naming none of the %d prompt "
+                           "blocks to decode", request.request_id, unsaved)
         self._add_stat("pd_offered_blocks", n)
-        return Handoff(self.namespace.id, n, self.chunk_tokens, state.hashes[n - 1], self.settings.url).to_params()
+        return Handoff(self.namespace.id, n, self.chunk_tokens, state.hashes[n + unsaved - 1], self.settings.url,
+                       unsaved).to_params()
 
     def cached_prompt_tokens(self, request: "Request") -> int:
         """Leading prompt tokens the daemon holds (cache-aware admission asks on arrival; the
@@ -188,12 +208,16 @@ class SchedulerSide:
         except Exception as e:  # noqa: BLE001 - an extra key kvstore cannot encode: no caching
             logger.info("kvstore connector: request %s not cacheable (%s)", request.request_id, e)
             hashes, cacheable = [], False
-        num_hit = self._lookup(hashes) if hashes and self.kv_role.loads else 0
+        num_hit = held = 0
+        if hashes and self.kv_role.loads:
+            num_hit = held = self._lookup(hashes)
+        elif hashes and self.kv_role.saves_prompt:
+            held = self._held(hashes)   # a producer: not loaded, not saved again, named to decode
         self._settle_handoff(request, num_hit)
         # a consumer saves no prompt block: blocks before the first one generated tokens fill
         # count as stored
         prompt_blocks = len(request.prompt_token_ids or ()) // self.chunk_tokens
-        stored = num_hit if self.kv_role.saves_prompt else max(num_hit, prompt_blocks)
+        stored = held if self.kv_role.saves_prompt else max(held, prompt_blocks)
         return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=stored)
 
     def _lookup(self, hashes: list[bytes]) -> int:
@@ -204,6 +228,17 @@ class SchedulerSide:
         self._add_stat("lookup_hit_blocks", num_hit)
         self._add_stat("lookup_seconds", time.perf_counter() - t0)
         return num_hit
+
+    def _held(self, hashes: list[bytes]) -> int:
+        """A producer's lookup: leading chunks every rank's namespace already holds, without a
+        lease (they are never loaded here). Its saves start after them. A lookup that fails
+        opens the handle's breaker, which ``_offered_handoff`` reads."""
+        t0 = time.perf_counter()
+        held = hits_on_every_rank(self._lookup_links, hashes, lease=False)
+        self._add_stat("lookups")
+        self._add_stat("pd_held_blocks", held)
+        self._add_stat("lookup_seconds", time.perf_counter() - t0)
+        return held
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
