@@ -92,8 +92,7 @@ class Int8KchanCodec(SectionCodec):
                     jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
                                  keys.int8_kchan_encode_keys(w, *g, a, b, c, sc), L * H))
                 else:
-                    g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)
-                    jobs.append((lambda a, b, c=c.view("<u2"), sc=sc, w=words.view("<u4"), g=g:
+                    jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
                                  keys.int8_kchan_decode_keys(c, sc, w, *g, a, b), L * H))
             elif encode:   # values: int8's rows
                 jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
