@@ -5,7 +5,8 @@ bit for bit. Its values are plain ``int8`` rows and run ``fast_cpu``'s ``int8_en
 
 Kernels read and write one tensor of a block in place through its geometry ``(offset, T, H, D,
 stride_layer, stride_token, stride_head)`` (rows of ``D`` contiguous), over a range ``[u0, u1)``
-of units = (layer, head) pairs, which ``fast_runner`` splits across threads, in 16-bit words.
+of units (layers for encode, (layer, token) rows for decode), which ``fast_runner`` splits across
+threads, in 16-bit words.
 Inner loops run along the channel axis: one scale per lane, no data-dependent branches, no
 fastmath (a true division, no FMA), as in ``fast_cpu``.
 """
@@ -53,56 +54,58 @@ def _code(v, safe):
 
 
 def int8_kchan_encode_keys(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
-    """Units = (layer, head); per channel ``scale = amax over the T tokens / 127`` rounded up to
-    bf16, codes ``rint(x / scale)``. codes [L*T*H*D] ((layer, token, head) rows); scales
-    [L*H*D]. Returns 1 if a NaN/Inf was met (then nothing is valid)."""
-    m = np.empty(D, np.uint16)
-    sq = np.empty(D, np.uint16)   # (copied into the payload after the loop, as fast_cpu's INT4 key kernel does)
-    safe = np.empty(D, np.float32)
+    """Units = layers; per (head, channel) ``scale = amax over the T tokens / 127`` rounded up to
+    bf16, codes ``rint(x / scale)``. Rows are visited in (token, head) order, as they lie in most
+    layouts. codes [L*T*H*D] ((layer, token, head) rows); scales [L*H*D]. Returns 1 if a NaN/Inf
+    was met (then nothing is valid)."""
+    HD = H * D
+    m = np.empty(HD, np.uint16)
+    sq = np.empty(HD, np.uint16)   # (copied into the payload after the loop, as fast_cpu's INT4 key kernel does)
+    safe = np.empty(HD, np.float32)
     bad = 0
-    for u in range(u0, u1):
-        l = u // H
-        h = u - l * H
-        for d in range(D):
-            m[d] = 0
+    for l in range(u0, u1):
+        for k in range(HD):
+            m[k] = 0
         for t in range(T):
-            row = off + l * sl + t * st + h * sh
-            x = src[row:row + D]
-            for d in range(D):
-                m[d] = max(m[d], and16(x[d], _MAG))
-        for d in range(D):
-            bad |= 1 if m[d] >= BF16_NONFINITE else 0
-            s = bf16_round_up(bf16_to_f32(m[d]) / INT8_MAX)
-            sq[d] = s
-            sf = bf16_to_f32(s)
-            safe[d] = ONE if sf == ZERO else sf
-        scales[u * D:(u + 1) * D] = sq
+            for h in range(H):
+                row = off + l * sl + t * st + h * sh
+                x = src[row:row + D]
+                mh = m[h * D:(h + 1) * D]
+                for d in range(D):
+                    mh[d] = max(mh[d], and16(x[d], _MAG))
+        for k in range(HD):
+            bad |= 1 if m[k] >= BF16_NONFINITE else 0
+            q = bf16_round_up(bf16_to_f32(m[k]) / INT8_MAX)
+            sq[k] = q
+            sf = bf16_to_f32(q)
+            safe[k] = ONE if sf == ZERO else sf
+        scales[l * HD:(l + 1) * HD] = sq
         for t in range(T):
-            row = off + l * sl + t * st + h * sh
-            x = src[row:row + D]
-            i = (l * T + t) * H + h
-            c = codes[i * D:(i + 1) * D]
-            for d in range(D):
-                c[d] = _code(bf16_to_f32(x[d]), safe[d])
+            for h in range(H):
+                row = off + l * sl + t * st + h * sh
+                x = src[row:row + D]
+                i = (l * T + t) * H + h
+                c = codes[i * D:(i + 1) * D]
+                sf = safe[h * D:(h + 1) * D]
+                for d in range(D):
+                    c[d] = _code(bf16_to_f32(x[d]), sf[d])
     return bad
 
 
 def int8_kchan_decode_keys(codes, scales, out, off, T, H, D, sl, st, sh, u0, u1):
-    """Units = (layer, head); each channel's code * its scale in float32 (exact: 7 by 8
-    significant bits), rounded to bf16."""
-    s = np.empty(D, np.float32)
+    """Units = (layer, token) rows, as ``fast_cpu.int8_decode``: each channel's code * its scale
+    in float32 (exact: 7 by 8 significant bits), rounded to bf16."""
     for u in range(u0, u1):
-        l = u // H
-        h = u - l * H
-        for d in range(D):
-            s[d] = bf16_to_f32(scales[u * D + d])
-        for t in range(T):
+        l = u // T
+        t = u - l * T
+        for h in range(H):
             row = off + l * sl + t * st + h * sh
             o = out[row:row + D]
-            i = (l * T + t) * H + h
+            i = u * H + h
             c = codes[i * D:(i + 1) * D]
+            s = scales[(l * H + h) * D:(l * H + h + 1) * D]
             for d in range(D):
-                o[d] = U16(f32_to_bf16_bits(np.float32(np.int8(c[d])) * s[d]))
+                o[d] = U16(f32_to_bf16_bits(np.float32(np.int8(c[d])) * bf16_to_f32(s[d])))
 
 
 int8_kchan_encode_keys = _Lazy(int8_kchan_encode_keys)

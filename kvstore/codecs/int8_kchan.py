@@ -87,13 +87,13 @@ class Int8KchanCodec(SectionCodec):
         for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
             c = codes[i * nc:(i + 1) * nc]
             sc = sections["k_scales" if i == 0 else "v_scales"]
-            if i == 0:   # per channel: units (layer, head)
+            if i == 0:   # per channel over the tokens: encode a layer at a time
                 if encode:
                     jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
-                                 keys.int8_kchan_encode_keys(w, *g, a, b, c, sc), L * H))
+                                 keys.int8_kchan_encode_keys(w, *g, a, b, c, sc), L))
                 else:
                     jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
-                                 keys.int8_kchan_decode_keys(c, sc, w, *g, a, b), L * H))
+                                 keys.int8_kchan_decode_keys(c, sc, w, *g, a, b), L * T))
             elif encode:   # values: int8's rows
                 jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh):
                              kernels.int8_encode(w, *g, a, b, c, sc), L * T))
