@@ -1,6 +1,7 @@
 """Same-host puts go to the arena a store lease (window) at a time, the next lease asked for
 while the current window is copied and each window completed while the next is copied (issue
-14: the daemon's per-block work overlaps the copies). What a put or get returns must not depend
+14: the daemon's per-block work overlaps the copies); a get likewise takes a load lease a window at
+a time, the next asked for while the current one is copied. What a put or get returns must not depend
 on where the windows fall: blocks already present on either side of a window boundary, a chain
 linked across windows, an arena with no unpinned room left for a later window (the rest is
 streamed), misses anywhere in a get, a get of more blocks than the arena holds; and no lease is

@@ -25,8 +25,8 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
-# a put's store leases, in blocks (the daemon's work is per block): the first small, so copying
-# starts early; later ones double up to the last (fewer lease round trips per block)
+# a put's store leases and a get's load leases, in blocks (the daemon's work is per block): the
+# first small, so copying starts early; later ones double up to the last (fewer round trips per block)
 FIRST_WINDOW_BLOCKS = 128
 MAX_WINDOW_BLOCKS = 1024
 # a put of blocks at least this large (on average) is copied in by several threads; smaller ones
@@ -243,46 +243,80 @@ class ShmPath:
     def get(self, ns_id: bytes, hashes, sinks, block_bytes: int, accept=(),
             byte_range: tuple[int, int] | None = None) -> list[int | None]:
         """Each block into its sink (``delivery``); its size, or None for a miss. ``byte_range``:
-        only those bytes of each (raw) block are copied out (``accept`` must then be empty)."""
+        only those bytes of each (raw) block are copied out (``accept`` must then be empty).
+
+        One load lease per window of blocks (``FIRST_WINDOW_BLOCKS``, doubling up to
+        ``MAX_WINDOW_BLOCKS``, as a put's): window k+1's lease is asked for before window k is
+        copied, so the daemon pins and describes the next blocks while this process copies. A
+        lease stops at the first block it cannot lease: that one is fetched over a stream when the
+        daemon says it is present but could not be staged, else it is a miss; the next window
+        starts after it (a lease asked for ahead from elsewhere is released unused)."""
         sizes: list[int | None] = [None] * len(hashes)
-        start = 0
-        while start < len(hashes):
-            self.settle()  # our previous pins are released before we pin more (small arenas)
-            t0 = time.monotonic()
-            lease, meta = self.negotiation.call_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
-                namespace_id=ns_id, hashes=hashes[start:], block_bytes=block_bytes, accept_codecs=accept))
-            got = []
-            count = 0
-            try:
-                arena = self.negotiation.arena
-                direct = _direct_copies(lease, sinks, start) if byte_range is None else None
-                if direct is not None:   # every block one raw extent, straight into the caller's buffer
-                    offsets, lengths, dsts, pieces = direct
-                    self._map(arena, pieces)
-                    arena.copy_each_out(offsets, lengths, dsts)
-                    count = len(dsts)
-                else:
-                    blocks, pieces = lease_slots(lease)
-                    self._map(arena, pieces)
-                    for i, blk in enumerate(blocks, start):
-                        extents, size = blk.extents, blk.size
-                        if byte_range is not None:
-                            extents, size = window(extents, *byte_range), byte_range[1]
-                        arena.copy_out(extents, sinks[i].buffer(size))
-                        got.append((i, size, blk.codec))
-                    count = len(blocks)
-            finally:
-                confirmed = self._release(lease, t0)
-            if confirmed:
-                if direct is not None:
-                    sizes[start:start + count] = lengths   # raw and in place: nothing left to finish
-                for i, size, codec in got:
-                    sizes[i] = sinks[i].finish(size, codec)
-            stop = start + count
-            if meta.get(UNSTAGED_KEY) and stop < len(hashes):
-                sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
-            start = stop + 1  # skip past the first miss
+        start, span = 0, FIRST_WINDOW_BLOCKS
+        ahead = None   # (start, stop, call): the next window's PrepareLoad, in flight while this one is copied
+
+        def prepare(a: int, b: int):
+            return a, b, self.negotiation.start_same_daemon("PrepareLoad", pb.PrepareLoadRequest(
+                namespace_id=ns_id, hashes=hashes[a:b], block_bytes=block_bytes, accept_codecs=accept))
+
+        try:
+            while start < len(hashes):
+                if ahead is None or ahead[0] != start:
+                    self._drop(ahead)
+                    self.settle()  # our previous pins are released before we pin more (small arenas)
+                    ahead = prepare(start, min(len(hashes), start + span))
+                (_, asked, call), ahead = ahead, None
+                lease, meta = call.result()
+                span = min(2 * span, MAX_WINDOW_BLOCKS)
+                if asked < len(hashes):
+                    ahead = prepare(asked, min(len(hashes), asked + span))
+                got = []
+                count = 0
+                try:
+                    arena = self.negotiation.arena
+                    direct = _direct_copies(lease, sinks, start) if byte_range is None else None
+                    if direct is not None:   # every block one raw extent, straight into the caller's buffer
+                        offsets, lengths, dsts, pieces = direct
+                        self._map(arena, pieces)
+                        arena.copy_each_out(offsets, lengths, dsts)
+                        count = len(dsts)
+                    else:
+                        blocks, pieces = lease_slots(lease)
+                        self._map(arena, pieces)
+                        for i, blk in enumerate(blocks, start):
+                            extents, size = blk.extents, blk.size
+                            if byte_range is not None:
+                                extents, size = window(extents, *byte_range), byte_range[1]
+                            arena.copy_out(extents, sinks[i].buffer(size))
+                            got.append((i, size, blk.codec))
+                        count = len(blocks)
+                finally:
+                    confirmed = self._release(lease, call.sent)
+                if confirmed:
+                    if direct is not None:
+                        sizes[start:start + count] = lengths   # raw and in place: nothing left to finish
+                    for i, size, codec in got:
+                        sizes[i] = sinks[i].finish(size, codec)
+                stop = start + count
+                if stop == asked:   # the whole window leased: the next one goes on from here
+                    start = stop
+                    continue
+                if meta.get(UNSTAGED_KEY) and stop < len(hashes):
+                    sizes[stop] = self.stream_one(ns_id, [hashes[stop]], [sinks[stop]], byte_range)[0]
+                start = stop + 1  # skip past the first miss
+        finally:
+            self._drop(ahead)
         return sizes
+
+    def _drop(self, ahead) -> None:
+        """Release a window's load lease asked for ahead and not used (the window before it missed)."""
+        if ahead is None:
+            return
+        try:
+            lease, _ = ahead[2].result()
+        except KVStoreError:
+            return
+        self._release(lease, ahead[2].sent)
 
     @staticmethod
     def _map(arena, extents) -> None:
