@@ -27,7 +27,7 @@ from kvstore.codecs.bits import (BF16_NONFINITE, F32_INF, KEY_NEG_INF, KEY_POS_I
                                  and32, bf16_round_down, bf16_round_up, bf16_to_f32, bits_f32, e4m3_as_half, f32_bits,
                                  f32_to_bf16_bits, f32_to_e4m3, half_to_f32, key_to_f32, max16, min16, or32, order_key,
                                  plus_zero, shl32, shr32)
-from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_from_bf16,
+from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_split_from_bf16,
                                             int4_hadamard64_to_bf16, int8_hadamard64_to_bf16, load_rotated,
                                             rotate64_from_bf16, rotate_to_bf16)
 
@@ -509,14 +509,18 @@ def int4_encode_values_rot(src, off, T, H, D, sl, st, sh, vg, n, u0, u1, codes, 
             i = u * H + h
             for g in range(groups):
                 y = a[g * vg:(g + 1) * vg]
-                if fast:
-                    lo, hi = hadamard64_from_bf16(src, row + g * 64, INV64, a, g * 64)
+                if fast:   # (y: the even elements, then the odd ones)
+                    lo, hi = hadamard64_split_from_bf16(src, row + g * 64, INV64, a, g * 64)
                 else:
                     lo, hi = extremes(y, vg)
                 m, s, mf, safe = _int4_range(lo, hi)
                 mn[i * groups + g] = m
                 scale[i * groups + g] = s
                 c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
+                if fast:
+                    for j in range(32):
+                        c[j] = np.uint8(or32(_q4(y[j], mf, safe), shl32(_q4(y[32 + j], mf, safe), _S4)))
+                    continue
                 for j in range(vg2):
                     c[j] = np.uint8(or32(_q4(y[2 * j], mf, safe), shl32(_q4(y[2 * j + 1], mf, safe), _S4)))
     return bad

@@ -152,6 +152,29 @@ def _load_vector(context, builder, ty, array, start, elem, count):
 
 
 @intrinsic
+def hadamard64_split_from_bf16(typingctx, x, start, scale, a, a_start):
+    """``hadamard64_from_bf16`` with the 64 results stored as ``_hadamard64_split`` leaves them:
+    ``a[a_start + j]`` is result ``2j`` and ``a[a_start + 32 + j]`` result ``2j + 1`` (j < 32), so
+    an INT4 code byte's two values sit 32 apart, not interleaved; same extremes returned."""
+    if not (_is_array(x, types.uint16) and _is_array(a, types.float32)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w = builder.bitcast(_load_vector(context, builder, signature.args[0], args[0], args[1], _I16, 64),
+                            ir.VectorType(_I32, 32))   # (little-endian: the even bf16 is the low half)
+        even = builder.shl(w, _lanes([16] * 32, _I32))
+        odd = builder.and_(w, _lanes([0xFFFF0000] * 32, _I32))
+        scale = _splat(builder, args[2])
+        even, odd = ([builder.fmul(builder.bitcast(v, _V16), scale) for v in _halves(builder, h)] for h in (even, odd))
+        v = [y for half in _hadamard64_split(builder, even, odd) for y in half]
+        for y, p in zip(v, _vectors(context, builder, signature.args[3], args[3], args[4], _F32)):
+            builder.store(y, p, align=4)
+        return context.make_tuple(builder, signature.return_type, _key_extremes(builder, v))
+
+    return types.UniTuple(types.int32, 2)(x, types.int64, types.float32, a, types.int64), codegen
+
+
+@intrinsic
 def hadamard64_to_bf16(typingctx, a, start, out, o_start):
     """``rotation.rotate`` of ``a[start:start + 64]`` (float32) rounded to bf16 pairs into the 32
     words ``out[o_start:o_start + 32]``."""
