@@ -207,6 +207,14 @@ def machine() -> dict:
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
+#: issue #34's codecs, whose speed goals the markdown states
+NEW_CODECS = ("int8_had", "int4_g64_k16_had", "int8_kchan")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
 def write_markdown(res: dict, path: Path) -> None:
     m = res["machine"]
     lines = [f"# Codec speed ({res['device']})", "", "Produced by `python benchmarks/bench_codecs.py`. Machine: "
@@ -234,6 +242,15 @@ def write_markdown(res: dict, path: Path) -> None:
             lines.append(f"- {r['codec']}: encode {r['encode_gbps']:.2f} GB/s (goal >= {enc}, "
                          f"{'met' if r['encode_gbps'] >= enc else 'not met'}), decode {r['decode_gbps']:.2f} GB/s "
                          f"(goal >= {dec}, {'met' if r['decode_gbps'] >= dec else 'not met'})")
+    lines += ["", "Goals (issue #34), best of the rounds above: the new codecs' encode and decode within 20 % of "
+              "int4_g64's (>= 0.8x), decode >= 0.7x the memory-bound memcpy of the same threads:", ""]
+    int4 = {r["threads"]: r for r in res["rows"] if r["codec"] == "int4_g64"}
+    for r in res["rows"]:
+        if r["codec"] in NEW_CODECS and r["threads"] in int4:
+            enc, dec = (r[k] / int4[r["threads"]][k] for k in ("encode_gbps", "decode_gbps"))
+            lines.append(f"- {r['threads']} thread(s), {r['codec']}: encode {enc:.2f}x ({_met(enc >= 0.8)}), decode "
+                         f"{dec:.2f}x ({_met(dec >= 0.8)}) int4_g64's; decode {r['decode_vs_memcpy']:.2f}x memcpy "
+                         f"({_met(r['decode_vs_memcpy'] >= 0.7)})")
     d = res["disk"]
     lines += ["", f"zstd on plain (not byte-plane split) bytes: ratio {res['zstd_plain_ratio']:.3f}.", "",
               f"## Effect on tiers (disk read {d['read_gbps']:.2f} GB/s, {d['how']}, measured in {d['dir']})",
