@@ -2,7 +2,7 @@
 (``base``: place, read, view, drop and enumerate opaque payloads by block key, with a
 ``BlockRecord`` each) and one medium per module. A tier owns its medium and its own accounting;
 what goes where, eviction, leases and codecs are the Store's business. It imports only the leaves
-``kvstore.keys``, ``kvstore.errors``, ``kvstore.buffers`` and ``kvstore.redis_connection`` (and
+``kvstore.keys``, ``kvstore.errors``, ``kvstore.buffers``, ``kvstore.dead_owners`` and ``kvstore.redis_connection`` (and
 its own modules) and must not import ``kvstore.store``, ``kvstore.fleet``, ``kvstore.service``,
 ``kvstore.client``, ``kvstore.transport``, ``kvstore.ops``, ``kvstore.codecs`` or
 ``kvstore.connectors``.

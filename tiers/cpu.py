@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore import dead_owners
 from kvstore.buffers import Extent, as_bytes, gather, scatter
 from kvstore.errors import QuotaExceeded, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
@@ -317,31 +318,7 @@ _SEGMENT_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}$")
 def sweep_stale_segments(shm_dir: str) -> int:
     """Unlink arenas left by daemons that died without closing (kill -9, OOM): shared memory is
     RAM, and nothing else would ever free it. Only our own naming pattern, only dead owners."""
-    removed = 0
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return 0
-    for name in names:
-        m = _SEGMENT_NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return dead_owners.sweep(shm_dir, _SEGMENT_NAME)
 
 
 def _register_with_cuda(arena: np.ndarray) -> bool:

@@ -5,7 +5,7 @@ stall reaper, graceful shutdown). It owns what callers can hold and what they ma
 is authenticated before it costs a thread, every wait on a caller is bounded, and a tenant sees
 only its own namespaces. It imports down only (``kvstore.store``, ``kvstore.tiers``,
 ``kvstore.transport``, ``kvstore.fleet`` in fleet mode, and the leaves ``keys``, ``errors``,
-``buffers``, ``wire``, ``units``, ``progress`` and the generated protocol) and must not import ``kvstore.client``,
+``buffers``, ``wire``, ``units``, ``progress``, ``dead_owners`` and the generated protocol) and must not import ``kvstore.client``,
 ``kvstore.ops`` or ``kvstore.connectors``.
 
 Modules: ``daemon`` (the process), ``config`` (settings), ``auth`` (token -> tenant),

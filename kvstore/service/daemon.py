@@ -11,10 +11,10 @@ the pin bound and the log level (``reload.py``); a bad file is refused and logge
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -25,6 +25,7 @@ from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
 from kvstore.service.banner import RecoveryProgress, announced, banner_lines, redacted_url
 from kvstore.service.config import ConfigError, Settings
+from kvstore import dead_owners
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
 from kvstore.progress import Progress
@@ -37,23 +38,18 @@ from kvstore.service.grpc_server import build_server
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 from kvstore.transport import shm
-from kvstore.transport.socket_server import owner_gone
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.service.daemon")
 
 
-def clean_stale_segments(shm_dir: str) -> int:
-    """Remove arenas and probe files left by daemons that died without closing (SIGKILL, OOM)."""
-    removed = 0
-    for path in glob.glob(os.path.join(shm_dir, "kvstore-*")) + glob.glob(os.path.join(shm_dir, shm.PROBE_PREFIX + "*")):
-        name = os.path.basename(path).removeprefix(shm.PROBE_PREFIX).removeprefix("kvstore-")
-        pid = name.split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and owner_gone(int(pid)):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed += 1
-    return removed
+_PROBE_NAME = re.compile(rf"^{re.escape(shm.PROBE_PREFIX)}(\d+)-")
+
+
+def clean_stale_probes(shm_dir: str) -> int:
+    """Remove the same-host probe files of daemons that died without closing (SIGKILL, OOM); their
+    arenas and sockets are swept by the CPU tier and the socket servers as they start."""
+    return dead_owners.sweep(shm_dir, _PROBE_NAME)
 
 
 def memory_available() -> int:
@@ -171,7 +167,7 @@ class Daemon:
 
     def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings] | None) -> None:
         check_memory(settings.cpu_bytes)
-        clean_stale_segments(settings.shm_dir)
+        clean_stale_probes(settings.shm_dir)
         self._tiers = build_tiers(settings)
         opened = time.monotonic()
         log.info("opening the store: blocks a previous run left in the durable tiers are found again now")

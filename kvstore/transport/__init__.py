@@ -14,6 +14,6 @@
 
 This package owns the wire format of each transport and both of its ends (the client's in
 ``kvstore.client``, the daemon's in ``kvstore.service`` call in here). It must not import the
-client, the service, the store or ``tiers`` (only ``kvstore.buffers`` and the generated protocol),
+client, the service, the store or ``tiers`` (only the leaves ``kvstore.buffers``, ``kvstore.keys``, ``kvstore.dead_owners`` and the generated protocol),
 so a client never pulls in the daemon's storage code.
 """

@@ -30,7 +30,6 @@ every tick too.
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 import re
@@ -41,6 +40,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
+from kvstore import dead_owners
 from kvstore.transport.tickets import Tickets, TokenBook
 
 log = logging.getLogger("kvstore.transport.socket_server")
@@ -310,21 +310,6 @@ class SocketServer:
                 os.unlink(self.path)
 
 
-def owner_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (one of another user's that runs counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
-
-
 def sweep_stale_sockets(shm_dir: str) -> None:
     """Unlink service sockets left by daemons that died without closing (kill -9)."""
-    for path in glob.glob(os.path.join(shm_dir, "kvstore-*.sock")):
-        m = _SOCKET_NAME.match(os.path.basename(path))
-        if m is not None and owner_gone(int(m.group(1))):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    dead_owners.sweep(shm_dir, _SOCKET_NAME)
