@@ -49,32 +49,29 @@ class Listeners:
             listener.blocks_added(namespace_id, [block_hash])
 
     def added_run(self, entries) -> None:
-        """Blocks made visible together (index entries, in order): each listener hears, for each
-        in turn, "added", then "moved" naming its fastest tier; one that takes only moves hears
-        them a run of one namespace and tier at a time (``blocks_moved``)."""
+        """Blocks made visible together (index entries, in order). A listener that takes both
+        kinds of event hears, for each block in turn, "added", then "moved" naming its fastest
+        tier; one that takes only "added" hears a run of one namespace at once, and one that takes
+        only moves a run of one namespace and tier at once (``blocks_moved``)."""
         registered = self._registered
-        if not registered:
+        if not registered or not entries:
             return
-        both = [x for x in registered if type(x).blocks_added is not StoreListener.blocks_added]
+        adders = [x for x in registered if type(x).blocks_added is not StoreListener.blocks_added]
         movers = [x for x in registered if type(x).block_moved is not StoreListener.block_moved
                   or type(x).blocks_moved is not StoreListener.blocks_moved]
+        both = [x for x in adders if x in movers]
         for e in entries if both else ():
             for listener in both:
                 listener.blocks_added(e.namespace_id, [e.block_hash])
-            for listener in movers:
-                if listener in both:
-                    listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
+                listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
+        adders = [x for x in adders if x not in both]
         movers = [x for x in movers if x not in both]
-        start = 0
-        while movers and start < len(entries):
-            ns, tier = entries[start].namespace_id, entries[start].fastest
-            stop = start + 1
-            while stop < len(entries) and entries[stop].namespace_id == ns and entries[stop].fastest == tier:
-                stop += 1
-            hashes = [e.block_hash for e in entries[start:stop]]
+        for ns, tier, run in _runs(entries) if adders or movers else ():
+            hashes = [e.block_hash for e in run]
+            for listener in adders:
+                listener.blocks_added(ns, hashes)
             for listener in movers:
                 listener.blocks_moved(ns, hashes, tier)
-            start = stop
 
     def removed(self, namespace_id: bytes, block_hash: bytes) -> None:
         for listener in self._registered:
@@ -83,3 +80,15 @@ class Listeners:
     def moved(self, namespace_id: bytes, block_hash: bytes, fastest_tier: int) -> None:
         for listener in self._registered:
             listener.block_moved(namespace_id, block_hash, fastest_tier)
+
+
+def _runs(entries):
+    """``(namespace id, fastest tier, entries)`` of each stretch of ``entries`` that shares both."""
+    start = 0
+    while start < len(entries):
+        ns, tier = entries[start].namespace_id, entries[start].fastest
+        stop = start + 1
+        while stop < len(entries) and entries[stop].namespace_id == ns and entries[stop].fastest == tier:
+            stop += 1
+        yield ns, tier, entries[start:stop]
+        start = stop
