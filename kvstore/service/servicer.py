@@ -174,12 +174,11 @@ class KVStoreServicer(ServiceState):
         tenant = self.tenant_of(context)
         server = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
                   "tenant": tenant, "tenant_bytes": self.store.tenant_bytes(tenant)}
+        usage = self.admin.top_namespaces(context)   # what `kvstore top` shows
         if not self.auth.sees_store_wide(tenant):  # a tenant sees its own namespaces, nothing store-wide
-            return pb.StatsResponse(json=json.dumps({**self.store.tenant_stats(tenant), "server": server,
-                                                     "namespace_usage": self.admin.top_namespaces(context)},
-                                                    sort_keys=True))
-        stats = self.store.stats()
-        stats["namespace_usage"] = self.admin.top_namespaces(context)   # what `kvstore top` shows
+            stats = {**self.store.tenant_stats(tenant), "server": server, "namespace_usage": usage}
+            return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
+        stats = {**self.store.stats(), "namespace_usage": usage}
         stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
                            "client_leases": len(self.leases.client_leases), "open_streams": self.stalls.open_calls,
