@@ -17,6 +17,7 @@ from kvstore.tiers.base import BlockRecord
 from kvstore.tiers.private_files import NotRegularFile, open_regular
 from kvstore.tiers.slabs import RECORD_BYTES, SLAB_NAME
 
+ALIGN = 4096          # a page: slots, headers and payloads are padded to it (O_DIRECT)
 HEADER_BYTES = 4096
 MAGIC = b"KVSBLK02"
 _HEADER = struct.Struct("<8s16sB64sB64sHQQQ")  # magic ns hash_len hash parent_len parent codec raw stored sum
