@@ -4,7 +4,8 @@
 
 For a Llama-3-8B-sized block (32 layers, 8 KV heads, head_dim 128, 16 tokens, bf16 = 2 MiB) and
 each codec: encode and decode throughput in GB/s of *raw* block bytes (best of several rounds,
-so a busy shared machine shows its ceiling, plus the median), with 1 and 2 torch threads. Two
+so a busy shared machine shows its ceiling, plus the median), on 1 and 2 threads (torch's and the
+compiled kernels' alike: ``fast_runner.threads_at_most``). Two
 memcpy ceilings with the same threads, measured in the same run: one block copied over and over
 (cache-resident, "hot"), and a memory-bound memcpy — 2 MiB copies walking a source and a
 destination of 256 MiB each, larger than the caches — which codec speeds are quoted against.
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 import kvstore.codecs.base as codec_base
-from kvstore.codecs import CODEC_IDS, decode_block, encode_block
+from kvstore.codecs import CODEC_IDS, decode_block, encode_block, fast_runner
 from kvstore.keys import KVLayout
 from kvstore.ops.ceilings import touched_buffer
 
@@ -124,41 +125,42 @@ def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference:
     bound_copy = MemoryBoundCopy(nbytes) if device == "cpu" else None
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        dst = torch.empty_like(raw)
-        best, med = timed(lambda: (dst.copy_(raw), sync()), 20)
-        rows.append({"threads": n_threads, "codec": "memcpy, hot (one block, cache-resident)",
-                     "encode_gbps": nbytes / best / 1e9, "decode_gbps": nbytes / best / 1e9,
-                     "encode_gbps_median": nbytes / med / 1e9, "decode_gbps_median": nbytes / med / 1e9,
-                     "payload_bytes": nbytes})
-        hot = rows[-1]
-        memcpy = hot["encode_gbps"]
-        if bound_copy is not None:
-            best, med = timed(bound_copy, 50)
-            memcpy = nbytes / best / 1e9
-            rows.append({"threads": n_threads, "codec": "memcpy, memory-bound (256 MiB source and destination)",
-                         "encode_gbps": memcpy, "decode_gbps": memcpy, "encode_gbps_median": nbytes / med / 1e9,
-                         "decode_gbps_median": nbytes / med / 1e9, "payload_bytes": nbytes,
-                         "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0})
-        hot["encode_vs_memcpy"] = hot["decode_vs_memcpy"] = hot["encode_gbps"] / memcpy
-        variants = [(c, not reference) for c in CODEC_IDS if c != "raw"]
-        if device == "cpu" and not reference:  # the eager-torch reference, to show what the compiled kernels buy
-            variants += [("fp8", False), ("int4_g32", False)]
-        for codec, fast in variants:
-            codec_base.USE_FAST = fast
-            cid, payload = encode_block(codec, raw, layout)
-            e_best, e_med = timed(lambda: encode_block(codec, raw, layout), 5)
-            d_best, d_med = timed(lambda: (decode_block(cid, payload, layout, out=dst), sync()), 5)
-            assert codec not in ("zstd",) or torch.equal(dst, raw)
-            label = codec if fast or device != "cpu" else f"{codec} (eager torch reference)"
-            row = {"threads": n_threads, "codec": label, "payload_bytes": int(payload.nbytes),
-                   "encode_gbps": nbytes / e_best / 1e9, "decode_gbps": nbytes / d_best / 1e9,
-                   "encode_gbps_median": nbytes / e_med / 1e9, "decode_gbps_median": nbytes / d_med / 1e9,
-                   "decode_s": d_best}
-            row["encode_vs_memcpy"] = row["encode_gbps"] / memcpy
-            row["decode_vs_memcpy"] = row["decode_gbps"] / memcpy
-            rows.append(row)
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-                  flush=True)
+        with fast_runner.threads_at_most(n_threads):   # (the compiled kernels' threads, as torch's)
+            dst = torch.empty_like(raw)
+            best, med = timed(lambda: (dst.copy_(raw), sync()), 20)
+            rows.append({"threads": n_threads, "codec": "memcpy, hot (one block, cache-resident)",
+                         "encode_gbps": nbytes / best / 1e9, "decode_gbps": nbytes / best / 1e9,
+                         "encode_gbps_median": nbytes / med / 1e9, "decode_gbps_median": nbytes / med / 1e9,
+                         "payload_bytes": nbytes})
+            hot = rows[-1]
+            memcpy = hot["encode_gbps"]
+            if bound_copy is not None:
+                best, med = timed(bound_copy, 50)
+                memcpy = nbytes / best / 1e9
+                rows.append({"threads": n_threads, "codec": "memcpy, memory-bound (256 MiB source and destination)",
+                             "encode_gbps": memcpy, "decode_gbps": memcpy, "encode_gbps_median": nbytes / med / 1e9,
+                             "decode_gbps_median": nbytes / med / 1e9, "payload_bytes": nbytes,
+                             "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0})
+            hot["encode_vs_memcpy"] = hot["decode_vs_memcpy"] = hot["encode_gbps"] / memcpy
+            variants = [(c, not reference) for c in CODEC_IDS if c != "raw"]
+            if device == "cpu" and not reference:  # the eager-torch reference, to show what the compiled kernels buy
+                variants += [("fp8", False), ("int4_g32", False)]
+            for codec, fast in variants:
+                codec_base.USE_FAST = fast
+                cid, payload = encode_block(codec, raw, layout)
+                e_best, e_med = timed(lambda: encode_block(codec, raw, layout), 5)
+                d_best, d_med = timed(lambda: (decode_block(cid, payload, layout, out=dst), sync()), 5)
+                assert codec not in ("zstd",) or torch.equal(dst, raw)
+                label = codec if fast or device != "cpu" else f"{codec} (eager torch reference)"
+                row = {"threads": n_threads, "codec": label, "payload_bytes": int(payload.nbytes),
+                       "encode_gbps": nbytes / e_best / 1e9, "decode_gbps": nbytes / d_best / 1e9,
+                       "encode_gbps_median": nbytes / e_med / 1e9, "decode_gbps_median": nbytes / d_med / 1e9,
+                       "decode_s": d_best}
+                row["encode_vs_memcpy"] = row["encode_gbps"] / memcpy
+                row["decode_vs_memcpy"] = row["decode_gbps"] / memcpy
+                rows.append(row)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                      flush=True)
     codec_base.USE_FAST = True
     # plain zstd on unshuffled bytes, to show what the byte-plane split buys
     import zstandard
@@ -245,12 +247,15 @@ def write_markdown(res: dict, path: Path) -> None:
     lines += ["", "Goals (issue #34), best of the rounds above: the new codecs' encode and decode within 20 % of "
               "int4_g64's (>= 0.8x), decode >= 0.7x the memory-bound memcpy of the same threads:", ""]
     int4 = {r["threads"]: r for r in res["rows"] if r["codec"] == "int4_g64"}
+    memcpy = {r["threads"]: r["decode_gbps"] for r in res["rows"] if r["codec"].startswith("memcpy, memory-bound")}
     for r in res["rows"]:
         if r["codec"] in NEW_CODECS and r["threads"] in int4:
             enc, dec = (r[k] / int4[r["threads"]][k] for k in ("encode_gbps", "decode_gbps"))
+            vs = f"{r['decode_vs_memcpy']:.2f}x memcpy ({_met(r['decode_vs_memcpy'] >= 0.7)})"
+            if memcpy and memcpy.get(r["threads"], 0) < max(memcpy.values()) / 2:   # (a thread descheduled)
+                vs = f"not judged: this memcpy ran at {memcpy[r['threads']]:.2f} GB/s, under half another row's"
             lines.append(f"- {r['threads']} thread(s), {r['codec']}: encode {enc:.2f}x ({_met(enc >= 0.8)}), decode "
-                         f"{dec:.2f}x ({_met(dec >= 0.8)}) int4_g64's; decode {r['decode_vs_memcpy']:.2f}x memcpy "
-                         f"({_met(r['decode_vs_memcpy'] >= 0.7)})")
+                         f"{dec:.2f}x ({_met(dec >= 0.8)}) int4_g64's; decode {vs}")
     d = res["disk"]
     lines += ["", f"zstd on plain (not byte-plane split) bytes: ratio {res['zstd_plain_ratio']:.3f}.", "",
               f"## Effect on tiers (disk read {d['read_gbps']:.2f} GB/s, {d['how']}, measured in {d['dir']})",

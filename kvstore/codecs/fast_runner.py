@@ -7,14 +7,16 @@ every tensor's units) that the caller's thread and ``n - 1`` pool threads take i
 costs one hand-off per extra thread, a thread slowed by another process on its core delays the
 call by one piece at most, there is no second OpenMP runtime spinning against torch's, and
 concurrent requests from the daemon's threads simply run side by side. ``n`` is
-``kvstore.threads.BUDGET.codec``; small blocks run on the caller's thread alone.
+``kvstore.threads.BUDGET.codec`` (``threads_at_most`` lowers it while open); small blocks run on
+the caller's thread alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -102,10 +104,26 @@ Job = tuple[Callable[[int, int], int | None], int]   # kernel call over units [u
 PIECES_PER_THREAD = 4
 
 
+_limit: int | None = None   # (see ``threads_at_most``)
+
+
+@contextlib.contextmanager
+def threads_at_most(n: int) -> Iterator[None]:
+    """Calls made while this is open run on at most ``n`` threads, not ``BUDGET.codec``: how
+    ``bench_codecs.py`` measures the kernels on one thread and on two."""
+    global _limit
+    saved, _limit = _limit, n
+    try:
+        yield
+    finally:
+        _limit = saved
+
+
 def run(jobs: Sequence[Job], numel: int) -> list[int]:
     """Run every job over all of its units, on up to ``BUDGET.codec`` threads; each job's summed
     result."""
-    n = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, min(BUDGET.codec, max(u for _, u in jobs)))
+    most = BUDGET.codec if _limit is None else _limit
+    n = 1 if numel < MIN_PARALLEL_ELEMENTS else max(1, min(most, max(u for _, u in jobs)))
     if n == 1:
         return [fn(0, units) or 0 for fn, units in jobs]
     pieces = iter([(j, units * p // (n * PIECES_PER_THREAD), units * (p + 1) // (n * PIECES_PER_THREAD))
