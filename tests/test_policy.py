@@ -53,6 +53,25 @@ def test_lru_skips_pinned():
     assert len(p) == 3  # picking is only a suggestion
 
 
+def test_lru_recovered_keys_go_first_oldest_first_and_victims_named_at_once_match_one_by_one():
+    p = LRUPolicy()
+    p.insert_many([b"r0", b"r1", b"r2", b"r3", b"r4"])   # a warm restart's keys, oldest first
+    p.insert(b"n0")
+    p.touch(b"r1")        # read since the restart: now the newest
+    p.remove(b"r4")       # gone, leaving a hole where the oldest are
+    p.remove(b"r0")
+    assert len(p) == 4
+    pinned = {b"r3"}
+    one_by_one = []
+    while (key := p.pick_victim(pinned.__contains__)) is not None:
+        one_by_one.append(key)
+        pinned.add(key)   # as clear_room pins each victim it names
+    assert one_by_one == [b"r2", b"n0", b"r1"]
+    assert p.pick_victims({b"r3"}.__contains__, 2) == [b"r2", b"n0"]
+    assert p.pick_victims({b"r3"}.__contains__, 10) == one_by_one
+    assert drain(p) == [b"r2", b"r3", b"n0", b"r1"]
+
+
 def chain_policy(n: int) -> PrefixAwarePolicy:
     """b0 <- b1 <- ... <- b(n-1) all in this tier, inserted head first as a prefill stores them."""
     p = PrefixAwarePolicy()

@@ -62,6 +62,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None: ...
 
+    def pick_victims(self, is_pinned: IsPinned, n: int) -> list[bytes]:
+        """Up to ``n`` victims, in the order ``pick_victim`` would name them were each pinned once
+        named. Only a policy that ``picks_ahead`` names more than one at a time."""
+        victim = self.pick_victim(is_pinned)
+        return [] if victim is None else [victim]
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -125,6 +131,26 @@ class LRUPolicy(EvictionPolicy):
             if not is_pinned(key):
                 return key
         return None
+
+    def pick_victims(self, is_pinned: IsPinned, n: int) -> list[bytes]:
+        """In one pass: naming them one by one would walk past those already named (pinned) each
+        time."""
+        out: list[bytes] = []
+        cold = self._cold
+        if cold:
+            key = cold.popitem()[0]   # trims the holes removals left at the old end
+            cold[key] = None
+            for key in reversed(cold):
+                if not is_pinned(key):
+                    out.append(key)
+                    if len(out) == n:
+                        return out
+        for key in self._order:
+            if not is_pinned(key):
+                out.append(key)
+                if len(out) == n:
+                    break
+        return out
 
     def __len__(self) -> int:
         return len(self._order) + len(self._cold)

@@ -82,9 +82,9 @@ class Transfers:
             victims: list[Entry] = []
             with self.cascade.lock:
                 free = tier.free_bytes_for(namespace_id)
-                while free < need and left > 0 and len(victims) < batch:
-                    key = policy.pick_victim(self.cascade.is_pinned)
-                    if key is None:
+                keys = policy.pick_victims(self.cascade.is_pinned, min(batch, left))
+                for key in keys:
+                    if free >= need or left <= 0:
                         break
                     left -= 1
                     entry = self.cascade.index.entries[key]
@@ -97,6 +97,8 @@ class Transfers:
                     victims.append(entry)
                     free += tier.footprint(entry.copies[t].stored_size)   # once written down
             if not victims:
+                if keys and free < need and left > 0:
+                    continue   # each one named was a drop: name more
                 return
             self.write_down_many(victims, t)
 
