@@ -53,8 +53,8 @@ def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
         assert local.answered - before == 2 * 2   # PrepareStore + CompleteStore per window of 128, 172
         outs = [np.empty(4096, np.uint8) for _ in hashes]
         assert c.get_into(ns, hashes, outs) == [4096] * 300
-        c.stats()   # waits for the background CompleteLoad
-        assert local.answered - before == 2 * 2 + 2
+        c.stats()   # waits for the background CompleteLoads
+        assert local.answered - before == 2 * 2 + 2 * 2   # and PrepareLoad + CompleteLoad per window of 128, 172
         assert all(np.array_equal(o, d) for o, d in zip(outs, data))
         assert c.put(ns, hashes[:3], data[:3]) == ["exists"] * 3
         hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
