@@ -115,7 +115,17 @@ class SaveQueue:
                 continue
             self._queue_send(hashes, blocks, parent)
 
+    def _connect(self) -> None:
+        """Agree the transport with the daemon (handshake, arena mapping) before the first save
+        needs it: otherwise the first put pays it, seconds on a loaded host, while a decode
+        engine may be waiting for that very put. A daemon not up yet is left to the first save."""
+        try:
+            _ = self.handle.client.active_transport
+        except Exception:  # noqa: BLE001 - the first save fails and counts it, as without this
+            pass
+
     def _send_loop(self) -> None:
+        self._connect()
         while True:
             item = self._to_send.get()
             if item is None:
