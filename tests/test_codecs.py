@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.codecs import (CODEC_IDS, Refused, check_layout, check_payload, codec_for_id, decode_block, encode_block,
-                            get_codec)
+from kvstore.codecs import (CODEC_IDS, Refused, check_layout, check_payload, codec_for_id, compiled_on_cpu,
+                            decode_block, encode_block, get_codec, warm_up)
 from kvstore.codecs.header import HEADER_BYTES
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.keys import KVLayout
@@ -595,6 +595,8 @@ def encode_both(codec, raw, layout, monkeypatch):
     ref = encode_block(codec, raw, layout)[1]
     ref_out = decode_block(CODEC_IDS[codec], ref, layout)
     monkeypatch.setattr(base, "USE_FAST", True)
+    warm_up()   # (until the kernels are compiled, the codecs run the reference: both sides would be it)
+    assert compiled_on_cpu(codec, layout)
     fast = encode_block(codec, raw, layout)[1]
     fast_out = decode_block(CODEC_IDS[codec], fast, layout)
     return ref, fast, ref_out, fast_out
@@ -643,6 +645,7 @@ def test_property_fast_kernels_match_reference(order, L, T, H, D, codec, threads
         ref = encode_block(codec, raw, layout)[1]
         ref_out = decode_block(CODEC_IDS[codec], ref, layout)
         base.USE_FAST = True
+        warm_up()   # (the compiled kernels, not the reference twice)
         fast = encode_block(codec, raw, layout)[1]
         assert np.array_equal(ref, fast)
         assert torch.equal(decode_block(CODEC_IDS[codec], fast, layout), ref_out)
@@ -666,7 +669,6 @@ def test_concurrent_encodes_and_decodes_match_sequential():
     """The daemon encodes from several threads at once: results must not depend on that."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvstore.codecs import warm_up
     warm_up()
     layout = make_layout("kv,token,layer,head,dim", L=4, T=32, H=2, D=64)
     blocks = [as_bytes(pack_block(*realistic_kv(4, 32, 2, 64, seed=s), layout.layout)) for s in range(8)]

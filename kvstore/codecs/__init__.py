@@ -145,8 +145,9 @@ def unavailable(name_or_id: str | int) -> str | None:
 
 
 def compiled_on_cpu(name_or_id: str | int, layout: KVLayout) -> bool:
-    """Whether encoding and decoding blocks of ``layout`` on the CPU runs the compiled kernels
-    (bf16, numba installed, a layout whose rows they can address), not the eager torch reference."""
+    """Whether encoding and decoding blocks of ``layout`` on the CPU runs the compiled kernels now
+    (bf16, numba installed, a layout whose rows they can address, the kernels compiled: ``warm_up``
+    waits for that), not the eager torch reference."""
     codec = get_codec(name_or_id)
     if not codec.lossy or isinstance(codec, NeedsTorch):
         return False
@@ -257,15 +258,23 @@ def _checked_header(codec: Codec, host: np.ndarray, layout: KVLayout):
     return header
 
 
-def warm_up() -> None:
-    """Compile (or load from the on-disk cache) the CPU kernels now, so the first demotion does
-    not pay seconds of JIT. Safe to call from a background thread at daemon start. Without torch
-    there is nothing to compile (raw and zstd are not compiled)."""
+def warm_up() -> bool:
+    """Compile (or load from the on-disk cache) the CPU kernels, wait for that, and run every lossy
+    codec once. Until the kernels are compiled, codecs run the torch reference (the same bytes,
+    slower: ``codecs.compiled``); a daemon calls this in a background thread at start, so the
+    calls it answers soon after run at full speed. False without torch (nothing to compile)."""
     if torch is None:
-        return
+        return False
+    try:
+        from kvstore.codecs import compiled, fast_cpu  # noqa: F401 - numba: its kernels to compile
+    except ImportError:  # numba not installed: the torch reference runs, nothing to compile
+        pass
+    else:
+        compiled.compile_all(wait=True)
     layout = KVLayout("kvstore/warm-up", num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
                       block_tokens=32, layout="kv,layer,token,head,dim")
     raw = torch.linspace(-1, 1, layout.block_bytes // 2).to(torch.bfloat16)
-    for codec in _CODECS:  # (every kernel has one signature: one layout compiles them all)
+    for codec in _CODECS:
         if codec.lossy:
             decode_block(*encode_block(codec.codec_id, raw, layout), layout)
+    return True

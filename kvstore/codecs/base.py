@@ -7,7 +7,8 @@ or a segment's / MLA latent's one tensor: ``layout.part_views``) and writes a fi
 alone, so nothing but the header has to be parsed to find them. The same torch code runs on CPU
 and CUDA: whatever device the input (for encode) or the ``out`` buffer (for decode) lives on is
 where the arithmetic happens; on the CPU, bf16 blocks take the compiled kernels (``fast_cpu``)
-when numba is installed, byte-identical to the torch code.
+when numba is installed and they are compiled (``compiled``: in the background, the torch code
+meanwhile), byte-identical to the torch code.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstore.buffers import as_byte_tensor
+from kvstore.codecs import compiled
 from kvstore.codecs import layout as kvlayout
 from kvstore.codecs.codec import Codec
 from kvstore.codecs.header import HEADER_BYTES, Header, make_header
@@ -108,10 +110,12 @@ class SectionCodec(Codec):
         return _section_table(self, shape)[1]
 
     def fast_modules(self, shape: kvlayout.BlockShape, device: torch.device):
-        """(kernels, runner) if the compiled kernels apply to this block, else None."""
+        """(kernels, runner) if the compiled kernels apply to this block and are compiled, else
+        None: the torch reference, which gives the same bytes, runs while they compile."""
         if not USE_FAST or device.type != "cpu" or shape.dtype != torch.bfloat16 or not self.fast_ok(shape):
             return None
-        return _fast_modules()
+        fast = _fast_modules()
+        return fast if fast is not None and compiled.ready() else None
 
     def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
         shape = self.shape_of(layout)

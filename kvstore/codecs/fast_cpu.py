@@ -13,7 +13,8 @@ The inner loops are written for LLVM's vectoriser: 16/32-bit integer steps via `
 integer keys for min/max, no data-dependent branches. No fastmath: a / b stays a true division and
 a * b + c is never contracted to an FMA, exactly as torch computes them on CPU and CUDA. Every
 rounding step mirrors the reference; tests/test_codecs.py checks payloads and decoded blocks are
-byte-identical. Used only when numba is importable, the block is bf16 and the work is on the CPU.
+byte-identical. Used only when numba is importable, the block is bf16, the work is on the CPU and
+every kernel is compiled (``compiled``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstore.codecs.bits import (BF16_NONFINITE, F32_INF, KEY_NEG_INF, KEY_POS_I
                                  and32, bf16_round_down, bf16_round_up, bf16_to_f32, bits_f32, e4m3_as_half, f32_bits,
                                  f32_to_bf16_bits, f32_to_e4m3, half_to_f32, key_to_f32, max16, min16, or32, order_key,
                                  plus_zero, shl32, shr32)
+from kvstore.codecs.compiled import Kernel
 from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_split_from_bf16,
                                             int4_hadamard64_to_bf16, int8_hadamard64_to_bf16, load_rotated,
                                             rotate64_from_bf16, rotate_to_bf16)
@@ -62,25 +64,12 @@ _SIGNATURES = {
     "int4_decode_keys_rot": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I, _I),
 }
 
-KERNEL_NAMES = tuple(_SIGNATURES)   # what ``warm_up`` compiles
-
-
-class _Lazy:
-    """Compile a kernel on first call, for its one signature (one machine-code version and one
-    on-disk cache entry for every layout). Kernels release the GIL."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.compiled = fn, None
-        self.__name__ = fn.__name__
-
-    def __call__(self, *args):
-        if self.compiled is None:
-            self.compiled = njit(_SIGNATURES[self.fn.__name__], cache=True, nogil=True, error_model="numpy")(self.fn)
-        return self.compiled(*args)
+KERNEL_NAMES = tuple(_SIGNATURES)   # what ``compiled.compile_all`` compiles here
 
 
 def kernel(fn):
-    return _Lazy(fn)
+    """``fn`` as a kernel compiled for its one signature, in the background (``compiled``)."""
+    return Kernel(fn, _SIGNATURES[fn.__name__])
 
 
 @njit(inline="always")

@@ -18,6 +18,7 @@ from numba import njit
 from numba.core import types
 
 from kvstore.codecs.bits import BF16_NONFINITE, ONE, U16, ZERO, and16, bf16_round_up, bf16_to_f32, f32_to_bf16_bits
+from kvstore.codecs.compiled import Kernel
 
 INT8_MAX = np.float32(127.0)
 _MAG = U16(0x7FFF)
@@ -31,20 +32,7 @@ _SIGNATURES = {
     "int8_kchan_decode_keys": types.none(_IN8, _IN16, _U16, *_GEOM, _I, _I),
 }
 
-KERNEL_NAMES = tuple(_SIGNATURES)   # what ``codecs.warm_up`` compiles here
-
-
-class _Lazy:
-    """Compile a kernel on first call, for its one signature (cached on disk). Releases the GIL."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.compiled = fn, None
-        self.__name__ = fn.__name__
-
-    def __call__(self, *args):
-        if self.compiled is None:
-            self.compiled = njit(_SIGNATURES[self.fn.__name__], cache=True, nogil=True, error_model="numpy")(self.fn)
-        return self.compiled(*args)
+KERNEL_NAMES = tuple(_SIGNATURES)   # what ``compiled.compile_all`` compiles here
 
 
 @njit(inline="always")
@@ -108,5 +96,5 @@ def int8_kchan_decode_keys(codes, scales, out, off, T, H, D, sl, st, sh, u0, u1)
                 o[d] = U16(f32_to_bf16_bits(np.float32(np.int8(c[d])) * bf16_to_f32(s[d])))
 
 
-int8_kchan_encode_keys = _Lazy(int8_kchan_encode_keys)
-int8_kchan_decode_keys = _Lazy(int8_kchan_decode_keys)
+int8_kchan_encode_keys = Kernel(int8_kchan_encode_keys, _SIGNATURES["int8_kchan_encode_keys"])
+int8_kchan_decode_keys = Kernel(int8_kchan_decode_keys, _SIGNATURES["int8_kchan_decode_keys"])

@@ -143,17 +143,16 @@ class Daemon:
         """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``); None:
         this daemon cannot reload."""
         determinism_self_check()
-        # Until the codec kernels are compiled (seconds on a cold numba cache) the first put into a
-        # codec tier would wait for the compiler past a client's deadline: the daemon answers health
-        # NOT_SERVING and writes its ready file only once they are (see ``start``, ``wait_ready``).
+        # Codecs run where a tier stores them and where a client's encoded put meets a tier that
+        # keeps another form. Their kernels compile in the background from start (``_compile_codecs``;
+        # until then the torch reference computes the same bytes, slower), so no request waits for
+        # torch's import or the compiler. With tier codecs the daemon answers health NOT_SERVING
+        # and writes its ready file only once they are compiled (``start``, ``wait_ready``): its
+        # every demotion encodes.
         self._warm = threading.Event()
-        self._warm_up = None
+        self._warm_up = threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True)
         preflight.check_codecs(settings)    # fp8/int4 without torch: refused now, naming the extra
-        if settings.tier_codecs:
-            from kvstore import codecs
-            self._warm_up = threading.Thread(target=self._compile_codecs, args=(codecs.warm_up,),
-                                             name="kvstore-codec-warm-up", daemon=True)
-        else:
+        if not settings.tier_codecs:
             self._warm.set()
         self.settings = settings
         self._stop = threading.Event()
@@ -224,20 +223,24 @@ class Daemon:
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
 
-    def _compile_codecs(self, warm_up: Callable[[], None]) -> None:
+    def _compile_codecs(self) -> None:
         t0 = time.monotonic()
         try:
-            warm_up()
-            log.info("codec kernels ready in %.1fs", time.monotonic() - t0)
-        except Exception:  # noqa: BLE001 - serve anyway: a block a codec cannot encode stays raw
-            log.exception("codec warm-up failed; encoding compiles on first use")
+            from kvstore import codecs   # (torch, where installed: imported here, off the start-up path)
+            if codecs.warm_up():
+                log.info("codec kernels ready in %.1fs", time.monotonic() - t0)
+        except Exception:  # noqa: BLE001 - serve anyway: the codecs run their torch reference
+            log.exception("codec warm-up failed; the codecs run their torch reference")
         finally:
-            self._warm.set()
-            if not self._stop.is_set():
-                self.health.set(serving=True)
+            if not self._warm.is_set():   # (tier codecs: health said NOT_SERVING until now)
+                self._warm.set()
+                if not self._stop.is_set():
+                    self.health.set(serving=True)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """True once the daemon serves at full speed (its codec kernels are compiled)."""
+        """True once the daemon is ready: with tier codecs, once their kernels are compiled (every
+        demotion encodes); without, at once (a client-encoded put decodes by the torch reference
+        until they are)."""
         return self._warm.wait(timeout_s)
 
     def start(self) -> None:
@@ -249,9 +252,9 @@ class Daemon:
             raise
 
     def _start(self) -> None:
-        if self._warm_up is not None:
+        if not self._warm.is_set():
             self.health.set(serving=False)
-            self._warm_up.start()
+        self._warm_up.start()
         self.server.start()
         if self.fleet is not None:
             self.fleet.start()
