@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import kvstore.codecs.base as codec_base
-from kvstore.codecs import CODEC_IDS, decode_block, encode_block, fast_runner
+from kvstore.codecs import CODEC_IDS, decode_block, encode_block, fast_runner, warm_up
 from kvstore.keys import KVLayout
 from kvstore.ops.ceilings import touched_buffer
 
@@ -117,6 +117,7 @@ def disk_read_gbps(directory: Path, nbytes: int, chunk: int) -> tuple[float, str
 
 
 def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference: bool = False) -> dict:
+    warm_up()   # (until the kernels are compiled, the codecs run the reference: it would be measured)
     layout = block_layout(tokens)
     raw = realistic_block(layout).to(device)
     nbytes = layout.block_bytes
