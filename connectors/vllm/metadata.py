@@ -7,6 +7,7 @@ across workers, so both are plain dataclasses of vLLM's base types.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -56,3 +57,26 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class Counters:
+    """The connector's counters, added to by both roles and their threads: those since vLLM last
+    collected them (``collect``) and those since start (``totals``: tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self._since_collected = KVStoreConnectorStats()
+        self.totals: dict[str, int | float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, n: int | float = 1) -> None:
+        with self._lock:
+            self._since_collected.add(key, n)
+            self.totals[key] = self.totals.get(key, 0) + n
+
+    def collect(self) -> KVStoreConnectorStats | None:
+        """The counters since the last call (None when nothing happened), starting afresh."""
+        with self._lock:
+            if self._since_collected.is_empty():
+                return None
+            out, self._since_collected = self._since_collected, KVStoreConnectorStats()
+        return out

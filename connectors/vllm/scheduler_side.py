@@ -23,12 +23,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from kvstore.connectors.vllm.handoff import Handoff
+from kvstore.client import NamespaceHandle
+from kvstore.connectors.vllm.handoff import Handoff, HandoffWaiter, Wait
 from kvstore.connectors.vllm.identity import block_hashes, prompt_block_hashes
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMetadata
 from kvstore.connectors.vllm.ranks import hits_on_every_rank
+from kvstore.connectors.vllm.roles import Role
+from kvstore.connectors.vllm.settings import ConnectorSettings
+from kvstore.keys import ChainHasher, Namespace
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,9 +58,51 @@ class RequestState:
 
 
 class SchedulerSide:
-    """Scheduler-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``:
-    ``_requests``, ``_pending_loads``, ``_lookup_links``, ``hasher``, ``block_size`` (vLLM's),
-    ``chunk_blocks`` (N), ``chunk_tokens``, ``settings``). A chunk of N = 1 is one vLLM block."""
+    """The scheduler role of ``KVStoreConnector``. It owns the live requests' state, the loads
+    planned for the next step, and its daemon handles: a lookup handle on each rank's namespace
+    (``rank_namespaces``; the scheduler's own first) and, where it loads, the hand-off waiter.
+    ``namespace`` or ``hasher`` None (none could be named, or hashing failed its self-check):
+    disabled, it offers and saves nothing. A chunk of N = 1 is one vLLM block."""
+
+    def __init__(self, settings: ConnectorSettings, kv_role: Role, namespace: Namespace | None,
+                 hasher: ChainHasher | None, block_size: int, rank_namespaces: list[Namespace],
+                 connect: Callable[[Namespace, float, str], NamespaceHandle],
+                 count: Callable[..., None]) -> None:
+        self.settings = settings
+        self.kv_role = kv_role
+        self.namespace = namespace
+        self.hasher = hasher
+        self.enabled = namespace is not None and hasher is not None
+        self.block_size = block_size                      # vLLM's
+        self.chunk_blocks = settings.blocks_per_chunk     # vLLM blocks per kvstore block
+        self.chunk_tokens = self.chunk_blocks * block_size
+        self._add_stat = count
+        self._requests: dict[str, RequestState] = {}
+        self._pending_loads: dict[str, BlockTransfer] = {}
+        self._lookup_links: list[NamespaceHandle] = []
+        self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
+        self._handoff_waits: dict[str, Wait] = {}
+        self._handoff_expected: dict[str, tuple[int, str, int]] = {}   # blocks named, how the wait ended, unsaved
+        if self.enabled:
+            # a producer's lookup gets a save's time: its breaker opening is what tells it that its
+            # saves fail (``_offered_handoff``), so it must not open on a call a save would outlast
+            timeout_s = settings.lookup_timeout_s if kv_role.loads else settings.timeout_s
+            self._lookup_links = [connect(ns, timeout_s, "lookup") for ns in rank_namespaces]
+            if kv_role.loads and rank_namespaces:
+                self._handoff_waiter = HandoffWaiter(
+                    [connect(ns, settings.lookup_timeout_s, "hand-off") for ns in rank_namespaces],
+                    settings.pd_poll_s)
+
+    @property
+    def _lookup_link(self) -> NamespaceHandle | None:
+        """The handle on its own (rank 0) namespace (tests inject faults through it)."""
+        return self._lookup_links[0] if self._lookup_links else None
+
+    def shutdown(self) -> None:
+        if self._handoff_waiter is not None:
+            self._handoff_waiter.close()
+        for handle in self._lookup_links:
+            handle.close()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
@@ -181,9 +227,6 @@ class SchedulerSide:
             logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
             return 0
         return min(state.num_hit * self.chunk_tokens, len(request.prompt_token_ids or ()))
-
-    def add_admission_stat(self, hit: bool) -> None:
-        self._add_stat("admitted_hits" if hit else "admitted_misses")
 
     def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if not self.enabled or not self.kv_role.loads and not self.kv_role.saves:

@@ -31,29 +31,62 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from kvstore.client import NamespaceHandle
 from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.identity import page_shape_matches
 from kvstore.connectors.vllm.loader import BackgroundLoader, LoadJob
-from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMetadata
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 from kvstore.connectors.vllm.ranks import is_writer
+from kvstore.connectors.vllm.roles import Role
 from kvstore.connectors.vllm.saver import LayerSaves, SaveQueue
+from kvstore.connectors.vllm.settings import ConnectorSettings
+from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
-    from vllm.forward_context import ForwardContext
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("kvstore.connectors.vllm")
 
 
 class WorkerSide:
-    """Worker-role methods of ``KVStoreConnector`` (state is set up by its ``__init__``: ``_paged``,
-    ``_load_link``, ``_loader``, ``_saver``, ``_load_errors``, ``_staging``, ``_layer_job``,
-    ``_layer_hooks_missing``, ``_layer_saves``, ``_layer_save_hooks_missing``, ``_saving_reqs``, ``_finishing``,
-    ``_failed_async``, ``namespace``, ``tp_rank``)."""
+    """The worker role of ``KVStoreConnector``. It owns this worker's view of the paged KV cache,
+    its load handle, the background loader and saver, and what it owes vLLM: blocks that failed
+    to load, async loads that failed, requests whose saved blocks are still being copied out.
+    ``namespace`` None (none could be named, or hashing failed its self-check): disabled, every
+    planned load is recomputed and nothing is saved. The step's metadata comes with each call
+    that uses it (None: none bound, or not kvstore's)."""
+
+    def __init__(self, settings: ConnectorSettings, kv_role: Role, namespace: Namespace | None, tp_rank: int,
+                 kv_cache_config: "KVCacheConfig", connect: Callable[[Namespace, float, str], NamespaceHandle],
+                 count: Callable[..., None]) -> None:
+        self.settings = settings
+        self.kv_role = kv_role
+        self.namespace = namespace
+        self.enabled = namespace is not None   # False also once the KV pages turn out not to fit it
+        self.tp_rank = tp_rank
+        self.chunk_blocks = settings.blocks_per_chunk     # vLLM blocks per kvstore block
+        self._kv_cache_config = kv_cache_config
+        self._connect = connect
+        self._add_stat = count
+        self._paged: PagedBlocks | None = None
+        self._packing: ChunkPacking | None = None
+        self._load_link: NamespaceHandle | None = None
+        self._loader: BackgroundLoader | None = None
+        self._saver: SaveQueue | None = None
+        self._load_errors: set[int] = set()
+        self._failed_async: list[BlockTransfer] = []
+        self._layer_job: LoadJob | None = None
+        self._layer_hooks_missing = False      # layer mode fell back to loading before the forward pass
+        self._layer_saves: LayerSaves | None = None   # save_mode layer: this step's saves, copied layer by layer
+        self._layer_save_hooks_missing = False  # ... fell back to copying after the step
+        self._saving_reqs: set[str] = set()    # requests the scheduler holds blocks of for saves
+        self._finishing: set[str] = set()      # ... that finished; reported once copied out
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.enabled:
@@ -74,11 +107,11 @@ class WorkerSide:
             self.enabled = False
             return
         self._paged, self._packing = paged, packing
-        self._load_link = self._daemon_handle(self.settings.timeout_s, "load")
+        self._load_link = self._connect(self.namespace, self.settings.timeout_s, "load")
         if self.settings.load_mode != "sync":
             self._loader = BackgroundLoader(self._load_link, self._add_stat)
         if self.kv_role.saves and is_writer(self.namespace, self.tp_rank):
-            self._saver = SaveQueue(self._daemon_handle(self.settings.timeout_s, "save"), paged,
+            self._saver = SaveQueue(self._connect(self.namespace, self.settings.timeout_s, "save"), paged,
                                     self.settings.max_pending_saves, self._add_stat, packing)
         logger.info("kvstore connector: %d layers, %d bytes per block (%d vLLM blocks), namespace %s (%s), "
                     "loads %s", len(paged.layers), self.namespace.block_bytes, n, self.namespace.id.hex(),
@@ -93,11 +126,9 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------------
 
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+    def bind_connector_metadata(self, meta: KVStoreConnectorMetadata | None) -> None:
         """Async loads start as soon as the step's plan arrives: vLLM calls ``start_load_kv`` after
         the forward pass when a step has no in-step loads, which would idle the loader meanwhile."""
-        super().bind_connector_metadata(connector_metadata)
-        meta = self._bound_metadata()
         if meta is None:
             return
         self._layer_saves = None
@@ -116,8 +147,7 @@ class WorkerSide:
             else:  # disabled worker: reported finished with every block to recompute
                 self._failed_async.append(t)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._bound_metadata()
+    def start_load_kv(self, meta: KVStoreConnectorMetadata | None) -> None:
         in_step = [t for t in meta.loads if not t.asynchronous] if meta is not None else []
         if not in_step:
             return
@@ -180,7 +210,7 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - the daemon is away: the fetch fails either way
             return False
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str) -> None:
         """``save_mode: layer``: copy this layer's pages of the step's saved blocks out now (on
         CUDA queued on the copy stream, overlapping the layers still to run). ``step``: nothing
         here; the saver copies whole blocks out after the step."""
@@ -201,8 +231,7 @@ class WorkerSide:
 
     # -- saves ------------------------------------------------------------------------------------
 
-    def wait_for_save(self) -> None:
-        meta = self._bound_metadata()
+    def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
         self._finish_layer_job()
         if meta is None or not meta.saves:
             return
@@ -260,13 +289,16 @@ class WorkerSide:
         self._saving_reqs -= sending
         return sending or None, recving or None
 
-    def _bound_metadata(self) -> KVStoreConnectorMetadata | None:
-        if not self.has_connector_metadata():
-            return None
-        meta = self._get_connector_metadata()
-        return meta if isinstance(meta, KVStoreConnectorMetadata) else None
-
     def drain_saves(self, timeout_s: float = 10.0) -> None:
         """Block until queued saves reach the daemon (for tests and orderly shutdown)."""
         if self._saver is not None:
             self._saver.drain(timeout_s)
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+            self._saver.handle.close()
+        if self._loader is not None:
+            self._loader.close()
+        if self._load_link is not None:
+            self._load_link.close()

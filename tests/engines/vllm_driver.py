@@ -71,22 +71,23 @@ def _scheduler(llm):
         return None
 
 
-def lose_blocks_after_lookup(scheduler):
+def lose_blocks_after_lookup(connector):
     """Fault injection: right after the kvstore scheduler connector's lookup found a request's
     blocks, delete them from the daemon, so the worker's load misses (as when the daemon loses
     blocks or dies between the two). Returns a function that undoes the patch."""
-    original = scheduler._matched_tokens
+    side = connector.connector_scheduler
+    original = side._matched_tokens
 
     def matched(request, num_computed_tokens):
-        known = request.request_id in scheduler._requests
+        known = request.request_id in side._requests
         n = original(request, num_computed_tokens)
         if not known:
-            hashes = scheduler._requests[request.request_id].hashes
-            scheduler._lookup_link.call(lambda c, ns: c.delete(ns, hashes))
+            hashes = side._requests[request.request_id].hashes
+            side._lookup_link.call(lambda c, ns: c.delete(ns, hashes))
         return n
 
-    scheduler._matched_tokens = matched
-    return lambda: setattr(scheduler, "_matched_tokens", original)
+    side._matched_tokens = matched
+    return lambda: setattr(side, "_matched_tokens", original)
 
 
 def serve(llm, prompts: list, max_tokens: int, tag: str) -> dict:
