@@ -1,11 +1,12 @@
 """vLLM v1 KV connector: vLLM's paged KV cache <-> a kvstore daemon.
 
-This package owns the vLLM side of kvstore: the ``KVStoreConnector`` vLLM loads, its scheduler and
-worker halves, the paged-KV copies, the background loader and saver. It talks to the daemon only
-through ``kvstore.client`` (``NamespaceHandle``) and must not import the store, the service, the
-fleet, ``kvstore.ops`` or ``tiers``. Only ``connector``, ``metadata`` and ``admission`` (vLLM's
-schedulers with cache-aware admission, loaded through ``scheduler_cls``) import vLLM; the naming
-rules (``identity``, ``settings``) do not, so they can be tested without an engine.
+This package owns the vLLM side of kvstore: the ``KVStoreConnector`` vLLM loads, the object it
+holds for its role (scheduler or worker), the paged-KV copies, the background loader and saver. It
+talks to the daemon only through ``kvstore.client`` (``NamespaceHandle``) and must not import the
+store, the service, the fleet, ``kvstore.ops`` or ``tiers``. Only ``connector``, ``metadata`` and
+``admission`` (vLLM's schedulers with cache-aware admission, loaded through ``scheduler_cls``)
+import vLLM; the naming rules (``identity``, ``settings``) do not, so they can be tested without an
+engine.
 
 Load it out of tree (vLLM 0.32; see docs/vllm.md for the supported range):
 
