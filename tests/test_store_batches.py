@@ -169,7 +169,7 @@ def test_batched_paths_answer_and_notify_exactly_as_block_by_block(tmp_path, mon
             got_b = run_workload(single, ns_b, seed)
         assert got_a == got_b
         assert ev_a.per_block() == ev_b.per_block()
-        if policy != "lru":   # only an LRU tier makes room for a run ahead of it (EvictionPolicy.picks_ahead)
+        if policy == "s3fifo":   # LRU and prefix-aware tiers make room for a run ahead of it (puts._victims_ahead)
             assert ev_a.log == ev_b.log
         counters_a, counters_b = batched.stats()["counters"], single.stats()["counters"]
         assert counters_a == counters_b
@@ -341,5 +341,30 @@ def test_a_put_into_a_full_lru_tier_writes_its_victims_down_together(tmp_path):
         outs = [np.zeros(BLOCK, np.uint8) for _ in first + rest]
         assert store.get_into(ns, first + rest, outs) == [BLOCK] * 40
         assert all(np.array_equal(o, data(h)) for o, h in zip(outs, first + rest))
+    finally:
+        store.close()
+
+
+def test_a_put_into_a_full_prefix_tier_writes_older_chains_down_together(tmp_path):
+    """Under the prefix-aware policy, a new chain into a CPU tier full of older chains: room for
+    each run is made before it, the older chains given up tail first and written to NVMe in a few
+    large writes; the CPU tier ends holding what block by block leaves there (the newest chain and
+    the newest older one), and every block is served exact."""
+    store, ns = make_store(tmp_path, "p", cpu_blocks=32, nvme_blocks=64, slot=BLOCK, eviction_policy="prefix")
+    try:
+        old = [chain(8, start=10_000 * k) for k in range(4)]
+        for c in old:
+            store.put(ns, c, [data(h) for h in c])   # the CPU tier full of four chains
+        new = chain(24, start=100_000)
+        before = _process_write_calls()
+        assert store.put(ns, new, [data(h) for h in new]) == ["stored"] * 24
+        writes = _process_write_calls() - before
+        demoted = store.stats()["counters"]["demotions"]
+        assert demoted == 24 and writes <= demoted // 2, (writes, demoted)
+        assert {s.block_hash for s in store.block_states() if 0 in s.tiers} == set(old[3] + new)
+        every = [h for c in old for h in c] + new
+        outs = [np.zeros(BLOCK, np.uint8) for _ in every]
+        assert store.get_into(ns, every, outs) == [BLOCK] * 56
+        assert all(np.array_equal(o, data(h)) for o, h in zip(outs, every))
     finally:
         store.close()

@@ -305,6 +305,30 @@ class BlockIndex:
             if policy.uses_chains:
                 policy.update(entry.key, *self.chain_state(entry, t))
 
+    def leaving(self, entry: Entry, t: int) -> None:
+        """Tell tier ``t``'s policy, if it uses chains, the chain states of ``entry``'s parent and
+        children as they will be once its copy in ``t`` is gone (``entry`` is a victim being
+        written down, marked ``writing_down``): its policy then names the next victim as it would
+        after that eviction (the parent, once a leaf), so a batch of victims is picked ahead in the
+        order one at a time would. ``copies_changed`` tells the true states again."""
+        policy = self.policies[t]
+        if not policy.uses_chains or not entry.copies or entry.copies.first() != t:
+            return   # a copy faster than ``t`` stays: nothing changes as ``t`` sees it
+        entries = self.entries
+        parent = self.parent(entry)
+        if parent is not None and entry.linked and t in parent.copies:
+            kids = 0
+            for child_key in parent.child_keys():
+                child = entries.get(child_key)
+                if (child is not None and child.copies and child.copies.first() <= t
+                        and not (child.writing_down and child.copies.first() == t)):
+                    kids += 1
+            policy.update(parent.key, kids, self.chain_state(parent, t)[1])
+        for child_key in entry.child_keys():
+            child = entries.get(child_key)
+            if child is not None and t in child.copies:
+                policy.update(child.key, self.chain_state(child, t)[0], True)
+
     def copies_changed(self, entry: Entry) -> None:
         """``entry`` gained or lost a copy: its parent's children and its children's prefix, as
         each tier sees them, may have changed."""

@@ -98,7 +98,8 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     a copy takes microseconds, so a run is invisible only briefly), are taken a run at a time
     (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
     publish it, in order); when that tier is full and its policy picks the same victims ahead of
-    time as one by one (``EvictionPolicy.picks_ahead``: LRU), room for the next run is made first,
+    time as one by one (``_victims_ahead``: LRU; prefix-aware where the run continues a prefix held
+    in tier 0), room for the next run is made first,
     its victims written down together (``Cascade.clear_room``); any other block (eviction, a codec, a quota near its limit, another
     tier, a disk or network first tier) goes through ``_put_one``, one at a time."""
     results: list[str] = []
@@ -112,9 +113,10 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     try:
         while i < len(hashes):
             run = cascade.reserve_run(ns, hashes, parents, i, 0, limit) if runs else []
-            if runs and not run and cascade.index.policies[0].picks_ahead:
+            keep = _victims_ahead(cascade, ns, hashes, parents, i, limit) if runs and not run else None
+            if keep is not None:
                 # tier 0 is full: make room for the next blocks at once, then take them as a run
-                cascade.clear_room(0, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, i, limit))
+                cascade.clear_room(0, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, i, limit), keep=keep)
                 run = cascade.reserve_run(ns, hashes, parents, i, 0, limit)
             if run:
                 disk.finish()   # published in the put's order
@@ -132,6 +134,35 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
             for k in on_durable:
                 results[k] = "persisted"
     return results
+
+
+def _victims_ahead(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], parents: Sequence,
+                   start: int, limit: int) -> set[bytes] | None:
+    """Whether tier 0's policy names the same victims before the next ``limit`` blocks from
+    ``start`` arrive as while they arrive one by one, and the keys ``clear_room`` must stop at:
+    LRU (``picks_ahead``): yes, none; the prefix-aware policy: where each new block's parent is
+    new in the run too, or none, or held in tier 0 — the new blocks are then its newest leaves,
+    never a victim while an older leaf is unpinned — and until it would name such a held parent
+    (one by one, the parent is no longer a leaf once its child arrives; its own chain's newest
+    block is named instead). A new block whose prefix is not in tier 0 is an orphan leaf, its
+    first victim: None, those go one by one. Read without the lock: a hint."""
+    policy = cascade.index.policies[0]
+    if policy.picks_ahead:
+        return set()
+    if not policy.uses_chains:
+        return None
+    entries, new, keep = cascade.index.entries, set(), set()
+    for k in range(start, min(len(hashes), start + limit)):
+        key = ns.id + hashes[k]
+        if key in entries or key in new:
+            continue
+        if parents[k] is not None and ns.id + parents[k] not in new:
+            held = entries.get(ns.id + parents[k])
+            if held is None or 0 not in held.copies:   # tier 0 is the fastest: held there or not
+                return None
+            keep.add(held.key)
+        new.add(key)
+    return keep
 
 
 def _absent(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], start: int, limit: int) -> int:

@@ -53,7 +53,8 @@ class Transfers:
         self._scratch = [Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
                          for _ in cascade.tiers]
 
-    def clear_room(self, t: int, nbytes: int, namespace_id: bytes, blocks: int = 1) -> None:
+    def clear_room(self, t: int, nbytes: int, namespace_id: bytes, blocks: int = 1,
+                   keep: set[bytes] | frozenset[bytes] = frozenset()) -> None:
         """Make room as ``make_room`` does, for ``blocks`` blocks of ``nbytes``, for a caller that
         does not hold the lock, where tier ``t``'s victims go down by a disk or network write (or
         are read from disk): the victims' copies below are written with the lock released, so other
@@ -63,7 +64,8 @@ class Transfers:
         pinned meanwhile (nobody else evicts it; a delete dooms it)
         and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once there
         is room, or leaves what it could not do (every block pinned, a race lost to another put, a
-        tier split by tenant) to the caller's ``make_room``. Takes the lock itself."""
+        tier split by tenant) to the caller's ``make_room``. It stops where the policy names a key
+        of ``keep`` (a put's parents: one by one, they would not be victims). Takes the lock itself."""
         if not self.writes_down_slowly(t):
             return
         tier, policy = self.cascade.tiers[t], self.cascade.index.policies[t]
@@ -82,23 +84,29 @@ class Transfers:
             victims: list[Entry] = []
             with self.cascade.lock:
                 free = tier.free_bytes_for(namespace_id)
-                keys = policy.pick_victims(self.cascade.is_pinned, min(batch, left))
-                for key in keys:
-                    if free >= need or left <= 0:
+                while free < need and left > 0 and len(victims) < batch:
+                    # a policy that names one at a time (prefix-aware) is asked again: each victim
+                    # named is pinned and, to its policy, as if gone (``leaving``)
+                    keys = policy.pick_victims(self.cascade.is_pinned, min(batch - len(victims), left))
+                    if not keys:
                         break
-                    left -= 1
-                    entry = self.cascade.index.entries[key]
-                    if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
-                        self.cascade.evict_copy(t, key)
-                        free = tier.free_bytes_for(namespace_id)
-                        continue
-                    self.cascade.pin_entry(entry)
-                    entry.writing_down = True
-                    victims.append(entry)
-                    free += tier.footprint(entry.copies[t].stored_size)   # once written down
+                    for key in keys:
+                        if key in keep:
+                            left = 0
+                        if free >= need or left <= 0:
+                            break
+                        left -= 1
+                        entry = self.cascade.index.entries[key]
+                        if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
+                            self.cascade.evict_copy(t, key)
+                            free = tier.free_bytes_for(namespace_id)
+                            continue
+                        self.cascade.pin_entry(entry)
+                        entry.writing_down = True
+                        self.cascade.index.leaving(entry, t)
+                        victims.append(entry)
+                        free += tier.footprint(entry.copies[t].stored_size)   # once written down
             if not victims:
-                if keys and free < need and left > 0:
-                    continue   # each one named was a drop: name more
                 return
             self.write_down_many(victims, t)
 
@@ -133,6 +141,8 @@ class Transfers:
                     self.cascade.drop_copy(entry, t)
                     if not entry.copies:
                         self.cascade.counters["evictions"] += 1
+                elif self.cascade.index.entries.get(entry.key) is entry:
+                    self.cascade.index.copies_changed(entry)   # kept: its chain's true states again
         if unexpected is not None:
             raise unexpected
 
