@@ -115,3 +115,20 @@ def test_handle_against_no_daemon_never_raises(chain):
     assert handle.available() is False            # three failures: the default breaker opened
     assert handle.get_into(chain, [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in chain]) == [None] * N
     handle.close()
+
+
+def test_a_lease_that_runs_out_is_a_miss_but_no_outage(daemon_factory, chain):
+    """A daemon whose store leases run out before any copy can finish: every same-host put loses
+    its lease (LeaseExpired, tried twice) and is a miss, yet the daemon answers, so the breaker
+    stays closed and the next call is made, not skipped."""
+    d = daemon_factory("--lease-seconds", "0.000001")
+    breaker = CircuitBreaker(failures_to_open=1, cool_down_s=60.0)
+    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="lease"), url=d.url, timeout_s=5.0,
+                             breaker=breaker, name="test handle")
+    assert handle.register()
+    assert handle.client.active_transport == "shm"
+    assert handle.put(chain, blocks_for(chain)) is False
+    assert not breaker.is_open and handle.available()
+    assert handle.counters() == {"failures": 1, "skipped": 0}
+    assert handle.exists(chain) == [False] * N           # answered by the daemon, not skipped
+    assert handle.counters() == {"failures": 1, "skipped": 0}
