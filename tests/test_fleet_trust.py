@@ -19,7 +19,7 @@ import pytest
 import redis
 import xxhash
 
-from daemon_util import start_daemon
+from daemon_util import start_daemon, wait_codecs_warm
 from fleet_util import BLOCK, NS, SECRET, RoguePeer, StorePeer, chain, wait_for, write_fleet_config
 
 from kvstore.fleet import MAX_SLOTS, Directory, Fleet, PeerClients
@@ -123,6 +123,7 @@ def test_malformed_nodes_and_huge_slots_leave_fleet_mode_on_and_memory_bounded(d
         put_and_publish(c1, c2, hashes, blocks, Directory(redis_url, prefix, secret=SECRET))
         r.hset(nodes, mapping=garbage)   # and again, now that they run (the janitor clears some)
 
+        wait_codecs_warm(d2)
         rss0 = psutil.Process(d2.pid).memory_info().rss
         assert c2.lookup(NS.id, hashes).num_hit == 4              # peer fetch still works
         assert c2.get(NS.id, hashes) == [b.tobytes() for b in blocks]

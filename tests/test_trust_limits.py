@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
+from daemon_util import wait_codecs_warm
 from kvstore import KVLayout, Namespace
 from kvstore.errors import BlockTooLarge, InvalidArgument, QuotaExceeded, UnknownNamespace
 from kvstore.proto import kvstore_pb2 as pb
@@ -122,6 +123,7 @@ def test_rss_returns_near_baseline_after_a_hostile_burst(daemon_factory):
             h = hashes(4, seed=10 + i)
             c.put(ns, h, [payload(x, small) for x in h])
             assert c.get(ns, h)[0] is not None
+    wait_codecs_warm(d)
     time.sleep(3)
     baseline = private_bytes(proc)
     failures: list[str] = []
