@@ -13,8 +13,9 @@ The inner loops are written for LLVM's vectoriser: 16/32-bit integer steps via `
 integer keys for min/max, no data-dependent branches. No fastmath: a / b stays a true division and
 a * b + c is never contracted to an FMA, exactly as torch computes them on CPU and CUDA. Every
 rounding step mirrors the reference; tests/test_codecs.py checks payloads and decoded blocks are
-byte-identical. Used only when numba is importable, the block is bf16, the work is on the CPU and
-every kernel is compiled (``compiled``).
+byte-identical. The rotated codecs' kernels are ``fast_rotated``'s, built on the steps here
+(``split_unit``, ``row_at``, ``abs_max16``, ``q4``, ``int8_code``). Used only when numba is
+importable, the block is bf16, the work is on the CPU and every kernel is compiled (``compiled``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ import numpy as np
 from numba import njit
 from numba.core import types
 
-from kvstore.codecs.bits import (abs_bits32, key32_to_f32, max32, min32, order_key32, umax32)
 from kvstore.codecs.bits import (BF16_NONFINITE, F32_INF, KEY_NEG_INF, KEY_POS_INF, ONE, U16, U32, ZERO, add32, and16,
                                  and32, bf16_round_down, bf16_round_up, bf16_to_f32, bits_f32, e4m3_as_half, f32_bits,
                                  f32_to_bf16_bits, f32_to_e4m3, half_to_f32, key_to_f32, max16, min16, or32, order_key,
                                  plus_zero, shl32, shr32)
 from kvstore.codecs.compiled import Kernel
-from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_split_from_bf16,
-                                            int4_hadamard64_to_bf16, int8_hadamard64_to_bf16, load_rotated,
-                                            rotate64_from_bf16, rotate_to_bf16)
 
 E4M3_MAX = np.float32(448.0)
 HALF_SCALE = np.float32(256.0)   # e4m3_as_half reads a code as value * 2**-8
@@ -56,12 +53,6 @@ _SIGNATURES = {
     "int4_decode_values": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I),
     "int8_encode": types.int64(_IN16, *_GEOM, _I, _I, _U8, _U16),
     "int8_decode": types.none(_IN16, _IN16, _U32, *_GEOM, _I, _I),
-    "int8_rot_encode": types.int64(_IN16, *_GEOM, _I, _I, _I, _U8, _U16),
-    "int8_rot_decode": types.none(_IN8, _IN16, _U32, *_GEOM, _I, _I, _I),
-    "int4_encode_values_rot": types.int64(_IN16, *_GEOM, _I, _I, _I, _I, _U8, _U16, _U16),
-    "int4_decode_values_rot": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I, _I),
-    "int4_encode_keys_rot": types.int64(_IN16, *_GEOM, _I, _I, _I, _I, _U8, _U16, _U16),
-    "int4_decode_keys_rot": types.none(_IN8, _IN16, _IN16, _U32, *_GEOM, _I, _I, _I, _I),
 }
 
 KERNEL_NAMES = tuple(_SIGNATURES)   # what ``compiled.compile_all`` compiles here
@@ -73,14 +64,14 @@ def kernel(fn):
 
 
 @njit(inline="always")
-def _split(u, n):
+def split_unit(u, n):
     """Unit ``u`` of ``n`` per layer -> (layer, index within the layer)."""
     l = u // n
     return l, u - l * n
 
 
 @njit(inline="always")
-def _row(off, l, t, h, sl, st, sh):
+def row_at(off, l, t, h, sl, st, sh):
     """Where row (layer, token, head) of a tensor starts in its block."""
     return off + l * sl + t * st + h * sh
 
@@ -105,7 +96,7 @@ def _fp8_row(x, codes, sf, D):
 
 
 @njit(inline="always")
-def _abs_max(x, D):
+def abs_max16(x, D):
     m = U16(0)
     for d in range(D):
         m = max(m, and16(x[d], _MAG))
@@ -118,11 +109,11 @@ def fp8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
     scales [U*H] of this tensor. Returns 1 if a NaN/Inf was met (then nothing is valid)."""
     bad = 0
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             x = src[row:row + D]
-            m = _abs_max(x, D)
+            m = abs_max16(x, D)
             if m >= BF16_NONFINITE:
                 bad = 1
             s, sf = _fp8_scale(m)
@@ -140,14 +131,14 @@ def fp8_head_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
         for h in range(H):
             m = U16(0)
             for t in range(T):
-                row = _row(off, l, t, h, sl, st, sh)
-                m = max(m, _abs_max(src[row:row + D], D))
+                row = row_at(off, l, t, h, sl, st, sh)
+                m = max(m, abs_max16(src[row:row + D], D))
             if m >= BF16_NONFINITE:
                 bad = 1
             s, sf = _fp8_scale(m)
             scales[l * H + h] = s
             for t in range(T):
-                row = _row(off, l, t, h, sl, st, sh)
+                row = row_at(off, l, t, h, sl, st, sh)
                 i = (l * T + t) * H + h
                 _fp8_row(src[row:row + D], codes[i * D:(i + 1) * D], sf, D)
     return bad
@@ -176,11 +167,11 @@ def fp8_decode(codes, scales, per_head, out, off, T, H, D2, sl, st, sh, u0, u1):
     (scale * 256)``: the same real product, rounded once (the half is exact and normal in float32,
     ``scale * 256`` exact unless it overflows, where the two factors go in one by one)."""
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
             sf = bf16_to_f32(scales[l * H + h] if per_head else scales[u * H + h])
             k = sf * HALF_SCALE
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             o = out[row:row + D2]
             i = u * H + h
             c = codes[i * D2:(i + 1) * D2]
@@ -210,15 +201,15 @@ def _nonfinite(lo_key, hi_key):
 
 
 @njit(inline="always")
-def _q4(v, mf, safe):
+def q4(v, mf, safe):
     return U32(np.int32(min(max(np.rint((v - mf) / safe), ZERO), LEVELS)))
 
 
 @njit(inline="always")
 def _pack(w, mf0, sf0, mf1, sf1):
     """One 32-bit word (two bf16) -> one byte of two codes (even element in the low nibble)."""
-    q0 = _q4(bits_f32(shl32(w, _S16)), mf0, sf0)
-    q1 = _q4(bits_f32(and32(w, _HIGH16)), mf1, sf1)
+    q0 = q4(bits_f32(shl32(w, _S16)), mf0, sf0)
+    q1 = q4(bits_f32(and32(w, _HIGH16)), mf1, sf1)
     return np.uint8(or32(q0, shl32(q1, _S4)))
 
 
@@ -238,9 +229,9 @@ def int4_encode_values(src16, src, off, T, H, D2, sl, st, sh, vg2, u0, u1, codes
     groups = D2 // vg2
     bad = 0
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             i = u * H + h
             for g in range(groups):
                 a = row + g * vg2
@@ -274,13 +265,13 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
     sf1, mf1 = np.empty(D2, np.float32), np.empty(D2, np.float32)   # odd channels
     bad = 0
     for u in range(u0, u1):
-        l, g = _split(u, groups)
+        l, g = split_unit(u, groups)
         for h in range(H):
             for d in range(D):
                 lo[d] = _KEY_MAX
                 hi[d] = _KEY_MIN
             for t in range(g * kg, (g + 1) * kg):
-                row = _row(off, l, t, h, sl, st, sh)
+                row = row_at(off, l, t, h, sl, st, sh)
                 x = src16[2 * row:2 * (row + D2)]
                 for d in range(D):
                     k = order_key(x[d])
@@ -297,7 +288,7 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
             for j in range(D2):
                 mf0[j], sf0[j], mf1[j], sf1[j] = mf[2 * j], sf[2 * j], mf[2 * j + 1], sf[2 * j + 1]
             for t in range(g * kg, (g + 1) * kg):
-                row = _row(off, l, t, h, sl, st, sh)
+                row = row_at(off, l, t, h, sl, st, sh)
                 w = src[row:row + D2]
                 i = (l * T + t) * H + h
                 c = codes[i * D2:(i + 1) * D2]
@@ -310,9 +301,9 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
 def int4_decode_values(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg2, u0, u1):
     groups = D2 // vg2
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             i = u * H + h
             for g in range(groups):
                 sf = bf16_to_f32(scale[i * groups + g])
@@ -329,7 +320,7 @@ def int4_decode_keys(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, u0, u
     sf0, mf0 = np.empty(D2, np.float32), np.empty(D2, np.float32)   # even channels
     sf1, mf1 = np.empty(D2, np.float32), np.empty(D2, np.float32)   # odd channels
     for u in range(u0, u1):
-        l, g = _split(u, groups)
+        l, g = split_unit(u, groups)
         for h in range(H):
             base = (u * H + h) * 2 * D2
             for j in range(D2):
@@ -338,7 +329,7 @@ def int4_decode_keys(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, u0, u
                 sf1[j] = bf16_to_f32(scale[base + 2 * j + 1])
                 mf1[j] = bf16_to_f32(mn[base + 2 * j + 1])
             for t in range(g * kg, (g + 1) * kg):
-                row = _row(off, l, t, h, sl, st, sh)
+                row = row_at(off, l, t, h, sl, st, sh)
                 o = out[row:row + D2]
                 i = (l * T + t) * H + h
                 c = codes[i * D2:(i + 1) * D2]
@@ -354,7 +345,7 @@ INT8_MAX = np.float32(127.0)
 
 
 @njit(inline="always")
-def _int8_code(v, safe):
+def int8_code(v, safe):
     return np.uint8(np.int8(np.int32(min(max(np.rint(v / safe), -INT8_MAX), INT8_MAX))))
 
 
@@ -365,11 +356,11 @@ def int8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
     NaN/Inf was met (then nothing is valid)."""
     bad = 0
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             x = src[row:row + D]
-            m = _abs_max(x, D)
+            m = abs_max16(x, D)
             if m >= BF16_NONFINITE:
                 bad = 1
             s = bf16_round_up(bf16_to_f32(m) / INT8_MAX)
@@ -379,7 +370,7 @@ def int8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
             scales[i] = s
             c = codes[i * D:(i + 1) * D]
             for d in range(D):
-                c[d] = _int8_code(bf16_to_f32(x[d]), safe)
+                c[d] = int8_code(bf16_to_f32(x[d]), safe)
     return bad
 
 
@@ -397,230 +388,12 @@ def int8_decode(codes, scales, out, off, T, H, D2, sl, st, sh, u0, u1):
     """Units = (layer, token) rows; codes read as 16-bit pairs, the block written as 32-bit words
     (geometry in words, ``D2`` = D/2)."""
     for u in range(u0, u1):
-        l, t = _split(u, T)
+        l, t = split_unit(u, T)
         for h in range(H):
             i = u * H + h
             sf = bf16_to_f32(scales[i])
-            row = _row(off, l, t, h, sl, st, sh)
+            row = row_at(off, l, t, h, sl, st, sh)
             o = out[row:row + D2]
             c = codes[i * D2:(i + 1) * D2]
             for j in range(D2):
                 o[j] = _int8_pair(c[j], sf)
-
-
-# --- rotated rows (``rotation.py``, run by ``fast_rotation``): float32 rows ----------------------
-
-@njit(inline="always")
-def _row_nonfinite(x, D):
-    """1 if the bf16 row ``x[:D]`` holds a NaN/Inf, else 0."""
-    return 1 if _abs_max(x, D) >= BF16_NONFINITE else 0
-
-
-@njit(inline="always")
-def _int4_range(lo, hi):
-    """(min bf16, scale bf16, min as float, divisor) of a group from its float32 ordered-key
-    extremes (as ``_int4_stats`` from 16-bit ones)."""
-    m = bf16_round_down(plus_zero(key32_to_f32(lo)))
-    mf = bf16_to_f32(m)
-    s = bf16_round_up((plus_zero(key32_to_f32(hi)) - mf) / LEVELS)
-    sf = bf16_to_f32(s)
-    return m, s, mf, (ONE if sf == ZERO else sf)
-
-
-@kernel
-def int8_rot_encode(src, off, T, H, D, sl, st, sh, n, u0, u1, codes, scales):
-    """``int8_encode`` of each (token, head) row after ``rotation.rotate_for_encode``: scale
-    ``amax / 127`` of the rotated row (rounded up to bf16), codes ``rint(y / scale)``."""
-    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
-    bad = 0
-    for u in range(u0, u1):
-        l, t = _split(u, T)
-        for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
-            x = src[row:row + D]
-            bad |= _row_nonfinite(x, D)
-            if n == 64:
-                lo, hi = rotate64_from_bf16(src, row, a, 0, D)
-            else:
-                load_rotated(x, a, b, D, n)
-                lo, hi = extremes(a, D)
-            m = umax32(abs_bits32(key32_to_f32(lo)), abs_bits32(key32_to_f32(hi)))   # (the largest |y|)
-            s = bf16_round_up(bits_f32(m) / INT8_MAX)
-            sf = bf16_to_f32(s)
-            safe = ONE if sf == ZERO else sf
-            i = u * H + h
-            scales[i] = s
-            c = codes[i * D:(i + 1) * D]
-            for d in range(D):
-                c[d] = _int8_code(a[d], safe)
-    return bad
-
-
-@kernel
-def int8_rot_decode(codes, scales, out, off, T, H, D2, sl, st, sh, n, u0, u1):
-    """code * scale in float32, rotated back (``rotation.rotate``), rounded to bf16; the block
-    written as 32-bit words (geometry in words, ``D2`` = D/2)."""
-    D = 2 * D2
-    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
-    for u in range(u0, u1):
-        l, t = _split(u, T)
-        for h in range(H):
-            i = u * H + h
-            sf = bf16_to_f32(scales[i])
-            row = _row(off, l, t, h, sl, st, sh)
-            if n == 64:
-                for g in range(0, D, 64):
-                    int8_hadamard64_to_bf16(codes, i * D + g, sf, out, row + g // 2)
-                continue
-            c = codes[i * D:(i + 1) * D]
-            for d in range(D):
-                a[d] = np.float32(np.int8(c[d])) * sf
-            rotate_to_bf16(a, b, D, n, out, row)
-
-
-@kernel
-def int4_encode_values_rot(src, off, T, H, D, sl, st, sh, vg, n, u0, u1, codes, scale, mn):
-    """``int4_encode_values`` of each (token, head) row after ``rotation.rotate_for_encode``:
-    groups of ``vg`` rotated dims, statistics from float32 extremes. Geometry in elements."""
-    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
-    groups = D // vg
-    D2, vg2 = D // 2, vg // 2
-    fast = n == 64 and vg == 64
-    bad = 0
-    for u in range(u0, u1):
-        l, t = _split(u, T)
-        for h in range(H):
-            row = _row(off, l, t, h, sl, st, sh)
-            x = src[row:row + D]
-            bad |= _row_nonfinite(x, D)
-            if not fast:
-                load_rotated(x, a, b, D, n)
-            i = u * H + h
-            for g in range(groups):
-                y = a[g * vg:(g + 1) * vg]
-                if fast:   # (y: the even elements, then the odd ones)
-                    lo, hi = hadamard64_split_from_bf16(src, row + g * 64, INV64, a, g * 64)
-                else:
-                    lo, hi = extremes(y, vg)
-                m, s, mf, safe = _int4_range(lo, hi)
-                mn[i * groups + g] = m
-                scale[i * groups + g] = s
-                c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
-                if fast:
-                    for j in range(32):
-                        c[j] = np.uint8(or32(_q4(y[j], mf, safe), shl32(_q4(y[32 + j], mf, safe), _S4)))
-                    continue
-                for j in range(vg2):
-                    c[j] = np.uint8(or32(_q4(y[2 * j], mf, safe), shl32(_q4(y[2 * j + 1], mf, safe), _S4)))
-    return bad
-
-
-@kernel
-def int4_decode_values_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg, n, u0, u1):
-    """q * scale + min in float32 steps, rotated back, rounded to bf16 (geometry in words)."""
-    D = 2 * D2
-    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
-    groups = D // vg
-    vg2 = vg // 2
-    for u in range(u0, u1):
-        l, t = _split(u, T)
-        for h in range(H):
-            i = u * H + h
-            row = _row(off, l, t, h, sl, st, sh)
-            if n == 64 and vg == 64:
-                for g in range(groups):
-                    int4_hadamard64_to_bf16(codes, (i * groups + g) * 32, bf16_to_f32(scale[i * groups + g]),
-                                            bf16_to_f32(mn[i * groups + g]), 0, out, row + g * 32)
-                continue
-            for g in range(groups):
-                sf = bf16_to_f32(scale[i * groups + g])
-                mf = bf16_to_f32(mn[i * groups + g])
-                c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
-                y = a[g * vg:(g + 1) * vg]
-                for j in range(vg2):
-                    w = U32(c[j])
-                    y[2 * j] = np.float32(and32(w, _LOW4)) * sf + mf
-                    y[2 * j + 1] = np.float32(shr32(w, _S4)) * sf + mf
-            rotate_to_bf16(a, b, D, n, out, row)
-
-
-@kernel
-def int4_encode_keys_rot(src, off, T, H, D, sl, st, sh, kg, n, u0, u1, codes, scale, mn):
-    """``int4_encode_keys`` of the rotated rows: per channel of the rotated rows, groups of ``kg``
-    tokens, statistics from float32 extremes. Units = (layer, key group); geometry in elements."""
-    groups = T // kg
-    D2 = D // 2
-    rows = np.empty(kg * D, np.float32)
-    b = np.empty(D, np.float32)
-    lo, hi = np.empty(D, np.int32), np.empty(D, np.int32)
-    mf, sf = np.empty(D, np.float32), np.empty(D, np.float32)
-    mq, sq = np.empty(D, np.uint16), np.empty(D, np.uint16)
-    bad = 0
-    for u in range(u0, u1):
-        l, g = _split(u, groups)
-        for h in range(H):
-            for d in range(D):
-                lo[d] = KEY32_MAX
-                hi[d] = KEY32_MIN
-            for k in range(kg):
-                row = _row(off, l, g * kg + k, h, sl, st, sh)
-                x = src[row:row + D]
-                bad |= _row_nonfinite(x, D)
-                y = rows[k * D:(k + 1) * D]
-                if n == 64:
-                    rotate64_from_bf16(src, row, rows, k * D, D)
-                else:
-                    load_rotated(x, y, b, D, n)
-                for d in range(D):
-                    key = order_key32(y[d])
-                    lo[d] = min32(lo[d], key)
-                    hi[d] = max32(hi[d], key)
-            for d in range(D):
-                mq[d], sq[d], mf[d], sf[d] = _int4_range(lo[d], hi[d])
-            base = (u * H + h) * D
-            mn[base:base + D] = mq
-            scale[base:base + D] = sq
-            for k in range(kg):
-                y = rows[k * D:(k + 1) * D]
-                i = (l * T + g * kg + k) * H + h
-                c = codes[i * D2:(i + 1) * D2]
-                for j in range(D2):
-                    c[j] = np.uint8(or32(_q4(y[2 * j], mf[2 * j], sf[2 * j]),
-                                         shl32(_q4(y[2 * j + 1], mf[2 * j + 1], sf[2 * j + 1]), _S4)))
-    return bad
-
-
-@kernel
-def int4_decode_keys_rot(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, n, u0, u1):
-    """q * scale + min per channel in float32 steps, each row rotated back, rounded to bf16
-    (geometry in 32-bit words)."""
-    groups = T // kg
-    D = 2 * D2
-    a, b = np.empty(D, np.float32), np.empty(D, np.float32)
-    sf, mf = np.empty(D, np.float32), np.empty(D, np.float32)
-    sf_split, mf_split = np.empty(D, np.float32), np.empty(D, np.float32)   # (int4_hadamard64_to_bf16's order)
-    for u in range(u0, u1):
-        l, g = _split(u, groups)
-        for h in range(H):
-            base = (u * H + h) * D
-            for d in range(D):
-                sf[d] = bf16_to_f32(scale[base + d])
-                mf[d] = bf16_to_f32(mn[base + d])
-            if n == 64:
-                for d in range(D):
-                    p = d - d % 64 + (d % 2) * 32 + (d % 64) // 2
-                    sf_split[p], mf_split[p] = sf[d], mf[d]
-            for k in range(kg):
-                t = g * kg + k
-                i = (l * T + t) * H + h
-                row = _row(off, l, t, h, sl, st, sh)
-                if n == 64:
-                    for p in range(0, D, 64):
-                        int4_hadamard64_to_bf16(codes, i * D2 + p // 2, sf_split, mf_split, p, out, row + p // 2)
-                    continue
-                c = codes[i * D2:(i + 1) * D2]
-                for j in range(D2):
-                    w = U32(c[j])
-                    a[2 * j] = np.float32(and32(w, _LOW4)) * sf[2 * j] + mf[2 * j]
-                    a[2 * j + 1] = np.float32(shr32(w, _S4)) * sf[2 * j + 1] + mf[2 * j + 1]
-                rotate_to_bf16(a, b, D, n, out, row)

@@ -155,13 +155,14 @@ class Int4Codec(SectionCodec):
             g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)
             codes, scale, mn = sections[f"{r}_codes"], sections[f"{r}_scale"], sections[f"{r}_min"]
             if n > 1:
+                from kvstore.codecs import fast_rotated as rotated   # (numba: only reached once fast_cpu imported)
                 units, group = (L * (T // kg), kg) if r == "k" else (L * T, vg)
                 if encode:
-                    kernel = kernels.int4_encode_keys_rot if r == "k" else kernels.int4_encode_values_rot
+                    kernel = rotated.int4_encode_keys_rot if r == "k" else rotated.int4_encode_values_rot
                     jobs.append((lambda a, b, k=kernel, w16=words, g=(off, T, H, D, sl, st, sh), gr=group, c=codes,
                                  sc=scale, m=mn: k(w16, *g, gr, n, a, b, c, sc, m), units))
                 else:
-                    kernel = kernels.int4_decode_keys_rot if r == "k" else kernels.int4_decode_values_rot
+                    kernel = rotated.int4_decode_keys_rot if r == "k" else rotated.int4_decode_values_rot
                     jobs.append((lambda a, b, k=kernel, w=w, g=g, gr=group, c=codes, sc=scale, m=mn: k(
                         c, sc, m, w, *g, gr, n, a, b), units))
                 continue

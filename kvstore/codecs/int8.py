@@ -84,7 +84,7 @@ class Int8Codec(SectionCodec):
         for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
             c, sc = codes[i * nc:(i + 1) * nc], scales[i * ns:(i + 1) * ns]
             if n > 1 and i == 0:
-                jobs.append(self._rotated_job(kernels, words, (off, L, T, H, D, sl, st, sh), c, sc, n, encode))
+                jobs.append(self._rotated_job(words, (off, L, T, H, D, sl, st, sh), c, sc, n, encode))
             elif encode:
                 jobs.append((lambda a, b, c=c, sc=sc, w=words, g=(off, T, H, D, sl, st, sh): kernels.int8_encode(
                     w, *g, a, b, c, sc), L * T))
@@ -95,7 +95,8 @@ class Int8Codec(SectionCodec):
         return jobs
 
     @staticmethod
-    def _rotated_job(kernels, words, geometry, c, sc, n: int, encode: bool):
+    def _rotated_job(words, geometry, c, sc, n: int, encode: bool):
+        from kvstore.codecs import fast_rotated as kernels   # (numba: only reached once fast_cpu imported)
         off, L, T, H, D, sl, st, sh = geometry
         if encode:
             g = (off, T, H, D, sl, st, sh)
