@@ -20,9 +20,10 @@ import redis
 import xxhash
 
 from daemon_util import start_daemon, wait_codecs_warm
-from fleet_util import BLOCK, NS, SECRET, RoguePeer, StorePeer, chain, wait_for, write_fleet_config
+from fleet_util import BLOCK, NS, SECRET, StorePeer, chain, wait_for, write_fleet_config
 
 from kvstore.fleet import MAX_SLOTS, Directory, Fleet, PeerClients
+from kvstore.ops.forging_peer import ForgingPeer
 from kvstore.store import Store, StoreConfig
 from kvstore.tiers.cpu import CpuTier
 
@@ -86,7 +87,7 @@ def test_a_rogue_peer_listed_by_a_directory_writer_is_never_contacted(daemons, t
                                                                       signature):
     hashes, _ = chain(3, seed=1)
     evil = [bytes([0x66]) * BLOCK for _ in hashes]
-    rogue = RoguePeer(dict(zip(hashes, evil)))
+    rogue = ForgingPeer(dict(zip(hashes, evil)), NS.id, BLOCK)
     try:
         d = daemons(tmp_path / "victim", redis_url, prefix, "victim")
         with d.client(transport="grpc") as c:

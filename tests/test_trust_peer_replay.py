@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from daemon_util import start_daemon
-from fleet_util import NS, SECRET, RoguePeer, chain, wait_for, write_fleet_config
+from fleet_util import BLOCK, NS, SECRET, chain, wait_for, write_fleet_config
 
 from kvstore.fleet import Directory
+from kvstore.ops.forging_peer import ForgingPeer, replay
 from kvstore.proto import kvstore_pb2 as pb
 
 PEER_TOKEN = "peer-token-of-tenant-t-must-not-leak"
@@ -56,17 +57,6 @@ def counters(client) -> dict:
     return client.stats()["fleet"]["counters"]
 
 
-def replay(channel: grpc.Channel, method: str, metadata: tuple, request: bytes):
-    """The thief's captured call, sent byte for byte to another daemon."""
-    call = channel.unary_unary if method != "Get" else channel.unary_stream
-    fn = call(f"/kvstore.v1.KVStore/{method}", request_serializer=None, response_deserializer=None)
-    try:
-        out = fn(request, metadata=metadata, timeout=10)
-        return list(out) if method == "Get" else out
-    except grpc.RpcError as e:
-        return e.code()
-
-
 @pytest.mark.parametrize("tombstone", ["kept", "deleted by the attacker"])
 def test_a_replayed_entry_of_a_departed_node_gets_no_secret_and_no_usable_proof(nodes, tmp_path, redis_url,
                                                                                  prefix, tombstone):
@@ -88,7 +78,7 @@ def test_a_replayed_entry_of_a_departed_node_gets_no_secret_and_no_usable_proof(
     d1_address = f"127.0.0.1:{d1.port}"
     assert d1.stop() == 0                                   # a clean leave: d1 withdraws its entries
     assert directory.entries(NS.id, "d1") == 0
-    thief = RoguePeer({h: b.tobytes() for h, b in zip(hashes, blocks)}, d1_address)
+    thief = ForgingPeer({h: b.tobytes() for h, b in zip(hashes, blocks)}, NS.id, BLOCK, d1_address)
     try:
         for slot, value in saved_nodes.items():             # written back within the entry's TTL
             r.hset(nodes_key, slot, value)

@@ -18,63 +18,19 @@ import socket
 import subprocess
 import textwrap
 import time
-from concurrent import futures
 
 import grpc
 
 from kvstore import Namespace
 from kvstore.fleet import Directory
 from kvstore.ops.local_daemon import start_local_daemon
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import PROTOCOL_VERSION
+from kvstore.ops.forging_peer import ForgingPeer, replay
 
 from .common import KiB, Unsupported, hashes, is_exact, layout, payload
 
 PEER_TOKEN = "reliability-peer-token-of-tenant-t"
 SECRET = "reliability-fleet-secret-0123456789"
 BLOCK = 16 * KiB
-
-
-class _Thief(pb_grpc.KVStoreServicer):
-    """A gRPC server on the departed node's port that answers like a daemon (with the departed
-    node's own bytes) and keeps every call's metadata and request bytes."""
-
-    def __init__(self, address: str, ns_id: bytes, blocks: dict[bytes, bytes]) -> None:
-        self.ns_id, self.blocks = ns_id, blocks
-        self.calls: list[tuple[str, tuple, bytes]] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_KVStoreServicer_to_server(self, self.server)
-        deadline = time.monotonic() + 10
-        while not self.server.add_insecure_port(address):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not bind {address}")
-            time.sleep(0.1)
-        self.server.start()
-
-    def _keep(self, method: str, request, context) -> None:
-        self.calls.append((method, tuple(context.invocation_metadata()), request.SerializeToString()))
-
-    def Handshake(self, request, context):
-        self._keep("Handshake", request, context)
-        return pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id="thief", lease_seconds=5.0,
-                                    max_message_bytes=16 << 20, chunk_bytes=1 << 20)
-
-    def RegisterNamespace(self, request, context):
-        self._keep("RegisterNamespace", request, context)
-        return pb.RegisterNamespaceResponse(namespace_id=self.ns_id, block_bytes=BLOCK, tenant="t")
-
-    def Get(self, request, context):
-        self._keep("Get", request, context)
-        for i, h in enumerate(request.hashes):
-            data = self.blocks.get(bytes(h))
-            if data is None:
-                yield pb.GetChunk(index=i, hit=False)
-            else:
-                yield pb.GetChunk(index=i, hit=True, size=len(data), offset=0, data=data)
-
-    def stop(self) -> None:
-        self.server.stop(0)
 
 
 def _node(workdir: str, redis_url: str, prefix: str, node_id: str):
@@ -102,20 +58,6 @@ def _node(workdir: str, redis_url: str, prefix: str, node_id: str):
         """))
     return start_local_daemon(workdir, "--config", config, cpu_bytes="16MiB", nvme_bytes="0",
                               env={"KVSTORE_FLEET__SECRET": SECRET}, client_kwargs={"token": PEER_TOKEN})
-
-
-def _replayed(port: int, method: str, metadata: tuple, request: bytes):
-    """A captured call sent byte for byte to a daemon: its status code, or "answered"."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        make = channel.unary_stream if method == "Get" else channel.unary_unary
-        fn = make(f"/kvstore.v1.KVStore/{method}", request_serializer=None, response_deserializer=None)
-        try:
-            out = fn(request, metadata=metadata, timeout=10)
-            if method == "Get":
-                list(out)
-            return "answered"
-        except grpc.RpcError as e:
-            return e.code().name
 
 
 def _wait(cond, timeout_s: float = 20.0) -> bool:
@@ -170,7 +112,7 @@ def peer_replay(workdir: str, rounds: int = 3) -> dict:
                 saved_holders = dict(zip(hs, r.hmget(holders_key, hs)))
                 address = f"127.0.0.1:{d1.port}"
                 d1.stop()
-                thief = _Thief(address, ns.id, {h: b.tobytes() for h, b in zip(hs, blocks)})
+                thief = ForgingPeer({h: b.tobytes() for h, b in zip(hs, blocks)}, ns.id, BLOCK, address)
                 try:
                     for field, value in saved_nodes.items():
                         r.hset(nodes_key, field, value)
@@ -186,9 +128,11 @@ def peer_replay(workdir: str, rounds: int = 3) -> dict:
                     m["thief_calls"] += len(thief.calls)
                     m["secrets_seen"] += sum(PEER_TOKEN in str(meta) or SECRET in str(meta)
                                              for _, meta, _ in thief.calls)
-                    for method, meta, request in thief.calls:
-                        m["proofs_replayed"] += 1
-                        m["replays_refused"] += _replayed(honest.port, method, meta, request) == "UNAUTHENTICATED"
+                    with grpc.insecure_channel(f"127.0.0.1:{honest.port}") as channel:
+                        for method, meta, request in thief.calls:
+                            m["proofs_replayed"] += 1
+                            m["replays_refused"] += replay(channel, method, meta, request) == \
+                                grpc.StatusCode.UNAUTHENTICATED
                 finally:
                     thief.stop()
                 ch.put(ns.id, hs, blocks)
