@@ -20,7 +20,10 @@ groups of N dims; ``k_hadchan16``: keys rotated, then per channel over 16 tokens
 (token, head) row, ``int8`` symmetric per row, ``_kchan`` keys with one scale per (head, channel)
 over the block's tokens, ``_k`` / ``_v`` only keys / values rotated (the other plain), ``k_fp8`` /
 ``k_int8kchan`` 8-bit keys beside INT4 values, ``+sink_X`` the sequence's first block through
-variant X (``int8h``: int8_had) instead. ``bf16_ulp`` is not a codec: every element moved to a
+variant X (``int8h``: int8_had) instead, ``_t0`` every block's token 0 kept exactly and the rest quantised
+without it (``int4_g64_t0``; ``_konly`` / ``_vonly``: only its keys / values quantised, to see which
+error dominates), ``_out1`` one token per block kept exactly in K and V, the one whose removal shrinks
+its key channels' ranges most. ``bf16_ulp`` is not a codec: every element moved to a
 neighbouring bf16 value, a yardstick for how small an error is.
 
     --compute bfloat16 --greedy 32     # the model in bf16 (as an engine), and 32-token greedy identity
@@ -99,6 +102,47 @@ def bf16_ulp(x):
     return ((bits & -0x8000) | mag).view(torch.bfloat16).float()
 
 
+def T0(f):
+    """``f`` over the block's tokens 1.. only, token 0 kept exactly (the sequence's first token, the
+    attention sink, is token 0 of its first block): ``int4_g64_t0``."""
+    def g(x):
+        out = x.clone()
+        out[:, 1:] = f(x[:, 1:])
+        return out
+    return g
+
+
+def K_chan_all(k):   # per channel over all the tokens it is given
+    return int4(k, 1, k.shape[1])
+
+
+def outlier_token(k):
+    """The token of a block's keys ``[H, T, D]`` whose removal shrinks the per-channel ranges most
+    (summed over heads and channels, each relative to its range)."""
+    top = k.topk(2, dim=1).values        # [H, 2, D]
+    bot = (-k).topk(2, dim=1).values.neg()
+    rng = (top[:, 0] - bot[:, 0]).clamp_min(1e-30)
+    gain_hi = (top[:, 0] - top[:, 1]) / rng   # if the argmax token goes
+    gain_lo = (bot[:, 1] - bot[:, 0]) / rng
+    gain = torch.zeros(k.shape[1])
+    gain.index_add_(0, k.argmax(1).reshape(-1), gain_hi.reshape(-1))
+    gain.index_add_(0, k.argmin(1).reshape(-1), gain_lo.reshape(-1))
+    return int(gain.argmax())
+
+
+def OUT1(fk, fv):
+    """One token per block (``outlier_token`` of its keys) kept exactly in K and V, the rest through
+    ``fk`` / ``fv``."""
+    def joint(kb, vb):
+        t = outlier_token(kb)
+        keep = [i for i in range(kb.shape[1]) if i != t]
+        ko, vo = kb.clone(), vb.clone()
+        ko[:, keep] = fk(kb[:, keep])
+        vo[:, keep] = fv(vb[:, keep])
+        return ko, vo
+    return joint
+
+
 VARIANTS = {
     "fp8": (FP8, FP8),
     "fp8_kchan": (FP8_KCHAN, FP8),
@@ -128,6 +172,11 @@ VARIANTS = {
     "k_fp8+v_had64": (FP8, V_tok(64, True)),
     "k_fp8+v_g64": (FP8, V_tok(64, False)),
     "k_int8kchan+v_had64": (INT8_KCHAN, V_tok(64, True)),
+    "int4_g64_t0": (T0(K_chan_all), T0(V_tok(64, False))),
+    "int4_g32_t0": (T0(K_chan_all), T0(V_tok(32, False))),
+    "int4_g64_t0_konly": (T0(K_chan_all), lambda v: v),
+    "int4_g64_t0_vonly": (lambda k: k, T0(V_tok(64, False))),
+    "int4_g64_out1": (type("J", (), {"joint": staticmethod(OUT1(K_chan_all, V_tok(64, False)))})(), None),
 }
 #: "+sink_X": the sequence's first block through variant X instead
 SINKS = {"fp8": (FP8, FP8), "int8h": (INT8_HAD, INT8_HAD)}
@@ -138,6 +187,16 @@ for name in ("int4_g64", "k_chan+v_had64", "k_had64+v_had64", "k_chan16+v_g64", 
 
 
 def apply(cache, P, fk, fv, sink):
+    if getattr(fk, "joint", None):
+        for layer in cache.layers:
+            k, v = layer.keys[0, :, :P].float(), layer.values[0, :, :P].float()
+            ko, vo = [], []
+            for b in range(P // BLOCK):
+                a, c = fk.joint(k[:, b * BLOCK:(b + 1) * BLOCK], v[:, b * BLOCK:(b + 1) * BLOCK])
+                ko.append(a); vo.append(c)
+            layer.keys[0, :, :P] = torch.cat(ko, 1).to(layer.keys.dtype)
+            layer.values[0, :, :P] = torch.cat(vo, 1).to(layer.values.dtype)
+        return
     for layer in cache.layers:
         for i, (attr, f) in enumerate((("keys", fk), ("values", fv))):
             t = getattr(layer, attr)  # [1, H, P, D]
@@ -277,7 +336,8 @@ SIZES = {"fp8": "0.52", "fp8_kchan": "0.52", "fp8_had": "0.52", "int8": "0.52", 
          "int4_g64": "0.30", "int4_g32": "0.31", "k_chan16+v_g64": "0.33", "k_chan8+v_g64": "0.39",
          "k_chan16+v_g32": "0.34", "k_chan+v_had64": "0.30", "k_chan16+v_had64": "0.33",
          "k_had64+v_had64": "0.28", "k_had32+v_had32": "0.31", "k_tok64+v_tok64": "0.28",
-         "k_fp8+v_had64": "0.40", "k_fp8+v_g64": "0.40"}
+         "k_fp8+v_had64": "0.40", "k_fp8+v_g64": "0.40",
+         "int4_g64_t0": "0.32", "int4_g32_t0": "0.34", "int4_g64_out1": "0.32"}
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, hea
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
 SLOT = 4096
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan"]
+         "int8_kchan", "int4_g64_t0"]
 TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (codecs.cpu: ...)
 TRANSPORTS = ["shm", "bulk", "grpc"]
 

@@ -18,7 +18,7 @@ AXES = ("kv", "layer", "token", "head", "dim")
 LAYOUTS = ["kv,layer,token,head,dim", "kv,token,layer,head,dim", "kv,head,token,layer,dim",
            "layer,kv,token,head,dim", "vllm_cpu"]
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan"]
+         "int8_kchan", "int4_g64_t0"]
 ROTATED = ("int8_had", "int4_g64_k16_had")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -78,7 +78,7 @@ def test_codec_ids_are_pinned():
     # Stored blocks name their codec by id: these numbers may never change.
     assert CODEC_IDS == {"raw": 0, "fp8": 1, "fp8_head": 2, "int4_g32": 3, "int4_g64": 4,
                          "int4_g128": 5, "zstd": 6, "int4_g64_k16": 7, "int8": 8, "int8_had": 9,
-                         "int4_g64_k16_had": 10, "int8_kchan": 11}
+                         "int4_g64_k16_had": 10, "int8_kchan": 11, "int4_g64_t0": 12}
     for name, cid in CODEC_IDS.items():
         assert get_codec(name) is codec_for_id(cid) is get_codec(cid)
 
@@ -193,6 +193,15 @@ def test_elementwise_error_bounds(codec, dtype):
             # half a step, a little slack for the stored scale being rounded up to the
             # block's dtype, plus the output's own rounding
             bound = (rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps) * (D if rot else 1) + x2.abs() * eps
+        if codec == "int4_g64_t0":   # token 0 exact; the other tokens as int4 over them alone
+            xr = x[:, 1:]
+            if is_key:
+                rng = (xr.amax(1, keepdim=True) - xr.amin(1, keepdim=True)).expand_as(xr)
+            else:
+                xg = xr.view(L, T - 1, H, 1, D)
+                rng = (xg.amax(4, keepdim=True) - xg.amin(4, keepdim=True)).expand_as(xg).reshape(xr.shape)
+            bound = torch.cat((torch.zeros_like(x[:, :1]), rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps), 1)
+            bound = bound + x2.abs() * eps
         assert bool((err <= bound).all()), float((err - bound).max())
 
 
@@ -337,6 +346,55 @@ def test_per_channel_key_scales_shrink_the_error_of_outlier_channels():
     assert errors("int8_kchan")[1] == errors("int8")[1]
     n = L * T * H * D   # V codes follow K codes in both
     assert bytes(kchan[HEADER_BYTES + n:HEADER_BYTES + 2 * n]) == bytes(plain[HEADER_BYTES + n:HEADER_BYTES + 2 * n])
+
+
+def test_int4_g64_t0_known_answer():
+    """Token 0 of every (layer, head) is stored as it is, after int4's sections for the other
+    tokens: keys t % 16 along tokens 1.. and values i % 16 along dims are exact on the 16-level grid
+    (codes predictable), token 0's rows (far off that grid) decode bit for bit."""
+    L, T, H, D = 1, 17, 1, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k = ((torch.arange(T) - 1) % 16).float().view(1, T, 1, 1).expand(L, T, H, D).clone()
+    v = (torch.arange(D) % 16).float().view(1, 1, 1, D).expand(L, T, H, D).clone()
+    k[:, 0], v[:, 0] = torch.linspace(-900, 1234.5, D), torch.linspace(3e-3, -7.25, D)
+    block = pack_block(k, v, layout.layout).to(torch.bfloat16)
+    cid, payload = encode_block("int4_g64_t0", as_bytes(block), layout)
+    assert cid == 12 and int.from_bytes(bytes(payload[8:10]), "little") == 64
+    body = payload[HEADER_BYTES:]
+    n = (T - 1) * D // 2   # K codes, then V codes (16-byte aligned)
+    k_codes = body[:n].reshape(T - 1, D // 2)
+    v_codes = body[n:2 * n].reshape(T - 1, D // 2)
+    assert [row[0] for row in k_codes.tolist()] == [(t % 16) * 0x11 for t in range(T - 1)]
+    assert v_codes[0].tolist() == [(2 * i % 16) | ((2 * i + 1) % 16) << 4 for i in range(D // 2)]
+    stats = 2 * D * 2 + 2 * (T - 1) * 2   # K scale + min per channel, V scale + min per row (bf16)
+    first = torch.from_numpy(body[2 * n + stats:].copy()).view(torch.bfloat16).view(2, D)
+    assert len(body) == 2 * n + stats + 2 * 2 * D
+    assert torch.equal(first[0], block.view(2, T, D)[0, 0]) and torch.equal(first[1], block.view(2, T, D)[1, 0])
+    assert torch.equal(decode_block(cid, payload, layout).view(torch.bfloat16), block)
+
+
+def test_int4_g64_t0_keeps_an_attention_sink_exactly():
+    """A block whose token 0 is unlike the rest (an attention sink: keys far larger): int4_g64_t0
+    decodes it exactly and the other tokens' keys with a fraction of int4_g64's error, which
+    quantises every key channel over a range the sink widens; values as int4_g64's per row."""
+    L, T, H, D = 2, 32, 2, 64
+    layout = make_layout(L=L, T=T, H=H, D=D)
+    k, v = realistic_kv(L, T, H, D, seed=42)
+    k = k.float()
+    k[:, 0] = k[:, 0] * 10 + 30
+    block = pack_block(k.to(torch.bfloat16), v, layout.layout)
+    k = k.to(torch.bfloat16)
+    errs = {}
+    for codec in ("int4_g64", "int4_g64_t0"):
+        k2, v2 = unpack_block(roundtrip(codec, block, layout), layout.layout, L, T, H, D)
+        errs[codec] = [float((b[:, 1:].float() - a[:, 1:].float()).norm() / a[:, 1:].float().norm())
+                       for a, b in ((k, k2), (v, v2))]
+        if codec == "int4_g64_t0":
+            assert torch.equal(k2[:, 0], k[:, 0]) and torch.equal(v2[:, 0], v[:, 0])
+    assert errs["int4_g64_t0"][0] * 5 < errs["int4_g64"][0], errs
+    assert errs["int4_g64_t0"][1] == errs["int4_g64"][1], errs
+    ratio = layout.block_bytes / len(encode_block("int4_g64_t0", as_bytes(block), layout)[1])
+    assert 3.0 < ratio < layout.block_bytes / len(encode_block("int4_g64", as_bytes(block), layout)[1])
 
 
 def test_fp8_known_answer():
@@ -565,6 +623,11 @@ def test_property_any_permutation_layout(order, L, T, H, D, dtype, codec, seed):
     name = ",".join(order)
     layout = make_layout(name, L, T, H, D, dtype)
     k, v = realistic_kv(L, T, H, D, TORCH_DTYPES[dtype], seed)
+    if codec == "int4_g64_t0" and T == 1:   # keeps token 0 exactly: nothing left to quantise
+        with pytest.raises(Refused) as refused:
+            roundtrip(codec, pack_block(k, v, name), layout)
+        assert refused.value.reason == "group"
+        return
     out = roundtrip(codec, pack_block(k, v, name), layout)
     k2, v2 = unpack_block(out, name, L, T, H, D)
     if not get_codec(codec).lossy:

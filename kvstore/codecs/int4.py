@@ -130,6 +130,11 @@ class Int4Codec(SectionCodec):
         self.rows(parts, tuple(f"{r}_codes" for r in roles)).copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16))
 
     def dequantize(self, parts: dict[str, torch.Tensor], s: BlockShape, block: torch.Tensor) -> None:
+        self.dequantize_into(parts, s, part_views(block, s))
+
+    def dequantize_into(self, parts: dict[str, torch.Tensor], s: BlockShape, outs: list[torch.Tensor]) -> None:
+        """``dequantize`` into the tensors ``outs`` (``[L, T, H, D]`` views of ``s``'s shape, any
+        strides)."""
         roles = self.roles(s)
         codes = self.rows(parts, tuple(f"{r}_codes" for r in roles))
         x = torch.empty((*codes.shape, 2), dtype=torch.float32, device=codes.device)
@@ -138,7 +143,7 @@ class Int4Codec(SectionCodec):
         x[..., 0].copy_(torch.bitwise_and(codes, 0x0F))
         x[..., 1].copy_(torch.bitwise_right_shift(codes, 4))
         n = self.rotation_size(s)
-        for i, (r, out) in enumerate(zip(roles, part_views(block, s))):
+        for i, (r, out) in enumerate(zip(roles, outs)):
             shape, dim = self._grouped(s, r)
             g = x[i].view(shape).mul_(parts[f"{r}_scale"].unsqueeze(dim))
             if n > 1:   # float32 sum, rotated back, stored rounded
