@@ -127,12 +127,12 @@ def _put(s: Setup) -> None:
 
 
 def _same_host_put(s: Setup) -> None:
-    lease = s.store.prepare_store(s.ns, [s.new])
+    lease = s.store.leases.prepare_store(s.ns, [s.new])
     pos = 0
     for view in s.store.shared_arena().views(lease.extents[0]):
         view[:] = data(s.new)[pos:pos + view.nbytes]
         pos += view.nbytes
-    assert s.store.complete_store(lease.id) == ["stored"]
+    assert s.store.leases.complete_store(lease.id) == ["stored"]
 
 
 def _get_promoting(s: Setup) -> None:
@@ -141,9 +141,9 @@ def _get_promoting(s: Setup) -> None:
 
 
 def _same_host_get_staging(s: Setup) -> None:
-    lease = s.store.prepare_load(s.ns, [s.cold])
+    lease = s.store.leases.prepare_load(s.ns, [s.cold])
     got = np.concatenate([np.asarray(v) for v in s.store.shared_arena().views(lease.extents[0])])[:BLOCK]
-    s.store.complete_load(lease.id)
+    s.store.leases.complete_load(lease.id)
     assert np.array_equal(got, data(s.cold))
 
 
@@ -183,11 +183,11 @@ def test_a_victim_read_while_it_is_written_keeps_its_arena_copy(setup):
     s = setup
     waiting = s.pool.submit(_put, s)
     assert s.lower.started.wait(NOT_STUCK_S)
-    lease = s.store.prepare_load(s.ns, [s.victim])   # a same-host reader pins the victim's arena slots
+    lease = s.store.leases.prepare_load(s.ns, [s.victim])   # a same-host reader pins the victim's arena slots
     s.lower.release.set()
     waiting.result(NOT_STUCK_S)
     got = np.concatenate([np.asarray(v) for v in s.store.shared_arena().views(lease.extents[0])])[:BLOCK]
-    s.store.complete_load(lease.id)
+    s.store.leases.complete_load(lease.id)
     assert np.array_equal(got, data(s.victim))   # its slots were not handed to the new block
     assert s.tiers_of(s.victim) == (0, 1)   # both copies: clean now, a later eviction is a drop
     assert s.tiers_of(s.resident[1]) == (1,)   # the room came from the next victim instead

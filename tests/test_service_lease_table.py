@@ -82,22 +82,22 @@ def test_store_and_load_leases_read_back_exactly_from_their_table(segment_bytes)
         old = churned(store, ns)
         fresh = ChainHasher(seed=9).chain(list(range(16 * 6)), 16)
         hashes = [old[1], old[3]] + fresh + [old[5]]     # some present already
-        lease = store.prepare_store(ns, hashes)
+        lease = store.leases.prepare_store(ns, hashes)
         assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
         got = read(answer(store, lease, True))
         assert got == expected(store, lease, True)
         assert [b[3] for b in got[0]] == [e is None for e in lease.extents]
         if segment_bytes:
             assert {p[2] for p in got[1]} >= {1}
-        store.complete_store(lease.id)
+        store.leases.complete_store(lease.id)
 
-        load = store.prepare_load(ns, hashes)
+        load = store.leases.prepare_load(ns, hashes)
         load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
         load.sizes = [BLOCK, 1234] + load.sizes[2:]
         got = read(answer(store, load, False))
         assert got == expected(store, load, False)
         assert [(b[2], b[1]) for b in got[0][:2]] == [(0, BLOCK), (3, 1234)]
-        store.complete_load(load.id)
+        store.leases.complete_load(load.id)
     finally:
         store.close()
 
@@ -105,7 +105,7 @@ def test_store_and_load_leases_read_back_exactly_from_their_table(segment_bytes)
 def test_an_empty_load_lease_is_no_blocks():
     store, ns = make()
     try:
-        lease = store.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
+        lease = store.leases.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
         assert slots(answer(store, lease, False)) == ([], [])
     finally:
         store.close()
@@ -122,10 +122,10 @@ def test_a_lease_of_one_extent_blocks_reads_back_exactly():
     try:
         hashes = ChainHasher().chain(list(range(16 * 5)), 16)
         store.put(ns, hashes[:2], [np.ones(BLOCK, dtype=np.uint8)] * 2)
-        lease = store.prepare_store(ns, hashes)
+        lease = store.leases.prepare_store(ns, hashes)
         assert all(e is None or len(e) == 1 for e in lease.extents)
         assert read(answer(store, lease, True)) == expected(store, lease, True)
-        store.abort_store(lease.id)
+        store.leases.abort_store(lease.id)
     finally:
         store.close()
 
@@ -137,9 +137,9 @@ def test_present_blocks_beside_a_two_extent_block_read_back_exactly():
         churned(store, ns)
         hashes = ChainHasher(seed=11).chain(list(range(16 * 2)), 16)
         store.put(ns, hashes[:1], [np.ones(BLOCK, dtype=np.uint8)])
-        lease = store.prepare_store(ns, hashes)
+        lease = store.leases.prepare_store(ns, hashes)
         assert [0 if e is None else len(e) for e in lease.extents] == [0, 2]
         assert read(answer(store, lease, True)) == expected(store, lease, True)
-        store.abort_store(lease.id)
+        store.leases.abort_store(lease.id)
     finally:
         store.close()

@@ -164,31 +164,31 @@ def test_two_phase_store(harness):
     h = harness(cpu_blocks=8)
     c = chain(3)
     h.put(c[:1])
-    lease = h.store.prepare_store(h.ns, c, parent=None)
+    lease = h.store.leases.prepare_store(h.ns, c, parent=None)
     assert lease.extents[0] is None  # already stored
     assert h.store.contains(h.ns, c) == [True, False, False]  # reserved blocks are invisible
     assert h.store.lookup(h.ns, c).num_hit == 1
     for x, ext in zip(c[1:], lease.extents[1:]):
         _write_reserved(h, ext, data(x))
-    assert h.store.complete_store(lease.id) == ["exists", "stored", "stored"]
+    assert h.store.leases.complete_store(lease.id) == ["exists", "stored", "stored"]
     assert h.check(c) == [True] * 3
     with pytest.raises(LeaseExpired):
-        h.store.complete_store(lease.id)
+        h.store.leases.complete_store(lease.id)
 
 
 def test_two_phase_store_abort_and_expiry_free_the_slots(harness):
     h = harness(cpu_blocks=4)
     cpu = h.store.tiers[h.store.cpu_index]
-    lease = h.store.prepare_store(h.ns, chain(3))
+    lease = h.store.leases.prepare_store(h.ns, chain(3))
     assert cpu.used_bytes == 3 * BLOCK
-    h.store.abort_store(lease.id)
+    h.store.leases.abort_store(lease.id)
     assert cpu.used_bytes == 0 and h.store.stats()["blocks"] == 0
-    lease = h.store.prepare_store(h.ns, chain(2))
-    assert h.store.expire_leases(now=lease.expires - 1) == 0
-    assert h.store.expire_leases(now=lease.expires + 1) == 1
+    lease = h.store.leases.prepare_store(h.ns, chain(2))
+    assert h.store.leases.expire(now=lease.expires - 1) == 0
+    assert h.store.leases.expire(now=lease.expires + 1) == 1
     assert cpu.used_bytes == 0
     with pytest.raises(LeaseExpired, match="unknown or expired"):
-        h.store.complete_store(lease.id)
+        h.store.leases.complete_store(lease.id)
     assert h.store.contains(h.ns, chain(2)) == [False, False]
 
 
@@ -197,7 +197,7 @@ def test_two_phase_load_promotes_pins_and_expires(harness):
     c = chain(8)
     h.put(c)
     cold = [x for x in c if h.tier_of(x) == "nvme"][:2]
-    lease = h.store.prepare_load(h.ns, cold + [b"missing-block-hash"])
+    lease = h.store.leases.prepare_load(h.ns, cold + [b"missing-block-hash"])
     assert len(lease.keys) == 2  # stops at the first miss
     arena = h.store.tiers[h.store.cpu_index].arena
     for x, ext in zip(cold, lease.extents):
@@ -207,11 +207,11 @@ def test_two_phase_load_promotes_pins_and_expires(harness):
     for x, ext in zip(cold, lease.extents):
         got = np.concatenate([arena[o:o + n] for o, n in ext])
         assert np.array_equal(got, data(x)), "a pinned block was overwritten"
-    h.store.complete_load(lease.id)
+    h.store.leases.complete_load(lease.id)
     with pytest.raises(LeaseExpired):
-        h.store.complete_load(lease.id)
-    lease = h.store.prepare_load(h.ns, cold)
-    assert h.store.expire_leases(now=lease.expires + 1) == 1
+        h.store.leases.complete_load(lease.id)
+    lease = h.store.leases.prepare_load(h.ns, cold)
+    assert h.store.leases.expire(now=lease.expires + 1) == 1
     assert all(b.pins == 0 for b in h.store.block_states())
 
 
@@ -286,7 +286,7 @@ def test_delete_while_pinned(harness):
     h = harness(cpu_blocks=4)
     c = chain(2)
     h.put(c)
-    lease = h.store.prepare_load(h.ns, c)
+    lease = h.store.leases.prepare_load(h.ns, c)
     assert h.store.delete(h.ns, c) == 2
     assert h.store.contains(h.ns, c) == [False, False]
     assert h.store.lookup(h.ns, c).num_hit == 0
@@ -295,7 +295,7 @@ def test_delete_while_pinned(harness):
     for x, ext in zip(c, lease.extents):  # the reader still sees intact bytes
         assert np.array_equal(np.concatenate([arena[o:o + n] for o, n in ext]), data(x))
     assert h.store.delete(h.ns, c) == 0
-    h.store.complete_load(lease.id)
+    h.store.leases.complete_load(lease.id)
     assert h.store.tiers[h.store.cpu_index].used_bytes == 0
     assert h.store.stats()["blocks"] == 0 and h.store.namespace_bytes(h.ns) == 0
     assert h.put(c) == ["stored", "stored"]  # and it can be stored again
@@ -571,11 +571,11 @@ def test_random_workload_never_serves_a_wrong_byte(harness, tiers):
             for x, g in zip(c[:n], h.store.get(ns, c[:n])):
                 assert g is None or g == data(x, size).tobytes(), "a wrong byte was served"
         elif op < 0.9:
-            lease = h.store.prepare_load(ns, c[:rng.randint(1, 4)])
+            lease = h.store.leases.prepare_load(ns, c[:rng.randint(1, 4)])
             for key, ext in zip(lease.keys, lease.extents):
                 got = np.concatenate([arena[o:o + n] for o, n in ext])
                 assert np.array_equal(got, data(key[16:], size)), "prepare_load exposed wrong bytes"
-            h.store.complete_load(lease.id)
+            h.store.leases.complete_load(lease.id)
         else:
             h.store.delete(ns, c[rng.randint(0, 5):])
     s = h.store.stats()
@@ -695,9 +695,9 @@ def test_shared_arena_describes_the_cpu_segment(harness):
     assert (arena.st_dev, arena.st_ino) == (st.st_dev, st.st_ino)
     c = chain(1)
     h.put(c)
-    lease = h.store.prepare_load(h.ns, c)
+    lease = h.store.leases.prepare_load(h.ns, c)
     assert np.array_equal(np.concatenate(arena.views(lease.extents[0])), data(c[0]))
-    h.store.complete_load(lease.id)
+    h.store.leases.complete_load(lease.id)
     assert h.store.largest_block_bytes == 64 * NVME_FP
     assert harness(cpu_blocks=0).store.shared_arena() is None
 

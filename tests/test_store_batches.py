@@ -75,20 +75,20 @@ def make_store(tmp_path, name: str, cpu_blocks: int = 8, nvme_blocks: int = 64, 
 
 
 def _resident_block_by_block(cascade, ns, hashes, dsts, accept=()):
-    """A get whose blocks are all absent or in RAM, one ``read_block`` at a time (what one batch
+    """A get whose blocks are all absent or in RAM, one ``read_blocks`` call per block (what one batch
     of them must equal); any other get as it is (its slow-tier reads overlap in any case)."""
     slow = reads.slow_from(cascade)
     with cascade.lock:
         below = any((e := cascade.index.visible(ns, h)) is not None and e.fastest >= slow for h in hashes)
     if below:
         return reads.read_blocks(cascade, ns, hashes, dsts, accept)
-    return [reads.read_block(cascade, ns, h, dst, accept) for h, dst in zip(hashes, dsts)]
+    return [reads.read_blocks(cascade, ns, [h], [dst], accept)[0] for h, dst in zip(hashes, dsts)]
 
 
 @contextlib.contextmanager
 def block_by_block(monkeypatch):
     """The store as it was before batching: every put block through ``reserve`` (so room is made
-    for it alone), every get block through ``read_block``, every written block published on its own."""
+    for it alone), every get block read by a call of its own, every written block published on its own."""
     with monkeypatch.context() as m:
         m.setattr(Cascade, "reserve_run", lambda self, *a, **k: [])
         m.setattr(Cascade, "publish_run", lambda self, entries, payloads: [
@@ -127,7 +127,7 @@ def run_workload(store: Store, ns: bytes, seed: int) -> list:
             out.append(store.delete(ns, part))
         elif op == "two_phase_store":
             try:
-                lease = store.prepare_store(ns, part, parent)
+                lease = store.leases.prepare_store(ns, part, parent)
             except StoreFull:
                 out.append("full")
                 continue
@@ -139,11 +139,11 @@ def run_workload(store: Store, ns: bytes, seed: int) -> list:
                     for v in views:
                         v[:] = data(h)[pos:pos + v.nbytes]
                         pos += v.nbytes
-            out.append(store.complete_store(lease.id))
+            out.append(store.leases.complete_store(lease.id))
         else:
-            lease = store.prepare_load(ns, part)
+            lease = store.leases.prepare_load(ns, part)
             out.append([len(e) for e in lease.extents])
-            store.complete_load(lease.id)
+            store.leases.complete_load(lease.id)
     out.append(sorted((s.block_hash, s.tiers, s.pins, s.visible) for s in store.block_states()))
     out.append(store.tenant_bytes("t"))
     return out
@@ -298,14 +298,14 @@ def test_a_completed_store_lease_writes_through_what_the_writer_put_in_the_slots
     """complete_store reads the slots only when something needs their bytes (write-through here)."""
     store, ns = make_store(tmp_path, "wt", write_through=write_through)
     hashes = chain(3)
-    lease = store.prepare_store(ns, hashes)
+    lease = store.leases.prepare_store(ns, hashes)
     arena = store.shared_arena()
     for h, ext in zip(hashes, lease.extents):
         pos = 0
         for v in arena.views(ext):
             v[:] = data(h)[pos:pos + v.nbytes]
             pos += v.nbytes
-    assert store.complete_store(lease.id) == ["persisted" if write_through else "stored"] * 3
+    assert store.leases.complete_store(lease.id) == ["persisted" if write_through else "stored"] * 3
     assert [s.tiers for s in store.block_states()] == [(0, 1) if write_through else (0,)] * 3
     if write_through:   # the NVMe copy holds the bytes the writer put in the slots
         out = np.zeros(BLOCK, dtype=np.uint8)

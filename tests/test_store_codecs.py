@@ -185,7 +185,7 @@ def test_a_same_host_writer_s_slots_are_encoded_at_complete_store(tmp_path):
     ns = store.register_namespace(Namespace(LAYOUT))
     hashes = ChainHasher().chain(np.arange(2 * 32), 32)
     blocks = [kv_block(400 + i) for i in range(2)]
-    lease = store.prepare_store(ns, hashes)
+    lease = store.leases.prepare_store(ns, hashes)
     cpu = store.tiers[0]
     assert cpu.used_bytes == 2 * LAYOUT.block_bytes            # raw slots while the writer fills them
     for ext, block in zip(lease.extents, blocks):
@@ -193,7 +193,7 @@ def test_a_same_host_writer_s_slots_are_encoded_at_complete_store(tmp_path):
         for off, length in ext:
             cpu.arena[off:off + length] = block[pos:pos + length]
             pos += length
-    assert store.complete_store(lease.id) == ["stored"] * 2
+    assert store.leases.complete_store(lease.id) == ["stored"] * 2
     views = [codec_view("int4_g64", b) for b in blocks]
     assert cpu.used_bytes == sum(cpu.footprint(p.nbytes) for _, p, _ in views)   # the rest was freed
     assert store.get(ns, hashes) == [d for _, _, d in views]

@@ -325,16 +325,16 @@ def test_store_quota_counts_puts_reservations_and_recovered_blocks(tmp_path):
     ns = store.register_namespace(Namespace(layout(block), tenant="q"))
     h = hashes(8, seed=5)
     assert store.put(ns, h[:2], [payload(x, block) for x in h[:2]]) == ["stored"] * 2   # a peer fetch's path
-    lease = store.prepare_store(ns, h[2:4])
+    lease = store.leases.prepare_store(ns, h[2:4])
     assert store.tenant_bytes("q") == 4 * block
     with pytest.raises(QuotaExceeded):
         store.put(ns, h[4:5], [payload(h[4], block)])
     with pytest.raises(QuotaExceeded), store.quota_hold(ns, h[4:5]):
         pass
-    store.abort_store(lease.id)
+    store.leases.abort_store(lease.id)
     assert store.tenant_bytes("q") == 2 * block
-    lease = store.prepare_store(ns, h[2:4])
-    assert store.expire_leases(now=float("inf")) == 1 and store.tenant_bytes("q") == 2 * block
+    lease = store.leases.prepare_store(ns, h[2:4])
+    assert store.leases.expire(now=float("inf")) == 1 and store.tenant_bytes("q") == 2 * block
     assert store.delete(ns, h[:1]) == 1 and store.tenant_bytes("q") == block
     store.put(ns, h[4:7], [payload(x, block) for x in h[4:7]])
     assert store.tenant_bytes("q") == 4 * block

@@ -62,7 +62,7 @@ def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callab
             start += 1
             continue
         asked = len(hashes[start:start + per_lease])
-        lease = store.prepare_load(ns.id, hashes[start:start + per_lease], accept)
+        lease = store.leases.prepare_load(ns.id, hashes[start:start + per_lease], accept)
         try:
             if lease.extents:
                 yield Run([(arena.views(extents if byte_range is None else window(extents, *byte_range)), codec)
@@ -70,7 +70,7 @@ def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callab
                 _check_pin(lease.expires)
         finally:
             try:
-                store.complete_load(lease.id)
+                store.leases.complete_load(lease.id)
             except LeaseExpired:
                 pass
         start += len(lease.extents)

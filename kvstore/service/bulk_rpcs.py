@@ -162,7 +162,7 @@ class BulkRpcs:
                     nonlocal received
                     try:
                         with progress.working():
-                            lease = self.store.reserve_store(ns.id, hashes[a:b], hashes[a - 1] if a else parent)
+                            lease = self.store.leases.reserve_store(ns.id, hashes[a:b], hashes[a - 1] if a else parent)
                     except StoreFull:
                         return False
                     try:
@@ -173,14 +173,14 @@ class BulkRpcs:
                         bulk_transport.recv_exact_into_each(sock, [memoryview(v) for v in views], progress.touch)
                         received += (b - a) * ns.block_bytes
                     except BaseException:
-                        self.store.cancel_store(lease)
+                        self.store.leases.cancel_store(lease)
                         raise
                     with progress.working():
-                        results.extend(PUT_RESULT[r] for r in self.store.finish_store(lease))
+                        results.extend(PUT_RESULT[r] for r in self.store.leases.finish_store(lease))
                     return True
 
                 arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
-                with self.service.quota_hold(ns, hashes):
+                with self.store.quota_hold(ns.id, hashes):
                     for a, b in put_runs(sizes):
                         if arena is None or not receive_into_arena(a, b):
                             receive(a, b)

@@ -270,7 +270,7 @@ class Daemon:
         heap = HeapTrimmer()  # a burst of large requests leaves freed heap in RSS until trimmed
         while not self._stop.wait(period):
             try:
-                self.store.expire_leases()
+                self.store.leases.expire()
                 self.servicer.prune_leases()
                 self.servicer.stalls.cancel_stalled()
                 shm.reap_probes(self.settings.shm_dir)
@@ -289,7 +289,7 @@ class Daemon:
         self._stop.set()
         self.servicer.close_transports()
         flushed = self.store.flush()
-        self.store.expire_leases(now=float("inf"))
+        self.store.leases.expire(now=float("inf"))
         self.metrics.close()
         self.store.close()
         self.gc_pauses.uninstall()

@@ -114,33 +114,33 @@ class LeaseRpcs:
         ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
         parent = check_parent(request.parent)
-        with self.service.quota_hold(ns, hashes):
-            lease = self.store.prepare_store(ns.id, hashes, parent)
+        with self.store.quota_hold(ns.id, hashes):
+            lease = self.store.leases.prepare_store(ns.id, hashes, parent)
         slots = sum(ext is not None for ext in lease.extents)
         self.service.moved("in", "shm", ns.block_bytes * slots)   # slots to fill
         self.service.identify(context)
         return self._lease_response(lease, self._public_lease(lease.id, context), True, ns.block_bytes)
 
     def CompleteStore(self, request, context):
-        results = self.store.complete_store(self._store_lease(context, request.lease_id), request.codec,
+        results = self.store.leases.complete_store(self._store_lease(context, request.lease_id), request.codec,
                                             list(request.sizes))
         return pb.PutResponse(results=[PUT_RESULT[r] for r in results])
 
     def AbortStore(self, request, context):
-        self.store.abort_store(self._store_lease(context, request.lease_id))
+        self.store.leases.abort_store(self._store_lease(context, request.lease_id))
         return pb.Empty()
 
     def PrepareLoad(self, request, context):
         ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
         hashes = check_hashes(request.hashes)
-        lease = self.store.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
+        lease = self.store.leases.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
         stop = len(lease.extents)
         self.service.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # leased out
         self.service.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
         return self._lease_response(lease, self._public_lease(lease.id, context), False, ns.block_bytes)
 
     def CompleteLoad(self, request, context):
-        self.store.complete_load(self._store_lease(context, request.lease_id))
+        self.store.leases.complete_load(self._store_lease(context, request.lease_id))
         return pb.Empty()
 
     def local_call(self, tenant: str, method: str, request: bytes) -> tuple[bytes, tuple]:

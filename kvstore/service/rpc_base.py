@@ -98,11 +98,6 @@ class ServiceState:
                                  f"{ns.id.hex()} has {ns.block_bytes}-byte blocks (layout differs)")
         return ns
 
-    def quota_hold(self, ns: Namespace, hashes: list[bytes]):
-        """Refuse a whole batch up front if it would not fit its tenant's quota (the store charges
-        each block as it is reserved, atomically, whatever the transport; see Store.quota_hold)."""
-        return self.store.quota_hold(ns.id, hashes)
-
     def identify(self, context, unstaged: bool = False) -> None:
         """Tell a same-host client which daemon run answered: its arena mapping is only valid
         for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes).

@@ -48,7 +48,7 @@ class PutSink:
         self.results: list[int] = []
         self.received = 0
         self._hold = contextlib.ExitStack()
-        self._hold.enter_context(service.quota_hold(self.ns, self.hashes))
+        self._hold.enter_context(service.store.quota_hold(self.ns.id, self.hashes))
         self._store(first)
 
     def feed(self, message: chunks.PutPiece) -> None:

@@ -49,8 +49,7 @@ from kvstore.store.policy import make_tier_policies
 from kvstore.store.quotas import TenantQuotas
 from kvstore.store.store_lock import StoreLock
 from kvstore.store.transcoding import StagedBlock, Transcoder
-from kvstore.store.transfers import (COPIED, CORRUPT, NO_ROOM, PLACEMENT_ERRORS,  # noqa: F401 (the cascade's outcomes)
-                                     ROOM_ATTEMPTS, RoomNotReady, Transfers)
+from kvstore.store.transfers import COPIED, PLACEMENT_ERRORS, ROOM_ATTEMPTS, RoomNotReady, Transfers
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.cpu import CpuTier
 

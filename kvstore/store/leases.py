@@ -26,10 +26,11 @@ import numpy as np
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
-from kvstore.store.cascade import PLACEMENT_ERRORS, Cascade
+from kvstore.store.cascade import Cascade
 from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs, run_limit
 from kvstore.store.reads import read_copies
 from kvstore.store.transcoding import RAW
+from kvstore.store.transfers import PLACEMENT_ERRORS
 from kvstore.tiers.cpu import CpuTier
 
 

@@ -95,12 +95,6 @@ def slow_from(cascade: Cascade) -> int:
     return cascade.cpu_index + 1 if cascade.cpu_index is not None else 0
 
 
-def read_block(cascade: Cascade, namespace_id: bytes, block_hash: bytes, dst: np.ndarray,
-               accept: Collection[int] = ()) -> tuple[int, int] | None:
-    """``read_blocks`` for one block."""
-    return read_blocks(cascade, namespace_id, [block_hash], [dst], accept)[0]
-
-
 def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int],
           accept: Collection[int]) -> list[BlockRead]:
     """Pin the fastest copy of each present block of ``todo`` and count the rest as misses (lock held here)."""

@@ -6,7 +6,7 @@ arena's description (``shared_arena``), the size bound of a block (``largest_blo
 tenant's quota accounting (``tenant_bytes``, ``quota_hold``) and the figures one tenant may see
 (``tenant_stats``), and a snapshot of the index for inspection (``block_states``).
 ``lookup`` pins what it reports for ``lease_seconds``, so the get that follows never races an
-eviction; two-phase zero-copy operations are delegated to ``leases.Leases``.
+eviction; the two-phase zero-copy operations are ``Store.leases`` (``leases.Leases``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from kvstore.buffers import writable_bytes
 from kvstore.errors import BlockTooLarge, InvalidArgument, QuotaExceeded, TierIOError
 from kvstore.keys import Namespace
 from kvstore.store.admin import StoreAdmin
-from kvstore.store.cascade import COPIED, Cascade
+from kvstore.store.cascade import Cascade
 from kvstore.store.config import StoreConfig
-from kvstore.store.leases import Lease, Leases
+from kvstore.store.leases import Leases
 from kvstore.store.listeners import StoreListener
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.puts import checked_payloads, put_chain
 from kvstore.store.reads import read_blocks
 from kvstore.store.recovery import RecoveryProgress, recover
+from kvstore.store.transfers import COPIED
 from kvstore.store.views import BlockState, PinnedBlock, SharedArena
 from kvstore.tiers.base import Tier
 from kvstore.wire import Lookup
@@ -57,7 +58,7 @@ class Store:
         self._cascade = Cascade(tiers, self.config, self._namespaces, clock)
         for tier in tiers:   # a tier that splits its room by tenant (CPU tenant segments) asks whose
             tier.assign_owners(self._tenant_of_namespace)
-        self._leases = Leases(self._cascade)
+        self.leases = Leases(self._cascade)   # the two-phase operations (leases.py)
         self._lock = self._cascade.lock
         self._index = self._cascade.index.entries
         self.tiers = self._cascade.tiers
@@ -324,37 +325,6 @@ class Store:
                 "blocks": sum(v["blocks"] for v in by_namespace.values()), "bytes": sum(held.values()),
                 "charged_bytes": charged, "quota_bytes": quotas.limits.get(tenant), "by_namespace": by_namespace}
 
-    # -- two-phase operations (see leases.py) ----------------------------------------------------
-
-    def prepare_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
-        return self._leases.prepare_store(namespace_id, hashes, parent)
-
-    def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
-        return self._leases.complete_store(lease_id, codec, sizes)
-
-    def reserve_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
-        """``prepare_store`` for a writer in this process: no lease id, no expiry; end it with
-        ``finish_store`` or ``cancel_store`` (``leases.Leases.reserve_store``)."""
-        return self._leases.reserve_store(namespace_id, hashes, parent)
-
-    def finish_store(self, lease: Lease) -> list[str]:
-        return self._leases.finish_store(lease)
-
-    def cancel_store(self, lease: Lease) -> None:
-        self._leases.cancel_store(lease)
-
-    def abort_store(self, lease_id: int) -> None:
-        self._leases.abort_store(lease_id)
-
-    def prepare_load(self, namespace_id: bytes, hashes: Sequence[bytes], accept: Collection[int] = ()) -> Lease:
-        return self._leases.prepare_load(namespace_id, hashes, accept)
-
-    def complete_load(self, lease_id: int) -> None:
-        self._leases.complete_load(lease_id)
-
-    def expire_leases(self, now: float | None = None) -> int:
-        return self._leases.expire(now)
-
     # -- delete, flush, stats --------------------------------------------------------------------
 
     def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
@@ -423,7 +393,7 @@ class Store:
             codecs = self._cascade.transcoder.tier_stats(self._index.values())
             return {
                 "blocks": sum(1 for e in self._index.values() if e.ready),
-                "leases": len(self._leases),
+                "leases": len(self.leases),
                 "namespaces": len(self._namespaces),
                 "tiers": {t.name: {**t.stats(), "policy": p.name, "policy_blocks": len(p), "codec": codecs[t.name]}
                           for t, p in zip(self.tiers, self.policies)},

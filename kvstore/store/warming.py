@@ -8,7 +8,8 @@ tier's codec applied), so a warmed block is indistinguishable from one promoted 
 
 from __future__ import annotations
 
-from kvstore.store.cascade import COPIED, NO_ROOM, Cascade
+from kvstore.store.cascade import Cascade
+from kvstore.store.transfers import COPIED, NO_ROOM
 from kvstore.store.index import Entry
 
 #: what ``warm`` did for one block
