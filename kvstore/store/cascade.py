@@ -446,7 +446,12 @@ class Cascade:
         except Exception:
             self.tiers[t].drop(record.key)
             raise
-        entry.copies[t] = record
+        self.add_copy(entry, t, placed)
+
+    def add_copy(self, entry: Entry, t: int, placed) -> None:
+        """Record the copy ``placed`` (``Transcoder.place``) just written into tier ``t``. Caller
+        holds the lock."""
+        entry.copies[t] = placed.record
         self.transcoder.count(t, placed, entry.raw_size)
         self.index.track_copy(entry, t)
         self.copies_changed(entry)
@@ -492,14 +497,8 @@ class Cascade:
 
     def discard_corrupt_copy(self, entry: Entry, t: int) -> None:
         """Forget a copy that failed its checksum or decode (a miss, counted)."""
-        self.tiers[t].drop(entry.key)  # a durable tier drops corrupt copies itself; codecs do not
         self.counters["corrupt_dropped"] += 1
-        self.index.policies[t].remove(entry.key)
-        entry.copies.pop(t, None)
-        if entry.copies:
-            self.copies_changed(entry)
-        else:
-            self._forget(entry)
+        self.drop_copy(entry, t)   # a durable tier drops corrupt copies itself; codecs do not
 
     def drop_entry(self, entry: Entry) -> None:
         for t in list(entry.copies):
@@ -528,7 +527,6 @@ class Cascade:
             del index.entries[entry.key]
             if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by doom)
                 self.listeners.removed(entry.namespace_id, entry.block_hash)
-            if entry.ready:
                 index.namespace_bytes[entry.namespace_id] -= entry.raw_size
             self._uncharge(entry)
             index.copies_changed(entry)  # its children just lost their prefix

@@ -172,10 +172,7 @@ class Transfers:
                 placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, views[0],
                                                downward=True)
             except (BlockCorrupt, CodecError):
-                with self.cascade.lock:
-                    if entry.copies.get(src) is record:
-                        self.cascade.discard_corrupt_copy(entry, src)
-                outcomes[k] = CORRUPT
+                outcomes[k] = self._damaged(entry, src, record)
                 continue
             placed_all.append((k, entry, placed))
         writing = []
@@ -206,10 +203,7 @@ class Transfers:
                 if error is not None or entry.doomed or self.cascade.index.entries.get(entry.key) is not entry:
                     self.cascade.tiers[dst].drop(placed.record.key)   # not written, or a copy nobody will read
                     continue
-                entry.copies[dst] = placed.record
-                self.cascade.transcoder.count(dst, placed, entry.raw_size)
-                self.cascade.index.track_copy(entry, dst)
-                self.cascade.copies_changed(entry)
+                self.cascade.add_copy(entry, dst, placed)
                 outcomes[k] = COPIED
         for k in sorted(alone):
             outcomes[k] = self.copy_out(entries[k], src, dst)
@@ -236,18 +230,12 @@ class Transfers:
             try:
                 data = self.cascade.read_copy(entry, src, self._scratch[src])
             except (BlockCorrupt, CodecError, KeyError):
-                with self.cascade.lock:
-                    if entry.copies.get(src) is record:
-                        self.cascade.discard_corrupt_copy(entry, src)
-                return CORRUPT
+                return self._damaged(entry, src, record)
         try:
             placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, data,
                                            downward=dst > src, decoded=decoded)
         except (BlockCorrupt, CodecError):
-            with self.cascade.lock:
-                if entry.copies.get(src) is record:
-                    self.cascade.discard_corrupt_copy(entry, src)
-            return CORRUPT
+            return self._damaged(entry, src, record)
         target = placed.record
         for attempt in range(ROOM_ATTEMPTS):
             if attempt:
@@ -279,8 +267,13 @@ class Transfers:
             if entry.doomed or self.cascade.index.entries.get(entry.key) is not entry:
                 self.cascade.tiers[dst].drop(target.key)   # a copy nobody will read
                 return NO_ROOM
-            entry.copies[dst] = target
-            self.cascade.transcoder.count(dst, placed, entry.raw_size)
-            self.cascade.index.track_copy(entry, dst)
-            self.cascade.copies_changed(entry)
+            self.cascade.add_copy(entry, dst, placed)
         return COPIED
+
+    def _damaged(self, entry: Entry, src: int, record) -> str:
+        """A copy in ``src`` failed its checksum or decode: dropped (counted) unless it changed
+        meanwhile; ``CORRUPT``. Takes the lock itself."""
+        with self.cascade.lock:
+            if entry.copies.get(src) is record:
+                self.cascade.discard_corrupt_copy(entry, src)
+        return CORRUPT
