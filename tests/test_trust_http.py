@@ -16,14 +16,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import pytest
 
 from daemon_util import start_daemon
 from kvstore import KVLayout, Namespace
+from kvstore.ops.http_probe import timed_request
 
 SLOW_CLIENT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "reliability_scenarios",
                            "slow_http_client.py")   # a script run as its own process (tests never import benchmarks/)
@@ -48,23 +47,6 @@ def daemon(tmp_path_factory, redis_url):
     assert d.stop() == 0
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, float]:
-    """(HTTP status, seconds it took); a connection the server drops counts as status 0."""
-    t0 = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        e.read()
-        status = e.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        status = 0
-    return status, time.perf_counter() - t0
-
-
 def test_metrics_and_route_answer_while_slow_clients_are_held(daemon):
     with daemon.client() as c:
         ns = c.register_namespace(Namespace(LAYOUT, cache_salt="http"))
@@ -77,8 +59,8 @@ def test_metrics_and_route_answer_while_slow_clients_are_held(daemon):
         answers = []
         end = time.monotonic() + HELD_S - 2
         while time.monotonic() < end:
-            answers.append(("metrics",) + request(daemon.metrics_port, "GET", "/metrics"))
-            answers.append(("route",) + request(daemon.metrics_port, "POST", "/v1/route", route))
+            answers.append(("metrics",) + timed_request(daemon.metrics_port, "GET", "/metrics"))
+            answers.append(("route",) + timed_request(daemon.metrics_port, "POST", "/v1/route", route))
             time.sleep(0.2)
         outcome = json.loads(attacker.stdout.readline())
     finally:
@@ -123,10 +105,10 @@ def test_a_slow_body_is_cut_at_the_whole_request_deadline(daemon):
     (b'{"namespace_id": 7}', "a field of the wrong type"),
 ])
 def test_hostile_bodies_get_a_status_never_a_traceback(daemon, body, why):
-    status, _ = request(daemon.metrics_port, "POST", "/v1/route", body)
+    status, _ = timed_request(daemon.metrics_port, "POST", "/v1/route", body)
     assert status == 400, (why, status)
     assert "Traceback" not in daemon.log(), daemon.log()[-3000:]
-    assert request(daemon.metrics_port, "GET", "/metrics")[0] == 200
+    assert timed_request(daemon.metrics_port, "GET", "/metrics")[0] == 200
 
 
 @pytest.mark.parametrize("raw", [
@@ -172,7 +154,7 @@ def test_the_connection_cap_is_per_client_address(daemon):
         time.sleep(0.5)
         assert [is_open(s) for s in other] == [True] * 64
         assert [is_open(s) for s in mine] == [False] * 6 + [True] * 64
-        assert request(daemon.metrics_port, "GET", "/metrics")[0] == 200
+        assert timed_request(daemon.metrics_port, "GET", "/metrics")[0] == 200
         assert [is_open(s) for s in other] == [True] * 64    # the scrape pushed out one of 127.0.0.1's
     finally:
         for s in other + mine:

@@ -23,8 +23,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import grpc
@@ -32,6 +30,7 @@ import numpy as np
 
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.errors import KVStoreError, Unauthenticated
+from kvstore.ops.http_probe import timed_request
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -45,21 +44,6 @@ LAYOUT = KVLayout(model="reliability/trust", num_layers=1, num_kv_heads=1, head_
                   block_tokens=16)
 
 
-def _timed(port: int, method: str, path: str, body: bytes | None) -> tuple[int, float]:
-    t0 = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        status = e.code
-    except (urllib.error.URLError, OSError):
-        status = 0
-    return status, time.perf_counter() - t0
-
-
 def _summary(samples: list[tuple[int, float]]) -> dict:
     ms = sorted(s * 1000 for _, s in samples)
     return {"n": len(ms), "p50_ms": round(statistics.median(ms), 2), "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 2),
@@ -70,8 +54,8 @@ def _probe(port: int, route: bytes, seconds: float) -> dict:
     metrics, routes = [], []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        metrics.append(_timed(port, "GET", "/metrics", None))
-        routes.append(_timed(port, "POST", "/v1/route", route))
+        metrics.append(timed_request(port, "GET", "/metrics"))
+        routes.append(timed_request(port, "POST", "/v1/route", route))
         time.sleep(0.05)
     return {"metrics": _summary(metrics), "route": _summary(routes)}
 
