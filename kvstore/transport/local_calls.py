@@ -23,6 +23,7 @@ the bounds on connections are the lookup service's.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.threads import BUDGET
-from kvstore.transport.local_lookup import CALL, MAX_FRAME, frame, greeting, peer_closed, recv_frame
+from kvstore.transport.local_lookup import CALL, MAX_FRAME, connect, frame, peer_closed, recv_frame
 from kvstore.transport.socket_server import Connection
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
@@ -117,8 +118,7 @@ class LocalCalls:
     and any other OSError when the socket is gone (the caller then asks over gRPC)."""
 
     def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float) -> None:
-        self._path, self._timeout_s = path, timeout_s
-        self._greeting = greeting(ticket, tenant)
+        self._connect = functools.partial(connect, path, ticket, tenant, timeout_s)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -164,17 +164,6 @@ class LocalCalls:
                 self._idle.append(sock)
                 return
         sock.close()
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self._timeout_s)
-            sock.connect(self._path)
-            sock.sendall(self._greeting)
-        except OSError:
-            sock.close()
-            raise
-        return sock
 
     def close(self) -> None:
         """Close the kept connections (one in use closes when its call ends)."""

@@ -135,6 +135,19 @@ def greeting(ticket: bytes, tenant: str) -> bytes:
     return _HEAD.pack(MAGIC, ticket, len(name)) + name
 
 
+def connect(path: str, ticket: bytes, tenant: str, timeout_s: float) -> socket.socket:
+    """A client's connection to the socket at ``path``, greeted; ``timeout_s`` bounds each wait on it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        sock.sendall(greeting(ticket, tenant))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
     op, ns_len = body[0], body[1]
     namespace_id = body[2:2 + ns_len]
@@ -333,15 +346,12 @@ class LocalLookup:
 
     def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float = 2.0, use_index: bool = True) -> None:
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = connect(path, ticket, tenant, timeout_s)
         self.index: IndexReader | None = None
         self.told_dropped = 0             # index answers the daemon was too busy to hear of
         self._known: set[bytes] = set()   # namespaces the daemon answered for over the socket
         self._teller = Teller(self._send_told)
         try:
-            self._sock.settimeout(timeout_s)
-            self._sock.connect(path)
-            self._sock.sendall(greeting(ticket, tenant))
             if use_index:
                 self.index = self._map_index()
         except OSError:

@@ -35,10 +35,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.buffers import copy_each, copy_each_in, gather, scatter
 from kvstore.errors import QuotaExceeded
-from kvstore.transport.tickets import TokenBook
+from kvstore.transport.shm import MappedArena
 from kvstore.transport.socket_server import Connection, SocketServer
+from kvstore.transport.tickets import TokenBook
 
 MAGIC = b"KVSG"
 MAX_TENANT_BYTES = 256
@@ -208,7 +208,7 @@ def _whole(data: bytearray) -> bool:
     return len(data) == _REPLY.size + (count + n_replaced) * _ENTRY.size
 
 
-class SegmentMap:
+class SegmentMap(MappedArena):
     """Client side: the daemon's arena as this tenant's segments, each mapped on first use.
     Slicing ``[off:off + n]`` and ``copy_in``/``copy_out`` work like ``shm.ArenaMap`` once
     ``ensure`` has mapped the segments a lease names (at the generations it names)."""
@@ -265,24 +265,15 @@ class SegmentMap:
         with contextlib.suppress(BufferError):   # a caller's view still holds it: it goes with that view
             m.close()
 
+    @property
+    def memory(self):
+        return self   # extents slice it (``__getitem__``)
+
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop = window.start or 0, window.stop
         s = start // self.segment_bytes
         base = s * self.segment_bytes
         return self._maps[s][2][start - base:stop - base]
-
-    def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
-        return gather(self, extents, dst)
-
-    def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
-        return scatter(self, extents, src)
-
-    def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
-        copy_each(self, offsets, lengths, dsts)
-
-    def copy_each_in(self, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
-                     threads: int | None = None) -> None:
-        copy_each_in(self, offsets, srcs, before_part, threads)
 
     def close(self) -> None:
         self._maps = {}   # each mapping closes once no view of it is left

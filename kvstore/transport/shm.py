@@ -69,8 +69,34 @@ def nonce_is_local(probe_path: str, nonce: bytes) -> bool:
     return ok
 
 
-class ArenaMap:
-    """The daemon's CPU arena mapped into this process (read-write, shared pages)."""
+class MappedArena:
+    """Copies in and out of a mapped arena, for ``ArenaMap`` and ``segments.SegmentMap``:
+    ``memory`` is what extents slice (``[off:off + n]``)."""
+
+    memory: object
+
+    def ensure(self, extents) -> None:
+        """Map what ``extents`` lie in (nothing to do where the whole arena is mapped)."""
+
+    def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
+        """Copy a block's pieces into ``dst`` (flat uint8); returns bytes copied."""
+        return gather(self.memory, extents, dst)
+
+    def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
+        return scatter(self.memory, extents, src)
+
+    def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
+        """Blocks of one extent each into their destinations (each exactly that long), in one loop."""
+        copy_each(self.memory, offsets, lengths, dsts)
+
+    def copy_each_in(self, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
+                     threads: int | None = None) -> None:
+        """Blocks into the start of their one extent each, in one loop (``buffers.copy_each_in``)."""
+        copy_each_in(self.memory, offsets, srcs, before_part, threads)
+
+
+class ArenaMap(MappedArena):
+    """The daemon's CPU arena mapped into this process (read-write, shared pages), whole."""
 
     def __init__(self, path: str, nbytes: int, dev: int, ino: int) -> None:
         fd = os.open(path, os.O_RDWR)
@@ -82,29 +108,10 @@ class ArenaMap:
         finally:
             os.close(fd)
         self.path = path
-        self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
-
-    def ensure(self, extents) -> None:
-        """Nothing to map: the whole arena is mapped (``segments.SegmentMap`` maps on demand)."""
-
-    def copy_out(self, extents: Sequence[tuple[int, int]], dst: np.ndarray) -> int:
-        """Copy a block's pieces into ``dst`` (flat uint8); returns bytes copied."""
-        return gather(self.arena, extents, dst)
-
-    def copy_in(self, extents: Sequence[tuple[int, int]], src: np.ndarray) -> int:
-        return scatter(self.arena, extents, src)
-
-    def copy_each_out(self, offsets: Sequence[int], lengths: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
-        """Blocks of one extent each into their destinations (each exactly that long), in one loop."""
-        copy_each(self.arena, offsets, lengths, dsts)
-
-    def copy_each_in(self, offsets: Sequence[int], srcs: Sequence[np.ndarray], before_part=None,
-                     threads: int | None = None) -> None:
-        """Blocks into the start of their one extent each, in one loop (``buffers.copy_each_in``)."""
-        copy_each_in(self.arena, offsets, srcs, before_part, threads)
+        self.arena = self.memory = np.frombuffer(self._mmap, dtype=np.uint8)
 
     def close(self) -> None:
-        self.arena = None
+        self.arena = self.memory = None
         try:
             self._mmap.close()
         except BufferError:  # a caller still holds a view; the mapping goes with it
