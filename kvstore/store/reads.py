@@ -21,7 +21,7 @@ else into a buffer of its own, never the cascade's scratch, which a promotion's 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -124,16 +124,8 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
     in_flight = []
     if slow:
         pool = _readers.get()
-        k = 0
-        while k < len(slow):   # runs of neighbours on one tier that reads runs, else one copy each
-            run, nbytes = [slow[k]], dsts[slow[k].at].nbytes
-            tier = cascade.tiers[slow[k].tier]
-            while (tier.reads_in_runs and k + len(run) < len(slow) and slow[k + len(run)].tier == run[0].tier
-                   and nbytes + dsts[slow[k + len(run)].at].nbytes <= RUN_BYTES):
-                nbytes += dsts[slow[k + len(run)].at].nbytes
-                run.append(slow[k + len(run)])
-            in_flight.append(pool.submit(_read_run, cascade, run, dsts))
-            k += len(run)
+        for ks in _runs(cascade, [r.tier for r in slow], [dsts[r.at].nbytes for r in slow]):
+            in_flight.append(pool.submit(_read_run, cascade, [slow[k] for k in ks], dsts))
     taken = {id(r) for r in slow} if slow else ()
     try:
         run: list[BlockRead] = []   # neighbours in the call of one tier, none to decode: one read_many_into
@@ -154,6 +146,21 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
     for e in errors:
         if e is not None:
             raise e
+
+
+def _runs(cascade: Cascade, tiers: Sequence[int], sizes: Sequence[int]) -> Iterator[list[int]]:
+    """Positions ``0..len(tiers)-1`` cut into the runs read with one call each: neighbours on one
+    tier that reads runs (``Tier.reads_in_runs``), up to ``RUN_BYTES`` of ``sizes`` together;
+    one position each on any other tier."""
+    k = 0
+    while k < len(tiers):
+        run, nbytes = [k], sizes[k]
+        while (cascade.tiers[tiers[k]].reads_in_runs and k + len(run) < len(tiers)
+               and tiers[k + len(run)] == tiers[k] and nbytes + sizes[k + len(run)] <= RUN_BYTES):
+            nbytes += sizes[k + len(run)]
+            run.append(k + len(run))
+        yield run
+        k += len(run)
 
 
 def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
@@ -252,17 +259,7 @@ def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: S
         except Exception as e:  # noqa: BLE001 - handed back in its place
             return [e]
     pool = _readers.get()
-    reads: list[tuple[list[int], object]] = []   # (copy indices, the read of them)
-    k = 0
-    while k < len(copies):
-        t = copies[k][1]
-        ks, nbytes = [k], spans[k]
-        while (cascade.tiers[t].reads_in_runs and k + len(ks) < len(copies) and copies[k + len(ks)][1] == t
-               and nbytes + spans[k + len(ks)] <= RUN_BYTES):
-            nbytes += spans[k + len(ks)]
-            ks.append(k + len(ks))
-        reads.append((ks, pool.submit(run, t, ks)))
-        k += len(ks)
+    reads = [(ks, pool.submit(run, copies[ks[0]][1], ks)) for ks in _runs(cascade, [t for _, t in copies], spans)]
     out: list = [None] * len(copies)
     for ks, f in reads:   # a read that raised stands in for each of its copies
         for j, got in zip(ks, f.result() if f.exception() is None else [f.exception()] * len(ks)):
