@@ -1,6 +1,7 @@
 """Codec speed on this CPU, against memcpy measured in the same run, and what it buys.
 
     .venv/bin/python benchmarks/bench_codecs.py [--threads 1 2] [--out benchmarks/results] [--disk-dir DIR]
+        [--codecs int4_g64 int4_g64_t0]   # only these (a pair measured side by side)
 
 For a Llama-3-8B-sized block (32 layers, 8 KV heads, head_dim 128, 16 tokens, bf16 = 2 MiB) and
 each codec: encode and decode throughput in GB/s of *raw* block bytes (best of several rounds,
@@ -116,7 +117,8 @@ def disk_read_gbps(directory: Path, nbytes: int, chunk: int) -> tuple[float, str
         os.unlink(path)
 
 
-def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference: bool = False) -> dict:
+def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference: bool = False,
+        codecs: list[str] | None = None) -> dict:
     warm_up()   # (until the kernels are compiled, the codecs run the reference: it would be measured)
     layout = block_layout(tokens)
     raw = realistic_block(layout).to(device)
@@ -143,8 +145,8 @@ def run(threads: list[int], tokens: int, disk_dir: Path, device: str, reference:
                              "decode_gbps_median": nbytes / med / 1e9, "payload_bytes": nbytes,
                              "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0})
             hot["encode_vs_memcpy"] = hot["decode_vs_memcpy"] = hot["encode_gbps"] / memcpy
-            variants = [(c, not reference) for c in CODEC_IDS if c != "raw"]
-            if device == "cpu" and not reference:  # the eager-torch reference, to show what the compiled kernels buy
+            variants = [(c, not reference) for c in (codecs or CODEC_IDS) if c != "raw"]
+            if device == "cpu" and not reference and not codecs:  # the eager-torch reference, to show what the compiled kernels buy
                 variants += [("fp8", False), ("int4_g32", False)]
             for codec, fast in variants:
                 codec_base.USE_FAST = fast
@@ -279,8 +281,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--reference", action="store_true",
                     help="every codec through the eager torch reference (the CUDA path), not numba")
+    ap.add_argument("--codecs", nargs="+", choices=sorted(CODEC_IDS),
+                    help="only these codecs (default: every one, and the eager reference of fp8 and int4_g32)")
     args = ap.parse_args()
-    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir, args.device, args.reference)}
+    res = {"machine": machine(), **run(args.threads, args.tokens, args.disk_dir, args.device, args.reference,
+                                       args.codecs)}
     res["loadavg_at_end"] = load_average()
     stem = "codecs" if args.device == "cpu" else f"codecs_{args.device.split(':')[0]}"
     args.out.mkdir(parents=True, exist_ok=True)

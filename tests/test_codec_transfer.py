@@ -63,7 +63,7 @@ def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(
     SERVING before then made its first put into a codec tier wait for the compiler past the
     client's deadline. Ready (ready file, health SERVING) now means every kernel is compiled."""
     pytest.importorskip("numba")
-    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated
+    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0
 
     cache = tmp_path / "numba-cache"
     config = tmp_path / "kvstore.yaml"
@@ -73,7 +73,8 @@ def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(
                            env={"NUMBA_CACHE_DIR": str(cache)}, timeout=300)
     try:
         compiled = {p.name.split(".")[1].rsplit("-", 1)[0] for p in cache.rglob("*.nbi")}
-        assert compiled == set(fast_cpu.KERNEL_NAMES) | set(fast_rotated.KERNEL_NAMES) | set(fast_kchan.KERNEL_NAMES)
+        assert compiled == (set(fast_cpu.KERNEL_NAMES) | set(fast_rotated.KERNEL_NAMES) | set(fast_kchan.KERNEL_NAMES)
+                            | set(fast_t0.KERNEL_NAMES))
         assert "codec kernels ready" in d.log()
         hashes, blocks = chain(2, seed=5)
         with d.client(timeout_s=2.0) as c:

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (``fast_cpu``, ``fast_rotated``, ``fast_kchan``) are compiled in one
+"""The compiled CPU kernels (``fast_cpu``, ``fast_rotated``, ``fast_kchan``, ``fast_t0``) are compiled in one
 background thread, and the codecs use them only once every one is: until then they run the torch
 reference, which gives the same bytes (tests/test_codecs.py checks), so no encode or decode waits
 for the compiler.
@@ -66,7 +66,7 @@ def ready() -> bool:
 
 def _compile_every_kernel() -> None:
     try:
-        from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated  # noqa: F401 - importing them lists their kernels
+        from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0  # noqa: F401 - importing lists their kernels
         for k in _KERNELS:
             k.compile()
     except Exception:  # noqa: BLE001 - the torch reference computes the same bytes, only slower

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import torch
 
 from kvstore.codecs.base import Section, SectionCodec
@@ -34,21 +33,16 @@ from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.layout import BlockShape, part_views
 from kvstore.codecs.refusal import Refused
 
-#: bf16 bits at or above this magnitude are Inf or NaN
-_BF16_NONFINITE = 0x7F80
-_MINUS_ZERO = 0x8000
+
+@functools.cache
+def _first_kernels():
+    from kvstore.codecs import fast_t0   # (numba: only reached once fast_cpu imported)
+    return fast_t0
 
 
 def rest(s: BlockShape) -> BlockShape:
     """The shape INT4 quantises: the block without its first token."""
     return dataclasses.replace(s, tokens=s.tokens - 1)
-
-
-@functools.lru_cache(maxsize=256)
-def _first_rows(off: int, L: int, H: int, D: int, sl: int, sh: int) -> np.ndarray:
-    """Word indices of token 0's rows of one tensor, in ``[L, H, D]`` order."""
-    return (off + np.arange(L)[:, None, None] * sl + np.arange(H)[None, :, None] * sh
-            + np.arange(D)[None, None, :]).reshape(-1)
 
 
 class Int4FirstTokenCodec(SectionCodec):
@@ -84,19 +78,16 @@ class Int4FirstTokenCodec(SectionCodec):
     def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
         shifted = [(words, (off + st, L, T - 1, H, D, sl, st, sh)) for words, (off, L, T, H, D, sl, st, sh) in tensors]
         jobs = self.inner.fast_jobs(kernels, shifted, sections, rest(s), encode)
+        first_rows = _first_kernels()
         n = s.layers * s.heads * s.dim
         out = []
         for i, ((fn, units), (words, (off, L, T, H, D, sl, st, sh))) in enumerate(zip(jobs, tensors)):
-            rows = _first_rows(off, L, H, D, sl, sh)
-            first = sections["first"][i * n:(i + 1) * n]
-
-            def copy(words=words, rows=rows, first=first) -> int:
-                if not encode:
-                    words[rows] = first
-                    return 0
-                first[:] = words[rows]
-                first[first == _MINUS_ZERO] = 0
-                return int(((first & 0x7FFF) >= _BF16_NONFINITE).any())
-            # the piece of units that starts at 0 runs once per call (pieces partition the units)
+            first, g = sections["first"][i * n:(i + 1) * n], (off, L, H, D, sl, sh)
+            if encode:
+                copy = (lambda w=words, g=g, f=first: first_rows.first_rows_encode(w, *g, f))
+            else:
+                copy = (lambda w=words, g=g, f=first: first_rows.first_rows_decode(f, w, *g) or 0)
+            # token 0's rows (one token in T) go with the piece of units that starts at 0: exactly one
+            # piece per call does (pieces partition the units)
             out.append((lambda a, b, fn=fn, copy=copy: (fn(a, b) or 0) + (copy() if a == 0 else 0), units))
         return out
