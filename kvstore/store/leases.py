@@ -41,22 +41,6 @@ STAGE_RUN = 16
 STAGE_BYTES = SCRATCH_KEEP_BYTES
 
 
-class _LeaseLists:
-    """What a load lease is being built from: per block its key, arena extents, codec and size."""
-
-    def __init__(self) -> None:
-        self.keys: list[bytes] = []
-        self.extents: list = []
-        self.codecs: list[int] = []
-        self.sizes: list[int] = []
-
-    def add(self, key: bytes, extents, record) -> None:
-        self.keys.append(key)
-        self.extents.append(extents)
-        self.codecs.append(record.codec)
-        self.sizes.append(record.stored_size)
-
-
 @dataclasses.dataclass
 class Lease:
     """A two-phase operation in flight: pinned (load) or reserved (store) blocks."""
@@ -68,6 +52,13 @@ class Lease:
     extents: list[list[Extent] | None]
     codecs: list[int] = dataclasses.field(default_factory=list)   # load: each block's codec id
     sizes: list[int] = dataclasses.field(default_factory=list)    # load: each block's stored bytes
+
+    def add(self, key: bytes, extents, record) -> None:
+        """A load lease's next block: its key, arena extents, and what its copy holds."""
+        self.keys.append(key)
+        self.extents.append(extents)
+        self.codecs.append(record.codec)
+        self.sizes.append(record.stored_size)
 
 
 class Leases:
@@ -93,8 +84,7 @@ class Leases:
                       parent: bytes | None = None) -> Lease:
         """Reserve CPU-arena slots for the blocks not yet stored; ``extents[i]`` is None for those
         already present. The writer fills the slots, then calls ``complete_store``."""
-        lease = self.reserve_store(namespace_id, hashes, parent)
-        return self._new("store", lease.keys, lease.extents)
+        return self._register(self.reserve_store(namespace_id, hashes, parent))
 
     def reserve_store(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> Lease:
         """``prepare_store`` for a writer inside this process (the side channel receiving into the
@@ -243,7 +233,7 @@ class Leases:
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
-        lease = _LeaseLists()
+        lease = Lease(0, "load", [], float("inf"), [])
         touch = cascade.index.policies[c].touch
         entries = cascade.index.entries
         i, stopped = 0, False
@@ -289,11 +279,9 @@ class Leases:
         except BaseException:
             cascade.unpin_keys(lease.keys)
             raise
-        out = self._new("load", lease.keys, lease.extents)
-        out.codecs, out.sizes = lease.codecs, lease.sizes
-        return out
+        return self._register(lease)
 
-    def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: "_LeaseLists") -> bool:
+    def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: Lease) -> bool:
         """Give each pinned block of ``staging`` (``(entry, tier to read, stored bytes)``) a copy
         in the CPU tier ``c`` and lease it, in order; False at the first that cannot be (a damaged
         copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with a codec the
@@ -345,10 +333,11 @@ class Leases:
 
     # -- the lease table -------------------------------------------------------------------------
 
-    def _new(self, kind: str, keys: list[bytes], extents) -> Lease:
+    def _register(self, lease: Lease) -> Lease:
+        """Give ``lease`` an id and an expiry and put it in the table."""
         with self._cascade.lock:
-            lease = Lease(next(self._ids), kind, keys, self._cascade.clock() + self._cascade.config.lease_seconds,
-                          extents)
+            lease.id = next(self._ids)
+            lease.expires = self._cascade.clock() + self._cascade.config.lease_seconds
             self._open[lease.id] = lease
         return lease
 
