@@ -122,7 +122,7 @@ class KVStoreServicer(ServiceState):
         ns_id = self.store.register_namespace(ns)
         return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=ns.block_bytes, tenant=tenant)
 
-    def _lookup(self, context, request) -> pb.LookupResponse:
+    def Lookup(self, request, context) -> pb.LookupResponse:
         ns = self.caller_namespace(context, request.namespace_id)
         # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
         hits, tiers = self._look_up(self.fleet or self.store, ns, request.hashes, not request.no_lease)
@@ -139,9 +139,6 @@ class KVStoreServicer(ServiceState):
                           memory_blocks=r.tiers.get("memory", 0), disk_blocks=r.tiers.get("disk", 0))
         return out
 
-    def Lookup(self, request, context):
-        return self._lookup(context, request)
-
     def LookupBatch(self, request, context):
         if len(request.requests) > MAX_LOOKUP_BATCH:
             raise InvalidArgument("requests",
@@ -153,7 +150,7 @@ class KVStoreServicer(ServiceState):
         out = pb.LookupBatchResponse()
         for i, r in enumerate(request.requests):
             try:
-                out.responses.append(self._lookup(context, r))
+                out.responses.append(self.Lookup(r, context))
             except InvalidArgument as e:
                 raise InvalidArgument(f"requests[{i}].{e.field}", str(e).split(": ", 1)[-1]) from None
         return out
