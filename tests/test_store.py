@@ -646,10 +646,10 @@ def test_all_tenants_pins_together_hold_at_most_half_the_cpu_tier(harness):
     mine = {t: chain(4, start=1000 * k) for k, t in enumerate("abc")}
     for t in "ab":
         h.store.put(ns[t], mine[t], [data(x) for x in mine[t]])
-        assert h.store.admin.pin(h.store.namespace(ns[t]), mine[t][:2]).pinned == 2
+        assert h.store.admin.pins.pin(h.store.namespace(ns[t]), mine[t][:2]).pinned == 2
     with pytest.raises(QuotaExceeded, match="more than the .* bytes \\(50% of it\\) pins may hold together"):
-        h.store.admin.pin(h.store.namespace(ns["c"]), chain(1, start=9000))
-    assert h.store.admin.pinned_bytes_by_tenant() == {"a": 2 * BLOCK, "b": 2 * BLOCK}   # nothing of c's
+        h.store.admin.pins.pin(h.store.namespace(ns["c"]), chain(1, start=9000))
+    assert h.store.admin.pins.by_tenant() == {"a": 2 * BLOCK, "b": 2 * BLOCK}   # nothing of c's
     for k in range(3):   # c's traffic pushes everything unpinned out of the CPU tier
         part = chain(4, start=20_000 + 1000 * k)
         h.store.put(ns["c"], part, [data(x) for x in part])

@@ -101,7 +101,7 @@ class AdminRpcs:
     def Pin(self, request, context):
         ns = self.operated_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes)
-        done = self.store.admin.pin(ns, hashes)
+        done = self.store.admin.pins.pin(ns, hashes)
         log.info("admin: pinned %d blocks of namespace %s (tenant %r now pins %d bytes)", done.pinned,
                  ns.id.hex(), ns.tenant, done.tenant_pinned_bytes)
         return pb.AdminResponse(blocks=done.pinned, bytes=done.tenant_pinned_bytes, stored=done.stored,
@@ -110,7 +110,7 @@ class AdminRpcs:
     def Unpin(self, request, context):
         ns = self.operated_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes, allow_empty=True)
-        done = self.store.admin.unpin(ns.id, hashes or None)
+        done = self.store.admin.pins.unpin(ns.id, hashes or None)
         log.info("admin: unpinned %d blocks of namespace %s", done.pinned, ns.id.hex())
         return pb.AdminResponse(blocks=done.pinned, bytes=done.tenant_pinned_bytes)
 

@@ -62,7 +62,7 @@ class TenantCollector(Collector):
             t["namespaces"] += 1
             t["lookup_blocks"] += asked
             t["lookup_hits"] += hits
-        pinned = self.store.admin.pinned_bytes_by_tenant()
+        pinned = self.store.admin.pins.by_tenant()
         for tenant, row in tenants.items():
             row["charged_bytes"] = self.store.tenant_bytes(tenant)
             row["pinned_bytes"] = pinned.get(tenant, 0)

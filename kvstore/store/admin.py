@@ -14,11 +14,10 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
 from kvstore.store.namespaces import NamespaceRegistry
-from kvstore.store.pinned_prefixes import PinnedPrefixes, PinOutcome
+from kvstore.store.pinned_prefixes import PinnedPrefixes
 from kvstore.store.warming import ALREADY_WARM, WARMED, warm
 
 
@@ -54,7 +53,7 @@ class Warmed:
 
 
 class StoreAdmin:
-    """The store's operator seam (``Store.admin``)."""
+    """The store's operator seam (``Store.admin``); ``pins`` holds ``kvstore pin``'s pinned prefixes."""
 
     def __init__(self, cascade: Cascade, namespaces: NamespaceRegistry) -> None:
         self.cascade = cascade
@@ -141,16 +140,7 @@ class StoreAdmin:
         self.cascade.count("admin_dropped_blocks", freed.blocks)
         return freed
 
-    # -- pins and warming -------------------------------------------------------------------------
-
-    def pin(self, ns: Namespace, hashes: Sequence[bytes]) -> PinOutcome:
-        return self.pins.pin(ns, hashes)
-
-    def unpin(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> PinOutcome:
-        return self.pins.unpin(namespace_id, hashes)
-
-    def pinned_bytes_by_tenant(self) -> dict[str, int]:
-        return self.pins.by_tenant()
+    # -- warming ----------------------------------------------------------------------------------
 
     def prewarm(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Warmed:
         """Copy the stored blocks of ``hashes`` into the CPU tier, one at a time, each read and
