@@ -7,6 +7,15 @@ batches still to gather per request (the worker holds a finished request's block
 is zero, and waits for all of them before a preemption hands blocks to another request). The
 *send* stage puts gathered batches to the daemon.
 
+A finished request's batches are copied out by the engine's own thread (``finish``) if the gather
+thread has not started them by the time the worker reports what finished. The gather thread needs
+the GIL between its copies, and it can go without it for as long as the engine's thread keeps
+stepping: on vLLM's CPU worker both threads are bound to one core, and while a finished request
+waits to be reported the engine steps without pause (each empty step takes the GIL back at once
+after every brief release, so the waiting thread is woken but never gets it). A prefill engine
+that got no further request then held that request's copy, and so its hand-off, until its next
+real step; the engine's thread copying the batch itself cannot wait on anything but the copy.
+
 Saves are best effort: when the send queue is full or the daemon is down (the handle's breaker is
 open) a batch is dropped and counted, never retried — the engine recomputes what is missing.
 """
@@ -29,6 +38,16 @@ from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 logger = logging.getLogger("kvstore.connectors.vllm")
 
 
+class _Batch:
+    """Blocks of one request queued for the gather stage; ``claimed`` once a thread copies them."""
+
+    __slots__ = ("req_id", "block_ids", "hashes", "parent", "claimed")
+
+    def __init__(self, req_id: str, block_ids: list[int], hashes: list[bytes], parent: bytes | None) -> None:
+        self.req_id, self.block_ids, self.hashes, self.parent = req_id, block_ids, hashes, parent
+        self.claimed = False
+
+
 class SaveQueue:
     """Gathers and sends saved blocks on background threads; drops work when full or down."""
 
@@ -41,6 +60,7 @@ class SaveQueue:
         self._to_gather: queue.Queue = queue.Queue()
         self._to_send: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
         self._ungathered: collections.Counter[str] = collections.Counter()
+        self._unclaimed: dict[str, list[_Batch]] = {}   # per request: batches no thread has started
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._gather_loop, name="kvstore-gather", daemon=True),
                          threading.Thread(target=self._send_loop, name="kvstore-save", daemon=True)]
@@ -52,14 +72,35 @@ class SaveQueue:
         if not self.handle.available():
             self.stats_add("save_skipped_blocks", len(hashes))
             return
+        batch = _Batch(req_id, block_ids, hashes, parent)
         with self._cond:
             self._ungathered[req_id] += 1
-        self._to_gather.put((req_id, block_ids, hashes, parent))
+            self._unclaimed.setdefault(req_id, []).append(batch)
+        self._to_gather.put(batch)
 
     def ungathered(self, req_id: str) -> int:
         """Batches of ``req_id`` whose blocks the saver has yet to copy out of the paged cache."""
         with self._cond:
             return self._ungathered.get(req_id, 0)
+
+    def finish(self, req_id: str, timeout_s: float = 5.0) -> bool:
+        """Copy out, on the calling thread, every batch of ``req_id`` the gather thread has not
+        started, then wait (up to ``timeout_s``) for those it has; True once none is left. The
+        worker calls this for a finished request, whose blocks vLLM holds until it is reported."""
+        with self._cond:
+            mine = self._unclaimed.pop(req_id, [])
+            for batch in mine:
+                batch.claimed = True
+        for batch in mine:
+            self._gather(batch)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._ungathered.get(req_id, 0):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)   # lets go of the GIL: the gather thread ends its copy
+        return True
 
     def wait_gathered(self, timeout_s: float = 30.0) -> bool:
         """Block until every queued batch is copied out of the paged cache (before vLLM reuses blocks)."""
@@ -90,30 +131,41 @@ class SaveQueue:
 
     def _gather_loop(self) -> None:
         while True:
-            item = self._to_gather.get()
-            if item is None:
+            batch = self._to_gather.get()
+            if batch is None:
                 return
-            req_id, block_ids, hashes, parent = item
-            blocks = None
-            t0 = time.perf_counter()
-            try:
-                blocks = self.paged.host_buffer(len(block_ids))   # page-locked on CUDA
-                self.paged.gather(block_ids, blocks)
-                if self.packing is not None:
-                    blocks = self.packing.to_chunks(blocks)       # [hashes, chunk bytes]
-            except Exception as e:  # noqa: BLE001
-                logger.warning("kvstore connector: copying blocks of %s out failed: %s", req_id, e)
-                blocks = None
-            self.stats_add("save_gather_seconds", time.perf_counter() - t0)
             with self._cond:
-                self._ungathered[req_id] -= 1
-                if self._ungathered[req_id] <= 0:
-                    del self._ungathered[req_id]
-                self._cond.notify_all()
-            if blocks is None:
-                self.stats_add("save_failed_blocks", len(hashes))
-                continue
-            self._queue_send(hashes, blocks, parent)
+                if batch.claimed:        # finish() copied it out already
+                    continue
+                batch.claimed = True
+                pending = self._unclaimed.get(batch.req_id, [])
+                pending.remove(batch)
+                if not pending:
+                    self._unclaimed.pop(batch.req_id, None)
+            self._gather(batch)
+
+    def _gather(self, batch: _Batch) -> None:
+        """Copy ``batch`` out of the paged cache and queue it for sending (either thread)."""
+        blocks = None
+        t0 = time.perf_counter()
+        try:
+            blocks = self.paged.host_buffer(len(batch.block_ids))   # page-locked on CUDA
+            self.paged.gather(batch.block_ids, blocks)
+            if self.packing is not None:
+                blocks = self.packing.to_chunks(blocks)             # [hashes, chunk bytes]
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvstore connector: copying blocks of %s out failed: %s", batch.req_id, e)
+            blocks = None
+        self.stats_add("save_gather_seconds", time.perf_counter() - t0)
+        with self._cond:
+            self._ungathered[batch.req_id] -= 1
+            if self._ungathered[batch.req_id] <= 0:
+                del self._ungathered[batch.req_id]
+            self._cond.notify_all()
+        if blocks is None:
+            self.stats_add("save_failed_blocks", len(batch.hashes))
+            return
+        self._queue_send(batch.hashes, blocks, batch.parent)
 
     def _connect(self) -> None:
         """Agree the transport with the daemon (handshake, arena mapping) before the first save

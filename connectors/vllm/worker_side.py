@@ -24,7 +24,8 @@ with the saver, which copies them out in the background; ``layer``: ``save_kv_la
 layer's pages of them out as the forward pass computes it (``saver.LayerSaves``) and
 ``wait_for_save`` hands the copied blocks to the saver's send stage. A finished request that had
 saves is reported as finished *sending* once its blocks are copied out (the scheduler held them
-through ``request_finished``).
+through ``request_finished``); a copy the gather thread has not started by then is made on the
+engine's thread (``SaveQueue.finish``), so the report never waits on that thread getting the GIL.
 """
 
 from __future__ import annotations
@@ -284,6 +285,11 @@ class WorkerSide:
             recving.add(t.req_id)
         self._failed_async = []
         self._finishing |= finished_req_ids & self._saving_reqs
+        if self._saver is not None:
+            for r in self._finishing:
+                # copied out here if the gather thread has not got to it: vLLM steps without
+                # pause until the request is reported, and the gather thread may not get the GIL
+                self._saver.finish(r)
         sending = {r for r in self._finishing if self._saver is None or self._saver.ungathered(r) == 0}
         self._finishing -= sending
         self._saving_reqs -= sending

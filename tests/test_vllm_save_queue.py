@@ -1,0 +1,108 @@
+"""The vLLM connector's background saver (``connectors/vllm/saver.py``) against a real daemon, with
+real paged KV tensors on the CPU: a finished request's blocks are copied out and saved even when
+the gather thread cannot get the GIL while the engine's thread keeps stepping.
+
+That is what stalled a prefill's hand-off on a quiet host (the real-model ``test_vllm_pd``): vLLM's
+CPU worker binds its threads to one core, and while a finished request waits to be reported as
+saved the engine steps without pause. Each step's thread gives the GIL up only briefly and takes
+it back at once, so the gather thread, woken each time, never got it until the engine's next real
+forward pass (11-30 s). Here the engine's thread is this test's thread, stepping in pure Python,
+and the GIL's forced switch is put out of reach (``sys.setswitchinterval``): the gather thread
+cannot run at all meanwhile, as on that host.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvstore.client import NamespaceHandle  # noqa: E402
+from kvstore.connectors.vllm.paged_blocks import PagedBlocks  # noqa: E402
+from kvstore.connectors.vllm.saver import SaveQueue  # noqa: E402
+from kvstore.keys import ChainHasher, KVLayout, Namespace  # noqa: E402
+
+LAYOUT = KVLayout(model="test/save-queue", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                  block_tokens=16)
+NUM_BLOCKS = 32
+
+
+def _paged() -> PagedBlocks:
+    """vLLM's CPU layout: per layer [num_blocks, K/V, block tokens, heads, head dim], random bytes."""
+    g = torch.Generator().manual_seed(38)
+    caches = {f"layer.{i}": torch.randint(-2**15, 2**15, (NUM_BLOCKS, 2, 16, 2, 64), generator=g,
+                                          dtype=torch.int16).view(torch.bfloat16) for i in range(2)}
+    return PagedBlocks(caches, list(caches), NUM_BLOCKS)
+
+
+def _expected(paged: PagedBlocks, block_ids: list[int]) -> list[bytes]:
+    return [b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in paged.layers)
+            for b in block_ids]
+
+
+def test_a_finished_request_is_copied_out_by_the_stepping_thread_when_the_gather_thread_cannot_run(daemon_factory):
+    d = daemon_factory()
+    paged = _paged()
+    assert paged.block_bytes == LAYOUT.block_bytes
+    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue"), url=d.url, timeout_s=5.0, name="saves")
+    assert handle.register()
+    stats: dict[str, float] = {}
+    saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
+    block_ids = [3, 17, 5, 30, 9]
+    hashes = ChainHasher(seed=38).chain(np.arange(16 * len(block_ids)), 16)
+    switch = sys.getswitchinterval()
+    reported_at = None
+    try:
+        sys.setswitchinterval(1000.0)
+        saver.submit("req-1", block_ids, hashes, None)
+        # the engine's empty steps: each asks (as WorkerSide.get_finished does) whether the
+        # finished request's blocks are out of the paged cache, never blocking on anything else
+        for step in range(200):
+            saver.finish("req-1")
+            if saver.ungathered("req-1") == 0:
+                reported_at = step
+                break
+    finally:
+        sys.setswitchinterval(switch)
+    assert reported_at == 0, f"still ungathered after {step + 1} steps"
+    # the copy went on to the daemon: exactly the pages of those blocks, in order
+    saver.drain(10.0)
+    deadline = time.monotonic() + 10
+    while not all(handle.exists(hashes)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in hashes]
+    assert handle.get_into(hashes, outs) == [LAYOUT.block_bytes] * len(hashes)
+    assert [o.tobytes() for o in outs] == _expected(paged, block_ids)
+    assert stats.get("saved_blocks") == len(hashes) and not stats.get("save_failed_blocks"), stats
+    saver.close()
+    handle.close()
+
+
+def test_the_gather_thread_still_copies_batches_nobody_finishes(daemon_factory):
+    """Without ``finish`` (a request still running), the gather thread copies each batch once,
+    and a batch ``finish`` took is not copied again by it."""
+    d = daemon_factory()
+    paged = _paged()
+    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue-2"), url=d.url, timeout_s=5.0, name="saves")
+    assert handle.register()
+    stats: dict[str, float] = {}
+    saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
+    chain = ChainHasher(seed=39).chain(np.arange(16 * 6), 16)
+    saver.submit("running", [1, 2, 3], chain[:3], None)
+    saver.submit("finished", [4, 5, 6], chain[3:], chain[2])
+    assert saver.finish("finished")
+    assert saver.wait_gathered(10.0) and saver.ungathered("running") == 0
+    saver.drain(10.0)
+    deadline = time.monotonic() + 10
+    while not all(handle.exists(chain)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in chain]
+    assert handle.get_into(chain, outs) == [LAYOUT.block_bytes] * len(chain)
+    assert [o.tobytes() for o in outs] == _expected(paged, [1, 2, 3, 4, 5, 6])
+    assert stats.get("saved_blocks") == 6 and not stats.get("save_failed_blocks"), stats
+    saver.close()
+    handle.close()
