@@ -3,12 +3,13 @@ engine core in its own process, as deployed) and ``kvstore pd-proxy`` in front o
 
     server = VllmServer.start(python, model_dir, workdir, "prefill", kv_transfer_config)
     proxy = PdProxy.start(workdir, [prefill.url], [decode.url])
-    out = complete(proxy.url, model_dir, prompt_ids, max_tokens=8)   # {"token_ids", "kv_transfer_params", ...}
+    out = complete(proxy.url, model_dir, prompt, max_tokens=8)   # {"token_ids", "answer", ...}
     metrics(decode.url)["vllm:kvstore_pd_loaded_blocks"]
     server.stop(); proxy.stop()
 
-Servers run the tiny random model (``tiny_model.py``) without a tokenizer: prompts are token ids
-and answers are read as token ids (``return_token_ids``). Greedy sampling, ``ignore_eos``.
+By default a server starts without its tokenizer (``--skip-tokenizer-init``) and prompts are token
+ids; with ``tokenizer=True`` it tokenizes text prompts itself. Answers are read as token ids
+(``return_token_ids``). Greedy sampling, ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -113,14 +114,20 @@ class VllmServer(_Process):
     @classmethod
     def start(cls, python: str, model_dir: str, workdir: str, name: str, kv_transfer_config: dict | None,
               kv_cache_bytes: int = 64 * 2**20, wait: bool = True, env_extra: dict | None = None,
-              max_model_len: int = 1024) -> "VllmServer":
+              max_model_len: int = 1024, tokenizer: bool = False, prefix_caching: bool = False) -> "VllmServer":
+        """``tokenizer``: load the model's tokenizer (text prompts); ``prefix_caching``: vLLM's own
+        prefix cache on (answers then report their cached prompt tokens)."""
         args = (python, model_dir, workdir, name, kv_transfer_config)
-        kwargs = dict(kv_cache_bytes=kv_cache_bytes, env_extra=env_extra, max_model_len=max_model_len)
+        kwargs = dict(kv_cache_bytes=kv_cache_bytes, env_extra=env_extra, max_model_len=max_model_len,
+                      tokenizer=tokenizer, prefix_caching=prefix_caching)
         port = closed_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--seed", "0",
-               "--skip-tokenizer-init", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
-               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "8"]
+               "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+               "--max-num-seqs", "8"]
+        cmd += [] if tokenizer else ["--skip-tokenizer-init"]
+        cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"] if prefix_caching \
+            else ["--no-enable-prefix-caching"]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
@@ -157,9 +164,10 @@ class PdProxy(_Process):
         return proxy
 
 
-def complete(url: str, model: str, prompt: list[int], max_tokens: int, stream: bool = False,
+def complete(url: str, model: str, prompt: str | list[int], max_tokens: int, stream: bool = False,
              extra: dict | None = None) -> dict:
-    """One /v1/completions request (greedy); its generated token ids, and the raw answer."""
+    """One /v1/completions request (greedy); its generated token ids, and the raw answer (not
+    streamed: its ``choices[0]`` also has the ``prompt_token_ids``)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream, **(extra or {})}
     status, raw = _post(url + "/v1/completions", body)
@@ -174,6 +182,14 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int, stream: b
             events += 1
             ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
     return {"token_ids": ids, "events": events}
+
+
+def tokenize(url: str, model: str, text: str) -> list[int]:
+    """The token ids a server with its tokenizer makes of ``text`` (``/tokenize``: nothing runs)."""
+    status, raw = _post(url + "/tokenize", {"model": model, "prompt": text})
+    if status != 200:
+        raise RuntimeError(f"{url}: HTTP {status}: {raw[:500]!r}")
+    return json.loads(raw)["tokens"]
 
 
 def metrics(url: str, prefix: str = "vllm:kvstore_") -> dict[str, float]:
