@@ -271,7 +271,7 @@ class Daemon:
         while not self._stop.wait(period):
             try:
                 self.store.leases.expire()
-                self.servicer.prune_leases()
+                self.servicer.leases.client_leases.prune()
                 self.servicer.stalls.cancel_stalled()
                 shm.reap_probes(self.settings.shm_dir)
                 heap.maybe_trim()

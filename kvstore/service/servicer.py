@@ -52,9 +52,6 @@ class KVStoreServicer(ServiceState):
         """The method answering the KVStore RPC ``name``: this class's or its role's."""
         return self._rpcs[name]
 
-    def prune_leases(self) -> None:
-        self.leases.client_leases.prune()
-
     def Handshake(self, request, context):
         tenant = self.tenant_of(context)
         token = self.auth.token_digest(context.invocation_metadata())   # the tickets are bound to it

@@ -86,10 +86,10 @@ class Store:
         try:
             self._namespaces.add(ns)
         except TierIOError:
-            self._count("namespace_persist_errors")
+            self._cascade.count("namespace_persist_errors")
             raise
         except QuotaExceeded:
-            self._count("namespaces_refused_cap")
+            self._cascade.count("namespaces_refused_cap")
             raise
         self._warn_of_slack(ns)
         return ns.id
@@ -115,9 +115,6 @@ class Store:
                             "slot size that divides the block size (cpu_slot_bytes) wastes nothing%s",
                             ns.id.hex()[:16], size, room, tier.name, 100 * (1 - size / room),
                             "" if len(self._slack_warned) < SLACK_WARNINGS else " (the last such warning)")
-
-    def _count(self, counter: str) -> None:
-        self._cascade.count(counter)
 
     def namespace(self, namespace_id: bytes) -> Namespace:
         return self._namespaces.get(namespace_id)
@@ -367,7 +364,7 @@ class Store:
                 if cascade.copy_out(entry, src, d) == COPIED:
                     written += 1
                 else:
-                    self._count("flush_failures")
+                    self._cascade.count("flush_failures")
                 with self._lock:
                     cascade.unpin(entry)
                 todo[k] = None
