@@ -1,7 +1,7 @@
 """The store core: the tier cascade behind put / get / lookup / delete, with pins, leases and the
 two-phase zero-copy operations, eviction policies, codec transcoding between tiers, the namespace
 registry and warm restart. Its public face is ``Store`` and the seams on it (``subscribe`` with
-``held_blocks`` and ``replay``, ``pinned``, ``shared_arena``, ``largest_block_bytes``); nobody
+``held_blocks`` and ``replay``, ``pinned``, ``shared_arena``, ``largest_block_bytes``, ``leases``); nobody
 outside this package touches the index, the lock or a tier's internals. It imports down only (``kvstore.tiers``, ``kvstore.codecs``,
 and the leaves ``keys``, ``errors``, ``buffers``, ``wire``) and must not import ``kvstore.service``,
 ``kvstore.client``, ``kvstore.fleet``, ``kvstore.ops``, ``kvstore.transport`` or ``kvstore.proto``.
