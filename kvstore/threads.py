@@ -6,13 +6,16 @@ shows it (``server.threads``).
 Pools of threads that wait on a disk or a socket with the GIL released (gRPC handlers, same-host
 lease calls, slow-tier reads and writes) may outnumber the cores: their size is a queue depth,
 with a floor that keeps a small machine's disk busy. Pools that compute (a large copy split into
-parts, a codec's kernels) get at most one thread per core.
+parts, a codec's kernels) get at most one thread per core. A pool that not every process needs
+is a ``LazyPool``: a store without a slow tier starts no threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,3 +45,19 @@ class ThreadBudget:
 
 #: this process's budget
 BUDGET = ThreadBudget.for_cores(len(os.sched_getaffinity(0)))
+
+
+class LazyPool:
+    """A ``ThreadPoolExecutor`` of ``workers`` threads named ``name``, created by the first ``get``
+    and shared by every caller in the process."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.workers, self.name = workers, name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+            return self._pool

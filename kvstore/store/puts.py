@@ -13,9 +13,8 @@ from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError, InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
-from kvstore.store.io_pools import LazyPool
 from kvstore.store.transcoding import RAW, StagedBlock
-from kvstore.threads import BUDGET
+from kvstore.threads import BUDGET, LazyPool
 from kvstore.tiers.base import BlockRecord
 
 

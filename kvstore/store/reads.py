@@ -29,8 +29,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
-from kvstore.store.io_pools import LazyPool
-from kvstore.threads import BUDGET
+from kvstore.threads import BUDGET, LazyPool
 
 READS_IN_FLIGHT = BUDGET.slow_reads   # slow-tier reads of one call at once (queue depth for NVMe)
 RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)
