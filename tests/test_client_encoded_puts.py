@@ -269,19 +269,20 @@ def test_cuda_blocks_are_encoded_on_their_device(fp8_daemon):
 
 
 
-#: the first client-encoded put into a fresh daemon is answered within the client's default
-#: deadline (it may wait for the rest of the daemon's torch import, begun at its start); each other
-#: lossy codec's first put then within LATER_PUTS_S in all. Compiling their decode kernels inside
-#: the calls took 5.0 s of those puts (1.65 s for the first) on an empty numba cache (load 14);
-#: the torch reference decodes them in 0.01 s.
-FIRST_PUT_S, LATER_PUTS_S = 5.0, 1.0
+#: the first client-encoded put into a fresh daemon without tier codecs imports torch in the call
+#: (2 s on an idle 2-core host, 4.5-10 s at load 22: FIRST_PUT_S, a deadline, not a bound) and
+#: starts the kernels' compile in a child process; each other lossy codec's first put is then
+#: answered within LATER_PUTS_S in all. Compiling their decode kernels inside the calls took 5.0 s
+#: of those puts (1.65 s for the first) on an empty numba cache (load 14); the torch reference
+#: decodes them in 0.01 s.
+FIRST_PUT_S, LATER_PUTS_S = 60.0, 1.0
 
 
 def test_a_fresh_daemon_decodes_client_encoded_puts_without_waiting_for_the_compiler(tmp_path):
     """A daemon on an empty numba cache (a fresh install, an upgrade) with no tier codecs keeps
     every client-encoded block decoded: its first put of each lossy codec, from right after health
     answers, does not wait for the compiler (the torch reference decodes while the kernels compile
-    in the background), and every block reads back decoded, byte for byte."""
+    in a child process), and every block reads back decoded, byte for byte."""
     codecs.warm_up()   # (this process's kernels, for the client's encoding: compiled before the clock starts)
     lossy = [name for name, cid in CODEC_IDS.items() if codecs.get_codec(cid).lossy]
     hashes, blocks = chain(len(lossy), seed=40)

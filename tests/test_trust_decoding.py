@@ -60,7 +60,7 @@ def raw_daemon(tmp_path_factory):
     """A daemon whose CPU tier keeps blocks raw: a client's zstd payload is decoded on the way in."""
     workdir = tmp_path_factory.mktemp("zstd-bomb")
     d = start_local_daemon(workdir, "--shm-dir", str(workdir), cpu_bytes="16MiB", nvme_bytes="64MiB")
-    wait_codecs_warm(d)   # its peak RSS is measured: not while torch is imported after start
+    wait_codecs_warm(d)   # its peak RSS is measured: not while a codec warm-up loads torch and the kernels
     yield d
     assert d.stop() == 0
 

@@ -114,8 +114,7 @@ class SectionCodec(Codec):
         None: the torch reference, which gives the same bytes, runs while they compile."""
         if not USE_FAST or device.type != "cpu" or shape.dtype != torch.bfloat16 or not self.fast_ok(shape):
             return None
-        fast = _fast_modules()
-        return fast if fast is not None and compiled.ready() else None
+        return _fast_modules() if compiled.ready() else None   # (numba imported by then, not in this call)
 
     def encode(self, raw: torch.Tensor, layout: KVLayout) -> np.ndarray:
         shape = self.shape_of(layout)

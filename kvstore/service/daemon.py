@@ -144,11 +144,13 @@ class Daemon:
         this daemon cannot reload."""
         determinism_self_check()
         # Codecs run where a tier stores them and where a client's encoded put meets a tier that
-        # keeps another form. Their kernels compile in the background from start (``_compile_codecs``;
-        # until then the torch reference computes the same bytes, slower), so no request waits for
-        # torch's import or the compiler. With tier codecs the daemon answers health NOT_SERVING
-        # and writes its ready file only once they are compiled (``start``, ``wait_ready``): its
-        # every demotion encodes.
+        # keeps another form. With tier codecs, torch is imported and the kernels compiled (in a
+        # child process: ``codecs.compiled``) from start (``_compile_codecs``), and the daemon
+        # answers health NOT_SERVING and writes its ready file only once they are: its every
+        # demotion encodes. Without, neither torch (~230 MiB of RSS) nor the kernels (~150 MiB)
+        # are loaded until a lossy codec call arrives (the store imports ``kvstore.codecs``
+        # lazily); that call and those until the kernels are loaded run the torch reference (the
+        # same bytes), so none waits for the compiler.
         self._warm = threading.Event()
         self._warm_up = threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True)
         preflight.check_codecs(settings)    # fp8/int4 without torch: refused now, naming the extra
@@ -228,7 +230,7 @@ class Daemon:
         try:
             from kvstore import codecs   # (torch, where installed: imported here, off the start-up path)
             if codecs.warm_up():
-                log.info("codec kernels ready in %.1fs", time.monotonic() - t0)
+                log.info("codecs warmed up in %.1fs", time.monotonic() - t0)
         except Exception:  # noqa: BLE001 - serve anyway: the codecs run their torch reference
             log.exception("codec warm-up failed; the codecs run their torch reference")
         finally:
@@ -240,7 +242,7 @@ class Daemon:
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the daemon is ready: with tier codecs, once their kernels are compiled (every
         demotion encodes); without, at once (a client-encoded put decodes by the torch reference
-        until they are)."""
+        until the kernels it starts compiling are loaded)."""
         return self._warm.wait(timeout_s)
 
     def start(self) -> None:
@@ -254,7 +256,9 @@ class Daemon:
     def _start(self) -> None:
         if not self._warm.is_set():
             self.health.set(serving=False)
-        self._warm_up.start()
+            self._warm_up.start()
+        else:
+            log.info("no tier codecs: torch and the codec kernels are loaded at the first lossy codec call")
         self.server.start()
         if self.fleet is not None:
             self.fleet.start()
