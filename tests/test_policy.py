@@ -135,6 +135,22 @@ def test_prefix_policy_skips_pinned_leaves_then_falls_back_to_lru():
     assert p.pick_victim(lambda k: True) is None
 
 
+def test_prefix_policy_falls_back_in_recency_order_touches_and_recovered_keys_included():
+    p = PrefixAwarePolicy()
+    p.insert_many([b"r0", b"r1", b"r2"], [(1, False), (1, False), (0, False)])   # a recovered chain
+    p.insert(b"n0", children=1)
+    p.insert(b"n1")
+    leaves = {b"r2", b"n1"}.__contains__
+    assert p.pick_victim(leaves) == b"r0"
+    p.touch(b"r0")   # now the most recently used
+    assert p.pick_victim(leaves) == b"r1"
+    p.remove(b"r1")
+    assert p.pick_victim(leaves) == b"n0"
+    p.insert(b"n0", children=1)   # inserted again: not a use, its place is kept
+    assert p.pick_victim(leaves) == b"n0"
+    assert p.pick_victim(lambda k: k != b"r0") == b"r0"
+
+
 def test_prefix_policy_inserted_with_children_is_not_a_leaf():
     p = PrefixAwarePolicy()
     p.insert(b"parent", children=2)  # e.g. promoted back while its children are in this tier

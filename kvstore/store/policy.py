@@ -166,7 +166,9 @@ class PrefixAwarePolicy(EvictionPolicy):
       3. anything unpinned (only when every leaf is pinned).
 
     Per key one int in one dict (an index of millions holds one per block): its last use (a tick)
-    and its class, ``tick << 2 | leaf << 1 | orphan``. The classes' heaps hold (tick, key) of
+    and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order class 3
+    walks: a key touched is taken out and put back at its end, so it lists keys least recently
+    used first, and no second structure per key is needed. The classes' heaps hold (tick, key) of
     leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped lazily.
     """
 
@@ -174,8 +176,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     uses_chains = True
 
     def __init__(self) -> None:
-        self._lru = LRUPolicy()
-        self._state: dict[bytes, int] = {}
+        self._state: dict[bytes, int] = {}   # least recently used first
         self._clock = itertools.count()
         self._leaves: list[tuple[int, bytes]] = []
         self._orphans: list[tuple[int, bytes]] = []
@@ -192,7 +193,6 @@ class PrefixAwarePolicy(EvictionPolicy):
             heapq.heapify(self._orphans)
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
-        self._lru.insert(key)
         state = self._state[key] = next(self._clock) << 2 | (children == 0) << 1 | bool(orphan)
         self._push(key, state)
 
@@ -201,7 +201,6 @@ class PrefixAwarePolicy(EvictionPolicy):
         if chains is None:
             chains = [(0, False)] * len(keys)
         fresh = not self._state
-        self._lru.insert_many(keys)
         states, clock = self._state, self._clock
         leaves: list[tuple[int, bytes]] = []
         orphans: list[tuple[int, bytes]] = []
@@ -217,13 +216,12 @@ class PrefixAwarePolicy(EvictionPolicy):
                 self._push(key, states[key])
 
     def touch(self, key: bytes) -> None:
-        self._lru.touch(key)
-        state = self._state[key] = next(self._clock) << 2 | self._state[key] & _CLASS
+        state = self._state.pop(key)   # KeyError for a key not held; put back at the recent end
+        state = self._state[key] = next(self._clock) << 2 | state & _CLASS
         self._push(key, state)
 
     def remove(self, key: bytes) -> None:
-        if self._state.pop(key, None) is not None:
-            self._lru.remove(key)
+        self._state.pop(key, None)
 
     def update(self, key: bytes, children: int, orphan: bool) -> None:
         old = self._state.get(key)
@@ -256,7 +254,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
         return (self._pick(self._orphans, _LEAF | _ORPHAN, is_pinned)
                 or self._pick(self._leaves, _LEAF, is_pinned)
-                or self._lru.pick_victim(is_pinned))
+                or next((key for key in self._state if not is_pinned(key)), None))
 
     def __len__(self) -> int:
         return len(self._state)
