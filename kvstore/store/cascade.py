@@ -361,7 +361,7 @@ class Cascade:
             except PLACEMENT_ERRORS:
                 self.counters["demotion_failures"] += 1
         self.drop_copy(entry, t)
-        if not entry.copies:
+        if not len(entry.copies):
             self.counters["evictions"] += 1
 
     def _demote(self, entry: Entry, src: int, dst: int) -> None:
@@ -490,7 +490,7 @@ class Cascade:
         self.tiers[t].drop(entry.key)
         self.index.policies[t].remove(entry.key)
         del entry.copies[t]
-        if entry.copies:
+        if len(entry.copies):
             self.copies_changed(entry)
         else:
             self._forget(entry)

@@ -20,10 +20,11 @@ class Copies:
     """An entry's copies: tier index -> ``BlockRecord``, with the part of a dict's interface the
     store uses (``[t]``, ``in``, ``get``, ``pop``, ``del``, ``items``, ``len``, iteration in tier
     order). Why not a dict: an index of millions of blocks holds one per block, and a dict with
-    one item takes 224 bytes; this takes 40. The copies are one value, replaced whole on each
-    change, so a reader that does not hold the store lock still sees one consistent state: None
-    (no copy), the record of the one copy (most blocks; its tier is ``record.tier``), or a flat
-    tuple (tier, record, tier, record, ...) in tier order."""
+    one item takes 224 bytes; this is one slot of the entry itself (``Entry`` is a ``Copies``:
+    a separate object would take 40 bytes more per block). The copies are one value, replaced
+    whole on each change, so a reader that does not hold the store lock still sees one consistent
+    state: None (no copy), the record of the one copy (most blocks; its tier is ``record.tier``),
+    or a flat tuple (tier, record, tier, record, ...) in tier order."""
 
     __slots__ = ("_flat",)
 
@@ -122,6 +123,8 @@ class Copies:
 
 
 _READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN = 1, 2, 4, 8, 16
+#: an entry's pins count in its ``_flags`` above the flag bits, in units of ``_PIN``
+_PIN = 32
 
 
 def _flag(bit: int, doc: str) -> property:
@@ -133,12 +136,13 @@ def _flag(bit: int, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
-class Entry:
+class Entry(Copies):
     """The index's view of one block: where its copies are and who holds it. Slotted, its five
-    flags in one int and its key made once (hot paths read ``key`` several times per block): an
-    index of millions holds one per block."""
+    flags and its pins in one int, its key made once (hot paths read ``key`` several times per block) and its
+    copies held in itself (``copies`` is the entry, as a ``Copies``): an index of millions holds
+    one per block. An entry is always true; ``len(entry.copies)`` counts its copies."""
 
-    __slots__ = ("namespace_id", "block_hash", "parent_hash", "raw_size", "copies", "pins", "pinned_until",
+    __slots__ = ("namespace_id", "block_hash", "parent_hash", "raw_size", "pinned_until",
                  "children", "charged_to", "key", "_flags")
 
     def __init__(self, namespace_id: bytes, block_hash: bytes, parent_hash: bytes | None, raw_size: int, *,
@@ -147,8 +151,7 @@ class Entry:
         self.block_hash = block_hash
         self.parent_hash = parent_hash
         self.raw_size = raw_size
-        self.copies = Copies()        # tier index -> record
-        self.pins = 0                 # explicit pins (in-flight reads, leases)
+        self._flat = None             # its copies: tier index -> record (``Copies``)
         self.pinned_until = 0.0       # lookup lease
         #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
@@ -156,6 +159,24 @@ class Entry:
         #: ``block_key(namespace_id, block_hash)``: given, where the caller holds it already (one object)
         self.key = block_key(namespace_id, block_hash) if key is None else key
         self._flags = _READY if ready else 0
+
+    @property
+    def copies(self) -> Copies:
+        """Tier index -> the record of its copy there (the entry itself: see ``Copies``)."""
+        return self
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def pins(self) -> int:
+        """Explicit pins (in-flight reads, leases): changed only by ``Cascade.pin_entry`` / ``unpin``."""
+        return self._flags // _PIN
+
+    @pins.setter
+    def pins(self, n: int) -> None:
+        assert n >= 0, "a negative pin count"
+        self._flags = n * _PIN | self._flags % _PIN
 
     ready = _flag(_READY, "visible to lookups and gets")
     doomed = _flag(_DOOMED, "deleted while pinned: freed on last unpin")
@@ -177,7 +198,7 @@ class Entry:
         return (kids,) if type(kids) is bytes else kids
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key.hex()[:24]}..., copies={self.copies!r}, ready={self.ready}, pins={self.pins}, "
+        return (f"Entry({self.key.hex()[:24]}..., copies={dict(self.items())!r}, ready={self.ready}, pins={self.pins}, "
                 f"doomed={self.doomed})")
 
 
@@ -280,12 +301,12 @@ class BlockIndex:
             entries = self.entries
             for child_key in entry.child_keys():
                 child = entries.get(child_key)
-                if child is not None and child.copies and child.copies.first() <= t:
+                if child is not None and len(child.copies) and child.copies.first() <= t:
                     kids += 1
         if entry.parent_hash is None:
             return kids, False
         parent = self.entries.get(entry.namespace_id + entry.parent_hash)
-        return kids, parent is None or not parent.copies or parent.copies.first() > t
+        return kids, parent is None or not len(parent.copies) or parent.copies.first() > t
 
     def track_copy(self, entry: Entry, t: int) -> None:
         """Tell tier ``t``'s policy about the copy ``entry`` now has there (its chain state only
@@ -312,7 +333,7 @@ class BlockIndex:
         after that eviction (the parent, once a leaf), so a batch of victims is picked ahead in the
         order one at a time would. ``copies_changed`` tells the true states again."""
         policy = self.policies[t]
-        if not policy.uses_chains or not entry.copies or entry.copies.first() != t:
+        if not policy.uses_chains or not len(entry.copies) or entry.copies.first() != t:
             return   # a copy faster than ``t`` stays: nothing changes as ``t`` sees it
         entries = self.entries
         parent = self.parent(entry)
@@ -320,7 +341,7 @@ class BlockIndex:
             kids = 0
             for child_key in parent.child_keys():
                 child = entries.get(child_key)
-                if (child is not None and child.copies and child.copies.first() <= t
+                if (child is not None and len(child.copies) and child.copies.first() <= t
                         and not (child.writing_down and child.copies.first() == t)):
                     kids += 1
             policy.update(parent.key, kids, self.chain_state(parent, t)[1])

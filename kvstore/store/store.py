@@ -353,7 +353,7 @@ class Store:
         demoting, todo = [], []
         with self._lock:
             for entry in self._index.values():
-                if not entry.visible or not entry.copies or d in entry.copies:
+                if not entry.visible or not len(entry.copies) or d in entry.copies:
                     continue
                 if entry.writing_down:   # its demotion is writing that copy now (Cascade.clear_room)
                     demoting.append(entry)

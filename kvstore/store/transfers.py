@@ -139,7 +139,7 @@ class Transfers:
                 if (unexpected is None and self.cascade.index.entries.get(entry.key) is entry and t in entry.copies
                         and not self.cascade.is_pinned(entry.key)):
                     self.cascade.drop_copy(entry, t)
-                    if not entry.copies:
+                    if not len(entry.copies):
                         self.cascade.counters["evictions"] += 1
                 elif self.cascade.index.entries.get(entry.key) is entry:
                     self.cascade.index.copies_changed(entry)   # kept: its chain's true states again
