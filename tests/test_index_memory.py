@@ -1,0 +1,75 @@
+"""What the store's index holds per block, measured as ``benchmarks/bench_scale.py`` measures it
+(``tracemalloc``: every byte allocated while a store is opened on an NVMe directory and its index
+rebuilt, over the blocks recovered), and the one object an entry is."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from kvstore.keys import ChainHasher, KVLayout, Namespace
+from kvstore.store import Store, StoreConfig
+from kvstore.store.index import Entry
+from kvstore.tiers.base import BlockRecord
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
+
+BLOCK = 4096
+BLOCKS = 4000
+#: bytes per recovered block the index may take: at this size 520 under lru and 580 under prefix
+#: (an Entry holding its copies and pins, one dict per key in the prefix-aware policy; before
+#: those, 568 and 665). ``benchmarks/results/scale.md`` has the figures at 100k and 1M blocks.
+BOUND = 620
+
+
+def open_store(path: str, policy: str) -> Store:
+    return Store([CpuTier(16 * BLOCK, slot_bytes=BLOCK), NvmeTier(path, BLOCKS * (HEADER_BYTES + BLOCK) + (16 << 20))],
+                 StoreConfig(eviction_policy=policy))
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix"])
+def test_a_warm_restart_index_takes_a_bounded_number_of_bytes_per_recovered_block(tmp_path, policy):
+    path = str(tmp_path / "nvme")
+    store = open_store(path, policy)
+    ns = store.register_namespace(Namespace(KVLayout(model="memory/model", num_layers=1, num_kv_heads=1, head_dim=64,
+                                                     dtype="uint8", block_tokens=16, block_bytes=BLOCK)))
+    payload = np.arange(BLOCK, dtype=np.uint8)
+    hasher = ChainHasher()
+    for start in range(0, BLOCKS, 1000):   # chains of 1,000: every block but a tail has a child
+        store.put(ns, hasher.chain(np.arange(16 * 1000) + 16 * start, 16), [payload] * 1000)
+    store.close()
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        again = open_store(path, policy)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    try:
+        recovered = again.stats()["blocks"]
+        assert recovered >= BLOCKS - 16   # all but the CPU tier's last blocks reached NVMe
+        per_block = sum(s.size_diff for s in after.compare_to(before, "filename")) / recovered
+        assert per_block <= BOUND, f"{per_block:.0f} bytes per recovered block"
+        assert again.lookup(ns, hasher.chain(np.arange(16 * 1000), 16), lease=False).num_hit == 1000   # served
+    finally:
+        again.close()
+
+
+def test_an_entry_holds_its_copies_and_pins_in_itself():
+    entry = Entry(b"n" * 16, b"h" * 16, None, BLOCK, ready=True)
+    assert entry.copies is entry and entry and len(entry.copies) == 0   # true with no copy, as any entry
+    cpu, nvme = BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK), BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK)
+    entry.copies[1] = nvme
+    entry.copies[0] = cpu
+    assert list(entry.copies) == [0, 1] and entry.copies.first_item() == (0, cpu) and entry.copies[1] is nvme
+    for _ in range(300):   # pins count above the flag bits: each independent of the other
+        entry.pins += 1
+    entry.doomed = True
+    assert entry.pins == 300 and entry.doomed and entry.ready and not entry.visible
+    entry.pins -= 300
+    assert entry.pins == 0 and entry.doomed and entry.ready
+    del entry.copies[0]
+    assert entry.copies.first() == 1 and len(entry.copies) == 1
