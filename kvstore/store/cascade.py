@@ -122,7 +122,7 @@ class Cascade:
 
     def is_pinned(self, key: bytes) -> bool:
         e = self.index.entries.get(key)
-        return e is not None and (e.pins > 0 or e.held or not e.ready or e.pinned_until > self.clock())
+        return e is not None and e.stays(self.clock)
 
     # -- writing a new block ---------------------------------------------------------------------
 

@@ -105,6 +105,13 @@ class Copies:
             raise ValueError("no copy")
         return flat.tier
 
+    def first_or(self, default: int) -> int:
+        """``first()``, or ``default`` when there is no copy (one call on the chain walks' hot path)."""
+        flat = self._flat
+        if flat is None:
+            return default
+        return flat[0] if type(flat) is tuple else flat.tier
+
     def first_item(self) -> tuple[int, BlockRecord]:
         """``(first(), its record)``: the fastest copy."""
         flat = self._flat
@@ -186,7 +193,13 @@ class Entry(Copies):
 
     @property
     def fastest(self) -> int:
-        return self.copies.first()
+        return self.first()
+
+    def stays(self, clock) -> bool:
+        """No policy may evict it now: pinned, in a pinned prefix, not yet written, or under a
+        lookup lease (``clock()``: now, asked only for that last one)."""
+        flags = self._flags
+        return flags >= _PIN or (flags & _HELD) != 0 or not flags & _READY or self.pinned_until > clock()
 
     @property
     def visible(self) -> bool:
@@ -201,6 +214,9 @@ class Entry(Copies):
         return (f"Entry({self.key.hex()[:24]}..., copies={dict(self.items())!r}, ready={self.ready}, pins={self.pins}, "
                 f"doomed={self.doomed})")
 
+
+#: ``first_or``'s answer for an entry without a copy: slower than any tier
+_NO_TIER = 1 << 30
 
 #: children a block keeps in a tuple; more go into a set (adding to a tuple copies it)
 SMALL_FAMILY = 8
@@ -275,7 +291,7 @@ class BlockIndex:
         """``track_copy`` for every copy of every entry, in index order, handed to each policy at
         once (``EvictionPolicy.insert_many``; a policy that ignores chains gets the keys alone)."""
         for t, policy in enumerate(self.policies):
-            held = [e for e in self.entries.values() if t in e.copies]
+            held = [e for e in self.entries.values() if t in e]   # (an entry is its copies)
             chains = [self.chain_state(e, t) for e in held] if policy.uses_chains else None
             policy.insert_many([e.key for e in held], chains)
 
@@ -301,12 +317,12 @@ class BlockIndex:
             entries = self.entries
             for child_key in entry.child_keys():
                 child = entries.get(child_key)
-                if child is not None and len(child.copies) and child.copies.first() <= t:
+                if child is not None and child.first_or(_NO_TIER) <= t:   # (an entry is its copies)
                     kids += 1
         if entry.parent_hash is None:
             return kids, False
         parent = self.entries.get(entry.namespace_id + entry.parent_hash)
-        return kids, parent is None or not len(parent.copies) or parent.copies.first() > t
+        return kids, parent is None or parent.first_or(_NO_TIER) > t
 
     def track_copy(self, entry: Entry, t: int) -> None:
         """Tell tier ``t``'s policy about the copy ``entry`` now has there (its chain state only
@@ -321,7 +337,7 @@ class BlockIndex:
         """Tell the policies of ``entry``'s tiers that use chains its chain state now."""
         if not self._chains:
             return
-        for t in entry.copies:
+        for t in entry:   # the tiers of its copies
             policy = self.policies[t]
             if policy.uses_chains:
                 policy.update(entry.key, *self.chain_state(entry, t))
@@ -333,21 +349,21 @@ class BlockIndex:
         after that eviction (the parent, once a leaf), so a batch of victims is picked ahead in the
         order one at a time would. ``copies_changed`` tells the true states again."""
         policy = self.policies[t]
-        if not policy.uses_chains or not len(entry.copies) or entry.copies.first() != t:
+        if not policy.uses_chains or entry.first_or(_NO_TIER) != t:
             return   # a copy faster than ``t`` stays: nothing changes as ``t`` sees it
         entries = self.entries
         parent = self.parent(entry)
-        if parent is not None and entry.linked and t in parent.copies:
+        if parent is not None and entry.linked and t in parent:
             kids = 0
             for child_key in parent.child_keys():
                 child = entries.get(child_key)
-                if (child is not None and len(child.copies) and child.copies.first() <= t
-                        and not (child.writing_down and child.copies.first() == t)):
+                first = _NO_TIER if child is None else child.first_or(_NO_TIER)
+                if first <= t and not (first == t and child.writing_down):
                     kids += 1
             policy.update(parent.key, kids, self.chain_state(parent, t)[1])
         for child_key in entry.child_keys():
             child = entries.get(child_key)
-            if child is not None and t in child.copies:
+            if child is not None and t in child:
                 policy.update(child.key, self.chain_state(child, t)[0], True)
 
     def copies_changed(self, entry: Entry) -> None:
