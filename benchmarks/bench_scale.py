@@ -8,7 +8,9 @@ that policy: N blocks of 16 KiB are put in chains of 1,024 per call, so all but 
 reach NVMe as demotions. Against it, in the same run: raw O_DIRECT writes of the same N blocks of 16 KiB into
 one preallocated file (no fsync each: what a write-back demotion needs). Then the store is closed
 and opened again on the same directory (warm restart: the index rebuilt from the slabs' record files),
-timed; and once more under ``tracemalloc`` for the bytes the index holds per recovered block.
+timed; and once more under ``tracemalloc`` for the bytes the index holds per recovered block
+(every byte allocated while the store opens, over the blocks recovered), and where they are (by
+allocation site).
 Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/scale).
 """
 
@@ -34,6 +36,9 @@ from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 BLOCK = 16 * 1024
 CPU_BYTES = 64 << 20
 CHAIN = 1024
+#: allocation sites named in the breakdown of the index's bytes (largest first)
+SITES = 10
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def layout() -> KVLayout:
@@ -98,7 +103,11 @@ def run(blocks: int, directory: str, policy: str, raw_s: float) -> dict:
         measured = open_store(nvme_dir, blocks, policy)
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
-        index_bytes = sum(s.size_diff for s in after.compare_to(before, "filename"))
+        sites = after.compare_to(before, "lineno")
+        index_bytes = sum(s.size_diff for s in sites)
+        recovered_here = max(measured.stats()["blocks"], 1)
+        by_site = [(f"{os.path.relpath(s.traceback[0].filename, ROOT)}:{s.traceback[0].lineno}",
+                    s.size_diff / recovered_here) for s in sites[:SITES]]
         measured.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -113,6 +122,7 @@ def run(blocks: int, directory: str, policy: str, raw_s: float) -> dict:
         "put_cpu_s": put_cpu_s, "restart_cpu_s": restart_cpu_s,
         "restart_cpu_s_per_100k_blocks": restart_cpu_s / max(recovered, 1) * 100_000,
         "index_bytes_per_block": index_bytes / max(recovered, 1),
+        "index_bytes_per_block_by_site": by_site,
     }
 
 
@@ -149,6 +159,10 @@ def markdown(r: dict) -> str:
             lambda x: f"{x['put_cpu_s']:.1f} s of {x['put_s']:.1f} s; {x['restart_cpu_s_per_100k_blocks']:.2f} s"
             if "restart_cpu_s" in x else "-"),
         row("index memory per recovered block (tracemalloc)", lambda x: f"{x['index_bytes_per_block']:.0f} bytes"),
+        "",
+        *[f"Index bytes per recovered block by allocation site ({x['blocks']:,} blocks, {x.get('policy', 'lru')}): "
+          + ", ".join(f"{site} {b:.0f}" for site, b in x["index_bytes_per_block_by_site"]) + "."
+          for x in runs if "index_bytes_per_block_by_site" in x],
         "",
         *[f"Under {p}, warm restart grows by {_marginal(rs):.2f} s ({_marginal_cpu(rs):.2f} s of CPU) per 100k "
           f"more blocks recovered from {rs[0]['recovered_blocks']:,} to {rs[-1]['recovered_blocks']:,} (the rest "
