@@ -24,9 +24,19 @@ and the request is served as any other. The wait is bounded (``pd_wait_s``): pas
 when the consumer's daemon does not answer, the consumer loads the leading blocks that did arrive
 and recomputes the rest, counted and logged. Only whole blocks the daemon holds are ever loaded.
 
-``HandoffWaiter`` polls on a thread of its own (lookups without a lease, every ``pd_poll_s``), so
-the scheduler's loop never blocks on the daemon: while a request waits, each scheduler pass costs
-a dictionary read. With a fleet the consumer's daemon fetches the blocks from the producer's daemon
+``HandoffWaiter`` polls on a thread of its own (a lookup every ``pd_poll_s``), so the scheduler's
+loop never blocks on the daemon: while a request waits, each scheduler pass costs a dictionary read.
+
+Named blocks are pinned against eviction from the hand-off until the consumer loads them, under
+the daemon's lookup leases (``lease_seconds``, 5 s by default): the producer looks the blocks its
+daemon already held on arrival up again with a lease as it names them (blocks it finds evicted by
+then it marks unsaved), and each of the waiter's polls is a leased lookup, which pins the leading
+blocks that are there for ``lease_seconds`` again; the consumer's own lookup, which plans the
+load, pins them once more. What is left open: a decode request that reaches its consumer more
+than ``lease_seconds`` after the hand-off; a block this request saves, in the ``pd_poll_s`` between
+its landing and the next poll; and, where the client answers a lookup from the daemon's mapped
+index, the few milliseconds before its lease note reaches the daemon (or a note dropped because
+the daemon is behind). A block lost in one of these is recomputed after ``pd_wait_s``. With a fleet the consumer's daemon fetches the blocks from the producer's daemon
 during these lookups (verified peer fetch, docs/fleet.md), so nothing here names a peer to call.
 
 Params come from the client's request body, so they are untrusted: they can at most make their own
@@ -172,7 +182,8 @@ class HandoffWaiter:
     def _check(self, wait: Wait) -> str | None:
         found = len(wait.hashes)
         for handle in self.handles:
-            got = handle.call(lambda c, ns: c.lookup(ns, wait.hashes[:found], False).num_hit, "lookup")
+            # leased: what is there stays there until the consumer's own lookup pins it for the load
+            got = handle.call(lambda c, ns: c.lookup(ns, wait.hashes[:found], True).num_hit, "lookup")
             if got is None:
                 return "unavailable"
             found = min(found, got)

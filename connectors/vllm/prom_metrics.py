@@ -36,7 +36,10 @@ SERIES: dict[str, tuple[str, str]] = {
     "pd_held_blocks": ("vllm:kvstore_pd_held_blocks",
                        "Producer: prompt blocks the daemon already held (named, not saved again)"),
     "pd_unsaved_blocks": ("vllm:kvstore_pd_unsaved_blocks",
-                          "Producer: prompt blocks marked unsaved in params (the daemon did not answer)"),
+                          "Producer: prompt blocks marked unsaved in params (the daemon did not answer, "
+                          "or a held block before them was evicted)"),
+    "pd_evicted_blocks": ("vllm:kvstore_pd_evicted_blocks",
+                          "Producer: prompt blocks its daemon held on arrival, evicted before the hand-off"),
     "pd_waits": ("vllm:kvstore_pd_waits", "Consumer: requests that waited for a producer's blocks"),
     "pd_wait_seconds": ("vllm:kvstore_pd_wait_seconds", "Consumer: seconds requests waited for them"),
     "pd_loaded_requests": ("vllm:kvstore_pd_loaded_requests", "Consumer: hand-offs whose blocks were all there"),

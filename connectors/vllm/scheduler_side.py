@@ -54,6 +54,7 @@ class RequestState:
     match_start: int = 0            # num_computed_tokens when the hit was offered
     block_ids: list[int] = dataclasses.field(default_factory=list)   # vLLM's, N per chunk
     num_stored: int = 0             # leading chunks known to be in the daemon or queued for saving
+    num_held: int = 0               # leading chunks the daemon held on arrival (not saved by this request)
     saved_any: bool = False         # a save went to the workers: its blocks are freed after they report
 
 
@@ -188,7 +189,9 @@ class SchedulerSide:
     def _offered_handoff(self, request: "Request", state: RequestState | None) -> dict[str, Any] | None:
         """A producer's finished request: ``kv_transfer_params`` naming the prompt blocks its
         daemon holds or gets from its saves (asked for by ``kv_producer``, or by a ``kv_both``
-        request with ``do_remote_decode``). When its daemon failed to answer a call lately (the
+        request with ``do_remote_decode``). Blocks its daemon held on arrival were not saved by it
+        and may have been evicted since: one leased lookup re-checks them now and pins what it
+        finds (``_pinned_for_decode``). When its daemon failed to answer a call lately (the
         breaker is open: saves are failing too) it names none of them and marks them unsaved, so
         a consumer recomputes at once instead of waiting for blocks that are not coming."""
         params = request.kv_transfer_params or {}
@@ -200,14 +203,37 @@ class SchedulerSide:
         if n == 0:
             return None
         unsaved = 0
+        if state.num_held and all(link.available() for link in self._lookup_links):
+            n, unsaved = self._pinned_for_decode(request, state, n)
         if not all(link.available() for link in self._lookup_links):
-            n, unsaved = 0, n
-            self._add_stat("pd_unsaved_blocks", unsaved)
+            n, unsaved = 0, n + unsaved
             logger.warning("kvstore connector: %s: the daemon does not answer; naming none of the %d prompt "
                            "blocks to decode", request.request_id, unsaved)
+        if unsaved:
+            self._add_stat("pd_unsaved_blocks", unsaved)
         self._add_stat("pd_offered_blocks", n)
         return Handoff(self.namespace.id, n, self.chunk_tokens, state.hashes[n + unsaved - 1], self.settings.url,
                        unsaved).to_params()
+
+    def _pinned_for_decode(self, request: "Request", state: RequestState, n: int) -> tuple[int, int]:
+        """The ``n`` leading blocks about to be named, looked up again with a lease on every rank's
+        namespace: the daemon pins the leading ones it holds for its ``lease_seconds`` from now,
+        so blocks held on arrival cannot be evicted between the hand-off and the consumer's wait
+        (whose polls pin them in turn, ``HandoffWaiter``). When fewer than those held on arrival
+        are left, a consumer could load no block past the first gone one: ``(found, n - found)``
+        names what is left and marks the rest unsaved, so it recomputes them without waiting.
+        Blocks this request saves and that have not landed yet are not counted as gone."""
+        held, t0 = min(state.num_held, n), time.perf_counter()
+        found = hits_on_every_rank(self._lookup_links, state.hashes[:n], lease=True)
+        self._add_stat("lookups")
+        self._add_stat("lookup_seconds", time.perf_counter() - t0)
+        if found >= held or not all(link.available() for link in self._lookup_links):
+            return n, 0     # all still there (or no answer: the caller names none)
+        self._add_stat("pd_evicted_blocks", held - found)
+        logger.warning("kvstore connector: %s: %d of the %d prompt blocks its daemon held on arrival were "
+                       "evicted before the hand-off; naming the %d before them to decode", request.request_id,
+                       held - found, held, found)
+        return found, n - found
 
     def cached_prompt_tokens(self, request: "Request") -> int:
         """Leading prompt tokens the daemon holds (cache-aware admission asks on arrival; the
@@ -261,7 +287,7 @@ class SchedulerSide:
         # count as stored
         prompt_blocks = len(request.prompt_token_ids or ()) // self.chunk_tokens
         stored = held if self.kv_role.saves_prompt else max(held, prompt_blocks)
-        return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=stored)
+        return RequestState(request, hashes, num_hit, cacheable=cacheable, num_stored=stored, num_held=held)
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading chunks that every rank's namespace holds (each lookup pins its blocks)."""
@@ -274,7 +300,8 @@ class SchedulerSide:
 
     def _held(self, hashes: list[bytes]) -> int:
         """A producer's lookup: leading chunks every rank's namespace already holds, without a
-        lease (they are never loaded here). Its saves start after them. A lookup that fails
+        lease (they are never loaded here; ``_pinned_for_decode`` pins those it names to decode at
+        the hand-off). Its saves start after them. A lookup that fails
         opens the handle's breaker, which ``_offered_handoff`` reads."""
         t0 = time.perf_counter()
         held = hits_on_every_rank(self._lookup_links, hashes, lease=False)
