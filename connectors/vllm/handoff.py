@@ -36,8 +36,11 @@ load, pins them once more. What is left open: a decode request that reaches its 
 than ``lease_seconds`` after the hand-off; a block this request saves, in the ``pd_poll_s`` between
 its landing and the next poll; and, where the client answers a lookup from the daemon's mapped
 index, the few milliseconds before its lease note reaches the daemon (or a note dropped because
-the daemon is behind). A block lost in one of these is recomputed after ``pd_wait_s``. With a fleet the consumer's daemon fetches the blocks from the producer's daemon
-during these lookups (verified peer fetch, docs/fleet.md), so nothing here names a peer to call.
+the daemon is behind). A block lost in one of these is recomputed after ``pd_wait_s``.
+
+With a fleet the consumer's daemon fetches the blocks from the producer's daemon during these
+lookups (verified peer fetch, docs/fleet.md), so nothing here names a peer to call; the producer's
+lease pins them on its own daemon, the waiter's on the consumer's.
 
 Params come from the client's request body, so they are untrusted: they can at most make their own
 request wait ``pd_wait_s`` for blocks of its own prompt, or count its own recompute.
