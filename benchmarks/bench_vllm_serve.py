@@ -117,7 +117,8 @@ class Server:
         return root_cause(self.log_path)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's Prometheus counters of prompt and cached tokens (summed over labels)."""
+        """vLLM's Prometheus counters of prompt and cached tokens, and the kvstore connector's own
+        (lookups, loads, saves, in-flight waits, with their seconds), summed over labels."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
@@ -126,7 +127,7 @@ class Server:
             name = line.split("{")[0].split(" ")[0]
             if name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
                         "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-                        "vllm:prompt_tokens_cached_total"):
+                        "vllm:prompt_tokens_cached_total") or name.startswith("vllm:kvstore_"):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 

@@ -31,6 +31,13 @@ SERIES: dict[str, tuple[str, str]] = {
     "save_skipped_blocks": ("vllm:kvstore_save_skipped_blocks", "Blocks not saved: the daemon failed lately (breaker open)"),
     "save_dropped_blocks": ("vllm:kvstore_save_dropped_blocks", "Blocks not saved: the save queue was full"),
     "save_gather_seconds": ("vllm:kvstore_save_gather_seconds", "Seconds spent copying blocks out to save"),
+    # prefixes another live request computes (scheduler_side._awaiting_inflight)
+    "inflight_waits": ("vllm:kvstore_inflight_waits",
+                       "Requests that waited for prompt blocks another request of this engine computes"),
+    "inflight_wait_seconds": ("vllm:kvstore_inflight_wait_seconds", "Seconds those requests waited"),
+    "inflight_arrived": ("vllm:kvstore_inflight_arrived", "... and found the blocks in the daemon"),
+    "inflight_timeout": ("vllm:kvstore_inflight_timeout", "... until inflight_wait_s passed"),
+    "inflight_unavailable": ("vllm:kvstore_inflight_unavailable", "... until the daemon did not answer"),
     # prefill/decode hand-off (handoff.py)
     "pd_offered_blocks": ("vllm:kvstore_pd_offered_blocks", "Producer: prompt blocks named to decode engines"),
     "pd_held_blocks": ("vllm:kvstore_pd_held_blocks",

@@ -84,6 +84,8 @@ class SchedulerSide:
         self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
         self._handoff_waits: dict[str, Wait] = {}
         self._handoff_expected: dict[str, tuple[int, str, int]] = {}   # blocks named, how the wait ended, unsaved
+        self._inflight_waits: dict[str, Wait] = {}    # requests waiting for blocks another one computes
+        self._inflight_settled: set[str] = set()      # requests asked once whether to wait so
         if self.enabled:
             # a producer's lookup gets a save's time: its breaker opening is what tells it that its
             # saves fail (``_offered_handoff``), so it must not open on a call a save would outlast
@@ -107,13 +109,72 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
-            if self._awaiting_handoff(request):
+            if self._awaiting_handoff(request) or self._awaiting_inflight(request):
                 return None, False     # vLLM asks again next pass; the request stays queued
             n = self._matched_tokens(request, num_computed_tokens)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvstore connector: lookup for %s failed: %s", request.request_id, e)
             return 0, False
         return n, n > 0 and self.settings.load_mode == "async"
+
+    # -- prefixes another live request computes ----------------------------------------------------
+
+    def _awaiting_inflight(self, request: "Request") -> bool:
+        """True while the request waits for leading prompt blocks that another live request of this
+        engine is computing and will save (vLLM's own prefix cache off, it would compute them a
+        second time; at a busy engine's request rates, the requests sharing a prefix arrive while
+        the first of them is still in prefill). Decided on the request's first pass: a request
+        that shares leading blocks with a scheduled one is looked up here (the others when vLLM
+        asks for their matched tokens), and waits only for blocks the daemon does not hold yet.
+        The hand-off waiter polls the daemon for them, so each pass here is a dictionary read;
+        the wait ends when they are all there (the request is looked up again and loads them),
+        after ``inflight_wait_s``, or when the daemon does not answer. A request waits at most
+        once."""
+        rid = request.request_id
+        wait = self._inflight_waits.get(rid)
+        if wait is None:
+            if rid in self._inflight_settled or self._handoff_waiter is None or not self.kv_role.saves_prompt \
+                    or self.settings.inflight_wait_s <= 0 or not self.enabled:
+                return False
+            self._inflight_settled.add(rid)
+            state = self._requests.get(rid)   # (made on arrival by cache-aware admission)
+            try:
+                hashes = state.hashes if state is not None else prompt_block_hashes(self.hasher, request,
+                                                                                    self.chunk_tokens)
+            except Exception:  # noqa: BLE001 - a prompt kvstore cannot key: ``_new_state`` says so
+                return False
+            loadable = hashes[:(request.num_tokens - 1) // self.chunk_tokens]
+            shared = self._computed_elsewhere(rid, loadable)
+            if not shared or shared <= self._state(request).num_hit:   # (its one lookup, made now if not yet)
+                return False
+            self._inflight_waits[rid] = self._handoff_waiter.watch(rid, loadable[:shared],
+                                                                   self.settings.inflight_wait_s)
+            self._add_stat("inflight_waits")
+            return True
+        if wait.outcome is None:
+            return True
+        del self._inflight_waits[rid]
+        self._add_stat("inflight_wait_seconds", wait.seconds)
+        self._add_stat(f"inflight_{wait.outcome}")
+        state = self._requests.get(rid)
+        if state is not None:      # looked up before the blocks were there: again
+            state.num_hit = self._lookup(state.hashes)
+        return False
+
+    def _computed_elsewhere(self, rid: str, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` another live request shares (chain hashes: a shared hash
+        is a shared prefix) that is scheduled (has blocks: it computes them, or has loaded them,
+        and saves what it computes; a request still waiting counts for nothing, so two never
+        wait for each other)."""
+        shared = 0
+        for other, state in self._requests.items():
+            if other == rid or not state.cacheable or not state.block_ids:
+                continue
+            i, n = 0, min(len(hashes), len(state.hashes))
+            while i < n and state.hashes[i] == hashes[i]:
+                i += 1
+            shared = max(shared, i)
+        return shared
 
     # -- prefill/decode hand-off (``handoff``) ------------------------------------------------------
 
@@ -402,7 +463,9 @@ class SchedulerSide:
         # get_finished once nothing reads its blocks any more.
         state = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        if self._handoff_waits.pop(request.request_id, None) is not None:   # aborted while waiting
+        if self._handoff_waits.pop(request.request_id, None) is not None or \
+                self._inflight_waits.pop(request.request_id, None) is not None:   # aborted while waiting
             self._handoff_waiter.cancel(request.request_id)
+        self._inflight_settled.discard(request.request_id)
         self._handoff_expected.pop(request.request_id, None)
         return state is not None and state.saved_any, self._offered_handoff(request, state)
