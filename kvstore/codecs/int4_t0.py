@@ -1,7 +1,8 @@
 """INT4 with each block's first token kept exactly (``int4_g64_t0``): token 0 of every (layer, head)
 is stored in the block's own dtype, and tokens ``1..T-1`` are ``int4``'s KIVI-style quantisation
 of them alone: keys per channel over those ``T - 1`` tokens, values per token in groups of 64
-dims (``int4.Int4Codec`` on the shorter shape, the same kernels).
+dims (``int4.Int4Codec`` on the shorter shape, the same kernels; token 0's rows through
+``fast_t0``'s).
 
 Why token 0: a sequence's first token is an *attention sink* (most heads put much of their
 attention on it, and its keys and values are unlike the rest), and it is always token 0 of the
@@ -9,8 +10,10 @@ sequence's first block. Quantised with the block, its error is weighted by that 
 outlying keys widen every key channel's range over the block. A codec does not know which block
 comes first, so it keeps token 0 of every block: one token in ``T`` at the dtype's size. On
 SmolLM2-135M's KV (screened in bf16 on 65 real prompts, ``benchmarks/results/codec_screen_real_t0.md``)
-that cut the next-token KL of ``int4_g64`` by a third (8.2e-3 against 1.23e-2), at 3.12x instead
-of 3.37x for 32-token blocks of head_dim 64.
+that cut the next-token KL of ``int4_g64`` by a third (8.2e-3 against 1.23e-2), at 3.13x instead
+of 3.37x for 32-token blocks of head_dim 64; through vLLM on 257 prompts it kept 37.7 % of the
+32-token greedy continuations against ``int4_g64``'s 23.0 % and ``int4_g64_k16``'s 33.9 %
+(``benchmarks/results/fidelity_real_t0.md``). On 16-token blocks it stores 2.67x.
 
 Sections: ``int4``'s for ``T - 1`` tokens (``k_codes``, ``v_codes``, ``k_scale``, ``k_min``,
 ``v_scale``, ``v_min``), then ``first`` ``[parts, L, H, D]`` in the block's dtype (a -0 stored as
