@@ -5,7 +5,7 @@ NVMe tier a flood of 200 blocks of 128 KiB overfills).
 A producer names to decode the prompt blocks its daemon already held when the prompt arrived.
 Its arrival lookup takes no lease; without a pin at the hand-off, a flood between the hand-off and
 the consumer's lookup evicts them and the consumer waits ``pd_wait_s`` for blocks that are gone.
-Each case checks that the flood did evict an unpinned control chain, so it tells the two apart.
+Each flood case checks that the flood did evict an unpinned control chain, so it tells the two apart.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def run(daemon_factory, case: str, lease_s: float = 60.0, pd_wait_s: float = PD_
     d = daemon_factory("--lease-seconds", str(lease_s), cpu_bytes="4MiB", nvme_bytes="4MiB")
     r, _ = vllm_runner.run_script("vllm_pd_pins.py", d.url, case, str(pd_wait_s), str(lease_s))
     assert r["producer"]["pd_held_blocks"] == HELD
-    assert r["control_left"] < HELD, f"the flood evicted nothing unpinned: {r}"
+    assert case == "deleted" or r["control_left"] < HELD, f"the flood evicted nothing unpinned: {r}"
     return r
 
 
@@ -44,6 +44,19 @@ def test_blocks_evicted_before_hand_off_are_named_unsaved_and_not_waited_for(dae
     c = r["consumer"]
     assert c.get("pd_recomputes_unsaved") == 1 and "pd_recomputes_timeout" not in c, r
     assert c["pd_recomputed_blocks"] == HELD - left, r
+    assert r["deferred_s"] < PD_WAIT_S, r
+
+
+def test_params_naming_some_blocks_and_some_unsaved_load_those_and_recompute_the_rest_at_once(daemon_factory):
+    """The last held block is gone by the hand-off: the params name the three before it and mark
+    one unsaved; the consumer loads the three and does not wait for the fourth."""
+    r = run(daemon_factory, "deleted")
+    assert (r["blocks"], r["unsaved"], r["left"]) == (HELD - 1, 1, HELD - 1), r
+    assert r["producer"]["pd_evicted_blocks"] == 1, r
+    assert r["matched"] == (HELD - 1) * BLOCK, r
+    c = r["consumer"]
+    assert c.get("pd_loaded_blocks") == HELD - 1 and c.get("pd_recomputes_unsaved") == 1, r
+    assert c["pd_recomputed_blocks"] == 1 and "pd_recomputes_timeout" not in c, r
     assert r["deferred_s"] < PD_WAIT_S, r
 
 

@@ -4,6 +4,8 @@ real daemon while a flood of puts evicts what its small CPU and NVMe tiers hold.
 
     python vllm_pd_pins.py DAEMON_URL after     # the flood comes after the hand-off
     python vllm_pd_pins.py DAEMON_URL before    # the flood comes between arrival and hand-off
+    python vllm_pd_pins.py DAEMON_URL deleted   # no flood: the last held block is deleted before
+                                                # the hand-off
     python vllm_pd_pins.py DAEMON_URL late      # the params also name a block still being saved:
                                                 # the flood comes while the consumer waits for it,
                                                 # after the producer's lease ran out, then it lands
@@ -99,6 +101,8 @@ prefill = Request("prefill", tokens)
 assert producer.get_num_new_matched_tokens(prefill, 0) == (0, False)   # a producer never loads
 if case == "before":
     flood(store)
+if case == "deleted":
+    assert store.delete(hashes[HELD - 1:HELD]) == 1
 _, params = producer.request_finished(prefill, [])
 if case == "after":
     flood(store)
