@@ -284,10 +284,8 @@ class SchedulerSide:
         are left, a consumer could load no block past the first gone one: ``(found, n - found)``
         names what is left and marks the rest unsaved, so it recomputes them without waiting.
         Blocks this request saves and that have not landed yet are not counted as gone."""
-        held, t0 = min(state.num_held, n), time.perf_counter()
-        found = hits_on_every_rank(self._lookup_links, state.hashes[:n], lease=True)
-        self._add_stat("lookups")
-        self._add_stat("lookup_seconds", time.perf_counter() - t0)
+        held = min(state.num_held, n)
+        found = self._timed_lookup(state.hashes[:n], lease=True)
         if found >= held or not all(link.available() for link in self._lookup_links):
             return n, 0     # all still there (or no answer: the caller names none)
         self._add_stat("pd_evicted_blocks", held - found)
@@ -352,11 +350,8 @@ class SchedulerSide:
 
     def _lookup(self, hashes: list[bytes]) -> int:
         """Leading chunks that every rank's namespace holds (each lookup pins its blocks)."""
-        t0 = time.perf_counter()
-        num_hit = hits_on_every_rank(self._lookup_links, hashes)
-        self._add_stat("lookups")
+        num_hit = self._timed_lookup(hashes, lease=True)
         self._add_stat("lookup_hit_blocks", num_hit)
-        self._add_stat("lookup_seconds", time.perf_counter() - t0)
         return num_hit
 
     def _held(self, hashes: list[bytes]) -> int:
@@ -364,12 +359,17 @@ class SchedulerSide:
         lease (they are never loaded here; ``_pinned_for_decode`` pins those it names to decode at
         the hand-off). Its saves start after them. A lookup that fails
         opens the handle's breaker, which ``_offered_handoff`` reads."""
-        t0 = time.perf_counter()
-        held = hits_on_every_rank(self._lookup_links, hashes, lease=False)
-        self._add_stat("lookups")
+        held = self._timed_lookup(hashes, lease=False)
         self._add_stat("pd_held_blocks", held)
-        self._add_stat("lookup_seconds", time.perf_counter() - t0)
         return held
+
+    def _timed_lookup(self, hashes: list[bytes], lease: bool) -> int:
+        """Leading chunks every rank's namespace holds, counted in ``lookups`` and ``lookup_seconds``."""
+        t0 = time.perf_counter()
+        found = hits_on_every_rank(self._lookup_links, hashes, lease=lease)
+        self._add_stat("lookups")
+        self._add_stat("lookup_seconds", time.perf_counter() - t0)
+        return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
