@@ -463,8 +463,8 @@ class SchedulerSide:
         # get_finished once nothing reads its blocks any more.
         state = self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        if self._handoff_waits.pop(request.request_id, None) is not None or \
-                self._inflight_waits.pop(request.request_id, None) is not None:   # aborted while waiting
+        waits = [w.pop(request.request_id, None) for w in (self._handoff_waits, self._inflight_waits)]
+        if any(w is not None for w in waits):   # aborted while waiting
             self._handoff_waiter.cancel(request.request_id)
         self._inflight_settled.discard(request.request_id)
         self._handoff_expected.pop(request.request_id, None)
