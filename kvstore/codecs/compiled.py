@@ -130,9 +130,7 @@ def _compile_every_kernel(child: subprocess.Popen | None) -> None:
     t0 = time.monotonic()
     in_child = _child_compiled(child)
     try:
-        from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0  # noqa: F401 - lists their kernels
-        for k in _KERNELS:
-            k.compile()
+        _compile_listed()
     except Exception:  # noqa: BLE001 - the torch reference computes the same bytes, only slower
         log.exception("compiling the codec kernels failed: the codecs run their torch reference")
         return
@@ -165,6 +163,12 @@ compiled.child_main()
 
 def child_main() -> None:
     """The child's work: compile every kernel into numba's cache (exit 0 then)."""
-    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0  # noqa: F401
+    _compile_listed()
+
+
+def _compile_listed() -> None:
+    """Compile (or load from numba's cache) every kernel of the kernel modules, which list them
+    as they are imported: one list for this process and the child, so both hold the same set."""
+    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0  # noqa: F401 - lists their kernels
     for k in _KERNELS:
         k.compile()
