@@ -8,12 +8,9 @@ Why token 0: a sequence's first token is an *attention sink* (most heads put muc
 attention on it, and its keys and values are unlike the rest), and it is always token 0 of the
 sequence's first block. Quantised with the block, its error is weighted by that attention, and its
 outlying keys widen every key channel's range over the block. A codec does not know which block
-comes first, so it keeps token 0 of every block: one token in ``T`` at the dtype's size. On
-SmolLM2-135M's KV (screened in bf16 on 65 real prompts, ``benchmarks/results/codec_screen_real_t0.md``)
-that cut the next-token KL of ``int4_g64`` by a third (8.2e-3 against 1.23e-2), at 3.13x instead
-of 3.37x for 32-token blocks of head_dim 64; through vLLM on 257 prompts it kept 37.7 % of the
-32-token greedy continuations against ``int4_g64``'s 23.0 % and ``int4_g64_k16``'s 33.9 %
-(``benchmarks/results/fidelity_real_t0.md``). On 16-token blocks it stores 2.67x.
+comes first, so it keeps token 0 of every block: one token in ``T`` at the dtype's size. What
+that buys and costs on a real model's KV is measured in ``benchmarks/results/codec_screen_real_t0.md``
+and ``fidelity_real_t0.md`` (docs/codecs.md quotes them).
 
 Sections: ``int4``'s for ``T - 1`` tokens (``k_codes``, ``v_codes``, ``k_scale``, ``k_min``,
 ``v_scale``, ``v_min``), then ``first`` ``[parts, L, H, D]`` in the block's dtype (a -0 stored as
