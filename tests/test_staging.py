@@ -1,5 +1,5 @@
 """A load that stages blocks from NVMe into the arena reads them several at once, outside the
-store lock (issue 14: ``Leases.prepare_load``, ``reads.read_copies``). Damage found by those
+store lock (issue 14: ``Leases.prepare_load``, ``reads.read_staged``). Damage found by those
 reads must still be a counted miss and never wrong bytes, even when several damaged copies are
 read in one run of staged blocks (each is dropped, not only the first), on shared memory and on
 the streaming paths (which stage through the same leases); the blocks around them are served

@@ -28,7 +28,7 @@ from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpir
 from kvstore.keys import block_key
 from kvstore.store.cascade import Cascade
 from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs, run_limit
-from kvstore.store.reads import read_copies
+from kvstore.store.reads import read_staged
 from kvstore.store.transcoding import RAW
 from kvstore.store.transfers import PLACEMENT_ERRORS
 from kvstore.tiers.cpu import CpuTier
@@ -228,7 +228,7 @@ class Leases:
         (absent, no room, or encoded with a codec not in ``accept``). Blocks already in the arena
         are taken a run at a time under one lock acquisition. Blocks to stage are taken a run of
         up to ``STAGE_RUN`` blocks (and ``STAGE_BYTES``) at a time: pinned under the lock, read
-        outside it, several at once (``reads.read_copies``: no other caller waits on this one's
+        outside it, several at once (``reads.read_staged``: no other caller waits on this one's
         disk), then copied into the arena under it, in order."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
@@ -239,7 +239,7 @@ class Leases:
         i, stopped = 0, False
         try:
             while i < len(hashes) and not stopped:
-                staging: list = []   # (entry, tier its copy is read from, its stored bytes), pinned
+                staging: list = []   # (entry, tier its copy is read from), pinned
                 staged_bytes = 0
                 with cascade.lock:
                     hits = 0
@@ -256,7 +256,7 @@ class Leases:
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES):
                                 break
                             cascade.pin_entry(entry)
-                            staging.append((entry, src, size))
+                            staging.append((entry, src))
                             staged_bytes += size
                             i += 1
                             continue
@@ -282,7 +282,7 @@ class Leases:
         return self._register(lease)
 
     def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: Lease) -> bool:
-        """Give each pinned block of ``staging`` (``(entry, tier to read, stored bytes)``) a copy
+        """Give each pinned block of ``staging`` (``(entry, tier to read)``) a copy
         in the CPU tier ``c`` and lease it, in order; False at the first that cannot be (a damaged
         copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with a codec the
         reader does not take): it and the rest are unpinned (on any exit, so no pin outlives a
@@ -290,14 +290,14 @@ class Leases:
         cascade = self._cascade
         leased = 0
         try:
-            payloads = read_copies(cascade, [(e, src) for e, src, _ in staging], [n for _, _, n in staging])
+            payloads = read_staged(cascade, staging)
             # room for the run first: victims bound for disk are written with the lock released
-            cascade.clear_room(c, sum(e.raw_size for e, _, _ in staging), staging[0][0].namespace_id)
+            cascade.clear_room(c, sum(e.raw_size for e, _ in staging), staging[0][0].namespace_id)
             with cascade.lock:
-                for (entry, src, _), payload in zip(staging, payloads):
+                for (entry, src), payload in zip(staging, payloads):
                     if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:
                         cascade.discard_corrupt_copy(entry, src)   # every damaged copy read: dropped, counted
-                for (entry, src, _), payload in zip(staging, payloads):
+                for (entry, src), payload in zip(staging, payloads):
                     if not self._place_staged(entry, c, src, payload, accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
@@ -307,7 +307,7 @@ class Leases:
         finally:
             if leased < len(staging):
                 with cascade.lock:
-                    for entry, _, _ in staging[leased:]:
+                    for entry, _ in staging[leased:]:
                         cascade.unpin(entry)
         return leased == len(staging)
 

@@ -230,39 +230,26 @@ def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
     return again
 
 
-#: where a staging run's copies land, one kept buffer per calling thread: touched once and reused,
-#: so reading into it takes no page faults (a fresh buffer per read cost a fault per page)
+#: where staged copies land, one kept buffer per calling thread: touched once and reused, so
+#: reading into it takes no page faults (a fresh buffer per read cost a fault per page)
 _staging = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True)
 
 
-def read_copies(cascade: Cascade, copies: Sequence[tuple[object, int]], sizes: Sequence[int]) -> list:
-    """The bytes of each ``(entry, tier)`` copy (``sizes``: their stored bytes, read under the lock
-    by the caller), the caller holding a pin on each entry and not the store lock: read up to
-    ``READS_IN_FLIGHT`` at once, each into its own page-aligned part of this thread's staging
-    buffer (valid until this thread's next call). In place of a read that failed, its exception
-    (``BlockCorrupt`` for a damaged copy)."""
-    spans = [-(-n // 4096) * 4096 for n in sizes]   # page-aligned parts: O_DIRECT reads land in place
-    buf = _staging.get(sum(spans))
-    dsts, at = [], 0
+def read_staged(cascade: Cascade, copies: Sequence[tuple[Entry, int]]) -> list:
+    """The stored bytes of each pinned ``(entry, tier)`` copy, read as a get reads (``_execute``)
+    into page-aligned parts of this thread's staging buffer (valid until its next call); in place
+    of a copy that could not be read, the exception (``BlockCorrupt`` for a damaged one)."""
+    reads = [BlockRead(k, e, t, e.copies[t].codec, False) for k, (e, t) in enumerate(copies)]
+    spans = [-(-e.copies[t].stored_size // 4096) * 4096 for e, t in copies]   # O_DIRECT reads land in place
+    buf, at, dsts = _staging.get(sum(spans)), 0, []
     for span in spans:
         dsts.append(buf[at:at + span])
         at += span
-
-    def run(t, ks):   # one read_many_into: neighbours on a tier that reads runs, else one copy
-        sizes = cascade.tiers[t].read_many_into([copies[k][0].key for k in ks], [dsts[k] for k in ks])
-        return [n if isinstance(n, Exception) else dsts[k][:n] for k, n in zip(ks, sizes)]
-
-    if len(copies) == 1:   # on this thread: no pool hop for one read
-        try:
-            return run(copies[0][1], [0])
-        except Exception as e:  # noqa: BLE001 - handed back in its place
-            return [e]
-    pool = _readers.get()
-    reads = [(ks, pool.submit(run, copies[ks[0]][1], ks)) for ks in _runs(cascade, [t for _, t in copies], spans)]
-    out: list = [None] * len(copies)
-    for ks, f in reads:   # a read that raised stands in for each of its copies
-        for j, got in zip(ks, f.result() if f.exception() is None else [f.exception()] * len(ks)):
-            out[j] = got
-    return out
-
-
+    try:
+        _execute(cascade, reads, dsts)
+    except Exception as e:  # noqa: BLE001 - a failed read stands in for each copy it left unread
+        for r in reads:
+            if r.payload is None and r.failed is None:
+                r.failed = e
+    return [r.failed if r.failed is not None else r.payload if r.payload is not None else dsts[r.at][:r.n]
+            for r in reads]
