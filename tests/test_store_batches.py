@@ -89,10 +89,11 @@ def _resident_block_by_block(cascade, ns, hashes, dsts, accept=()):
 def block_by_block(monkeypatch):
     """The store as it was before batching: every put block through ``reserve`` (so room is made
     for it alone), every get block read by a call of its own, every written block published on its own."""
+    publish_run = Cascade.publish_run
     with monkeypatch.context() as m:
         m.setattr(Cascade, "reserve_run", lambda self, *a, **k: [])
         m.setattr(Cascade, "publish_run", lambda self, entries, payloads: [
-            k for k, (entry, data) in enumerate(zip(entries, payloads)) if self.publish(entry, data)])
+            k for k, (entry, data) in enumerate(zip(entries, payloads)) if publish_run(self, [entry], [data])])
         m.setattr(store_module, "read_blocks", _resident_block_by_block)
         yield
 

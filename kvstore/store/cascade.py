@@ -270,19 +270,11 @@ class Cascade:
         finally:
             self._doomed_waiters.release()
 
-    def publish(self, entry: Entry, data) -> bool:
-        """Make a written entry visible, after writing it through to the durable tier if
-        configured (``write_through``). Returns whether it has a durable copy, which the caller
-        reports as "persisted" after ``sync_durable``. Takes the lock itself."""
-        durable = self._write_through(entry, data)
-        with self.lock:
-            self._show_run((entry,))
-        return durable
-
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
-        """``publish`` for written entries, in order, the visible step under one lock acquisition
-        (``_show_run``); returns the positions of those with a durable copy (see ``publish``).
-        Takes the lock itself."""
+        """Make written entries visible, in order, under one lock acquisition (``_show_run``),
+        after writing each through to the durable tier if configured (``write_through``). Returns
+        the positions of those with a durable copy, which the caller reports as "persisted" after
+        ``sync_durable``. Takes the lock itself."""
         durable = [] if self.durable_index is None else \
             [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self._write_through(entry, data)]
         with self.lock:

@@ -27,7 +27,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import Cascade
-from kvstore.store.puts import RUN_BLOCKS, check_encoded, payload_codecs, run_limit
+from kvstore.store.puts import RUN_BLOCKS, PutResults, check_encoded, payload_codecs, run_limit
 from kvstore.store.reads import read_staged
 from kvstore.store.transcoding import RAW
 from kvstore.store.transfers import PLACEMENT_ERRORS
@@ -132,13 +132,11 @@ class Leases:
         except Exception:
             self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
             raise
-        results: list[str] = []
-        on_durable: list[int] = []
-        ready: list[tuple[int, object, object]] = []   # (result index, entry, payload), not yet published
+        out = PutResults(cascade)
+        ready: list[tuple[int, object, object]] = []   # (result position, entry, payload), not yet published
 
         def publish_ready() -> None:   # in order, up to RUN_BLOCKS per lock acquisition
-            on_durable.extend(ready[k][0] for k in cascade.publish_run([e for _, e, _ in ready],
-                                                                       [p for _, _, p in ready]))
+            out.publish([e for _, e, _ in ready], [p for _, _, p in ready], [a for a, _, _ in ready])
             ready.clear()
 
         kept_raw, unread = None, False
@@ -146,7 +144,7 @@ class Leases:
             for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
                 entry = cascade.index.entries.get(key) if ext is not None else None
                 if entry is None or entry.ready:
-                    results.append("exists")
+                    out.add("exists")
                     continue
                 if i in encoded:
                     like, payload = encoded[i]
@@ -167,16 +165,12 @@ class Leases:
                             payload = None
                         if not kept_raw:   # encode for the CPU tier's codec (and tally it)
                             payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
-                results.append("stored")
-                ready.append((len(results) - 1, entry, payload))
+                ready.append((out.add("stored"), entry, payload))
                 if len(ready) >= RUN_BLOCKS:
                     publish_ready()
         finally:   # a block that failed to encode was dropped; those before it are published
             publish_ready()
-        if on_durable and cascade.sync_durable():
-            for i in on_durable:
-                results[i] = "persisted"
-        return results
+        return out.synced()
 
     def _needs_bytes(self, entry) -> bool:
         """Whether completing ``entry`` reads its bytes: to encode them for a CPU-tier codec, or to

@@ -101,13 +101,12 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     in tier 0), room for the next run is made first,
     its victims written down together (``Cascade.clear_room``); any other block (eviction, a codec, a quota near its limit, another
     tier, a disk or network first tier) goes through ``_put_one``, one at a time."""
-    results: list[str] = []
-    on_durable: list[int] = []  # indices of blocks written to the durable tier, not yet synced
+    out = PutResults(cascade)
     parents = [parent] + list(hashes[:-1])
     runs = (cascade.cpu_index is not None and cascade.transcoder.configured(0) == RAW
             and (codecs is None or not any(codecs)))   # tier 0 is then the CPU tier or a GPU tier before it
     limit = run_limit(ns.block_bytes)
-    disk = DiskWrites(cascade, results, on_durable)
+    disk = DiskWrites(cascade, out)
     i = 0
     try:
         while i < len(hashes):
@@ -119,7 +118,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
                 run = cascade.reserve_run(ns, hashes, parents, i, 0, limit)
             if run:
                 disk.finish()   # published in the put's order
-                _write_run(cascade, run, arrays, i, results, on_durable)
+                _write_run(cascade, run, arrays, i, out)
                 i += len(run)
                 continue
             _put_one(cascade, ns, hashes[i], parents[i], arrays[i], 0 if codecs is None else int(codecs[i]),
@@ -128,10 +127,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
         disk.finish()
     finally:
         disk.settle()   # after a failure, the blocks written before it stay
-        # one flush of each file written covers the whole batch
-        if on_durable and cascade.sync_durable():
-            for k in on_durable:
-                results[k] = "persisted"
+        results = out.synced()
     return results
 
 
@@ -171,6 +167,31 @@ def _absent(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], start: int
     return len({h for h in hashes[start:start + limit] if ns.id + h not in entries})
 
 
+class PutResults:
+    """What a put answers, per block in its order: "exists", "stored", or "persisted" for a
+    stored block with a durable copy, once one ``sync_durable`` at the end (group commit: one
+    flush of each file written) has committed them all."""
+
+    def __init__(self, cascade: Cascade) -> None:
+        self.cascade = cascade
+        self.results: list[str] = []
+        self._durable: list[int] = []   # positions of blocks with a durable copy, not yet synced
+
+    def add(self, result: str) -> int:
+        self.results.append(result)
+        return len(self.results) - 1
+
+    def publish(self, entries: Sequence, payloads: Sequence, at: Sequence[int]) -> None:
+        """Make written entries visible, in order (``Cascade.publish_run``); ``at``: their positions."""
+        self._durable.extend(at[k] for k in self.cascade.publish_run(entries, payloads))
+
+    def synced(self) -> list[str]:
+        if self._durable and self.cascade.sync_durable():
+            for k in self._durable:
+                self.results[k] = "persisted"
+        return self.results
+
+
 WRITES_IN_FLIGHT = BUDGET.disk_writes   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
 _writers = LazyPool(WRITES_IN_FLIGHT, "kvstore-disk-write")
 
@@ -181,16 +202,15 @@ class DiskWrites:
     up) and published in the put's order. Blocks for memory tiers are written inline, after the
     disk writes queued before them are published."""
 
-    def __init__(self, cascade: Cascade, results: list[str], on_durable: list[int]) -> None:
-        self.cascade, self.results, self.on_durable = cascade, results, on_durable
+    def __init__(self, cascade: Cascade, out: PutResults) -> None:
+        self.cascade, self.out = cascade, out
         self._pending: list[tuple[int, object, object, Future]] = []   # (result index, entry, placement, write)
         self._failed = False   # a write failed: the blocks queued after it are not published
 
     def add(self, entry, placed) -> None:
         tier = self.cascade.tiers[entry.fastest]
         write = _writers.get().submit(tier.write_unsynced, entry.copies[entry.fastest], placed.payload, False)
-        self.results.append("stored")
-        self._pending.append((len(self.results) - 1, entry, placed, write))
+        self._pending.append((self.out.add("stored"), entry, placed, write))
         if len(self._pending) >= WRITES_IN_FLIGHT:
             self._publish_first()
 
@@ -209,7 +229,7 @@ class DiskWrites:
             self._failed = True
             raise
         self._pending.pop(0)
-        _publish_written(self.cascade, entry, placed, self.on_durable, at)
+        _publish_written(self.cascade, entry, placed, self.out, at)
 
     def settle(self) -> None:
         """After the put failed elsewhere: the blocks before the failure stay, as if written one by
@@ -227,11 +247,10 @@ class DiskWrites:
                 with self.cascade.lock:
                     self.cascade.drop_entry(entry)
             else:
-                _publish_written(self.cascade, entry, placed, self.on_durable, at)
+                _publish_written(self.cascade, entry, placed, self.out, at)
 
 
-def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, results: list[str],
-               on_durable: list[int]) -> None:
+def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: PutResults) -> None:
     """Copy a reserved run's payloads into the first tier outside the lock, then publish them in
     order under one acquisition. A failed copy publishes the blocks before it, drops the rest."""
     tier = cascade.tiers[0]
@@ -247,33 +266,32 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, result
             for k, entry in enumerate(run):
                 if entry is None:
                     if k < written:
-                        results.append("exists")
+                        out.add("exists")
                 elif k >= written:
                     cascade.drop_entry(entry)
                 else:
-                    results.append("stored")
+                    at.append(out.add("stored"))
                     done.append(entry)
                     payloads.append(arrays[start + k])
-                    at.append(len(results) - 1)
-        on_durable.extend(at[k] for k in cascade.publish_run(done, payloads))
+        out.publish(done, payloads, at)
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,
              disk: DiskWrites) -> None:
     """One block through ``Cascade.reserve`` (eviction, codecs, fall-through to slower tiers); its
-    result is appended to ``disk.results`` (a disk tier's write may still be in flight). Writes
+    result is added to ``disk.out`` (a disk tier's write may still be in flight). Writes
     to a durable tier skip their fsync: the batch's ``sync_durable`` commits them (group commit)."""
     found = cascade.index.find(ns.id, h)   # checked again under the lock by reserve
     if found is not None and not found.doomed:   # a doomed one: reserve waits for its last reader
         disk.finish()   # the blocks queued before it are published first, as when written one by one
-        disk.results.append("exists")
+        disk.out.add("exists")
         return
     staged = StagedBlock(cascade.transcoder, BlockRecord(ns.id, h, p, data.nbytes, ns.block_bytes, codec), data)
     staged.placement(0)  # encode for the first tier tried before the lock is taken
     entry = cascade.reserve(ns.id, h, p, ns.block_bytes, 0, staged=staged)
     if entry is None:
         disk.finish()
-        disk.results.append("exists")
+        disk.out.add("exists")
         return
     t = entry.fastest
     placed = staged.placement(t)
@@ -287,13 +305,11 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
         with cascade.lock:
             cascade.drop_entry(entry)
         raise
-    disk.results.append("stored")
-    _publish_written(cascade, entry, placed, disk.on_durable, len(disk.results) - 1)
+    _publish_written(cascade, entry, placed, disk.out, disk.out.add("stored"))
 
 
-def _publish_written(cascade: Cascade, entry, placed, on_durable: list[int], at: int) -> None:
-    """Count a written block's placement and make it visible (``on_durable`` notes a durable copy)."""
+def _publish_written(cascade: Cascade, entry, placed, out: PutResults, at: int) -> None:
+    """Count a written block's placement and make it visible (its result at ``at``)."""
     with cascade.lock:
         cascade.transcoder.count(entry.fastest, placed, entry.raw_size)
-    if cascade.publish(entry, placed.payload):
-        on_durable.append(at)
+    out.publish([entry], [placed.payload], [at])
