@@ -13,9 +13,10 @@ import contextlib
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_blocks
-from kvstore.service.rpc_base import PUT_RESULT, ServiceState
+from kvstore.service.block_writes import ChainPut
+from kvstore.service.rpc_base import ServiceState
 from kvstore.service.validation import check_hashes, check_parent, check_range
-from kvstore.store.puts import check_encoded, payload_codecs
+from kvstore.store.puts import payload_codecs
 from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
@@ -116,7 +117,7 @@ class BulkRpcs:
         committed = sum(request.sizes) if request.codec else len(request.hashes) * request.block_bytes
         with self._transfer(context, sid, session) as (progress, sock):
             received = 0
-            results: list[int] = []
+            chain = None
             try:
                 if not request.block_bytes:
                     raise InvalidArgument("block_bytes", "required on the side channel")
@@ -127,14 +128,6 @@ class BulkRpcs:
                     codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
                 sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
 
-                def store(a: int, payloads: list) -> None:
-                    b = a + len(payloads)
-                    if payloads:
-                        with progress.working():   # the daemon's time, not the caller's stall
-                            run = self.store.put(ns.id, hashes[a:b], payloads, parent=hashes[a - 1] if a else parent,
-                                                 codecs=None if codecs is None else codecs[a:b])
-                        results.extend(PUT_RESULT[r] for r in run)
-
                 def receive(a: int, b: int) -> None:   # blocks a..b into the scratch buffer, then stored
                     nonlocal received
                     run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
@@ -143,17 +136,10 @@ class BulkRpcs:
                     received += run_bytes
                     payloads, at = [], 0
                     for i in range(a, b):
-                        payload = buf[at:at + sizes[i]]
+                        payloads.append(buf[at:at + sizes[i]])
                         at += sizes[i]
-                        if codecs is not None and codecs[i]:
-                            try:
-                                with progress.working():
-                                    check_encoded(ns, codecs[i], payload, i)
-                            except InvalidArgument:
-                                store(a, payloads)   # the blocks before it stay, as if each was stored on arrival
-                                raise
-                        payloads.append(payload)
-                    store(a, payloads)
+                    with progress.working():   # the daemon's time, not the caller's stall
+                        chain.put(payloads)
 
                 def receive_into_arena(a: int, b: int) -> bool:
                     """Raw blocks a..b straight into CPU-arena slots reserved for them (no second
@@ -162,7 +148,7 @@ class BulkRpcs:
                     nonlocal received
                     try:
                         with progress.working():
-                            lease = self.store.leases.reserve_store(ns.id, hashes[a:b], hashes[a - 1] if a else parent)
+                            lease = self.store.leases.reserve_store(ns.id, hashes[a:b], chain.next_parent)
                     except StoreFull:
                         return False
                     try:
@@ -176,14 +162,14 @@ class BulkRpcs:
                         self.store.leases.cancel_store(lease)
                         raise
                     with progress.working():
-                        results.extend(PUT_RESULT[r] for r in self.store.leases.finish_store(lease))
+                        chain.stored(self.store.leases.finish_store(lease))
                     return True
 
                 arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
-                with self.store.quota_hold(ns.id, hashes):
-                    for a, b in put_runs(sizes):
-                        if arena is None or not receive_into_arena(a, b):
-                            receive(a, b)
+                chain = ChainPut(self.store, ns, hashes, parent, codecs)
+                for a, b in put_runs(sizes):
+                    if arena is None or not receive_into_arena(a, b):
+                        receive(a, b)
             except OSError as e:
                 self.service.bulk.drop(sid)
                 raise InvalidArgument("session", f"side channel failed: {e}") from e
@@ -193,5 +179,8 @@ class BulkRpcs:
                 except OSError:
                     self.service.bulk.drop(sid)
                 raise
+            finally:
+                if chain is not None:
+                    chain.close()
         self.service.moved("in", "bulk", received)
-        return pb.PutResponse(results=results)
+        return pb.PutResponse(results=chain.results)

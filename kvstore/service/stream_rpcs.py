@@ -16,9 +16,10 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs, pinned_runs
-from kvstore.service.rpc_base import PUT_RESULT, ServiceState
+from kvstore.service.block_writes import ChainPut
+from kvstore.service.rpc_base import ServiceState
 from kvstore.service.validation import check_hashes, check_parent, check_range
-from kvstore.store.puts import check_encoded, payload_codecs
+from kvstore.store.puts import payload_codecs
 from kvstore.transport import chunks
 
 
@@ -27,8 +28,8 @@ def _own_buffer(nbytes: int) -> np.ndarray:
 
 
 class PutSink:
-    """One Put stream on the daemon: the header checked and the batch held against the tenant's
-    quota when it opens, each block stored as soon as its bytes are in, the answer at the end.
+    """One Put stream on the daemon: the header checked and the batch opened (``ChainPut``) with
+    the first message, each block stored as soon as its bytes are in, the answer at the end.
     Call ``close`` on every exit (``finish`` does): it releases the quota hold."""
 
     def __init__(self, service: ServiceState, first: chunks.PutPiece | None, context) -> None:
@@ -36,20 +37,20 @@ class PutSink:
             raise InvalidArgument("header", "the first message of a Put stream must carry the header")
         h = first.header
         self.service = service
-        self.ns = service.caller_namespace(context, h.namespace_id, h.block_bytes)
-        self.hashes = check_hashes(h.hashes)
-        self.parent = check_parent(h.parent)
-        # client-encoded payloads (codec, sizes): each is checked against the layout before it is stored
-        self.codecs = payload_codecs(self.ns, h.codec, h.sizes, len(self.hashes))
-        sizes = list(h.sizes) if self.codecs is not None else None
-        self.expected = sum(sizes) if sizes is not None else len(self.hashes) * self.ns.block_bytes
+        ns = service.caller_namespace(context, h.namespace_id, h.block_bytes)
+        hashes = check_hashes(h.hashes)
+        codecs = payload_codecs(ns, h.codec, h.sizes, len(hashes))   # client-encoded payloads
+        sizes = list(h.sizes) if codecs is not None else None
+        self.expected = sum(sizes) if sizes is not None else len(hashes) * ns.block_bytes
         # gathers a block split across messages; allocated untouched, so aligned streams never fault it in
-        self.splitter = chunks.BlockSplitter(self.ns.block_bytes, _own_buffer(self.ns.block_bytes), sizes)
-        self.results: list[int] = []
+        self.splitter = chunks.BlockSplitter(ns.block_bytes, _own_buffer(ns.block_bytes), sizes)
         self.received = 0
-        self._hold = contextlib.ExitStack()
-        self._hold.enter_context(service.store.quota_hold(self.ns.id, self.hashes))
-        self._store(first)
+        self.chain = ChainPut(service.store, ns, hashes, check_parent(h.parent), codecs)
+        try:
+            self._store(first)
+        except BaseException:
+            self.close()
+            raise
 
     def feed(self, message: chunks.PutPiece) -> None:
         if message.header is not None:
@@ -62,41 +63,25 @@ class PutSink:
         self.received += len(message.data)
         if self.received > self.expected:
             raise InvalidArgument("data", f"the stream carries more than the {self.expected} bytes its "
-                                          f"{len(self.hashes)} blocks add up to")
+                                          f"{len(self.chain.hashes)} blocks add up to")
         run: list[np.ndarray] = []
-        for i, block, gathered in self.splitter.feed(message.data):
-            if self.codecs is not None and self.codecs[i]:
-                try:
-                    check_encoded(self.ns, self.codecs[i], block, i)
-                except InvalidArgument:
-                    self._put_run(run)   # the blocks before it stay, as if each was stored on arrival
-                    raise
+        for _, block, gathered in self.splitter.feed(message.data):
             run.append(block)
-            if gathered:
-                self._put_run(run)
+            if gathered:   # its buffer gathers the next block
+                self.chain.put(run)
                 run = []
-        self._put_run(run)
-
-    def _put_run(self, blocks: list[np.ndarray]) -> None:
-        if not blocks:
-            return
-        a = len(self.results)
-        b = a + len(blocks)
-        results = self.service.store.put(self.ns.id, self.hashes[a:b], blocks,
-                                      parent=self.parent if a == 0 else self.hashes[a - 1],
-                                      codecs=None if self.codecs is None else self.codecs[a:b])
-        self.results.extend(PUT_RESULT[r] for r in results)
+        self.chain.put(run)
 
     def finish(self) -> pb.PutResponse:
         self.close()
         if self.received < self.expected:
             raise InvalidArgument("data", f"the stream ended after {self.received} of {self.expected} bytes; "
-                                          f"{len(self.results)} of {len(self.hashes)} blocks were stored")
+                                          f"{len(self.chain.results)} of {len(self.chain.hashes)} blocks were stored")
         self.service.moved("in", "grpc", self.received)
-        return pb.PutResponse(results=self.results)
+        return pb.PutResponse(results=self.chain.results)
 
     def close(self) -> None:
-        self._hold.close()
+        self.chain.close()
 
 
 class StreamRpcs:
