@@ -9,6 +9,7 @@ the session (waking the thread blocked on the socket) and ends the call.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.proto import kvstore_pb2 as pb
@@ -61,41 +62,44 @@ class BulkRpcs:
         return session
 
     @contextlib.contextmanager
-    def _transfer(self, context, sid: bytes, session):
-        """The session's socket for one transfer, watched: a stalled transfer drops the session."""
-        with self.service.stalls.watch(context.cancel, on_stall=lambda: self.service.bulk.drop(sid)) as progress, \
-                self.service.bulk.using(session) as sock:
-            yield progress, sock
+    def _transfer(self, context, sid: bytes, session, on_failure: Callable):
+        """The session's socket for one transfer, watched: a stalled transfer drops the session. A
+        failed transfer runs ``on_failure(sock)`` to leave the socket in step for the next one;
+        where the socket itself failed, the session is dropped."""
+        bulk = self.service.bulk
+        with self.service.stalls.watch(context.cancel, on_stall=lambda: bulk.drop(sid)) as progress, \
+                bulk.using(session) as sock:
+            try:
+                yield progress, sock
+            except OSError as e:
+                bulk.drop(sid)
+                raise InvalidArgument("session", f"side channel failed: {e}") from e
+            except Exception:
+                try:
+                    on_failure(sock)
+                except OSError:
+                    bulk.drop(sid)
+                raise
 
     def BulkGet(self, request, context):
         sid = bytes(request.session)
         session = self._session(sid, context)
-        with self._transfer(context, sid, session) as (progress, sock):
-            sent = 0
-            try:
-                ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
-                hashes = check_hashes(request.hashes)
-                accept = accepted_codecs(self.store, request.accept_codecs)
-                byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
-                sizes, codecs = [], []
-                blocks = pinned_blocks(self.store, ns, hashes, self.service.scratch.get, accept, byte_range)
-                with contextlib.closing(blocks):  # unpin on any exit
-                    for block in progress.working_through(blocks):   # staging from disk is ours
-                        payload, codec = (None, 0) if block is None else block
-                        bulk_transport.send_block(sock, payload)
-                        progress.touch()
-                        sizes.append(0 if payload is None else payload.nbytes)
-                        codecs.append(codec)
-                        sent += sizes[-1]
-            except OSError as e:
-                self.service.bulk.drop(sid)
-                raise InvalidArgument("session", f"side channel failed: {e}") from e
-            except Exception:
-                try:
-                    bulk_transport.send_error(sock)
-                except OSError:
-                    self.service.bulk.drop(sid)
-                raise
+        sent = 0
+        sizes, codecs = [], []
+        with self._transfer(context, sid, session, bulk_transport.send_error) as (progress, sock):
+            ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
+            hashes = check_hashes(request.hashes)
+            accept = accepted_codecs(self.store, request.accept_codecs)
+            byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
+            blocks = pinned_blocks(self.store, ns, hashes, self.service.scratch.get, accept, byte_range)
+            with contextlib.closing(blocks):  # unpin on any exit
+                for block in progress.working_through(blocks):   # staging from disk is ours
+                    payload, codec = (None, 0) if block is None else block
+                    bulk_transport.send_block(sock, payload)
+                    progress.touch()
+                    sizes.append(0 if payload is None else payload.nbytes)
+                    codecs.append(codec)
+                    sent += sizes[-1]
         self.service.moved("out", "bulk", sent)
         return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
@@ -115,72 +119,62 @@ class BulkRpcs:
                                            "with a codec")
         # client-encoded payloads: the socket carries their sizes' sum
         committed = sum(request.sizes) if request.codec else len(request.hashes) * request.block_bytes
-        with self._transfer(context, sid, session) as (progress, sock):
-            received = 0
-            chain = None
-            try:
-                if not request.block_bytes:
-                    raise InvalidArgument("block_bytes", "required on the side channel")
-                ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
-                hashes = check_hashes(request.hashes)
-                parent = check_parent(request.parent)
-                with progress.working():   # the first use of a codec loads it
-                    codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
-                sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
+        received = 0
 
-                def receive(a: int, b: int) -> None:   # blocks a..b into the scratch buffer, then stored
-                    nonlocal received
-                    run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
-                    buf = self.service.scratch.get(run_bytes)
-                    bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
-                    received += run_bytes
-                    payloads, at = [], 0
-                    for i in range(a, b):
-                        payloads.append(buf[at:at + sizes[i]])
-                        at += sizes[i]
-                    with progress.working():   # the daemon's time, not the caller's stall
-                        chain.put(payloads)
+        def drain(sock) -> None:   # what the client still sends of a refused put
+            bulk_transport.drain(sock, committed - received, self.service.scratch.get(1 << 20))
 
-                def receive_into_arena(a: int, b: int) -> bool:
-                    """Raw blocks a..b straight into CPU-arena slots reserved for them (no second
-                    copy), published together; False, nothing received, when the arena cannot
-                    take them without a slower tier (``receive`` then stores them as a put would)."""
-                    nonlocal received
-                    try:
-                        with progress.working():
-                            lease = self.store.leases.reserve_store(ns.id, hashes[a:b], chain.next_parent)
-                    except StoreFull:
-                        return False
-                    try:
-                        views = []
-                        for extents in lease.extents:   # None: present already, its bytes read and dropped
-                            views += (arena.views(extents) if extents is not None
-                                      else [self.service.scratch.get(ns.block_bytes)[:ns.block_bytes]])
-                        bulk_transport.recv_exact_into_each(sock, [memoryview(v) for v in views], progress.touch)
-                        received += (b - a) * ns.block_bytes
-                    except BaseException:
-                        self.store.leases.cancel_store(lease)
-                        raise
+        with self._transfer(context, sid, session, drain) as (progress, sock):
+            if not request.block_bytes:
+                raise InvalidArgument("block_bytes", "required on the side channel")
+            ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
+            hashes = check_hashes(request.hashes)
+            parent = check_parent(request.parent)
+            with progress.working():   # the first use of a codec loads it
+                codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
+            sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
+
+            def receive(a: int, b: int) -> None:   # blocks a..b into the scratch buffer, then stored
+                nonlocal received
+                run_bytes = sum(sizes[a:b])   # received a run at a time; the stall watch sees each read
+                buf = self.service.scratch.get(run_bytes)
+                bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
+                received += run_bytes
+                payloads, at = [], 0
+                for i in range(a, b):
+                    payloads.append(buf[at:at + sizes[i]])
+                    at += sizes[i]
+                with progress.working():   # the daemon's time, not the caller's stall
+                    chain.put(payloads)
+
+            def receive_into_arena(a: int, b: int) -> bool:
+                """Raw blocks a..b straight into CPU-arena slots reserved for them (no second
+                copy), published together; False, nothing received, when the arena cannot
+                take them without a slower tier (``receive`` then stores them as a put would)."""
+                nonlocal received
+                try:
                     with progress.working():
-                        chain.stored(self.store.leases.finish_store(lease))
-                    return True
+                        lease = self.store.leases.reserve_store(ns.id, hashes[a:b], chain.next_parent)
+                except StoreFull:
+                    return False
+                try:
+                    views = []
+                    for extents in lease.extents:   # None: present already, its bytes read and dropped
+                        views += (arena.views(extents) if extents is not None
+                                  else [self.service.scratch.get(ns.block_bytes)[:ns.block_bytes]])
+                    bulk_transport.recv_exact_into_each(sock, [memoryview(v) for v in views], progress.touch)
+                    received += (b - a) * ns.block_bytes
+                except BaseException:
+                    self.store.leases.cancel_store(lease)
+                    raise
+                with progress.working():
+                    chain.stored(self.store.leases.finish_store(lease))
+                return True
 
-                arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
-                chain = ChainPut(self.store, ns, hashes, parent, codecs)
+            arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
+            with contextlib.closing(ChainPut(self.store, ns, hashes, parent, codecs)) as chain:
                 for a, b in put_runs(sizes):
                     if arena is None or not receive_into_arena(a, b):
                         receive(a, b)
-            except OSError as e:
-                self.service.bulk.drop(sid)
-                raise InvalidArgument("session", f"side channel failed: {e}") from e
-            except Exception:
-                try:
-                    bulk_transport.drain(sock, committed - received, self.service.scratch.get(1 << 20))
-                except OSError:
-                    self.service.bulk.drop(sid)
-                raise
-            finally:
-                if chain is not None:
-                    chain.close()
         self.service.moved("in", "bulk", received)
         return pb.PutResponse(results=chain.results)
