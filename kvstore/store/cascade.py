@@ -112,6 +112,12 @@ class Cascade:
         with self.lock:
             self.counters[counter] += n
 
+    def served(self, t: int, blocks: int, nbytes: int) -> None:
+        """Count ``blocks`` reads served from tier ``t``, ``nbytes`` in all: by value and by lease
+        alike, here only. Caller holds the lock."""
+        self.counters[f"hits_{self.tiers[t].name}"] += blocks
+        self.counters["bytes_out"] += nbytes
+
     def unpin_keys(self, keys: Sequence[bytes]) -> None:
         """Unpin blocks by key (takes the lock itself)."""
         with self.lock:

@@ -93,7 +93,7 @@ class Leases:
         Reserved blocks are invisible, so nothing else frees their slots meanwhile."""
         ns = self._cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
-        keys, extents = [], []
+        lease = Lease(0, "store", [], float("inf"), [])
         parents = [parent] + list(hashes[:-1])
         try:
             i = 0
@@ -104,13 +104,13 @@ class Leases:
                     run = [self._cascade.reserve(namespace_id, hashes[i], parents[i], ns.block_bytes, c,
                                                  only_this_tier=True)]
                 for h, entry in zip(hashes[i:i + len(run)], run):
-                    keys.append(block_key(namespace_id, h))
-                    extents.append(None if entry is None else cpu.extents(entry.key))
+                    lease.keys.append(block_key(namespace_id, h))
+                    lease.extents.append(None if entry is None else cpu.extents(entry.key))
                 i += len(run)
         except Exception:
-            self._release_reservations([k for k, x in zip(keys, extents) if x is not None])
+            self._release(lease)
             raise
-        return Lease(0, "store", keys, float("inf"), extents)
+        return lease
 
     def complete_store(self, lease_id: int, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
         """Make the lease's blocks visible. ``codec``/``sizes``: the writer put payloads it encoded
@@ -121,7 +121,7 @@ class Leases:
 
     def cancel_store(self, lease: Lease) -> None:
         """Free a ``reserve_store`` reservation's slots (nothing of it becomes visible)."""
-        self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+        self._release(lease)
 
     def finish_store(self, lease: Lease, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
         """``complete_store`` of a store lease already taken out of the table (or never in it:
@@ -130,7 +130,7 @@ class Leases:
         try:
             encoded = self._client_payloads(lease, codec, sizes)
         except Exception:
-            self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+            self._release(lease)
             raise
         out = PutResults(cascade)
         ready: list[tuple[int, object, object]] = []   # (result position, entry, payload), not yet published
@@ -204,13 +204,13 @@ class Leases:
         return out
 
     def abort_store(self, lease_id: int) -> None:
-        lease = self._take(lease_id, "store")
-        self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+        self._release(self._take(lease_id, "store"))
 
-    def _release_reservations(self, keys: Sequence[bytes]) -> None:
+    def _release(self, lease: Lease) -> None:
+        """Free a store lease's reserved slots: its blocks not yet visible are dropped."""
         with self._cascade.lock:
-            for key in keys:
-                entry = self._cascade.index.entries.get(key)
+            for key, extents in zip(lease.keys, lease.extents):
+                entry = self._cascade.index.entries.get(key) if extents is not None else None
                 if entry is not None and not entry.ready:
                     self._cascade.drop_entry(entry)
 
@@ -236,7 +236,7 @@ class Leases:
                 staging: list = []   # (entry, tier its copy is read from), pinned
                 staged_bytes = 0
                 with cascade.lock:
-                    hits = 0
+                    hits = nbytes = 0
                     while i < len(hashes):
                         entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
                         if entry is None or not entry.visible:
@@ -266,8 +266,10 @@ class Leases:
                         i += 1
                         touch(entry.key)
                         hits += 1
+                        nbytes += record.stored_size
                         lease.add(entry.key, cpu.extents(entry.key), record)
-                    cascade.count("hits_cpu", hits)
+                    if hits:
+                        cascade.served(c, hits, nbytes)
                 if staging:
                     stopped = not self._stage_run(staging, c, cpu, accept, lease)
         except BaseException:
@@ -295,7 +297,7 @@ class Leases:
                     if not self._place_staged(entry, c, src, payload, accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
-                    cascade.count("hits_cpu")
+                    cascade.served(src, 1, entry.copies[c].stored_size)
                     lease.add(entry.key, cpu.extents(entry.key), entry.copies[c])
                     leased += 1
         finally:
@@ -354,6 +356,6 @@ class Leases:
             if lease.kind == "load":
                 cascade.unpin_keys(lease.keys)
             else:
-                self._release_reservations([k for k, x in zip(lease.keys, lease.extents) if x is not None])
+                self._release(lease)
         cascade.count("leases_expired", len(dead))
         return len(dead)

@@ -204,8 +204,7 @@ def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
     Returns the positions to plan again (their next copy, or a miss)."""
     again: list[int] = []
     policies, tiers = cascade.index.policies, cascade.tiers
-    hits = [0] * len(tiers)
-    nbytes = 0
+    hits, nbytes = [0] * len(tiers), [0] * len(tiers)
     with cascade.lock:
         for r in reads:
             entry = r.entry
@@ -216,7 +215,7 @@ def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
                 again.append(r.at)
                 continue
             hits[r.tier] += 1
-            nbytes += r.n
+            nbytes[r.tier] += r.n
             policies[r.tier].touch(entry.key)
             if r.promote and not entry.doomed:
                 cascade.promote(entry, r.tier, r.payload, r.decoded)
@@ -224,9 +223,7 @@ def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
             out[r.at] = (r.n, r.codec)
         for t, k in enumerate(hits):   # counted once per batch: the same totals, under the same lock
             if k:
-                cascade.count(f"hits_{tiers[t].name}", k)
-        if any(hits):
-            cascade.count("bytes_out", nbytes)
+                cascade.served(t, k, nbytes[t])
     return again
 
 
