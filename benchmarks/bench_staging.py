@@ -9,7 +9,7 @@ One private daemon (64 MiB CPU arena, NVMe in ``--dir``) holds a chain of ``--bl
 nearly all of them on NVMe only. A loader process gets the whole chain again and again, first over
 shared memory (the client copies out of the arena), then over the side channel (the daemon copies
 out of the arena onto the socket). Both stage what the arena lacks through the store's
-``prepare_load`` (the side channel by ``service.block_reads.pinned_blocks``), which reads the
+``prepare_load`` (the side channel by ``service.block_reads.pinned_runs``), which reads the
 blocks from disk several at once, outside the store lock. Meanwhile this process looks up an
 8-block chain once a millisecond over the Unix socket (the lookup index is off, so every lookup
 takes the store lock). The same lookups are timed first with the daemon idle, and the loaders' GB/s

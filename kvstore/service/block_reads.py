@@ -1,14 +1,14 @@
 """Blocks read for sending: zero-copy views of the pinned CPU arena, a window at a time.
 
 Both ways of sending blocks to a remote client (the gRPC Get stream and the bulk side channel)
-read through here, so both send straight from the arena and both refuse to vouch for bytes whose
-pin ran out while they were being sent. A block is sent as stored when the client decodes its
-codec itself (``accept``: the request's ``accept_codecs``), else decoded here first.
+read through here: their requests are checked in one place (``asked``), both send straight from
+the arena, and both refuse to vouch for bytes whose pin ran out while they were being sent. A
+block is sent as stored when the client decodes its codec itself (``accept``: the request's
+``accept_codecs``), else decoded here first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -19,12 +19,10 @@ import numpy as np
 from kvstore.buffers import window
 from kvstore.errors import InvalidArgument, LeaseExpired
 from kvstore.keys import Namespace
+from kvstore.service.validation import check_hashes, check_range
 from kvstore.store import Store
 
 PIN_WINDOW_BYTES = 256 << 20   # reads pin at most this much of the arena at a time
-
-#: one block to send: its payload and codec id (0: the block itself), or None for a miss
-Payload = tuple[np.ndarray, int] | None
 
 
 class Run(NamedTuple):
@@ -35,12 +33,29 @@ class Run(NamedTuple):
     expires: float
 
 
-def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
-                accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Run]:
-    """The blocks of ``hashes`` as views of the CPU arena while they are pinned, a run at a
-    time (one per lease), for a sender that packs several blocks into one message; with
-    ``byte_range`` (offset, length) only those bytes of each block, decoded first where it is
-    stored encoded (``accept`` is then ignored: a range of an encoded payload is no one's bytes).
+class Asked(NamedTuple):
+    """What a Get or BulkGet asks for, checked: the caller's namespace, the hashes, the codecs the
+    client decodes itself (none with a byte range: a range of an encoded payload is no one's
+    bytes) and the byte range of each block, (offset, length) or None for the whole block."""
+    ns: Namespace
+    hashes: list[bytes]
+    accept: frozenset[int]
+    byte_range: tuple[int, int] | None
+
+
+def asked(service, request, context) -> Asked:
+    """The checked ``Asked`` of a ``GetRequest`` or ``BulkRequest`` (``service``: the ``ServiceState``)."""
+    ns = service.caller_namespace(context, request.namespace_id, request.block_bytes)
+    hashes = check_hashes(request.hashes)
+    accept = accepted_codecs(service.store, request.accept_codecs)
+    byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
+    return Asked(ns, hashes, frozenset() if byte_range else accept, byte_range)
+
+
+def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray]) -> Iterator[Run]:
+    """The blocks asked for as views of the CPU arena while they are pinned, a run at a time (one
+    per lease), for a sender that packs several blocks into one message; with a byte range only
+    those bytes of each block, decoded first where it is stored encoded.
 
     Blocks are pinned a window at a time (at most ``PIN_WINDOW_BYTES`` or an eighth of the arena)
     under a store lease; if sending a run outlived the lease, its slots may have been reused
@@ -50,8 +65,7 @@ def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callab
     ``buffer(nbytes)``, asked once per call and reused (a fresh buffer of a large block would page
     fault at a fraction of the decode's speed), a run of their own. Close the generator
     (``contextlib.closing``) so an early exit unpins its window."""
-    if byte_range is not None:
-        accept = ()
+    ns, hashes, accept, byte_range = request
     buffer = _reused(buffer)
     arena = store.shared_arena()
     per_lease = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
@@ -83,23 +97,6 @@ def pinned_runs(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callab
             yield Run([_copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None],
                       math.inf)
             start += 1
-
-
-def pinned_blocks(store: Store, ns: Namespace, hashes: list[bytes], buffer: Callable[[int], np.ndarray],
-                  accept: Collection[int] = (), byte_range: tuple[int, int] | None = None) -> Iterator[Payload]:
-    """``pinned_runs`` a block at a time, each as one view (a block in several slots is joined
-    into one array), with its codec id, or None for a miss; a view is valid until the next
-    block, and one whose pin ran out by the time the caller asks for the next raises
-    LeaseExpired. Close the generator (``contextlib.closing``) so an early exit unpins."""
-    with contextlib.closing(pinned_runs(store, ns, hashes, buffer, accept, byte_range)) as runs:
-        for run in runs:
-            for block in run.blocks:
-                if block is None:
-                    yield None
-                    continue
-                views, codec = block
-                yield (views[0] if len(views) == 1 else np.concatenate(views)), codec
-                _check_pin(run.expires)
 
 
 def _check_pin(expires: float) -> None:

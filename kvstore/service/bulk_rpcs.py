@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from kvstore.errors import InvalidArgument, StoreFull
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import accepted_codecs, pinned_blocks
+from kvstore.service.block_reads import asked, pinned_runs
 from kvstore.service.block_writes import ChainPut
 from kvstore.service.rpc_base import ServiceState
-from kvstore.service.validation import check_hashes, check_parent, check_range
+from kvstore.service.validation import check_hashes, check_parent
 from kvstore.store.puts import payload_codecs
 from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
@@ -84,23 +84,17 @@ class BulkRpcs:
     def BulkGet(self, request, context):
         sid = bytes(request.session)
         session = self._session(sid, context)
-        sent = 0
         sizes, codecs = [], []
         with self._transfer(context, sid, session, bulk_transport.send_error) as (progress, sock):
-            ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
-            hashes = check_hashes(request.hashes)
-            accept = accepted_codecs(self.store, request.accept_codecs)
-            byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
-            blocks = pinned_blocks(self.store, ns, hashes, self.service.scratch.get, accept, byte_range)
-            with contextlib.closing(blocks):  # unpin on any exit
-                for block in progress.working_through(blocks):   # staging from disk is ours
-                    payload, codec = (None, 0) if block is None else block
-                    bulk_transport.send_block(sock, payload)
-                    progress.touch()
-                    sizes.append(0 if payload is None else payload.nbytes)
-                    codecs.append(codec)
-                    sent += sizes[-1]
-        self.service.moved("out", "bulk", sent)
+            runs = pinned_runs(self.store, asked(self.service, request, context), self.service.scratch.get)
+            with contextlib.closing(runs):  # unpin on any exit
+                for run in progress.working_through(runs):   # staging from disk is ours
+                    for block in run.blocks:
+                        pieces, codec = (None, 0) if block is None else block
+                        sizes.append(bulk_transport.send_block(sock, pieces))
+                        codecs.append(codec)
+                        progress.touch()
+        self.service.moved("out", "bulk", sum(sizes))
         return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
     def BulkPut(self, request, context):

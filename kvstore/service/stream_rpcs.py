@@ -15,10 +15,10 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.service.block_reads import accepted_codecs, pinned_runs
+from kvstore.service.block_reads import asked, pinned_runs
 from kvstore.service.block_writes import ChainPut
 from kvstore.service.rpc_base import ServiceState
-from kvstore.service.validation import check_hashes, check_parent, check_range
+from kvstore.service.validation import check_hashes, check_parent
 from kvstore.store.puts import payload_codecs
 from kvstore.transport import chunks
 
@@ -97,17 +97,14 @@ class StreamRpcs:
 
     def Get(self, request, context):
         service = self.service
-        ns = service.caller_namespace(context, request.namespace_id, request.block_bytes)
-        hashes = check_hashes(request.hashes)
+        blocks = asked(service, request, context)
         chunk = request.chunk_bytes or service.chunk_bytes
         chunk = max(4096, min(chunk, service.max_message_bytes - 4096))
-        accept = accepted_codecs(service.store, request.accept_codecs)
-        byte_range = check_range(request.range_offset, request.range_bytes, ns.block_bytes)
         sent = first = 0
         # Chunks are copied out of the pinned arena as the client takes them, small blocks sharing
         # messages; a block whose pin ran out meanwhile ends the stream with an error (the client
         # then trusts none of it).
-        with contextlib.closing(pinned_runs(service.store, ns, hashes, _own_buffer, accept, byte_range)) as runs:
+        with contextlib.closing(pinned_runs(service.store, blocks, _own_buffer)) as runs:
             for run in runs:
                 sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
                 yield from chunks.run_messages(first, run.blocks, chunk)

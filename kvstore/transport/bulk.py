@@ -32,6 +32,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -173,19 +174,20 @@ class BulkChannel:
             pass
 
 
-def send_block(sock: socket.socket, block: np.ndarray | None) -> None:
-    """One BulkGet frame: the size (0 = miss) and the bytes."""
-    if block is None:
+def send_block(sock: socket.socket, pieces: Sequence[np.ndarray] | None) -> int:
+    """One BulkGet frame: the size (0 = miss) and the bytes of ``pieces``, in order; returns the size."""
+    if pieces is None:
         sock.sendall(_U64.pack(0))
-        return
-    header = _U64.pack(block.nbytes)
-    payload = memoryview(block).cast("B")
-    sent = sock.sendmsg([header, payload])  # one syscall (and no lone 8-byte packet) per block
-    if sent < len(header):
-        sock.sendall(header[sent:])
-        sent = len(header)
-    if sent - len(header) < len(payload):
-        sock.sendall(payload[sent - len(header):])
+        return 0
+    parts = [memoryview(p).cast("B") for p in pieces]
+    size = sum(len(p) for p in parts)
+    parts.insert(0, memoryview(_U64.pack(size)))
+    sent = sock.sendmsg(parts)  # one syscall (and no lone 8-byte packet) per block
+    for part in parts:
+        if sent < len(part):
+            sock.sendall(part[sent:])
+        sent = max(0, sent - len(part))
+    return size
 
 
 def send_error(sock: socket.socket) -> None:
