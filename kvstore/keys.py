@@ -131,8 +131,12 @@ class Namespace:
         return cls(KVLayout.from_dict(d["layout"]), d.get("tenant", ""), d.get("cache_salt", ""))
 
 
+#: bytes of a namespace id (``Namespace.id``, an xxh3_128 digest): a block key's first bytes
+NAMESPACE_ID_BYTES = 16
+
+
 def block_key(namespace_id: bytes, block_hash: bytes) -> bytes:
-    """The store's index key: namespace id followed by the block hash."""
+    """The store's index key: namespace id (``NAMESPACE_ID_BYTES``) followed by the block hash."""
     return namespace_id + block_hash
 
 

@@ -59,7 +59,7 @@ def test_a_warm_restart_index_takes_a_bounded_number_of_bytes_per_recovered_bloc
 
 
 def test_an_entry_holds_its_copies_and_pins_in_itself():
-    entry = Entry(b"n" * 16, b"h" * 16, None, BLOCK, ready=True)
+    entry = Entry(b"n" * 16 + b"h" * 16, None, BLOCK, ready=True)
     assert entry.copies is entry and entry and len(entry.copies) == 0   # true with no copy, as any entry
     cpu, nvme = BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK), BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK)
     entry.copies[1] = nvme

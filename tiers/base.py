@@ -47,39 +47,81 @@ Primitive by primitive:
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
-from kvstore.keys import block_key
+from kvstore.keys import NAMESPACE_ID_BYTES, block_key
 
 
-@dataclasses.dataclass(slots=True)
 class BlockRecord:
-    """What a tier keeps beside a payload: enough to rebuild the index after a restart. Slotted:
-    one is made per block stored, and the index holds one per copy."""
+    """What a tier keeps beside a payload: enough to rebuild the index after a restart. Slotted,
+    and its names held as two keys (``block_key``: namespace id, then hash): its own ``key`` and
+    its parent's ``parent_key``; ``namespace_id``, ``block_hash`` and ``parent_hash`` are cut from
+    them when asked. One is made per block stored and the index holds one per copy: a child's
+    ``parent_key`` can then be its parent's ``key`` itself (one object, see ``share_keys``), and
+    no hash is held apart from its key."""
 
-    namespace_id: bytes
-    block_hash: bytes
-    parent_hash: bytes | None
-    stored_size: int
-    raw_size: int
-    codec: int = 0
-    checksum: int = 0  # xxh3_64 of the stored payload; 0 = not computed yet
-    #: where the tier holding this copy keeps it (the NVMe tier: its slot), set by that tier
-    slot: int = dataclasses.field(default=-1, compare=False)
-    #: the tier whose copy this is, once the index holds it (``store.index.Copies``); not copied by ``replace``
-    tier: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
-    _key: bytes | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    __slots__ = ("key", "parent_key", "stored_size", "raw_size", "codec", "checksum", "slot", "tier")
+
+    def __init__(self, namespace_id: bytes, block_hash: bytes, parent_hash: bytes | None, stored_size: int,
+                 raw_size: int, codec: int = 0, checksum: int = 0, slot: int = -1) -> None:
+        assert len(namespace_id) == NAMESPACE_ID_BYTES, "a namespace id is 16 bytes (Namespace.id)"
+        self.key = block_key(namespace_id, block_hash)
+        self.parent_key = None if parent_hash is None else block_key(namespace_id, parent_hash)
+        self.stored_size = stored_size
+        self.raw_size = raw_size
+        self.codec = codec
+        self.checksum = checksum   # xxh3_64 of the stored payload; 0 = not computed yet
+        #: where the tier holding this copy keeps it (the NVMe tier: its slot), set by that tier
+        self.slot = slot
+        #: the tier whose copy this is, once the index holds it (``store.index.Copies``); not copied by ``replace``
+        self.tier = -1
+
+    @classmethod
+    def of_keys(cls, key: bytes, parent_key: bytes | None, stored_size: int, raw_size: int, codec: int = 0,
+                checksum: int = 0, slot: int = -1) -> BlockRecord:
+        """A record holding ``key`` and ``parent_key`` themselves (objects a caller shares)."""
+        record = cls.__new__(cls)
+        record.key, record.parent_key = key, parent_key
+        record.stored_size, record.raw_size, record.codec, record.checksum = stored_size, raw_size, codec, checksum
+        record.slot, record.tier = slot, -1
+        return record
 
     @property
-    def key(self) -> bytes:
-        """``block_key(namespace_id, block_hash)``, made once: the index, the tier and the policy
-        hold this one object."""
-        if self._key is None:
-            self._key = block_key(self.namespace_id, self.block_hash)
-        return self._key
+    def namespace_id(self) -> bytes:
+        return self.key[:NAMESPACE_ID_BYTES]
+
+    @property
+    def block_hash(self) -> bytes:
+        return self.key[NAMESPACE_ID_BYTES:]
+
+    @property
+    def parent_hash(self) -> bytes | None:
+        return None if self.parent_key is None else self.parent_key[NAMESPACE_ID_BYTES:]
+
+    def replace(self, **changes) -> BlockRecord:
+        """A copy with ``changes`` (any of ``stored_size``, ``raw_size``, ``codec``, ``checksum``,
+        ``slot``), its keys the same objects, its ``tier`` not yet set."""
+        fields = {"stored_size": self.stored_size, "raw_size": self.raw_size, "codec": self.codec,
+                  "checksum": self.checksum, "slot": self.slot}
+        assert changes.keys() <= fields.keys(), f"not a record field: {sorted(changes.keys() - fields.keys())}"
+        return BlockRecord.of_keys(self.key, self.parent_key, **(fields | changes))
+
+    def _compared(self) -> tuple:
+        return self.key, self.parent_key, self.stored_size, self.raw_size, self.codec, self.checksum
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not BlockRecord:
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    __hash__ = None   # type: ignore[assignment]   (mutable: its slot and checksum are set later)
+
+    def __repr__(self) -> str:
+        return (f"BlockRecord(namespace_id={self.namespace_id!r}, block_hash={self.block_hash!r}, "
+                f"parent_hash={self.parent_hash!r}, stored_size={self.stored_size}, raw_size={self.raw_size}, "
+                f"codec={self.codec}, checksum={self.checksum}, slot={self.slot})")
 
 
 class Tier(ABC):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import xxhash
 
+from kvstore.keys import NAMESPACE_ID_BYTES
 from kvstore.tiers.base import BlockRecord
 from kvstore.tiers.private_files import NotRegularFile, open_regular
 from kvstore.tiers.slabs import RECORD_BYTES, SLAB_NAME
@@ -29,6 +30,7 @@ _ROW = np.dtype({"names": ["magic", "ns", "hlen", "plen", "codec", "raw", "store
                  "formats": ["S8", "V16", "u1", "u1", "<u2", "<u8", "<u8", "<u8", "<u8"],
                  "offsets": [0, 8, 24, 89, 154, 156, 164, 172, _HEADER.size], "itemsize": RECORD_BYTES})
 _HASH_AT, _PARENT_AT, _MAX_HASH = 25, 90, 64
+_NS_AT, _NS_BYTES = 8, NAMESPACE_ID_BYTES
 
 
 def encode_header(r: BlockRecord) -> bytes:
@@ -66,24 +68,27 @@ def decode_headers(rows: np.ndarray) -> list[BlockRecord | None]:
     xxh = xxhash.xxh3_64_intdigest
     intact = [xxh(bodies[i * size:(i + 1) * size]) == want for i, want in enumerate(fields["hsum"].tolist())]
     ours = (fields["magic"] == MAGIC).tolist()
-    hashes = _cut(rows, _HASH_AT, fields["hlen"])
-    parents = _cut(rows, _PARENT_AT, fields["plen"])
-    return [BlockRecord(ns, h, p or None, stored, raw, codec, checksum) if ok and mine else None
-            for ok, mine, ns, h, p, stored, raw, codec, checksum
-            in zip(intact, ours, fields["ns"].tolist(), hashes, parents, fields["stored"].tolist(),
-                   fields["raw"].tolist(), fields["codec"].tolist(), fields["sum"].tolist())]
+    keys = _keys(rows, _HASH_AT, fields["hlen"])
+    parents = _keys(rows, _PARENT_AT, fields["plen"])
+    return [BlockRecord.of_keys(key, parent if len(parent) > _NS_BYTES else None, stored, raw, codec, checksum)
+            if ok and mine else None
+            for ok, mine, key, parent, stored, raw, codec, checksum
+            in zip(intact, ours, keys, parents, fields["stored"].tolist(), fields["raw"].tolist(),
+                   fields["codec"].tolist(), fields["sum"].tolist())]
 
 
-def _cut(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:
-    """Per row its bytes from ``at`` on, as many as its length says (at most ``_MAX_HASH``): with
-    one slice when every row's length is the same (a tier's blocks share a hash size)."""
+def _keys(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:
+    """Per row ``block_key`` of its namespace id and the hash from ``at`` on, as long as its
+    length says (at most ``_MAX_HASH``; a length of 0 gives the id alone): with one slice when
+    every row's length is the same (a tier's blocks share a hash size). Keys are made straight
+    from the rows: no hash is made apart from its key."""
     lengths = np.minimum(lengths, _MAX_HASH)
+    ns = rows[:, _NS_AT:_NS_AT + _NS_BYTES]
     if (lengths == lengths[0]).all():
-        size = int(lengths[0])
-        if size == 0:
-            return [b""] * len(rows)
-        return np.ascontiguousarray(rows[:, at:at + size]).view(f"V{size}").reshape(-1).tolist()
-    return [rows[i, at:at + size].tobytes() for i, size in enumerate(lengths.tolist())]
+        size = _NS_BYTES + int(lengths[0])
+        keys = np.concatenate([ns, rows[:, at:at + size - _NS_BYTES]], axis=1)
+        return keys.view(f"V{size}").reshape(-1).tolist()
+    return [ns[i].tobytes() + rows[i, at:at + size].tobytes() for i, size in enumerate(lengths.tolist())]
 
 
 def find_blocks(directory: str) -> dict[bytes, tuple[str, int]]:

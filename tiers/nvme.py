@@ -452,7 +452,7 @@ class NvmeTier(Tier):
         records' slots, yield intact blocks. A slab found without its record file has its slots'
         headers read instead, and the record file written again from them."""
         finder = SlabFinder(self.path, self.o_direct, self.verify_on_recover, self._staging)
-        shared: dict = {}   # one object per namespace id, hash and size (a child's parent is its parent's hash)
+        shared: dict = {}   # one object per key and size (a child's parent_key is its parent's key)
         try:
             for slab, rebuild in finder.slabs(self._slabs.__contains__):
                 self._slabs[slab.slot_bytes] = slab

@@ -128,8 +128,8 @@ class SlabFinder:
         well and must hold the same header and a payload that matches its checksum. ``rebuild``:
         its record file is new, so its records come from the headers at its slot starts, and are
         written. ``room``: bytes the tier has left; ``taken(key)``: a block the tier holds
-        already. ``shared``: equal ids, hashes and sizes are made one object (an index of
-        millions holds them)."""
+        already. ``shared``: equal keys and sizes are made one object (an index of millions
+        holds them; a child's ``parent_key`` is its parent's ``key``)."""
         count = os.fstat(slab.fd).st_size // slab.slot_bytes
         rows = self._slot_header_rows(slab, count) if rebuild else slab.read_records(count)
         flat = memoryview(rows).cast("B")
@@ -150,10 +150,9 @@ class SlabFinder:
                 continue
             keys.add(key)
             room -= slab.slot_bytes
-            record.namespace_id = share(record.namespace_id, record.namespace_id)
-            record.block_hash = share(record.block_hash, record.block_hash)
-            if record.parent_hash is not None:
-                record.parent_hash = share(record.parent_hash, record.parent_hash)
+            record.key = share(key, key)
+            if record.parent_key is not None:   # its parent's key, where the tier holds the parent
+                record.parent_key = share(record.parent_key, record.parent_key)
             record.raw_size = share(record.raw_size, record.raw_size)
             record.stored_size = share(record.stored_size, record.stored_size)
             record.slot = slot

@@ -30,7 +30,6 @@ taken with the store lock held.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import defaultdict
@@ -175,11 +174,10 @@ class Cascade:
         """``reserve``'s allocation under the lock, its quota charged: room in tier ``t`` or, where
         there is none, a slower one. ``RoomNotReady`` when a victim must be written down first,
         except on the ``last_try``, which then goes on to the next tier. Caller holds the lock."""
-        key = block_key(namespace_id, h)
         record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
         while True:
             if staged is not None:
-                record = dataclasses.replace(staged.placement(t).record)
+                record = staged.placement(t).record.replace()
             try:
                 self.make_room(t, record.stored_size, namespace_id)
                 self.tiers[t].allocate(record)
@@ -196,9 +194,9 @@ class Cascade:
             self.quotas.release(tenant, nbytes)
             self.counters["put_rejected_full"] += 1
             raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
-        entry = Entry(namespace_id, h, parent, nbytes, charged_to=tenant)
+        entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged_to=tenant)
         entry.copies[t] = record
-        self.index.entries[key] = entry
+        self.index.entries[entry.key] = entry
         return entry
 
     def reserve_run(self, ns, hashes: Sequence[bytes], parents: Sequence, start: int, t: int,
@@ -242,7 +240,7 @@ class Cascade:
                 if record is None:
                     run.append(None)
                     continue
-                entry = Entry(nsid, record.block_hash, record.parent_hash, nbytes, charged_to=tenant, key=record.key)
+                entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged_to=tenant)
                 entry.copies[t] = record
                 entries[entry.key] = entry
                 run.append(entry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kvstore.keys import block_key
+from kvstore.keys import NAMESPACE_ID_BYTES, block_key
 from kvstore.store.policy import EvictionPolicy
 from kvstore.tiers.base import BlockRecord
 
@@ -145,27 +145,34 @@ def _flag(bit: int, doc: str) -> property:
 
 class Entry(Copies):
     """The index's view of one block: where its copies are and who holds it. Slotted, its five
-    flags and its pins in one int, its key made once (hot paths read ``key`` several times per block) and its
-    copies held in itself (``copies`` is the entry, as a ``Copies``): an index of millions holds
-    one per block. An entry is always true; ``len(entry.copies)`` counts its copies."""
+    flags and its pins in one int, its names held as keys (``key``; its parent's, ``parent_key``:
+    the parent entry's ``key`` itself where the parent was indexed first, see
+    ``BlockIndex.shared_parent_key``), ``namespace_id`` and ``block_hash`` cut from ``key`` when
+    asked, and its copies held in itself (``copies`` is the entry, as a ``Copies``): an index of
+    millions holds one per block. An entry is always true; ``len(entry.copies)`` counts its copies."""
 
-    __slots__ = ("namespace_id", "block_hash", "parent_hash", "raw_size", "pinned_until",
-                 "children", "charged_to", "key", "_flags")
+    __slots__ = ("key", "parent_key", "raw_size", "pinned_until", "children", "charged_to", "_flags")
 
-    def __init__(self, namespace_id: bytes, block_hash: bytes, parent_hash: bytes | None, raw_size: int, *,
-                 ready: bool = False, charged_to: str | None = None, key: bytes | None = None) -> None:
-        self.namespace_id = namespace_id
-        self.block_hash = block_hash
-        self.parent_hash = parent_hash
+    def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, *, ready: bool = False,
+                 charged_to: str | None = None) -> None:
+        assert len(key) > NAMESPACE_ID_BYTES, "a key is a namespace id and a block hash (block_key)"
+        self.key = key
+        self.parent_key = parent_key
         self.raw_size = raw_size
         self._flat = None             # its copies: tier index -> record (``Copies``)
         self.pinned_until = 0.0       # lookup lease
         #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
         self.charged_to = charged_to  # the tenant whose quota counts this block (see quotas.py)
-        #: ``block_key(namespace_id, block_hash)``: given, where the caller holds it already (one object)
-        self.key = block_key(namespace_id, block_hash) if key is None else key
         self._flags = _READY if ready else 0
+
+    @property
+    def namespace_id(self) -> bytes:
+        return self.key[:NAMESPACE_ID_BYTES]
+
+    @property
+    def block_hash(self) -> bytes:
+        return self.key[NAMESPACE_ID_BYTES:]
 
     @property
     def copies(self) -> Copies:
@@ -262,9 +269,15 @@ class BlockIndex:
     # -- chain links -----------------------------------------------------------------------------
 
     def parent(self, entry: Entry) -> Entry | None:
-        if entry.parent_hash is None:
-            return None
-        return self.entries.get(entry.namespace_id + entry.parent_hash)   # block_key, inlined: hot
+        return None if entry.parent_key is None else self.entries.get(entry.parent_key)
+
+    def shared_parent_key(self, record: BlockRecord) -> bytes | None:
+        """``record.parent_key``, made the parent entry's own ``key`` where the parent is indexed
+        (one object for both: an index of millions holds one per block), and that key returned."""
+        parent = None if record.parent_key is None else self.entries.get(record.parent_key)
+        if parent is not None:
+            record.parent_key = parent.key
+        return record.parent_key
 
     def link(self, entry: Entry) -> None:
         """List a newly visible block in its parent (a parent with children is not a leaf)."""
@@ -279,9 +292,9 @@ class BlockIndex:
         restart: ``track_recovered`` then tells the policies each final chain state)."""
         entries = self.entries
         for entry in entries.values():
-            if entry.parent_hash is None or entry.linked:
+            if entry.parent_key is None or entry.linked:
                 continue
-            parent = entries.get(entry.namespace_id + entry.parent_hash)
+            parent = entries.get(entry.parent_key)
             if parent is None:
                 continue
             entry.linked = True
@@ -319,9 +332,9 @@ class BlockIndex:
                 child = entries.get(child_key)
                 if child is not None and child.first_or(_NO_TIER) <= t:   # (an entry is its copies)
                     kids += 1
-        if entry.parent_hash is None:
+        if entry.parent_key is None:
             return kids, False
-        parent = self.entries.get(entry.namespace_id + entry.parent_hash)
+        parent = self.entries.get(entry.parent_key)
         return kids, parent is None or parent.first_or(_NO_TIER) > t
 
     def track_copy(self, entry: Entry, t: int) -> None:

@@ -199,8 +199,8 @@ class Leases:
             views = cpu.view(entry.key)  # type: ignore[attr-defined]
             payload = (views[0] if len(views) == 1 else np.concatenate(views))[:sizes[i]].copy()
             check_encoded(ns, block_codec, payload, i)
-            out[i] = (dataclasses.replace(entry.copies[cascade.cpu_index], codec=block_codec,  # type: ignore[index]
-                                          stored_size=int(sizes[i]), checksum=0), payload)
+            out[i] = (entry.copies[cascade.cpu_index].replace(codec=block_codec,  # type: ignore[index]
+                                                              stored_size=int(sizes[i]), checksum=0), payload)
         return out
 
     def abort_store(self, lease_id: int) -> None:

@@ -16,6 +16,7 @@ import gc
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
+from kvstore.keys import NAMESPACE_ID_BYTES
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
 
@@ -73,13 +74,13 @@ def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
                 key = record.key   # one object, shared by the tier, the entry and the policy
                 entry = entries.get(key)
                 if entry is None:
-                    nsid = record.namespace_id
+                    nsid = key[:NAMESPACE_ID_BYTES]
                     if nsid not in tenants:
                         ns = cascade.namespaces.find(nsid)
                         tenants[nsid] = None if ns is None else ns.tenant
                     tenant = tenants[nsid]
-                    entry = entries[key] = Entry(nsid, record.block_hash, record.parent_hash, record.raw_size,
-                                                 ready=True, charged_to=tenant, key=key)
+                    entry = entries[key] = Entry(key, record.parent_key, record.raw_size, ready=True,
+                                                 charged_to=tenant)
                     namespace_bytes[nsid] += record.raw_size
                     if tenant is not None:  # whatever the quota now: these bytes are already stored
                         restored[tenant] += record.raw_size

@@ -101,11 +101,11 @@ class Transcoder:
         if have != 0:
             from kvstore import codecs
             if codecs.CODEC_IDS.get(want) == have or (want == RAW and downward):
-                return Placement(dataclasses.replace(like), data, "encoded")
+                return Placement(like.replace(), data, "encoded")
             raw = decoded if decoded is not None else self.decode(namespace_id, raw_size, like, data)
-            raw_record = dataclasses.replace(like, codec=0, stored_size=raw_size, checksum=0)
+            raw_record = like.replace(codec=0, stored_size=raw_size, checksum=0)
         else:
-            raw, raw_record = data, dataclasses.replace(like)
+            raw, raw_record = data, like.replace()
         if want == RAW:
             return Placement(raw_record, raw, "layout" if self.configured(t) != RAW else RAW)
         from kvstore import codecs
@@ -118,7 +118,7 @@ class Transcoder:
         if payload.nbytes >= raw_size:
             return Placement(raw_record, raw, "no_gain")
         self._count(f"encoded_{want}")
-        return Placement(dataclasses.replace(raw_record, codec=codec_id, stored_size=payload.nbytes, checksum=0),
+        return Placement(raw_record.replace(codec=codec_id, stored_size=payload.nbytes, checksum=0),
                          payload, "encoded")
 
     def tier_stats(self, entries: Iterable[Entry]) -> dict[str, dict]:

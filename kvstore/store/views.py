@@ -36,7 +36,7 @@ class PinnedBlock:
     """The fastest copy of one block, held in place for the duration of a ``Store.pinned`` block."""
 
     def __init__(self, record: BlockRecord, tier: Tier) -> None:
-        self.record = dataclasses.replace(record)  # checksum, codec, stored_size, raw_size
+        self.record = record.replace()  # checksum, codec, stored_size, raw_size
         self.tier: str = tier.name
         self._source = tier
 
