@@ -76,57 +76,71 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first.
 
     Keys handed over in bulk into an empty policy (``insert_many``: a warm restart's recovered
-    blocks) are older than any inserted since. They wait in ``_cold``, a plain dict in reverse
-    order, oldest last, at about half an ``OrderedDict``'s bytes per key (an index of millions
-    holds one per block): ``popitem`` takes its oldest and leaves no hole behind. Touching one
-    moves it into ``_order``, which holds everything else, oldest first.
+    blocks) are older than any inserted since. They wait in ``_cold``, a list in reverse order,
+    oldest last: 8 bytes per key, where a dict takes about 55 (an index of millions holds one per
+    block). A cold key touched or removed is not taken out of the list: it goes into ``_left``,
+    and is skipped (and its place trimmed) when the walk from the old end reaches it; the list is
+    compacted once ``_left`` is half its size. Touching a cold key moves it into ``_order``, which
+    holds everything else, oldest first. As the store uses a policy, a key is inserted only while
+    not held, and touched only while held (a cold key not in ``_order`` and not yet left is held
+    cold: no lookup per key can tell, so the store's word is taken for it).
     """
 
     name = "lru"
     picks_ahead = True
+    #: ``_left`` may hold this many keys before the list is compacted, whatever its size
+    COMPACT_MIN = 64
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
-        self._cold: dict[bytes, None] = {}
+        self._cold: list[bytes] = []
+        self._left: set[bytes] = set()
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
-        if key not in self._cold:
-            self._order[key] = None
+        self._order[key] = None
 
     def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         if self._order or self._cold:
-            self._order.update(dict.fromkeys(k for k in keys if k not in self._cold))
+            self._order.update(dict.fromkeys(keys))
         else:
-            keys = list(keys)
-            keys.reverse()
-            self._cold = dict.fromkeys(keys)
+            self._cold = list(keys)
+            self._cold.reverse()
 
     def touch(self, key: bytes) -> None:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            del self._cold[key]   # KeyError, as for a key not held at all
+            if key in self._left or not self._cold:
+                raise   # not held
+            self._leave_cold(key)
             self._order[key] = None
 
     def remove(self, key: bytes) -> None:
-        if self._order.pop(key, 0) is not None and self._cold:
-            self._cold.pop(key, None)
+        if self._order.pop(key, 0) is not None and self._cold:   # not in _order: cold (or not held)
+            self._leave_cold(key)
+
+    def _leave_cold(self, key: bytes) -> None:
+        left = self._left
+        left.add(key)
+        if len(left) > self.COMPACT_MIN and 2 * len(left) > len(self._cold):
+            self._cold = [k for k in self._cold if k not in left]
+            left.clear()
+
+    def _trim(self) -> None:
+        """Take keys that left off the old end of ``_cold``."""
+        cold, left = self._cold, self._left
+        while cold and cold[-1] in left:
+            left.discard(cold.pop())
+
+    def _cold_oldest_first(self):
+        self._trim()
+        left = self._left
+        return (key for key in reversed(self._cold) if key not in left)
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        cold = self._cold
-        if cold:
-            looked: list[bytes] = []   # taken off the old end, and put back in their place
-            victim = None
-            while cold:
-                key = cold.popitem()[0]
-                looked.append(key)
-                if not is_pinned(key):
-                    victim = key
-                    break
-            for key in reversed(looked):
-                cold[key] = None
-            if victim is not None:
-                return victim
+        for key in self._cold_oldest_first():
+            if not is_pinned(key):
+                return key
         for key in self._order:
             if not is_pinned(key):
                 return key
@@ -136,24 +150,16 @@ class LRUPolicy(EvictionPolicy):
         """In one pass: naming them one by one would walk past those already named (pinned) each
         time."""
         out: list[bytes] = []
-        cold = self._cold
-        if cold:
-            key = cold.popitem()[0]   # trims the holes removals left at the old end
-            cold[key] = None
-            for key in reversed(cold):
+        for keys in (self._cold_oldest_first(), self._order):
+            for key in keys:
                 if not is_pinned(key):
                     out.append(key)
                     if len(out) == n:
                         return out
-        for key in self._order:
-            if not is_pinned(key):
-                out.append(key)
-                if len(out) == n:
-                    break
         return out
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._cold)
+        return len(self._order) + len(self._cold) - len(self._left)
 
 
 class PrefixAwarePolicy(EvictionPolicy):
@@ -165,11 +171,17 @@ class PrefixAwarePolicy(EvictionPolicy):
       2. leaves here: blocks with no child in this tier or a faster one;
       3. anything unpinned (only when every leaf is pinned).
 
-    Per key one int in one dict (an index of millions holds one per block): its last use (a tick)
-    and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order class 3
-    walks: a key touched is taken out and put back at its end, so it lists keys least recently
-    used first, and no second structure per key is needed. The classes' heaps hold (tick, key) of
-    leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped lazily.
+    Per key one int in one dict (an index of millions holds one per block): its last use (a tick,
+    from 1) and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order
+    class 3 walks: a key touched is taken out and put back at its end, so it lists keys least
+    recently used first, and no second structure per key is needed. The classes' heaps hold (tick,
+    key) of leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped
+    lazily. Keys handed over in bulk into an empty policy (a warm restart's) take ticks below
+    ``_bulk_end`` and are held *dormant*, their class alone (an int below 4: one of the
+    interpreter's shared small ints, where a tick would be a 32-byte int of its own per key); a
+    dormant key's heap entry is its only one. Touched or given a new class, a key wakes with a
+    tick: a touch's is the newest, an update's the newest of the bulk (its place in the dict, the
+    order class 3 walks, stays).
     """
 
     name = "prefix"
@@ -177,7 +189,8 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._state: dict[bytes, int] = {}   # least recently used first
-        self._clock = itertools.count()
+        self._clock = itertools.count(1)     # from 1: a state below 4 is a dormant key's class alone
+        self._bulk_end = 1                   # dormant keys' ticks are below it
         self._leaves: list[tuple[int, bytes]] = []
         self._orphans: list[tuple[int, bytes]] = []
 
@@ -206,11 +219,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         orphans: list[tuple[int, bytes]] = []
         for key, (children, orphan) in zip(keys, chains):
             tick = next(clock)
-            states[key] = tick << 2 | (children == 0) << 1 | bool(orphan)
+            states[key] = (0 if fresh else tick << 2) | (children == 0) << 1 | bool(orphan)
             if children == 0:
                 (orphans if orphan else leaves).append((tick, key))
-        if fresh:   # in tick order: each list is a heap already
+        if fresh:   # dormant, in tick order: each list is a heap already
             self._leaves, self._orphans = leaves, orphans
+            self._bulk_end = next(clock)
         else:
             for tick, key in leaves + orphans:
                 self._push(key, states[key])
@@ -229,13 +243,17 @@ class PrefixAwarePolicy(EvictionPolicy):
             return
         state = old & ~_CLASS | (children == 0) << 1 | bool(orphan)
         if state != old:
+            if state < 4:   # dormant: woken with the bulk's newest tick (its old heap entry is then stale)
+                state |= (self._bulk_end - 1) << 2
             self._state[key] = state
             self._push(key, state)
 
     def _holds(self, key: bytes, tick: int, need: int) -> bool:
         """Whether a heap's (tick, key) is still the key's last use, and the key still of class ``need``."""
         state = self._state.get(key)
-        return state is not None and state >> 2 == tick and state & need == need
+        if state is None or state & need != need:
+            return False
+        return state >> 2 == tick if state >= 4 else tick < self._bulk_end
 
     def _pick(self, heap: list[tuple[int, bytes]], need: int, is_pinned: IsPinned) -> bytes | None:
         skipped, victim = [], None
