@@ -72,7 +72,7 @@ class BlockRecord:
         self.stored_size = stored_size
         self.raw_size = raw_size
         self.codec = codec
-        self.checksum = checksum   # xxh3_64 of the stored payload; 0 = not computed yet
+        self.checksum = checksum   # xxh3_64 of the stored payload; 0: not computed yet, or kept by its tier (Tier.checksum)
         #: where the tier holding this copy keeps it (the NVMe tier: its slot), set by that tier
         self.slot = slot
         #: the tier whose copy this is, once the index holds it (``store.index.Copies``); not copied by ``replace``
@@ -139,6 +139,11 @@ class Tier(ABC):
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
+
+    def checksum(self, key: bytes) -> int:
+        """The xxh3_64 of a held block's stored payload where the tier keeps it apart from the
+        block's record (a recovered NVMe block's), else 0: not known without reading it."""
+        return 0
 
     def free_bytes_for(self, namespace_id: bytes) -> int:
         return self.free_bytes

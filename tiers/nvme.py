@@ -210,6 +210,7 @@ class NvmeTier(Tier):
                 os.close(fd)
             slab.write_records_at(first, headers, durable)
             with self._lock:   # writers run on several threads (a put's disk writes in flight)
+                slab.set_checksums(range(first, first + len(records)), [r.checksum for r in records])
                 self._written.add(slab)
                 if durable:
                     self.file_fsyncs += len(records)
@@ -441,6 +442,13 @@ class NvmeTier(Tier):
 
     def record(self, key: bytes) -> BlockRecord:
         return self._blocks[key]
+
+    def checksum(self, key: bytes) -> int:
+        """The xxh3_64 of the block's payload, as its header holds it (its slab keeps it: a
+        recovered record's ``checksum`` is 0)."""
+        with self._lock:
+            _, slab, slot = self._where(key)
+            return slab.checksum(slot)
 
     def records(self) -> list[BlockRecord]:
         """The record of every block this tier holds (a snapshot; for inspection)."""

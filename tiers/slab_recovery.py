@@ -157,6 +157,9 @@ class SlabFinder:
             record.stored_size = share(record.stored_size, record.stored_size)
             record.slot = slot
             found.append(record)
+        slab.set_checksums([r.slot for r in found], [r.checksum for r in found])
+        for record in found:
+            record.checksum = 0   # the slab keeps it (``Slab.checksum``): an index of millions holds the record
         if rebuild:
             slab.write_records(rows)
         return found, count

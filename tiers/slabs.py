@@ -9,7 +9,8 @@ header sits only at a slot start, and no payload byte ever lands where a header 
 A client that puts a payload shaped like a header cannot make recovery find it.
 
 A ``Slab`` knows which slots are used and hands out the lowest free one (so a chain stored in
-one go lies in adjacent slots). It moves no block bytes itself: the tier does, at
+one go lies in adjacent slots), and each used slot's payload checksum (``checksum``: one column,
+8 bytes a slot, where the block's record would hold a 36-byte int of its own). It moves no block bytes itself: the tier does, at
 ``offset(slot)``, reading through ``fd`` and writing through a ``writer()``. Its slot
 bookkeeping is not thread-safe: the tier's lock guards it.
 
@@ -71,6 +72,7 @@ class Slab:
         self._free: list[int] = []   # a heap: the lowest free slot first
         self._end = 0                # slots at or past this were never handed out
         self.used = 0
+        self._sums = np.zeros(0, np.uint64)   # by slot: the payload's xxh3_64 once written, else 0
 
     # -- slots (no I/O) --------------------------------------------------------------------------
 
@@ -78,11 +80,29 @@ class Slab:
         """The lowest free slot, now used."""
         slot = heapq.heappop(self._free) if self._free else self._next_new()
         self.used += 1
+        if slot < len(self._sums):
+            self._sums[slot] = 0
         return slot
 
     def _next_new(self) -> int:
         self._end += 1
         return self._end - 1
+
+    def checksum(self, slot: int) -> int:
+        """The xxh3_64 of the payload written into ``slot`` (0: none written since it was taken)."""
+        return int(self._sums[slot]) if slot < len(self._sums) else 0
+
+    def set_checksums(self, slots, sums) -> None:
+        """Note the checksums of the payloads just written into (or found in) ``slots``."""
+        slots = np.asarray(slots, np.int64)
+        if not len(slots):
+            return
+        need = int(slots.max()) + 1
+        if need > len(self._sums):
+            grown = np.zeros(max(need, 2 * len(self._sums)), np.uint64)
+            grown[:len(self._sums)] = self._sums
+            self._sums = grown
+        self._sums[slots] = np.asarray(sums, np.uint64)
 
     def give_back(self, slot: int) -> None:
         heapq.heappush(self._free, slot)

@@ -36,7 +36,8 @@ class PinnedBlock:
     """The fastest copy of one block, held in place for the duration of a ``Store.pinned`` block."""
 
     def __init__(self, record: BlockRecord, tier: Tier) -> None:
-        self.record = record.replace()  # checksum, codec, stored_size, raw_size
+        # checksum (from the tier where it keeps it apart), codec, stored_size, raw_size
+        self.record = record.replace(checksum=record.checksum or tier.checksum(record.key))
         self.tier: str = tier.name
         self._source = tier
 
