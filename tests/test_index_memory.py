@@ -18,10 +18,10 @@ from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 
 BLOCK = 4096
 BLOCKS = 4000
-#: bytes per recovered block the index may take: at this size 520 under lru and 580 under prefix
-#: (an Entry holding its copies and pins, one dict per key in the prefix-aware policy; before
-#: those, 568 and 665). ``benchmarks/results/scale.md`` has the figures at 100k and 1M blocks.
-BOUND = 620
+#: bytes per recovered block the index may take: at this size 382 under lru and 440 under prefix
+#: (names held as keys, no hash apart; recovered keys dormant in the policies; checksums in the
+#: slabs' columns). ``benchmarks/results/scale.md`` has the figures at 100k and 1M blocks.
+BOUND = 460
 
 
 def open_store(path: str, policy: str) -> Store:

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 IsPinned = Callable[[bytes], bool]
 #: a prefix-aware policy's class bits of a key (``PrefixAwarePolicy``)
@@ -72,94 +72,105 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int: ...
 
 
+class DormantKeys:
+    """Keys handed to an empty policy in bulk (a warm restart's recovered blocks), oldest first,
+    held in a list: 8 bytes a key, where a dict takes about 55 (an index of millions holds one per
+    block). A key that leaves (touched, given a new class, removed) stays in the list and goes
+    into ``left``; walks skip it, the old end is trimmed as they reach it, and the list is
+    compacted once most of it has left. ``left`` is emptied only with the list. A policy asks
+    ``holds`` only about a key the store says it holds (and the policy holds no other way): no
+    lookup per key can tell a dormant key from one never handed over, so the store's word is
+    taken for it (a key it removes without having inserted it only makes ``left`` longer)."""
+
+    #: ``left`` may name this many more keys than half the list before the list is compacted
+    COMPACT_MIN = 64
+
+    def __init__(self, keys: Iterable[bytes] = ()) -> None:
+        self._keys = list(keys)
+        self._keys.reverse()   # oldest last: trimmed from the end
+        self._left: set[bytes] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def __len__(self) -> int:
+        left = self._left
+        return sum(1 for key in self._keys if key not in left)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key``, held by the policy and found nowhere else in it, is still dormant."""
+        return bool(self._keys) and key not in self._left
+
+    def leave(self, key: bytes) -> None:
+        left = self._left
+        left.add(key)
+        if len(left) > self.COMPACT_MIN + len(self._keys) // 2:
+            self._keys = [k for k in self._keys if k not in left]
+            self._emptied()
+
+    def _emptied(self) -> None:
+        if not self._keys:
+            self._left = set()
+
+    def oldest_first(self) -> Iterator[bytes]:
+        """The dormant keys, oldest first (the old end's left keys trimmed first)."""
+        keys, left = self._keys, self._left
+        while keys and keys[-1] in left:
+            keys.pop()
+        self._emptied()
+        return (key for key in reversed(keys) if key not in left)
+
+
 class LRUPolicy(EvictionPolicy):
     """Least recently used first.
 
     Keys handed over in bulk into an empty policy (``insert_many``: a warm restart's recovered
-    blocks) are older than any inserted since. They wait in ``_cold``, a list in reverse order,
-    oldest last: 8 bytes per key, where a dict takes about 55 (an index of millions holds one per
-    block). A cold key touched or removed is not taken out of the list: it goes into ``_left``,
-    and is skipped (and its place trimmed) when the walk from the old end reaches it; the list is
-    compacted once ``_left`` is half its size. Touching a cold key moves it into ``_order``, which
-    holds everything else, oldest first. As the store uses a policy, a key is inserted only while
-    not held, and touched only while held (a cold key not in ``_order`` and not yet left is held
-    cold: no lookup per key can tell, so the store's word is taken for it).
+    blocks) are older than any inserted since: they wait dormant (``DormantKeys``), oldest first.
+    Touching one moves it into ``_order``, which holds everything else, oldest first. As the store
+    uses a policy, a key is inserted only while not held, and touched only while held.
     """
 
     name = "lru"
     picks_ahead = True
-    #: ``_left`` may hold this many keys before the list is compacted, whatever its size
-    COMPACT_MIN = 64
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
-        self._cold: list[bytes] = []
-        self._left: set[bytes] = set()
+        self._dormant = DormantKeys()
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
         self._order[key] = None
 
     def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
-        if self._order or self._cold:
+        if self._order or self._dormant:
             self._order.update(dict.fromkeys(keys))
         else:
-            self._cold = list(keys)
-            self._cold.reverse()
+            self._dormant = DormantKeys(keys)
 
     def touch(self, key: bytes) -> None:
         try:
             self._order.move_to_end(key)
         except KeyError:
-            if key in self._left or not self._cold:
+            if not self._dormant.holds(key):
                 raise   # not held
-            self._leave_cold(key)
+            self._dormant.leave(key)
             self._order[key] = None
 
     def remove(self, key: bytes) -> None:
-        if self._order.pop(key, 0) is not None and self._cold:   # not in _order: cold (or not held)
-            self._leave_cold(key)
-
-    def _leave_cold(self, key: bytes) -> None:
-        left = self._left
-        left.add(key)
-        if len(left) > self.COMPACT_MIN and 2 * len(left) > len(self._cold):
-            self._cold = [k for k in self._cold if k not in left]
-            left.clear()
-
-    def _trim(self) -> None:
-        """Take keys that left off the old end of ``_cold``."""
-        cold, left = self._cold, self._left
-        while cold and cold[-1] in left:
-            left.discard(cold.pop())
-
-    def _cold_oldest_first(self):
-        self._trim()
-        left = self._left
-        return (key for key in reversed(self._cold) if key not in left)
+        if self._order.pop(key, 0) is not None and self._dormant.holds(key):   # not in _order: dormant (or not held)
+            self._dormant.leave(key)
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        for key in self._cold_oldest_first():
-            if not is_pinned(key):
-                return key
-        for key in self._order:
-            if not is_pinned(key):
-                return key
-        return None
+        return next((key for key in itertools.chain(self._dormant.oldest_first(), self._order)
+                     if not is_pinned(key)), None)
 
     def pick_victims(self, is_pinned: IsPinned, n: int) -> list[bytes]:
         """In one pass: naming them one by one would walk past those already named (pinned) each
         time."""
-        out: list[bytes] = []
-        for keys in (self._cold_oldest_first(), self._order):
-            for key in keys:
-                if not is_pinned(key):
-                    out.append(key)
-                    if len(out) == n:
-                        return out
-        return out
+        return list(itertools.islice((key for key in itertools.chain(self._dormant.oldest_first(), self._order)
+                                      if not is_pinned(key)), n))
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._cold) - len(self._left)
+        return len(self._order) + len(self._dormant)
 
 
 class PrefixAwarePolicy(EvictionPolicy):
@@ -171,17 +182,18 @@ class PrefixAwarePolicy(EvictionPolicy):
       2. leaves here: blocks with no child in this tier or a faster one;
       3. anything unpinned (only when every leaf is pinned).
 
-    Per key one int in one dict (an index of millions holds one per block): its last use (a tick,
-    from 1) and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order
-    class 3 walks: a key touched is taken out and put back at its end, so it lists keys least
-    recently used first, and no second structure per key is needed. The classes' heaps hold (tick,
-    key) of leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped
-    lazily. Keys handed over in bulk into an empty policy (a warm restart's) take ticks below
-    ``_bulk_end`` and are held *dormant*, their class alone (an int below 4: one of the
-    interpreter's shared small ints, where a tick would be a 32-byte int of its own per key); a
-    dormant key's heap entry is its only one. Touched or given a new class, a key wakes with a
-    tick: a touch's is the newest, an update's the newest of the bulk (its place in the dict, the
-    order class 3 walks, stays).
+    Per key one int in one dict (an index of millions holds one per block): its last use (a tick)
+    and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order class 3
+    walks: a key touched is taken out and put back at its end, so it lists keys least recently
+    used first, and no second structure per key is needed. The classes' heaps hold (tick, key) of
+    leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped lazily.
+    Keys handed over in bulk into an empty policy (a warm restart's) wait dormant
+    (``DormantKeys``: no int, no dict slot), older than any other, their ticks below
+    ``_bulk_end``; a dormant key keeps its class (``_bulk_leaves`` holds the classes of the few
+    that were leaves: one per chain), so its heap entry from the bulk is its only one.
+    Touched, a key wakes with the newest tick; given a new class, with the bulk's newest (class 3
+    then walks it after the keys still dormant). As the store uses a policy, a key is inserted
+    only while not held, and touched or updated only while held.
     """
 
     name = "prefix"
@@ -189,8 +201,10 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._state: dict[bytes, int] = {}   # least recently used first
-        self._clock = itertools.count(1)     # from 1: a state below 4 is a dormant key's class alone
-        self._bulk_end = 1                   # dormant keys' ticks are below it
+        self._dormant = DormantKeys()
+        self._clock = itertools.count()
+        self._bulk_end = 0                   # dormant keys' ticks are below it
+        self._bulk_leaves: dict[bytes, int] = {}   # the class of dormant keys that were leaves (few)
         self._leaves: list[tuple[int, bytes]] = []
         self._orphans: list[tuple[int, bytes]] = []
 
@@ -199,7 +213,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             return
         heap = self._orphans if state & _ORPHAN else self._leaves
         heapq.heappush(heap, (state >> 2, key))
-        if len(heap) > 4 * len(self._state) + 64:
+        if len(heap) > 4 * (len(self._state) + (self._bulk_end if self._dormant else 0)) + 64:
             self._leaves = [(t, k) for t, k in self._leaves if self._holds(k, t, _LEAF)]
             self._orphans = [(t, k) for t, k in self._orphans if self._holds(k, t, _LEAF | _ORPHAN)]
             heapq.heapify(self._leaves)
@@ -213,47 +227,61 @@ class PrefixAwarePolicy(EvictionPolicy):
         keys = list(keys)
         if chains is None:
             chains = [(0, False)] * len(keys)
-        fresh = not self._state
+        fresh = not self._state and not self._dormant
         states, clock = self._state, self._clock
         leaves: list[tuple[int, bytes]] = []
         orphans: list[tuple[int, bytes]] = []
         for key, (children, orphan) in zip(keys, chains):
             tick = next(clock)
-            states[key] = (0 if fresh else tick << 2) | (children == 0) << 1 | bool(orphan)
+            if not fresh:
+                states[key] = tick << 2 | (children == 0) << 1 | bool(orphan)
             if children == 0:
                 (orphans if orphan else leaves).append((tick, key))
         if fresh:   # dormant, in tick order: each list is a heap already
+            self._dormant = DormantKeys(keys)
+            self._bulk_leaves = {key: _LEAF | _ORPHAN for _, key in orphans} | {key: _LEAF for _, key in leaves}
             self._leaves, self._orphans = leaves, orphans
             self._bulk_end = next(clock)
         else:
             for tick, key in leaves + orphans:
                 self._push(key, states[key])
 
+    def _wake(self, key: bytes) -> int | None:
+        """Take ``key`` out of the dormant ones: its class, or None where it is not one."""
+        if key in self._state or not self._dormant.holds(key):
+            return None
+        self._dormant.leave(key)
+        return self._bulk_leaves.pop(key, 0)
+
     def touch(self, key: bytes) -> None:
-        state = self._state.pop(key)   # KeyError for a key not held; put back at the recent end
-        state = self._state[key] = next(self._clock) << 2 | state & _CLASS
+        woken = self._wake(key)
+        state = self._state.pop(key) if woken is None else woken   # KeyError for a key not held
+        state = self._state[key] = next(self._clock) << 2 | state & _CLASS   # at the recent end
         self._push(key, state)
 
     def remove(self, key: bytes) -> None:
-        self._state.pop(key, None)
+        if self._state.pop(key, None) is None:
+            self._wake(key)
 
     def update(self, key: bytes, children: int, orphan: bool) -> None:
         old = self._state.get(key)
         if old is None:
-            return
-        state = old & ~_CLASS | (children == 0) << 1 | bool(orphan)
+            if self._wake(key) is None:
+                return   # not held
+            old, tick = -1, self._bulk_end - 1   # woken: its heap entry from the bulk is stale now
+        else:
+            tick = old >> 2
+        state = tick << 2 | (children == 0) << 1 | bool(orphan)
         if state != old:
-            if state < 4:   # dormant: woken with the bulk's newest tick (its old heap entry is then stale)
-                state |= (self._bulk_end - 1) << 2
             self._state[key] = state
             self._push(key, state)
 
     def _holds(self, key: bytes, tick: int, need: int) -> bool:
         """Whether a heap's (tick, key) is still the key's last use, and the key still of class ``need``."""
         state = self._state.get(key)
-        if state is None or state & need != need:
-            return False
-        return state >> 2 == tick if state >= 4 else tick < self._bulk_end
+        if state is None:   # dormant: its entry from the bulk, of its class then and now
+            return tick < self._bulk_end and self._dormant.holds(key)
+        return state >> 2 == tick and state & need == need
 
     def _pick(self, heap: list[tuple[int, bytes]], need: int, is_pinned: IsPinned) -> bytes | None:
         skipped, victim = [], None
@@ -272,10 +300,11 @@ class PrefixAwarePolicy(EvictionPolicy):
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
         return (self._pick(self._orphans, _LEAF | _ORPHAN, is_pinned)
                 or self._pick(self._leaves, _LEAF, is_pinned)
-                or next((key for key in self._state if not is_pinned(key)), None))
+                or next((key for key in itertools.chain(self._dormant.oldest_first(), self._state)
+                         if not is_pinned(key)), None))
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._state) + len(self._dormant)
 
 
 class S3FIFOPolicy(EvictionPolicy):
