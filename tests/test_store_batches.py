@@ -170,7 +170,7 @@ def test_batched_paths_answer_and_notify_exactly_as_block_by_block(tmp_path, mon
             got_b = run_workload(single, ns_b, seed)
         assert got_a == got_b
         assert ev_a.per_block() == ev_b.per_block()
-        if policy == "s3fifo":   # LRU and prefix-aware tiers make room for a run ahead of it (puts._victims_ahead)
+        if policy == "s3fifo":   # LRU and prefix-aware tiers make room for a run ahead of it (puts.reserve_next)
             assert ev_a.log == ev_b.log
         counters_a, counters_b = batched.stats()["counters"], single.stats()["counters"]
         assert counters_a == counters_b

@@ -27,7 +27,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
 from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import Cascade
-from kvstore.store.puts import RUN_BLOCKS, PutResults, check_encoded, payload_codecs, run_limit
+from kvstore.store.puts import RUN_BLOCKS, PutResults, check_encoded, payload_codecs, reserve_next, run_limit
 from kvstore.store.reads import read_staged
 from kvstore.store.transcoding import RAW
 from kvstore.store.transfers import PLACEMENT_ERRORS
@@ -98,8 +98,8 @@ class Leases:
         try:
             i = 0
             while i < len(hashes):
-                # blocks that fit without evicting: a run per lock acquisition; any other, one by one
-                run = self._cascade.reserve_run(ns, hashes, parents, i, c, run_limit(ns.block_bytes))
+                # a run per lock acquisition (room made for it first where it can be); else one by one
+                run = reserve_next(self._cascade, ns, hashes, parents, i, c, run_limit(ns.block_bytes))
                 if not run:
                     run = [self._cascade.reserve(namespace_id, hashes[i], parents[i], ns.block_bytes, c,
                                                  only_this_tier=True)]

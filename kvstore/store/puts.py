@@ -93,14 +93,11 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     parent is ``hashes[i-1]`` (the first's is ``parent``). Per block "stored", "exists" or
     "persisted". Raises ``StoreFull`` if a block fits nowhere; blocks before it stay.
 
-    Raw blocks that fit the first tier without evicting, where that tier is memory (GPU or CPU:
-    a copy takes microseconds, so a run is invisible only briefly), are taken a run at a time
-    (``Cascade.reserve_run``: one lock acquisition to reserve the run, the copies outside it, one to
-    publish it, in order); when that tier is full and its policy picks the same victims ahead of
-    time as one by one (``_victims_ahead``: LRU; prefix-aware where the run continues a prefix held
-    in tier 0), room for the next run is made first,
-    its victims written down together (``Cascade.clear_room``); any other block (eviction, a codec, a quota near its limit, another
-    tier, a disk or network first tier) goes through ``_put_one``, one at a time."""
+    Raw blocks for a first tier that is memory (GPU or CPU: a copy takes microseconds, so a run is
+    invisible only briefly) are taken a run at a time (``reserve_next``: one lock acquisition to
+    reserve the run, the copies outside it, one to publish it, in order); any other block (a
+    victim the policy cannot name ahead, a codec, a quota near its limit, another tier, a disk or
+    network first tier) goes through ``_put_one``, one at a time."""
     out = PutResults(cascade)
     parents = [parent] + list(hashes[:-1])
     runs = (cascade.cpu_index is not None and cascade.transcoder.configured(0) == RAW
@@ -110,12 +107,7 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     i = 0
     try:
         while i < len(hashes):
-            run = cascade.reserve_run(ns, hashes, parents, i, 0, limit) if runs else []
-            keep = _victims_ahead(cascade, ns, hashes, parents, i, limit) if runs and not run else None
-            if keep is not None:
-                # tier 0 is full: make room for the next blocks at once, then take them as a run
-                cascade.clear_room(0, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, i, limit), keep=keep)
-                run = cascade.reserve_run(ns, hashes, parents, i, 0, limit)
+            run = reserve_next(cascade, ns, hashes, parents, i, 0, limit) if runs else []
             if run:
                 disk.finish()   # published in the put's order
                 _write_run(cascade, run, arrays, i, out)
@@ -131,17 +123,30 @@ def put_chain(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], arrays: 
     return results
 
 
+def reserve_next(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], parents: Sequence, start: int,
+                 t: int, limit: int) -> list:
+    """The next run of raw blocks from ``start`` reserved in tier ``t`` (``Cascade.reserve_run``);
+    where tier ``t`` is full and its policy names the same victims ahead of time as one by one
+    (``_victims_ahead``), room for the run is made first, its victims written down together
+    (``Cascade.clear_room``). Empty: the block at ``start`` goes one by one (``Cascade.reserve``)."""
+    run = cascade.reserve_run(ns, hashes, parents, start, t, limit)
+    if not run and (keep := _victims_ahead(cascade, ns, hashes, parents, start, t, limit)) is not None:
+        cascade.clear_room(t, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, start, limit), keep=keep)
+        run = cascade.reserve_run(ns, hashes, parents, start, t, limit)
+    return run
+
+
 def _victims_ahead(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], parents: Sequence,
-                   start: int, limit: int) -> set[bytes] | None:
-    """Whether tier 0's policy names the same victims before the next ``limit`` blocks from
+                   start: int, t: int, limit: int) -> set[bytes] | None:
+    """Whether tier ``t``'s policy names the same victims before the next ``limit`` blocks from
     ``start`` arrive as while they arrive one by one, and the keys ``clear_room`` must stop at:
     LRU (``picks_ahead``): yes, none; the prefix-aware policy: where each new block's parent is
-    new in the run too, or none, or held in tier 0 — the new blocks are then its newest leaves,
+    new in the run too, or none, or held in tier ``t`` — the new blocks are then its newest leaves,
     never a victim while an older leaf is unpinned — and until it would name such a held parent
     (one by one, the parent is no longer a leaf once its child arrives; its own chain's newest
-    block is named instead). A new block whose prefix is not in tier 0 is an orphan leaf, its
+    block is named instead). A new block whose prefix is not in tier ``t`` is an orphan leaf, its
     first victim: None, those go one by one. Read without the lock: a hint."""
-    policy = cascade.index.policies[0]
+    policy = cascade.index.policies[t]
     if policy.picks_ahead:
         return set()
     if not policy.uses_chains:
@@ -153,7 +158,7 @@ def _victims_ahead(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], par
             continue
         if parents[k] is not None and ns.id + parents[k] not in new:
             held = entries.get(ns.id + parents[k])
-            if held is None or 0 not in held.copies:   # tier 0 is the fastest: held there or not
+            if held is None or t not in held.copies:
                 return None
             keep.add(held.key)
         new.add(key)
