@@ -27,7 +27,23 @@ Compared per prompt, each codec's load against the raw load (only the KV bytes d
 against vLLM's prefix cache: first-token top-1 agreement, KL(reference || run) over the full
 vocabulary, greedy identity over ``--max-tokens`` tokens (and tokens matched before the first
 difference), and a task score: exact-match answers to the document and code questions
-(``prompts.corpus.exact_match``).
+(``prompts.corpus.exact_match``). The model's logits are bf16, so the reference's two best
+first tokens can be exactly equal (a tie: margin 0), and then which one is "top-1" is decided by
+the order of the vocabulary, not by the model. Beside the strict agreement (the run's top-1 is the
+reference's lowest-index top-1) a *tie-aware* agreement counts the run's top-1 as agreeing when it
+is any token at the reference's maximum; the strict figure stays the headline.
+
+The engine's own noise floor, in the same run (``--no-floor`` leaves it out): how far the answers
+move when the KV does not change in meaning.
+
+* ``full prefill``: a fresh engine with no connector and prefix caching off computes every prompt
+  whole, against the raw load (the same prompts; the loaded prefix's KV came from the save
+  engine's own prefill, so the two differ only in how the bf16 arithmetic was split);
+* ``bf16_ulp``: in the raw run's save engine, after the prefix-cache reference, every element of
+  vLLM's KV cache is moved one bf16 ulp up or down at random (``perturb_kv_ulp`` in
+  ``tests/engines/vllm_driver.py``) and the prompts are answered again from the prefix cache,
+  against that reference: the smallest change a bf16 cache can carry, on every element, as a
+  codec's error would be.
 
 Every engine runs in vLLM's in-process mode with one OpenMP thread pinned to core 0
 (``VLLM_CPU_OMP_THREADS_BIND=0``), as ``bench_fidelity_engine.py`` does, so every run does the same
@@ -58,6 +74,8 @@ VLLM_DRIVER = os.path.join(REPO, "tests", "engines", "vllm_driver.py")
 BLOCK = 32
 VOCAB = 49152
 CODECS = ("raw", "fp8", "int8", "int4_g64", "int4_g64_k16")
+#: the engine's noise floor: no codec, KV of the same meaning (module docstring)
+FLOOR = ("full_prefill", "bf16_ulp")
 SAVE_SETTINGS = {"max_pending_saves": 100000}   # saves are best effort: never drop one here
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0", "HF_HUB_OFFLINE": "1",
               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -100,6 +118,8 @@ def compare(ref: dict, run: dict, max_tokens: int) -> dict:
     """A run's first-token distributions and greedy sequences against a reference run's."""
     kls = kl_rows(ref["logprobs"], run["logprobs"])
     top1 = ref["logprobs"].argmax(1) == run["logprobs"].argmax(1)
+    picked = ref["logprobs"][np.arange(len(kls)), run["logprobs"].argmax(1)]
+    top1_ties = picked == ref["logprobs"].max(1)   # the run's top-1 is one of the reference's tied best
     margins = top1_margins(ref["logprobs"])
     matched, first_diff = [], []
     for a, b in zip(ref["greedy"], run["greedy"]):
@@ -115,7 +135,8 @@ def compare(ref: dict, run: dict, max_tokens: int) -> dict:
         if idx:
             by_kind[kind] = {"prompts": len(idx), "top1_agreement": float(top1[idx].mean()),
                              "greedy_identical": sum(matched[i] == max_tokens for i in idx) / len(idx)}
-    return {"prompts": n, "top1_agreement": float(top1.mean()), "kl_mean": float(kls.mean()),
+    return {"prompts": n, "top1_agreement": float(top1.mean()), "top1_agreement_tie_aware": float(top1_ties.mean()),
+            "kl_mean": float(kls.mean()),
             "kl_median": float(ks[n // 2]), "kl_p99": float(ks[min(n - 1, int(0.99 * n))]), "kl_max": float(ks[-1]),
             "greedy_identical": sum(m == max_tokens for m in matched) / n,
             "matched_prefix_mean": statistics.fmean(matched),
@@ -158,6 +179,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "fidelity_real"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temp dir (engine logs, daemon logs)")
     ap.add_argument("--note", default="", help="a sentence for the report (e.g. why only some codecs ran)")
+    ap.add_argument("--no-floor", action="store_true", help="leave out the engine's noise floor (full prefill, bf16_ulp)")
     a = ap.parse_args()
     if a.codecs[0] != "raw":
         ap.error("the first codec must be raw: every other one is compared with it")
@@ -208,10 +230,15 @@ def main() -> None:
             save_steps = [{"generate": ids, "max_tokens": 1}, {"drain": True}]
             if codec == "raw":
                 save_steps += steps_measure("prefix_cache")
+                if not a.no_floor:   # then every cached block one ulp off, answered from the cache again
+                    save_steps += [{"perturb_kv_ulp": 0}] + steps_measure("bf16_ulp")
             saved = run_engine(f"save-{codec}", {"engine": {**engine, "enable_prefix_caching": True}, "steps": save_steps,
                                           "kv_transfer_config": vllm_kv_transfer_config(d.url, **SAVE_SETTINGS)})
             if codec == "raw":
                 runs["prefix_cache"] = measured(saved, "prefix_cache", 2)
+                if not a.no_floor:
+                    runs["bf16_ulp"] = measured(saved, "bf16_ulp", 5)
+                    perturbed = saved["steps"][4]["perturbed"]
             after_save = codec_stats(d)
             loaded = run_engine(f"load-{codec}", {"engine": {**engine, "enable_prefix_caching": False},
                                            "steps": steps_measure(codec),
@@ -233,12 +260,23 @@ def main() -> None:
             "engine_seconds": runs[codec]["seconds"],
         }
         print(f"{codec}: {json.dumps({k: v for k, v in valid[codec].items() if k != 'daemon_after_save'})}", flush=True)
+    floor = [] if a.no_floor else list(FLOOR)
+    if floor:
+        full = run_engine("full-prefill", {"engine": {**engine, "enable_prefix_caching": False},
+                                           "steps": steps_measure("full_prefill")})
+        runs["full_prefill"] = measured(full, "full_prefill", 0)
+        valid["full_prefill"] = {"prompts_cached": sum(c > 0 for c in runs["full_prefill"]["cached"][0]),
+                                 "engine_seconds": runs["full_prefill"]["seconds"]}
+        ulp = runs["bf16_ulp"]
+        valid["bf16_ulp"] = {"prompts_served_from_cache": sum(c >= e for c, e in zip(ulp["cached"][0], expected_cached)),
+                             "greedy_served_from_cache": sum(c >= e for c, e in zip(ulp["cached"][1], expected_cached)),
+                             "perturbed": perturbed, "engine_seconds": ulp["seconds"]}
     pc = runs["prefix_cache"]
     valid["prefix_cache"] = {"prompts_served_from_cache": sum(c >= e for c, e in zip(pc["cached"][0], expected_cached)),
                              "engine_seconds": pc["seconds"]}
 
     comparisons = {}
-    for codec in a.codecs:
+    for codec in a.codecs + floor:
         comparisons[f"{codec}_vs_prefix_cache"] = compare(pc, runs[codec], a.max_tokens)
         if codec != "raw":
             comparisons[f"{codec}_vs_raw"] = compare(runs["raw"], runs[codec], a.max_tokens)
@@ -255,7 +293,7 @@ def main() -> None:
         "first_token_margin_nats": {"median": float(margins[len(margins) // 2]),
                                     "p10": float(margins[len(margins) // 10]), "min": float(margins[0]),
                                     "ties": int((margins == 0).sum())},
-        "codecs": a.codecs, "comparisons": comparisons, "task_scores": scores, "valid": valid,
+        "codecs": a.codecs, "floor": floor, "comparisons": comparisons, "task_scores": scores, "valid": valid,
         "per_prompt": {name: {"greedy_texts": r["texts"]} for name, r in runs.items()},
         "prompt_ids": [p["id"] for p in prompts],
         "daemon_config": DAEMON_CONFIG.format(codec="<codec>") + "(kvstore serve --config that --cpu-bytes 1GiB "
@@ -293,30 +331,42 @@ def render_markdown(r: dict) -> str:
         "codec; a fresh load engine (prefix caching off) loads them and generates. `raw` = the same load path "
         "with raw blocks (only the KV bytes differ); `vLLM prefix cache` = the raw run's save engine answering "
         "the same prompts from its own prefix cache. KL = KL(reference || run) of the first generated token's "
-        "distribution over the full vocabulary, nats.",
+        "distribution over the full vocabulary, nats. `first token = reference` is strict (the run's top-1 is the "
+        "reference's top-1, the lowest token id where the reference's two best logits tie); `tie-aware` also counts a "
+        "run whose top-1 is any of the reference's tied best tokens (only prompts whose reference margin is exactly 0 "
+        "can differ between the two).",
+        *(["", "Noise floor rows (no codec: the KV does not change in meaning): `full prefill` = a fresh engine without "
+           "the connector or prefix caching computing every prompt whole, against the raw load; `bf16_ulp` = the raw "
+           "run's save engine answering again from its prefix cache after every element of its KV cache was moved one "
+           "bf16 ulp up or down at random, against that prefix cache. A codec's row is not told apart from the "
+           "engine's arithmetic below these."] if r.get("floor") else []),
         "",
         *([r["note"], ""] if r.get("note") else []),
-        "| codec | stored ratio | against | first token = reference | KL mean | KL median | KL p99 | KL max "
-        "| 32 greedy tokens identical | tokens before first difference (mean) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| codec | stored ratio | against | first token = reference | first token, tie-aware | KL mean | KL median "
+        "| KL p99 | KL max | 32 greedy tokens identical | tokens before first difference (mean) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for codec in r["codecs"]:
-        ratio = r["valid"][codec]["stored_ratio"]
+    labels = {"full_prefill": "full prefill (floor)", "bf16_ulp": "bf16_ulp (floor)"}
+    for codec in r["codecs"] + r.get("floor", []):
+        ratio = f"{r['valid'][codec]['stored_ratio']:.2f}x" if "stored_ratio" in r["valid"].get(codec, {}) else "-"
         for against in (["prefix_cache"] if codec == "raw" else ["raw", "prefix_cache"]):
             c = r["comparisons"][f"{codec}_vs_{against}"]
-            lines.append(f"| {codec} | {ratio:.2f}x | {'vLLM prefix cache' if against == 'prefix_cache' else 'raw load'} "
-                         f"| {_pct(c['top1_agreement'])} | {c['kl_mean']:.2e} | {c['kl_median']:.2e} | {c['kl_p99']:.2e} "
-                         f"| {c['kl_max']:.2e} | {_pct(c['greedy_identical'])} | {c['matched_prefix_mean']:.1f} |")
+            ties = _pct(c["top1_agreement_tie_aware"]) if "top1_agreement_tie_aware" in c else "-"
+            lines.append(f"| {labels.get(codec, codec)} | {ratio} | "
+                         f"{'vLLM prefix cache' if against == 'prefix_cache' else 'raw load'} "
+                         f"| {_pct(c['top1_agreement'])} | {ties} | {c['kl_mean']:.2e} | {c['kl_median']:.2e} "
+                         f"| {c['kl_p99']:.2e} | {c['kl_max']:.2e} | {_pct(c['greedy_identical'])} "
+                         f"| {c['matched_prefix_mean']:.1f} |")
     lines += ["", "Greedy identity against the raw load, by kind of prompt:", "",
               "| codec | documents | code | chat |", "|---|---:|---:|---:|"]
-    for codec in r["codecs"][1:]:
+    for codec in r["codecs"][1:] + r.get("floor", []):
         bk = r["comparisons"][f"{codec}_vs_raw"]["by_kind"]
-        lines.append(f"| {codec} | " + " | ".join(_pct(bk[x]["greedy_identical"]) if x in bk else "-"
+        lines.append(f"| {labels.get(codec, codec)} | " + " | ".join(_pct(bk[x]["greedy_identical"]) if x in bk else "-"
                                                    for x in ("document", "code", "chat")) + " |")
     lines += ["", "Task score (exact-match answers, first line of the greedy answer; `benchmarks/prompts/corpus.py`):",
               "", "| run | document questions | code questions |", "|---|---:|---:|"]
     for name, s in r["task_scores"].items():
-        lines.append(f"| {'vLLM prefix cache' if name == 'prefix_cache' else name} | "
+        lines.append(f"| {'vLLM prefix cache' if name == 'prefix_cache' else labels.get(name, name)} | "
                      + " | ".join(f"{_pct(s[x]['exact_match'])} of {s[x]['questions']}" if x in s else "-"
                                   for x in ("document", "code")) + " |")
     mg = r["first_token_margin_nats"]
@@ -324,7 +374,7 @@ def render_markdown(r: dict) -> str:
               f"{mg['p10']:.3f}, min {mg['min']:.5f} nats"
               + (f"; {mg['ties']} of {p['count']} prompts are exact ties (margin 0: the two top logits equal)"
                  if "ties" in mg else "") + "."]
-    changed = [(codec, r["comparisons"][f"{codec}_vs_raw"]) for codec in r["codecs"][1:]]
+    changed = [(labels.get(codec, codec), r["comparisons"][f"{codec}_vs_raw"]) for codec in r["codecs"][1:] + r.get("floor", [])]
     if changed and all("top1_changed_margins" in c for _, c in changed):
         lines += ["", "Raw load's margins (nats) at the prompts whose first token a codec changed: "
                   + "; ".join(f"{codec} {', '.join(f'{m:g}' for m in c['top1_changed_margins'])}"
@@ -341,7 +391,17 @@ def render_markdown(r: dict) -> str:
                      f"| {v['engine_seconds'][0]:.0f} / {v['engine_seconds'][1]:.0f} |")
     pcv = r["valid"]["prefix_cache"]
     lines += [f"| vLLM prefix cache | {pcv['prompts_served_from_cache']} of {n} served their full blocks from the cache "
-              f"| | | | {pcv['engine_seconds'][0]:.0f} / {pcv['engine_seconds'][1]:.0f} |", ""]
+              f"| | | | {pcv['engine_seconds'][0]:.0f} / {pcv['engine_seconds'][1]:.0f} |"]
+    if "bf16_ulp" in r["valid"]:
+        u = r["valid"]["bf16_ulp"]
+        lines += [f"| bf16_ulp (floor) | {u['prompts_served_from_cache']} / {u['greedy_served_from_cache']} of {n} "
+                  f"served their full blocks from the perturbed cache ({u['perturbed']['elements']:,} elements moved, "
+                  f"{', '.join(u['perturbed']['dtypes'])}) | | | | {u['engine_seconds'][0]:.0f} / {u['engine_seconds'][1]:.0f} |"]
+    if "full_prefill" in r["valid"]:
+        f_ = r["valid"]["full_prefill"]
+        lines += [f"| full prefill (floor) | {f_['prompts_cached']} of {n} had any token cached | | | | "
+                  f"{f_['engine_seconds'][0]:.0f} / {f_['engine_seconds'][1]:.0f} |"]
+    lines += [""]
     mach = r["machine"]
     lines += [machine_line(mach, load=(r["loadavg"]["start"], r["loadavg"]["end"]))
               + " (shared with other jobs); engine venv "

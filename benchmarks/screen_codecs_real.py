@@ -23,8 +23,9 @@ over the block's tokens, ``_k`` / ``_v`` only keys / values rotated (the other p
 variant X (``int8h``: int8_had) instead, ``_t0`` every block's token 0 kept exactly and the rest quantised
 without it (``int4_g64_t0``; ``_konly`` / ``_vonly``: only its keys / values quantised, to see which
 error dominates), ``_out1`` one token per block kept exactly in K and V, the one whose removal shrinks
-its key channels' ranges most. ``bf16_ulp`` is not a codec: every element moved to a
-neighbouring bf16 value, a yardstick for how small an error is.
+its key channels' ranges most (``_t0_out1``: token 0 and that token among the others).
+``bf16_ulp`` is not a codec: every element moved to a neighbouring bf16 value, a yardstick for how
+small an error is.
 
     --compute bfloat16 --greedy 32     # the model in bf16 (as an engine), and 32-token greedy identity
 """
@@ -130,12 +131,12 @@ def outlier_token(k):
     return int(gain.argmax())
 
 
-def OUT1(fk, fv):
+def OUT1(fk, fv, first: bool = False):
     """One token per block (``outlier_token`` of its keys) kept exactly in K and V, the rest through
-    ``fk`` / ``fv``."""
+    ``fk`` / ``fv``; with ``first``, token 0 kept too and the outlier token chosen among the others."""
     def joint(kb, vb):
-        t = outlier_token(kb)
-        keep = [i for i in range(kb.shape[1]) if i != t]
+        t = outlier_token(kb[:, 1:]) + 1 if first else outlier_token(kb)
+        keep = [i for i in range(kb.shape[1]) if i != t and not (first and i == 0)]
         ko, vo = kb.clone(), vb.clone()
         ko[:, keep] = fk(kb[:, keep])
         vo[:, keep] = fv(vb[:, keep])
@@ -177,6 +178,7 @@ VARIANTS = {
     "int4_g64_t0_konly": (T0(K_chan_all), lambda v: v),
     "int4_g64_t0_vonly": (lambda k: k, T0(V_tok(64, False))),
     "int4_g64_out1": (type("J", (), {"joint": staticmethod(OUT1(K_chan_all, V_tok(64, False)))})(), None),
+    "int4_g64_t0_out1": (type("J", (), {"joint": staticmethod(OUT1(K_chan_all, V_tok(64, False), True))})(), None),
 }
 #: "+sink_X": the sequence's first block through variant X instead
 SINKS = {"fp8": (FP8, FP8), "int8h": (INT8_HAD, INT8_HAD)}
@@ -337,7 +339,7 @@ SIZES = {"fp8": "0.52", "fp8_kchan": "0.52", "fp8_had": "0.52", "int8": "0.52", 
          "k_chan16+v_g32": "0.34", "k_chan+v_had64": "0.30", "k_chan16+v_had64": "0.33",
          "k_had64+v_had64": "0.28", "k_had32+v_had32": "0.31", "k_tok64+v_tok64": "0.28",
          "k_fp8+v_had64": "0.40", "k_fp8+v_g64": "0.40",
-         "int4_g64_t0": "0.32", "int4_g32_t0": "0.34", "int4_g64_out1": "0.32"}
+         "int4_g64_t0": "0.32", "int4_g32_t0": "0.34", "int4_g64_out1": "0.33", "int4_g64_t0_out1": "0.36"}
 
 
 if __name__ == "__main__":

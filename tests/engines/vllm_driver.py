@@ -23,6 +23,8 @@ JOB: {"build": {"out_dir": DIR, "layers": 2, ...} (optional: tiny_model.build() 
                 {"serve": [[token ids], ...], "max_tokens": 16},  # all arrive at once; per-request
                                             # TTFT and inter-token latency (see serve())
                 {"drain": true},            # wait until the kvstore connector's saves reached the daemon
+                {"perturb_kv_ulp": SEED},   # every element of the engine's KV cache (bf16) one ulp up or
+                                            # down at random (see perturb_kv_ulp()): a yardstick
                 {"kill": PID},              # SIGKILL a process (the daemon) between steps
                 {"sleep": SECONDS}]}
 RESULT: {"steps": [{"outputs": [[ids]], "num_cached_tokens": [n], "seconds": [s],
@@ -119,6 +121,40 @@ def serve(llm, prompts: list, max_tokens: int, tag: str) -> dict:
             "seconds": [wall]}
 
 
+def _perturb_kv_caches(worker, seed: int) -> dict:
+    """(Runs in the worker.) ``perturb_kv_ulp``'s work on this worker's KV cache tensors."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    seen, elements, dtypes = set(), 0, set()
+    for t in worker.model_runner.kv_caches:
+        storage = t.untyped_storage()   # the whole buffer (layers may be views into one)
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        dtypes.add(str(t.dtype))
+        if t.dtype != torch.bfloat16:
+            continue
+        bits = torch.empty(0, dtype=torch.int16).set_(storage)
+        for chunk in bits.split(1 << 22):
+            mag = chunk & 0x7FFF
+            step = torch.randint(0, 2, chunk.shape, generator=g, dtype=torch.int16).mul_(2).sub_(1)
+            mag = torch.where(mag == 0, torch.ones_like(mag), mag + step)
+            chunk.copy_((chunk & -0x8000) | mag)
+            elements += chunk.numel()
+    return {"elements": elements, "tensors": len(seen), "dtypes": sorted(dtypes)}
+
+
+def perturb_kv_ulp(llm, seed: int) -> dict:
+    """Move every element of the engine's KV cache one bf16 ulp: its magnitude one step up or down
+    at random (a zero one step up, to the smallest subnormal), sign kept. Blocks in vLLM's prefix
+    cache then hold KV that differs from what the engine computed by the least a bf16 cache can
+    carry: how far the answers move for that measures the engine's own sensitivity, beside a
+    codec's. Only bf16 caches are touched (``dtypes`` says what there was)."""
+    (out,) = llm.collective_rpc(_perturb_kv_caches, args=(seed,))
+    return out
+
+
 def first_logprobs_to_file(llm, step: dict) -> dict:
     """The first generated token's log-probabilities over the whole vocabulary, for every prompt,
     written to ``step["logprobs_npy"]`` as float32 ``[prompts, vocab]``. Prompts go in batches of
@@ -204,6 +240,8 @@ def main() -> None:
                 out["first_logprobs"] = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
         elif "serve" in step:
             out = serve(llm, step["serve"], step.get("max_tokens", 16), f"serve{len(result['steps'])}")
+        elif "perturb_kv_ulp" in step:
+            out = {"perturbed": perturb_kv_ulp(llm, int(step["perturb_kv_ulp"]))}
         elif "drain" in step:
             if worker is not None and hasattr(worker, "drain_saves"):
                 worker.drain_saves()
