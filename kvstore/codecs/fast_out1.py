@@ -6,9 +6,10 @@ bytes as the torch reference in ``int4_out1.py``. Values are encoded by ``fast_c
 Kernels read and write one tensor of a block through its geometry in 32-bit words (``D2`` =
 D/2), as ``fast_cpu``'s INT4 kernels, over a range ``[u0, u1)`` of units (layers for the keys,
 (layer, token) rows for the values), which ``fast_runner`` splits across threads. The key encoder
-takes one pass over a layer's keys to find, per (head, channel), the two largest and two smallest
-values (ordered keys) and where the extremes lie, which gives both the kept token's score and the
-statistics without it, and a second pass to write the codes, as ``int4_encode_keys`` does.
+takes three passes over a layer's keys (in cache): the two largest and two smallest values of each
+(head, channel) (ordered keys), which give each extreme's gain and the statistics without the kept
+token; each token's score (the gains of the extremes it holds); and the codes, as
+``int4_encode_keys`` writes them.
 """
 
 from __future__ import annotations
@@ -70,9 +71,8 @@ def int4_out1_encode_keys(src16, src, off, T, H, D2, sl, st, sh, osrc16, ooff, o
     HD = H * D
     b0, b1 = np.empty(HD, np.int16), np.empty(HD, np.int16)   # largest, second largest (ordered keys)
     l0, l1 = np.empty(HD, np.int16), np.empty(HD, np.int16)   # smallest, second smallest
-    bi, li = np.empty(HD, np.int16), np.empty(HD, np.int16)   # where the largest / smallest lie
+    ghi, glo = np.empty(HD, np.int32), np.empty(HD, np.int32)   # each (head, channel)'s gains
     score = np.empty(T, np.int64)
-    ghi, glo = np.empty(HD, np.int64), np.empty(HD, np.int64)   # each (head, channel)'s gains
     mq, sq = np.empty(D, np.uint16), np.empty(D, np.uint16)
     mf, sf = np.empty(D, np.float32), np.empty(D, np.float32)
     sf0, mf0 = np.empty(D2, np.float32), np.empty(D2, np.float32)   # even channels
@@ -84,35 +84,40 @@ def int4_out1_encode_keys(src16, src, off, T, H, D2, sl, st, sh, osrc16, ooff, o
             b1[k] = _KEY_MIN
             l0[k] = _KEY_MAX
             l1[k] = _KEY_MAX
-            bi[k] = 0
-            li[k] = 0
-        for t in range(T):
-            tt = np.int16(t)
+        for t in range(T):   # the two largest and two smallest of each (head, channel)
             for h in range(H):
                 row = row_at(off, l, t, h, sl, st, sh)
                 x = src16[2 * row:2 * (row + D2)]
-                hb0, hb1, hbi = b0[h * D:(h + 1) * D], b1[h * D:(h + 1) * D], bi[h * D:(h + 1) * D]
-                hl0, hl1, hli = l0[h * D:(h + 1) * D], l1[h * D:(h + 1) * D], li[h * D:(h + 1) * D]
-                for d in range(D):   # (selects, no branches: the loop vectorises)
+                hb0, hb1 = b0[h * D:(h + 1) * D], b1[h * D:(h + 1) * D]
+                hl0, hl1 = l0[h * D:(h + 1) * D], l1[h * D:(h + 1) * D]
+                for d in range(D):
                     v = order_key(x[d])
                     a = hb0[d]
                     hb1[d] = max16(hb1[d], min16(a, v))
                     hb0[d] = max16(a, v)
-                    hbi[d] = tt if v > a else hbi[d]
                     a = hl0[d]
                     hl1[d] = min16(hl1[d], max16(a, v))
                     hl0[d] = min16(a, v)
-                    hli[d] = tt if v < a else hli[d]
-        for k in range(HD):   # (apart from the scatter below: this loop vectorises)
+        for k in range(HD):
             top, low = key_to_f32(b0[k]), key_to_f32(l0[k])
             rng = top - low
             ghi[k] = _gain(top, key_to_f32(b1[k]), rng)
             glo[k] = _gain(key_to_f32(l1[k]), low, rng)
+        # Each token's score: the gains of the extremes it holds. A tied extreme gains 0, so
+        # crediting every token equal to it is crediting the reference's argmax.
         for t in range(T):
-            score[t] = 0
-        for k in range(HD):
-            score[np.int64(bi[k])] += ghi[k]
-            score[np.int64(li[k])] += glo[k]
+            s = np.int64(0)
+            for h in range(H):
+                row = row_at(off, l, t, h, sl, st, sh)
+                x = src16[2 * row:2 * (row + D2)]
+                hb0, hl0 = b0[h * D:(h + 1) * D], l0[h * D:(h + 1) * D]
+                hg, lg = ghi[h * D:(h + 1) * D], glo[h * D:(h + 1) * D]
+                acc = np.int32(0)
+                for d in range(D):
+                    v = order_key(x[d])
+                    acc += (hg[d] if v == hb0[d] else np.int32(0)) + (lg[d] if v == hl0[d] else np.int32(0))
+                s += acc
+            score[t] = s
         keep = 0
         for t in range(1, T):
             if score[t] > score[keep]:
@@ -124,10 +129,12 @@ def int4_out1_encode_keys(src16, src, off, T, H, D2, sl, st, sh, osrc16, ooff, o
             bad |= _copy_row(osrc16, ooff + l * osl + keep * ost + h * osh, D, okept, k0)
         nb = keep + 1 if keep + 1 < T else 0
         for h in range(H):
-            for d in range(D):
+            xk = src16[2 * row_at(off, l, keep, h, sl, st, sh):]
+            for d in range(D):   # the others' extremes: the second where the kept token holds one
                 k = h * D + d
-                hi = b1[k] if bi[k] == keep else b0[k]
-                lo = l1[k] if li[k] == keep else l0[k]
+                v = order_key(xk[d])
+                hi = b1[k] if v == b0[k] else b0[k]
+                lo = l1[k] if v == l0[k] else l0[k]
                 bad |= int4_nonfinite(lo, hi)
                 mq[d], sq[d], mf[d], sf[d] = int4_stats(lo, hi)
             base = (l * H + h) * D
