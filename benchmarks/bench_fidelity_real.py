@@ -43,7 +43,9 @@ move when the KV does not change in meaning.
   vLLM's KV cache is moved one bf16 ulp up or down at random (``perturb_kv_ulp`` in
   ``tests/engines/vllm_driver.py``) and the prompts are answered again from the prefix cache,
   against that reference: the smallest change a bf16 cache can carry, on every element, as a
-  codec's error would be.
+  codec's error would be. (The prompts' blocks reached the daemon before, so the raw load is not
+  touched by it; the save engine does store the blocks of these answers too, which the raw run's
+  stored-block count includes.)
 
 Every engine runs in vLLM's in-process mode with one OpenMP thread pinned to core 0
 (``VLLM_CPU_OMP_THREADS_BIND=0``), as ``bench_fidelity_engine.py`` does, so every run does the same

@@ -24,7 +24,7 @@ LAYOUT = KVLayout(model="test/codec-transfer", num_layers=2, num_kv_heads=2, hea
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
 SLOT = 4096
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan", "int4_g64_t0", "int4_g64_out1"]
+         "int8_kchan", "int4_g64_t0"]
 TIER_CODECS = LOSSY + ["zstd"]   # every codec a tier may be configured with (codecs.cpu: ...)
 TRANSPORTS = ["shm", "bulk", "grpc"]
 
@@ -63,7 +63,7 @@ def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(
     SERVING before then made its first put into a codec tier wait for the compiler past the
     client's deadline. Ready (ready file, health SERVING) now means every kernel is compiled."""
     pytest.importorskip("numba")
-    from kvstore.codecs import fast_cpu, fast_kchan, fast_out1, fast_rotated, fast_t0
+    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0
 
     cache = tmp_path / "numba-cache"
     config = tmp_path / "kvstore.yaml"
@@ -74,7 +74,7 @@ def test_a_daemon_with_a_codec_tier_is_ready_only_once_its_kernels_are_compiled(
     try:
         compiled = {p.name.split(".")[1].rsplit("-", 1)[0] for p in cache.rglob("*.nbi")}
         assert compiled == (set(fast_cpu.KERNEL_NAMES) | set(fast_rotated.KERNEL_NAMES) | set(fast_kchan.KERNEL_NAMES)
-                            | set(fast_t0.KERNEL_NAMES) | set(fast_out1.KERNEL_NAMES))
+                            | set(fast_t0.KERNEL_NAMES))
         assert "codec kernels ready" in d.log()
         hashes, blocks = chain(2, seed=5)
         with d.client(timeout_s=2.0) as c:

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from kvstore.codecs import (CODEC_IDS, Refused, check_layout, check_payload, codec_for_id, compiled_on_cpu,
                             decode_block, encode_block, get_codec, warm_up)
 from kvstore.codecs.header import HEADER_BYTES
-from kvstore.codecs.int4_out1 import kept_tokens
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.keys import KVLayout
 
@@ -19,7 +18,7 @@ AXES = ("kv", "layer", "token", "head", "dim")
 LAYOUTS = ["kv,layer,token,head,dim", "kv,token,layer,head,dim", "kv,head,token,layer,dim",
            "layer,kv,token,head,dim", "vllm_cpu"]
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan", "int4_g64_t0", "int4_g64_out1"]
+         "int8_kchan", "int4_g64_t0"]
 ROTATED = ("int8_had", "int4_g64_k16_had")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -79,8 +78,7 @@ def test_codec_ids_are_pinned():
     # Stored blocks name their codec by id: these numbers may never change.
     assert CODEC_IDS == {"raw": 0, "fp8": 1, "fp8_head": 2, "int4_g32": 3, "int4_g64": 4,
                          "int4_g128": 5, "zstd": 6, "int4_g64_k16": 7, "int8": 8, "int8_had": 9,
-                         "int4_g64_k16_had": 10, "int8_kchan": 11, "int4_g64_t0": 12,
-                         "int4_g64_out1": 13}
+                         "int4_g64_k16_had": 10, "int8_kchan": 11, "int4_g64_t0": 12}
     for name, cid in CODEC_IDS.items():
         assert get_codec(name) is codec_for_id(cid) is get_codec(cid)
 
@@ -195,18 +193,6 @@ def test_elementwise_error_bounds(codec, dtype):
             # half a step, a little slack for the stored scale being rounded up to the
             # block's dtype, plus the output's own rounding
             bound = (rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps) * (D if rot else 1) + x2.abs() * eps
-        if codec == "int4_g64_out1":   # one token per layer exact; keys per channel over the others
-            xs = x.clone()
-            t = kept_tokens(x) if is_key else kept_tokens(k.float())
-            xs[torch.arange(L), t] = x[torch.arange(L), (t + 1) % T]   # (a duplicate: the others' range)
-            if is_key:
-                rng = (xs.amax(1, keepdim=True) - xs.amin(1, keepdim=True)).expand_as(xs)
-            else:
-                xg = x.view(L, T, H, 1, D)
-                rng = (xg.amax(4, keepdim=True) - xg.amin(4, keepdim=True)).expand_as(xg).reshape(x.shape)
-            bound = rng / 15 / 2 * (1 + 4 * eps) + rng * 4 * eps
-            bound[torch.arange(L), t] = 0
-            bound = bound + x2.abs() * eps
         if codec == "int4_g64_t0":   # token 0 exact; the other tokens as int4 over them alone
             xr = x[:, 1:]
             if is_key:
@@ -409,61 +395,6 @@ def test_int4_g64_t0_keeps_an_attention_sink_exactly():
     assert errs["int4_g64_t0"][1] == errs["int4_g64"][1], errs
     ratio = layout.block_bytes / len(encode_block("int4_g64_t0", as_bytes(block), layout)[1])
     assert 3.0 < ratio < layout.block_bytes / len(encode_block("int4_g64", as_bytes(block), layout)[1])
-
-
-def test_int4_g64_out1_keeps_the_outlying_token_of_each_layer_exactly():
-    """A block in which one token per layer (a different one in each) has keys far outside the
-    others': int4_g64_out1 stores that token's keys and values exactly, names it in ``kept_token``,
-    and quantises the other tokens' keys over their own range, with a fraction of int4_g64's
-    error (which spreads every channel's step over the outlier's range); values as int4_g64's.
-    Ratio above 3x."""
-    L, T, H, D = 3, 32, 2, 64
-    layout = make_layout(L=L, T=T, H=H, D=D)
-    k, v = realistic_kv(L, T, H, D, seed=7)
-    k = k.float()
-    outliers = [5, 0, 31]
-    for layer, t in enumerate(outliers):
-        k[layer, t] = k[layer, t] * 10 + 40 * (-1) ** layer
-    k = k.to(torch.bfloat16)
-    block = pack_block(k, v, layout.layout)
-    assert kept_tokens(k.float()).tolist() == outliers
-    cid, payload = encode_block("int4_g64_out1", as_bytes(block), layout)
-    assert cid == 13
-    tok = payload[-16:].view(np.uint16)   # kept_token [L] is the last section (16-byte aligned)
-    assert tok[:L].tolist() == outliers
-    errs = {}
-    for codec in ("int4_g64", "int4_g64_out1"):
-        k2, v2 = unpack_block(roundtrip(codec, block, layout), layout.layout, L, T, H, D)
-        rest = torch.ones(L, T, dtype=torch.bool)
-        rest[torch.arange(L), torch.tensor(outliers)] = False
-        errs[codec] = [float((b[rest].float() - a[rest].float()).norm() / a[rest].float().norm())
-                       for a, b in ((k, k2), (v, v2))]
-        if codec == "int4_g64_out1":
-            for layer, t in enumerate(outliers):
-                assert torch.equal(k2[layer, t], k[layer, t]) and torch.equal(v2[layer, t], v[layer, t])
-    assert errs["int4_g64_out1"][0] * 5 < errs["int4_g64"][0], errs
-    assert errs["int4_g64_out1"][1] == errs["int4_g64"][1], errs
-    ratio = layout.block_bytes / len(payload)
-    assert 3.0 < ratio < layout.block_bytes / len(encode_block("int4_g64_t0", as_bytes(block), layout)[1])
-
-
-def test_int4_g64_out1_refuses_a_payload_keeping_a_token_outside_the_block():
-    """``kept_token`` indexes the block on decode: a payload naming a token the block does not
-    have (checksums made to match, as a client's own encoding could) is refused before a byte is
-    written, by check_payload and decode_block alike."""
-    from kvstore.codecs.header import make_header
-
-    layout = make_layout(L=2, T=16, H=1, D=64)
-    k, v = realistic_kv(2, 16, 1, 64, seed=3)
-    cid, payload = encode_block("int4_g64_out1", as_bytes(pack_block(k, v, layout.layout)), layout)
-    bad = payload.copy()
-    body = bad[HEADER_BYTES:]
-    body[-16:-14] = np.frombuffer((16).to_bytes(2, "little"), np.uint8)   # layer 0 keeps token 16 of 16
-    bad[:HEADER_BYTES] = np.frombuffer(make_header(cid, 64, layout, memoryview(body)), np.uint8)
-    for call in (lambda: check_payload(cid, bad, layout), lambda: decode_block(cid, bad, layout)):
-        with pytest.raises(CodecError, match="keeps token 16 of a 16-token block"):
-            call()
-    check_payload(cid, payload, layout)
 
 
 def test_fp8_known_answer():
@@ -692,7 +623,7 @@ def test_property_any_permutation_layout(order, L, T, H, D, dtype, codec, seed):
     name = ",".join(order)
     layout = make_layout(name, L, T, H, D, dtype)
     k, v = realistic_kv(L, T, H, D, TORCH_DTYPES[dtype], seed)
-    if codec in ("int4_g64_t0", "int4_g64_out1") and T == 1:   # keeps a token exactly: nothing left to quantise
+    if codec == "int4_g64_t0" and T == 1:   # keeps token 0 exactly: nothing left to quantise
         with pytest.raises(Refused) as refused:
             roundtrip(codec, pack_block(k, v, name), layout)
         assert refused.value.reason == "group"

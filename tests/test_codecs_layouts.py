@@ -25,7 +25,7 @@ from kvstore.errors import CodecError
 from kvstore.keys import KVLayout
 
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan", "int4_g64_t0", "int4_g64_out1"]
+         "int8_kchan", "int4_g64_t0"]
 L, T, H, D = 3, 16, 2, 64        # layers, tokens per block / page, KV heads, head_dim
 LATENT = 80                      # MLA kv_lora_rank + rope dims (64 + 16)
 BLOCKS = 3                       # blocks (pages) per engine tensor; the middle one is checked
@@ -240,8 +240,6 @@ def error_bound(codec: str, x: torch.Tensor, y: torch.Tensor, role: str) -> torc
     if codec.startswith("fp8"):
         amax = x.abs().amax(dim=(1, 3) if codec == "fp8_head" else (3,), keepdim=True)
         return x.abs() / 16 + amax / 448 * 2 ** -9 * 1.01 + y.abs() * eps
-    if codec == "int4_g64_out1":   # one token per layer exact, the others within int4_g64's step over all
-        return error_bound("int4_g64", x, y, role)
     if codec == "int4_g64_t0":   # token 0 exact, the other tokens int4_g64 over them alone
         return torch.cat((y[:, :1].abs() * eps, error_bound("int4_g64", x[:, 1:], y[:, 1:], role)), 1)
     group = int(codec.split("_g")[1].split("_")[0])

@@ -138,7 +138,7 @@ def test_daemon_with_tier_codecs_serves_decoded_blocks_over_every_transport(tmp_
 # -- codecs where configured: puts, promotions, demotions, tallies (issue #16) ----------------------
 
 LOSSY = ["fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "int4_g64_k16", "int8", "int8_had", "int4_g64_k16_had",
-         "int8_kchan", "int4_g64_t0", "int4_g64_out1"]
+         "int8_kchan", "int4_g64_t0"]
 
 
 def codec_view(codec: str, raw: np.ndarray) -> tuple[int, np.ndarray, bytes]:

@@ -1,6 +1,6 @@
 """KV block codecs: raw, FP8 e4m3, INT8 (per-row or per-channel key scales), INT4 (KIVI-style; also with
-each block's first token, or each layer's most range-widening token, kept exactly), their
-Hadamard-rotated forms, zstd — the API the store and client call.
+each block's first token kept exactly), their Hadamard-rotated forms, zstd — the API the store and
+client call.
 
 Owns how a block's bytes become a smaller payload and back, for every layout it understands. It
 imports only the leaves ``kvstore.keys``, ``kvstore.errors`` and ``kvstore.buffers`` from the rest
@@ -53,12 +53,13 @@ __all__ = ["CODEC_IDS", "Codec", "CodecError", "INSTALL_HINT", "REASONS", "Refus
 INSTALL_HINT = "pip install 'kvstore[codecs]'"
 
 #: the lossy codecs: (name, id, kind, parameter). Ids are stored with blocks: never renumber one.
+#: Id 13 is taken (``int4_g64_out1``: each layer's most range-widening token kept exactly; measured
+#: and not kept, benchmarks/results/fidelity_real_floor.md): never give it to another codec.
 _LOSSY = (("fp8", 1, "fp8", False), ("fp8_head", 2, "fp8", True),
           ("int4_g32", 3, "int4", 32), ("int4_g64", 4, "int4", 64), ("int4_g128", 5, "int4", 128),
           ("int4_g64_k16", 7, "int4", (64, 16)), ("int8", 8, "int8", False),
           ("int8_had", 9, "int8", True), ("int4_g64_k16_had", 10, "int4", (64, 16, True)),
-          ("int8_kchan", 11, "int8_kchan", None), ("int4_g64_t0", 12, "int4_t0", 64),
-          ("int4_g64_out1", 13, "int4_out1", 64))
+          ("int8_kchan", 11, "int8_kchan", None), ("int4_g64_t0", 12, "int4_t0", 64))
 
 
 class NeedsTorch(Codec):
@@ -92,7 +93,6 @@ def _lossy_codecs() -> tuple[Codec, ...]:
         return tuple(NeedsTorch(name, codec_id) for name, codec_id, _, _ in _LOSSY)
     from kvstore.codecs.fp8 import Fp8Codec
     from kvstore.codecs.int4 import Int4Codec
-    from kvstore.codecs.int4_out1 import Int4OutlierTokenCodec
     from kvstore.codecs.int4_t0 import Int4FirstTokenCodec
     from kvstore.codecs.int8 import Int8Codec
     from kvstore.codecs.int8_kchan import Int8KchanCodec
@@ -106,8 +106,6 @@ def _lossy_codecs() -> tuple[Codec, ...]:
             return Int8KchanCodec(name, codec_id)
         if kind == "int4_t0":
             return Int4FirstTokenCodec(name, codec_id, group=param)
-        if kind == "int4_out1":
-            return Int4OutlierTokenCodec(name, codec_id, group=param)
         group, key_group, rotated = (param + (False,))[:3] if isinstance(param, tuple) else (param, None, False)
         return Int4Codec(name, codec_id, group=group, key_group=key_group, rotated=rotated)
     return tuple(make(*spec) for spec in _LOSSY)

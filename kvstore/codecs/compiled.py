@@ -1,9 +1,8 @@
-"""The compiled CPU kernels (``fast_cpu``, ``fast_rotated``, ``fast_kchan``, ``fast_t0``,
-``fast_out1``) are compiled in a child process, which fills numba's on-disk cache
-(``NUMBA_CACHE_DIR``, else ``__pycache__`` beside the sources); this process then loads them from
-that cache in one background thread, and the codecs use them only once every one is: until then
-they run the torch reference, which gives the same bytes (tests/test_codecs.py checks), so no
-encode or decode waits for the compiler.
+"""The compiled CPU kernels (``fast_cpu``, ``fast_rotated``, ``fast_kchan``, ``fast_t0``) are compiled
+in a child process, which fills numba's on-disk cache (``NUMBA_CACHE_DIR``, else ``__pycache__``
+beside the sources); this process then loads them from that cache in one background thread, and
+the codecs use them only once every one is: until then they run the torch reference, which gives
+the same bytes (tests/test_codecs.py checks), so no encode or decode waits for the compiler.
 
 Compiling every kernel takes ~30 s of CPU on a cold numba cache (a fresh install, an upgrade,
 which invalidates the cache), loading them from the cache under a second. Numba holds the GIL
@@ -170,6 +169,6 @@ def child_main() -> None:
 def _compile_listed() -> None:
     """Compile (or load from numba's cache) every kernel of the kernel modules, which list them
     as they are imported: one list for this process and the child, so both hold the same set."""
-    from kvstore.codecs import fast_cpu, fast_kchan, fast_out1, fast_rotated, fast_t0  # noqa: F401 - lists their kernels
+    from kvstore.codecs import fast_cpu, fast_kchan, fast_rotated, fast_t0  # noqa: F401 - lists their kernels
     for k in _KERNELS:
         k.compile()

@@ -186,7 +186,7 @@ def fp8_decode(codes, scales, per_head, out, off, T, H, D2, sl, st, sh, u0, u1):
 # --- INT4 ---------------------------------------------------------------------------------------
 
 @njit(inline="always")
-def int4_stats(lo_key, hi_key):
+def _int4_stats(lo_key, hi_key):
     """(min bf16, scale bf16, min as float, divisor) of a group from its ordered-key extremes."""
     m = bf16_round_down(plus_zero(key_to_f32(lo_key)))
     mf = bf16_to_f32(m)
@@ -196,7 +196,7 @@ def int4_stats(lo_key, hi_key):
 
 
 @njit(inline="always")
-def int4_nonfinite(lo_key, hi_key):
+def _nonfinite(lo_key, hi_key):
     return 1 if (lo_key <= KEY_NEG_INF or hi_key >= KEY_POS_INF) else 0
 
 
@@ -206,7 +206,7 @@ def q4(v, mf, safe):
 
 
 @njit(inline="always")
-def pack4(w, mf0, sf0, mf1, sf1):
+def _pack(w, mf0, sf0, mf1, sf1):
     """One 32-bit word (two bf16) -> one byte of two codes (even element in the low nibble)."""
     q0 = q4(bits_f32(shl32(w, _S16)), mf0, sf0)
     q1 = q4(bits_f32(and32(w, _HIGH16)), mf1, sf1)
@@ -214,7 +214,7 @@ def pack4(w, mf0, sf0, mf1, sf1):
 
 
 @njit(inline="always")
-def unpack4(b, sf0, mf0, sf1, mf1):
+def _unpack(b, sf0, mf0, sf1, mf1):
     """One byte of two codes -> one 32-bit word of two bf16: q * scale + min, as float32 steps."""
     lo = f32_to_bf16_bits(np.float32(and32(b, _LOW4)) * sf0 + mf0)
     hi = f32_to_bf16_bits(np.float32(shr32(b, _S4)) * sf1 + mf1)
@@ -241,14 +241,14 @@ def int4_encode_values(src16, src, off, T, H, D2, sl, st, sh, vg2, u0, u1, codes
                     k = order_key(x[j])
                     lo = min16(lo, k)
                     hi = max16(hi, k)
-                bad |= int4_nonfinite(lo, hi)
-                m, s, mf, sf = int4_stats(lo, hi)
+                bad |= _nonfinite(lo, hi)
+                m, s, mf, sf = _int4_stats(lo, hi)
                 mn[i * groups + g] = m
                 scale[i * groups + g] = s
                 w = src[a:a + vg2]
                 c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
                 for j in range(vg2):
-                    c[j] = pack4(w[j], mf, sf, mf, sf)
+                    c[j] = _pack(w[j], mf, sf, mf, sf)
     return bad
 
 
@@ -278,8 +278,8 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
                     lo[d] = min16(lo[d], k)
                     hi[d] = max16(hi[d], k)
             for d in range(D):
-                bad |= int4_nonfinite(lo[d], hi[d])
-                mq[d], sq[d], mf[d], sf[d] = int4_stats(lo[d], hi[d])
+                bad |= _nonfinite(lo[d], hi[d])
+                mq[d], sq[d], mf[d], sf[d] = _int4_stats(lo[d], hi[d])
             # Copied out after the loop: with both outputs in one payload buffer the loop above
             # stops vectorising (measured: 2x slower kernel).
             base = (u * H + h) * D
@@ -293,7 +293,7 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
                 i = (l * T + t) * H + h
                 c = codes[i * D2:(i + 1) * D2]
                 for j in range(D2):
-                    c[j] = pack4(w[j], mf0[j], sf0[j], mf1[j], sf1[j])
+                    c[j] = _pack(w[j], mf0[j], sf0[j], mf1[j], sf1[j])
     return bad
 
 
@@ -311,7 +311,7 @@ def int4_decode_values(codes, scale, mn, out, off, T, H, D2, sl, st, sh, vg2, u0
                 o = out[row + g * vg2:row + (g + 1) * vg2]
                 c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
                 for j in range(vg2):
-                    o[j] = unpack4(U32(c[j]), sf, mf, sf, mf)
+                    o[j] = _unpack(U32(c[j]), sf, mf, sf, mf)
 
 
 @kernel
@@ -334,7 +334,7 @@ def int4_decode_keys(codes, scale, mn, out, off, T, H, D2, sl, st, sh, kg, u0, u
                 i = (l * T + t) * H + h
                 c = codes[i * D2:(i + 1) * D2]
                 for j in range(D2):
-                    o[j] = unpack4(U32(c[j]), sf0[j], mf0[j], sf1[j], mf1[j])
+                    o[j] = _unpack(U32(c[j]), sf0[j], mf0[j], sf1[j], mf1[j])
 
 
 

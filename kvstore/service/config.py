@@ -99,7 +99,7 @@ class FleetSettings(BaseModel):
 
 
 CodecName = Literal["raw", "fp8", "fp8_head", "int4_g32", "int4_g64", "int4_g128", "zstd", "int4_g64_k16", "int8",
-                    "int8_had", "int4_g64_k16_had", "int8_kchan", "int4_g64_t0", "int4_g64_out1"]
+                    "int8_had", "int4_g64_k16_had", "int8_kchan", "int4_g64_t0"]
 
 
 class CodecSettings(BaseModel):
