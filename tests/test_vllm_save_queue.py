@@ -8,7 +8,8 @@ saved the engine steps without pause. Each step's thread gives the GIL up only b
 it back at once, so the gather thread, woken each time, never got it until the engine's next real
 forward pass (11-30 s). Here the engine's thread is this test's thread, stepping in pure Python,
 and the GIL's forced switch is put out of reach (``sys.setswitchinterval``): the gather thread
-cannot run at all meanwhile, as on that host.
+cannot run at all meanwhile, as on that host. The send thread is kept from the GIL the same way;
+a producer's worker therefore waits at ``finish`` for the request's put.
 """
 
 from __future__ import annotations
@@ -104,5 +105,38 @@ def test_the_gather_thread_still_copies_batches_nobody_finishes(daemon_factory):
     assert handle.get_into(chain, outs) == [LAYOUT.block_bytes] * len(chain)
     assert [o.tobytes() for o in outs] == _expected(paged, [1, 2, 3, 4, 5, 6])
     assert stats.get("saved_blocks") == 6 and not stats.get("save_failed_blocks"), stats
+    saver.close()
+    handle.close()
+
+
+def test_a_producer_s_finished_request_is_in_the_daemon_when_finish_returns(daemon_factory):
+    """A producer's worker waits at ``finish`` for the request's put (``sent_within_s``): blocked
+    there it lets the GIL go, so the send thread, which the stepping thread otherwise keeps from
+    running, stores the blocks before the request is reported. Without the wait the put would
+    not start before the engine's next real forward pass (here: never, the switch out of reach)."""
+    d = daemon_factory()
+    paged = _paged()
+    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue-3"), url=d.url, timeout_s=5.0, name="saves")
+    assert handle.register()
+    stats: dict[str, float] = {}
+    saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
+    block_ids = [7, 2, 11, 25]
+    hashes = ChainHasher(seed=40).chain(np.arange(16 * len(block_ids)), 16)
+    switch = sys.getswitchinterval()
+    saved_at = None
+    try:
+        sys.setswitchinterval(1000.0)
+        saver.submit("prefill", block_ids, hashes, None)
+        for step in range(200):   # empty steps, reading the counts without letting the GIL go
+            saver.finish("prefill", sent_within_s=10.0)
+            if stats.get("saved_blocks") == len(hashes):
+                saved_at = step
+                break
+    finally:
+        sys.setswitchinterval(switch)
+    assert saved_at == 0, f"not saved after {step + 1} steps: {stats}"
+    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in hashes]
+    assert handle.get_into(hashes, outs) == [LAYOUT.block_bytes] * len(hashes)
+    assert [o.tobytes() for o in outs] == _expected(paged, block_ids)
     saver.close()
     handle.close()

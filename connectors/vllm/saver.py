@@ -16,6 +16,13 @@ after every brief release, so the waiting thread is woken but never gets it). A 
 that got no further request then held that request's copy, and so its hand-off, until its next
 real step; the engine's thread copying the batch itself cannot wait on anything but the copy.
 
+The send thread needs the GIL in the same way, between the steps of a put. A producer (P/D) names
+its blocks to a decode engine that waits for them, so its worker also waits, at ``finish``, until a
+finished request's batches are sent (at most ``SEND_WAIT_S``): blocked there it lets the GIL go for
+as long as the put needs it, where vLLM's worker would otherwise spin (``sched_yield``) and take it
+back after every brief release. Seen on the 2-core CI host: a producer's put of 5 blocks, queued as
+the prefill finished, reached the daemon 10 s later, while the daemon and the engine core sat idle.
+
 Saves are best effort: when the send queue is full or the daemon is down (the handle's breaker is
 open) a batch is dropped and counted, never retried — the engine recomputes what is missing.
 """
@@ -36,6 +43,11 @@ from kvstore.connectors.vllm.chunks import ChunkPacking
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 
 logger = logging.getLogger("kvstore.connectors.vllm")
+
+#: a save slower than this is logged: a decode engine waiting for it (P/D) waits as long
+SLOW_SAVE_S = 1.0
+#: the longest a producer's worker waits, as a request finishes, for its batches to be sent
+SEND_WAIT_S = 1.0
 
 
 class _Batch:
@@ -60,6 +72,7 @@ class SaveQueue:
         self._to_gather: queue.Queue = queue.Queue()
         self._to_send: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
         self._ungathered: collections.Counter[str] = collections.Counter()
+        self._unsent: collections.Counter[str] = collections.Counter()   # per request: batches not yet put
         self._unclaimed: dict[str, list[_Batch]] = {}   # per request: batches no thread has started
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._gather_loop, name="kvstore-gather", daemon=True),
@@ -75,6 +88,7 @@ class SaveQueue:
         batch = _Batch(req_id, block_ids, hashes, parent)
         with self._cond:
             self._ungathered[req_id] += 1
+            self._unsent[req_id] += 1
             self._unclaimed.setdefault(req_id, []).append(batch)
         self._to_gather.put(batch)
 
@@ -83,10 +97,11 @@ class SaveQueue:
         with self._cond:
             return self._ungathered.get(req_id, 0)
 
-    def finish(self, req_id: str, timeout_s: float = 5.0) -> bool:
+    def finish(self, req_id: str, timeout_s: float = 5.0, sent_within_s: float = 0.0) -> bool:
         """Copy out, on the calling thread, every batch of ``req_id`` the gather thread has not
         started, then wait (up to ``timeout_s``) for those it has; True once none is left. The
-        worker calls this for a finished request, whose blocks vLLM holds until it is reported."""
+        worker calls this for a finished request, whose blocks vLLM holds until it is reported.
+        With ``sent_within_s`` it then waits up to that long for them to be sent too (a producer's)."""
         with self._cond:
             mine = self._unclaimed.pop(req_id, [])
             for batch in mine:
@@ -100,6 +115,9 @@ class SaveQueue:
                 if left <= 0:
                     return False
                 self._cond.wait(left)   # lets go of the GIL: the gather thread ends its copy
+            sent_by = time.monotonic() + sent_within_s
+            while self._unsent.get(req_id, 0) and (left := sent_by - time.monotonic()) > 0:
+                self._cond.wait(left)   # lets go of the GIL: the send thread ends its put
         return True
 
     def wait_gathered(self, timeout_s: float = 30.0) -> bool:
@@ -113,21 +131,32 @@ class SaveQueue:
                 self._cond.wait(left)
         return True
 
-    def send(self, hashes: list[bytes], blocks, parent: bytes | None) -> None:
-        """Queue blocks already copied out of the paged cache (``LayerSaves``) for the send stage;
-        dropped and counted like any save when the daemon is down or the queue is full."""
+    def send(self, req_id: str, hashes: list[bytes], blocks, parent: bytes | None) -> None:
+        """Queue blocks of ``req_id`` already copied out of the paged cache (``LayerSaves``) for
+        the send stage; dropped and counted like any save when the daemon is down or the queue is full."""
         if not self.handle.available():
             self.stats_add("save_skipped_blocks", len(hashes))
             return
         if self.packing is not None:
             blocks = self.packing.to_chunks(blocks)
-        self._queue_send(hashes, blocks, parent)
+        with self._cond:
+            self._unsent[req_id] += 1
+        self._queue_send(req_id, hashes, blocks, parent)
 
-    def _queue_send(self, hashes: list[bytes], blocks, parent: bytes | None) -> None:
+    def _queue_send(self, req_id: str, hashes: list[bytes], blocks, parent: bytes | None) -> None:
         try:
-            self._to_send.put_nowait((hashes, blocks, parent))
+            self._to_send.put_nowait((req_id, hashes, blocks, parent, time.monotonic()))
         except queue.Full:
             self.stats_add("save_dropped_blocks", len(hashes))
+            self._sent(req_id)
+
+    def _sent(self, req_id: str) -> None:
+        """One batch of ``req_id`` is done with: stored, failed or dropped."""
+        with self._cond:
+            self._unsent[req_id] -= 1
+            if self._unsent[req_id] <= 0:
+                del self._unsent[req_id]
+            self._cond.notify_all()
 
     def _gather_loop(self) -> None:
         while True:
@@ -164,17 +193,22 @@ class SaveQueue:
             self._cond.notify_all()
         if blocks is None:
             self.stats_add("save_failed_blocks", len(batch.hashes))
+            self._sent(batch.req_id)
             return
-        self._queue_send(batch.hashes, blocks, batch.parent)
+        self._queue_send(batch.req_id, batch.hashes, blocks, batch.parent)
 
     def _connect(self) -> None:
         """Agree the transport with the daemon (handshake, arena mapping) before the first save
         needs it: otherwise the first put pays it, seconds on a loaded host, while a decode
         engine may be waiting for that very put. A daemon not up yet is left to the first save."""
+        started = time.monotonic()
         try:
             _ = self.handle.client.active_transport
         except Exception:  # noqa: BLE001 - the first save fails and counts it, as without this
             pass
+        if time.monotonic() - started > SLOW_SAVE_S:
+            logger.warning("kvstore connector: agreeing the transport with the daemon took %.2fs",
+                           time.monotonic() - started)
 
     def _send_loop(self) -> None:
         self._connect()
@@ -183,12 +217,19 @@ class SaveQueue:
             if item is None:
                 self._to_send.task_done()
                 return
-            hashes, blocks, parent = item
+            req_id, hashes, blocks, parent, queued = item
             try:
+                started = time.monotonic()
                 arrays = [blocks[i].numpy() for i in range(len(hashes))]
                 stored = self.handle.put(hashes, arrays, parent=parent)
                 self.stats_add("saved_blocks" if stored else "save_failed_blocks", len(hashes))
+                done = time.monotonic()
+                if done - queued > SLOW_SAVE_S:   # a decode engine may be waiting for these
+                    logger.warning("kvstore connector: a save of %d blocks reached the daemon %.2fs after it "
+                                   "was queued (%.2fs waiting to be sent, %.2fs in the put)", len(hashes),
+                                   done - queued, started - queued, done - started)
             finally:
+                self._sent(req_id)
                 self._to_send.task_done()
 
     def drain(self, timeout_s: float = 10.0) -> None:

@@ -26,6 +26,8 @@ layer's pages of them out as the forward pass computes it (``saver.LayerSaves``)
 saves is reported as finished *sending* once its blocks are copied out (the scheduler held them
 through ``request_finished``); a copy the gather thread has not started by then is made on the
 engine's thread (``SaveQueue.finish``), so the report never waits on that thread getting the GIL.
+A producer's worker also waits there (at most ``saver.SEND_WAIT_S``) for the request's put, so the
+send thread gets the GIL while a decode engine waits for those blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMeta
 from kvstore.connectors.vllm.paged_blocks import PagedBlocks
 from kvstore.connectors.vllm.ranks import is_writer
 from kvstore.connectors.vllm.roles import Role
-from kvstore.connectors.vllm.saver import LayerSaves, SaveQueue
+from kvstore.connectors.vllm.saver import SEND_WAIT_S, LayerSaves, SaveQueue
 from kvstore.connectors.vllm.settings import ConnectorSettings
 from kvstore.keys import Namespace
 
@@ -246,7 +248,7 @@ class WorkerSide:
         if saves is not None and saves.complete:
             try:
                 for t, rows in saves.batches():   # out of the paged cache already: nothing to hold
-                    self._saver.send(t.hashes, rows, t.parent)
+                    self._saver.send(t.req_id, t.hashes, rows, t.parent)
                 self._add_stat("layer_saved_blocks", sum(len(t.hashes) for t in meta.saves))
             except Exception as e:  # noqa: BLE001 - best effort, like every save
                 logger.warning("kvstore connector: sending per-layer saves failed: %s", e)
@@ -286,10 +288,12 @@ class WorkerSide:
         self._failed_async = []
         self._finishing |= finished_req_ids & self._saving_reqs
         if self._saver is not None:
+            # a producer's decode engine waits for these blocks: its put goes out before the report
+            sent_within_s = SEND_WAIT_S if self.kv_role.is_producer else 0.0
             for r in self._finishing:
                 # copied out here if the gather thread has not got to it: vLLM steps without
                 # pause until the request is reported, and the gather thread may not get the GIL
-                self._saver.finish(r)
+                self._saver.finish(r, sent_within_s=sent_within_s)
         sending = {r for r in self._finishing if self._saver is None or self._saver.ungathered(r) == 0}
         self._finishing -= sending
         self._saving_reqs -= sending
