@@ -134,6 +134,14 @@ class Wait:
     started: float
     outcome: str | None = None     # "arrived", "timeout" or "unavailable" (the daemon did not answer)
     seconds: float = 0.0
+    polls: int = 0                 # lookups answered so far ...
+    found: int = 0                 # ... the leading blocks the last one found
+    last_poll: float = 0.0         # ... and when it was asked (monotonic)
+
+    def describe(self) -> str:
+        """How the waiting went, for the log line of a wait that ended without all its blocks."""
+        last = f", the last {self.last_poll - self.started:.2f}s in, finding {self.found}" if self.polls else ""
+        return f"{self.polls} polls{last}"
 
 
 class HandoffWaiter:
@@ -183,6 +191,10 @@ class HandoffWaiter:
                     self._cond.wait(self.poll_s)
 
     def _check(self, wait: Wait) -> str | None:
+        """One poll. It times out only when a lookup asked at or past the deadline still misses
+        blocks: an answer taken earlier and read late (this thread may wait long for the GIL)
+        proves nothing about the blocks at the deadline."""
+        asked = time.monotonic()
         found = len(wait.hashes)
         for handle in self.handles:
             # leased: what is there stays there until the consumer's own lookup pins it for the load
@@ -190,9 +202,10 @@ class HandoffWaiter:
             if got is None:
                 return "unavailable"
             found = min(found, got)
+        wait.polls, wait.found, wait.last_poll = wait.polls + 1, found, asked
         if found >= len(wait.hashes):
             return "arrived"
-        return "timeout" if time.monotonic() >= wait.deadline else None
+        return "timeout" if asked >= wait.deadline else None
 
     def close(self) -> None:
         with self._cond:

@@ -83,7 +83,7 @@ class SchedulerSide:
         self._lookup_links: list[NamespaceHandle] = []
         self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
         self._handoff_waits: dict[str, Wait] = {}
-        self._handoff_expected: dict[str, tuple[int, str, int]] = {}   # blocks named, how the wait ended, unsaved
+        self._handoff_expected: dict[str, tuple[int, str, int, str]] = {}   # named, outcome, unsaved, polls
         self._inflight_waits: dict[str, Wait] = {}    # requests waiting for blocks another one computes
         self._inflight_settled: set[str] = set()      # requests asked once whether to wait so
         if self.enabled:
@@ -193,16 +193,16 @@ class SchedulerSide:
                 return False
             hashes, unsaved = handoff
             if not hashes:      # the producer saved none of it: nothing to wait for
-                self._handoff_expected[rid] = (0, "", unsaved)
+                self._handoff_expected[rid] = (0, "", unsaved, "")
                 return False
             self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s)
-            self._handoff_expected[rid] = (len(hashes), "", unsaved)
+            self._handoff_expected[rid] = (len(hashes), "", unsaved, "")
             self._add_stat("pd_waits")
             return True
         if wait.outcome is None:
             return True
         del self._handoff_waits[rid]
-        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome, self._handoff_expected[rid][2])
+        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome, self._handoff_expected[rid][2], wait.describe())
         self._add_stat("pd_wait_seconds", wait.seconds)
         return False
 
@@ -227,7 +227,7 @@ class SchedulerSide:
     def _settle_handoff(self, request: "Request", num_hit: int) -> None:
         """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks: the
         named blocks all there (loaded), and any block it spoke of that is not (recomputed)."""
-        expected, outcome, unsaved = self._handoff_expected.pop(request.request_id, (0, "", 0))
+        expected, outcome, unsaved, polls = self._handoff_expected.pop(request.request_id, (0, "", 0, ""))
         if not expected and not unsaved:
             return
         if expected and num_hit >= expected:
@@ -242,7 +242,7 @@ class SchedulerSide:
         self._add_stat("pd_recomputed_blocks", missing)
         logger.warning("kvstore connector: %s: %d of the %d blocks its prefill computed are in the daemon (%s); "
                        "recomputing the rest", request.request_id, num_hit, expected + unsaved,
-                       {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s",
+                       {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s: {polls}",
                         "unavailable": "the daemon did not answer",
                         "evicted": "evicted after they arrived",
                         "unsaved": f"the prefill did not save {unsaved} of them"}[reason])
