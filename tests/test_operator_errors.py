@@ -106,6 +106,31 @@ def test_nvme_tier_larger_than_its_disk_is_warned_of_by_name(tmp_path):
     assert "room for" in line and "persisted" in line and str(tmp_path / "d") in line, line
 
 
+def test_a_cpu_arena_on_a_disk_backed_filesystem_is_warned_of_naming_shm_dir(tmp_path):
+    """The test's directory is on the host's disk (ext4 here): an arena there is written back to
+    it, and the daemon says so at start; the default, /dev/shm, draws no such line."""
+    from kvstore.service.preflight import MEMORY_FILESYSTEMS, filesystem_of
+
+    kind = filesystem_of(str(tmp_path))
+    if kind is None or kind in MEMORY_FILESYSTEMS:
+        pytest.skip(f"the test directory is on {kind}, not on a disk")
+    arena = tmp_path / "arena"
+    arena.mkdir()
+    on_disk = start_daemon(tmp_path / "disk", "--shm-dir", str(arena), cpu_bytes="16MiB", nvme_bytes="0")
+    in_memory = start_daemon(tmp_path / "memory", cpu_bytes="16MiB", nvme_bytes="0")
+    try:
+        for d in (on_disk, in_memory):
+            with d.client() as c:
+                assert c.health()
+        disk_log, memory_log = on_disk.log(), in_memory.log()
+    finally:
+        on_disk.stop()
+        in_memory.stop()
+    line = next(ln for ln in disk_log.splitlines() if "shm_dir:" in ln)
+    assert " WARNING " in line and str(arena) in line and kind in line and "/dev/shm" in line, line
+    assert "shm_dir:" not in memory_log, memory_log
+
+
 def test_a_cpu_tier_larger_than_the_memory_left_is_refused_naming_cpu_bytes(tmp_path):
     r = kvstore("serve", "--listen", "127.0.0.1:0", "--cpu-bytes", "60TiB", "--nvme-bytes", "0", cwd=tmp_path)
     line = one_line_error(r, "cpu_bytes: 65970697666560 bytes requested", "memory are available", code=1)

@@ -8,6 +8,9 @@ fail late, or be silently wrong, is refused or warned of now, in one line naming
   would otherwise fall back to the default without a word.
 * A port taken by another process is refused naming ``listen`` or ``metrics_port``
   (``check_ports``), before gRPC's own bind logs a C-level error line.
+* A CPU arena on a disk-backed filesystem is warned of (``arena_filesystem_warning``): the kernel
+  writes the arena's pages back to that disk, and clients copying into it then compete with
+  whatever else writes there; the arena is meant for memory (tmpfs, as ``/dev/shm``).
 * An NVMe tier larger than the room its filesystem has now is warned of (``nvme_room_warning``):
   once the disk fills, puts are acknowledged ``stored`` instead of ``persisted`` and demotions drop
   their victims. It is not refused: a disk that fills degrades, it does not fail requests
@@ -22,6 +25,8 @@ import errno
 import os
 import socket
 from collections.abc import Iterator, Mapping
+
+import psutil
 
 from kvstore.service.config import ConfigError, Settings, existing_parent
 from kvstore.units import format_size
@@ -102,6 +107,39 @@ def nvme_room_warning(settings: Settings) -> str | None:
             "point nvme_path at a larger disk")
 
 
+#: filesystems whose pages live in memory only: an arena there is never written back to a disk
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs", "ramfs", "shm"})
+
+
+def filesystem_of(path: str) -> str | None:
+    """The type of the filesystem that holds ``path`` (its nearest existing ancestor), from the
+    mount table; None when it cannot be told."""
+    path = os.path.realpath(existing_parent(path))
+    best, kind = "", None
+    try:
+        mounts = psutil.disk_partitions(all=True)
+    except OSError:
+        return None
+    for m in mounts:
+        point = m.mountpoint.rstrip("/") or "/"
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, m.fstype
+    return kind
+
+
+def arena_filesystem_warning(settings: Settings) -> str | None:
+    """A warning naming ``shm_dir`` when the CPU arena would live on a disk-backed filesystem."""
+    if not settings.cpu_bytes:
+        return None
+    kind = filesystem_of(settings.shm_dir)
+    if kind is None or kind in MEMORY_FILESYSTEMS:
+        return None
+    return (f"shm_dir: {os.path.abspath(os.path.expanduser(settings.shm_dir))} is on {kind}, a filesystem on a "
+            "disk, not in memory: the kernel writes the CPU arena's pages back to that disk, so copies into it "
+            "compete with the disk's other writes; point shm_dir at a tmpfs such as /dev/shm")
+
+
 def _address_in_use(host: str, port: int) -> str | None:
     """Whether binding ``host:port`` fails now because something holds it (its error text)."""
     host = host.strip("[]") or None
@@ -139,4 +177,6 @@ def run_checks(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     warnings = list(unknown_environment(environ))
     if room := nvme_room_warning(settings):
         warnings.append(room)
+    if arena := arena_filesystem_warning(settings):
+        warnings.append(arena)
     return warnings
