@@ -140,6 +140,22 @@ def block_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
 
+class NamedByKey:
+    """Something named by a ``block_key`` (``self.key``): its namespace id and block hash are cut
+    from the key when asked, so one bytes object is held per block instead of three."""
+
+    __slots__ = ()
+    key: bytes
+
+    @property
+    def namespace_id(self) -> bytes:
+        return self.key[:NAMESPACE_ID_BYTES]
+
+    @property
+    def block_hash(self) -> bytes:
+        return self.key[NAMESPACE_ID_BYTES:]
+
+
 def check_block_hash(h: bytes, field: str = "hashes") -> bytes:
     if not isinstance(h, (bytes, bytearray)) or not 1 <= len(h) <= MAX_HASH_BYTES:
         raise InvalidArgument(field, f"a block hash must be 1..{MAX_HASH_BYTES} bytes")

@@ -44,32 +44,43 @@ def _expected(paged: PagedBlocks, block_ids: list[int]) -> list[bytes]:
     return [b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in paged.layers)
             for b in block_ids]
 
-
-def test_a_finished_request_is_copied_out_by_the_stepping_thread_when_the_gather_thread_cannot_run(daemon_factory):
+def _saver(daemon_factory, salt: str):
+    """A daemon, random paged KV, a handle on a namespace of its own and a ``SaveQueue`` over them,
+    counting into ``stats``."""
     d = daemon_factory()
     paged = _paged()
-    assert paged.block_bytes == LAYOUT.block_bytes
-    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue"), url=d.url, timeout_s=5.0, name="saves")
+    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt=salt), url=d.url, timeout_s=5.0, name="saves")
     assert handle.register()
     stats: dict[str, float] = {}
     saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
-    block_ids = [3, 17, 5, 30, 9]
-    hashes = ChainHasher(seed=38).chain(np.arange(16 * len(block_ids)), 16)
+    return paged, handle, saver, stats
+
+
+def _steps_until(saver: SaveQueue, req_id: str, block_ids: list[int], hashes: list[bytes], done, **finish) -> int | None:
+    """Submit ``req_id``'s blocks, then step as the engine's thread does with the GIL's forced
+    switch out of reach: each empty step calls ``finish`` and asks ``done()``, letting the GIL go
+    only where ``finish`` blocks. The first step after which ``done()`` held; None after 200."""
     switch = sys.getswitchinterval()
-    reported_at = None
     try:
         sys.setswitchinterval(1000.0)
-        saver.submit("req-1", block_ids, hashes, None)
-        # the engine's empty steps: each asks (as WorkerSide.get_finished does) whether the
-        # finished request's blocks are out of the paged cache, never blocking on anything else
+        saver.submit(req_id, block_ids, hashes, None)
         for step in range(200):
-            saver.finish("req-1")
-            if saver.ungathered("req-1") == 0:
-                reported_at = step
-                break
+            saver.finish(req_id, **finish)
+            if done():
+                return step
+        return None
     finally:
         sys.setswitchinterval(switch)
-    assert reported_at == 0, f"still ungathered after {step + 1} steps"
+
+
+def test_a_finished_request_is_copied_out_by_the_stepping_thread_when_the_gather_thread_cannot_run(daemon_factory):
+    paged, handle, saver, stats = _saver(daemon_factory, "save-queue")
+    assert paged.block_bytes == LAYOUT.block_bytes
+    block_ids = [3, 17, 5, 30, 9]
+    hashes = ChainHasher(seed=38).chain(np.arange(16 * len(block_ids)), 16)
+    # each step asks (as WorkerSide.get_finished does) whether the request's blocks are out of the paged cache
+    reported_at = _steps_until(saver, "req-1", block_ids, hashes, lambda: saver.ungathered("req-1") == 0)
+    assert reported_at == 0, f"still ungathered after 200 steps (step {reported_at})"
     # the copy went on to the daemon: exactly the pages of those blocks, in order
     saver.drain(10.0)
     deadline = time.monotonic() + 10
@@ -86,12 +97,7 @@ def test_a_finished_request_is_copied_out_by_the_stepping_thread_when_the_gather
 def test_the_gather_thread_still_copies_batches_nobody_finishes(daemon_factory):
     """Without ``finish`` (a request still running), the gather thread copies each batch once,
     and a batch ``finish`` took is not copied again by it."""
-    d = daemon_factory()
-    paged = _paged()
-    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue-2"), url=d.url, timeout_s=5.0, name="saves")
-    assert handle.register()
-    stats: dict[str, float] = {}
-    saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
+    paged, handle, saver, stats = _saver(daemon_factory, "save-queue-2")
     chain = ChainHasher(seed=39).chain(np.arange(16 * 6), 16)
     saver.submit("running", [1, 2, 3], chain[:3], None)
     saver.submit("finished", [4, 5, 6], chain[3:], chain[2])
@@ -114,27 +120,12 @@ def test_a_producer_s_finished_request_is_in_the_daemon_when_finish_returns(daem
     there it lets the GIL go, so the send thread, which the stepping thread otherwise keeps from
     running, stores the blocks before the request is reported. Without the wait the put would
     not start before the engine's next real forward pass (here: never, the switch out of reach)."""
-    d = daemon_factory()
-    paged = _paged()
-    handle = NamespaceHandle(Namespace(LAYOUT, cache_salt="save-queue-3"), url=d.url, timeout_s=5.0, name="saves")
-    assert handle.register()
-    stats: dict[str, float] = {}
-    saver = SaveQueue(handle, paged, 8, lambda k, v: stats.__setitem__(k, stats.get(k, 0) + v))
+    paged, handle, saver, stats = _saver(daemon_factory, "save-queue-3")
     block_ids = [7, 2, 11, 25]
     hashes = ChainHasher(seed=40).chain(np.arange(16 * len(block_ids)), 16)
-    switch = sys.getswitchinterval()
-    saved_at = None
-    try:
-        sys.setswitchinterval(1000.0)
-        saver.submit("prefill", block_ids, hashes, None)
-        for step in range(200):   # empty steps, reading the counts without letting the GIL go
-            saver.finish("prefill", sent_within_s=10.0)
-            if stats.get("saved_blocks") == len(hashes):
-                saved_at = step
-                break
-    finally:
-        sys.setswitchinterval(switch)
-    assert saved_at == 0, f"not saved after {step + 1} steps: {stats}"
+    saved_at = _steps_until(saver, "prefill", block_ids, hashes, lambda: stats.get("saved_blocks") == len(hashes),
+                            sent_within_s=10.0)
+    assert saved_at == 0, f"not saved after 200 steps (step {saved_at}): {stats}"
     outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in hashes]
     assert handle.get_into(hashes, outs) == [LAYOUT.block_bytes] * len(hashes)
     assert [o.tobytes() for o in outs] == _expected(paged, block_ids)

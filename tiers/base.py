@@ -51,10 +51,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
-from kvstore.keys import NAMESPACE_ID_BYTES, block_key
+from kvstore.keys import NAMESPACE_ID_BYTES, NamedByKey, block_key
 
 
-class BlockRecord:
+class BlockRecord(NamedByKey):
     """What a tier keeps beside a payload: enough to rebuild the index after a restart. Slotted,
     and its names held as two keys (``block_key``: namespace id, then hash): its own ``key`` and
     its parent's ``parent_key``; ``namespace_id``, ``block_hash`` and ``parent_hash`` are cut from
@@ -87,14 +87,6 @@ class BlockRecord:
         record.stored_size, record.raw_size, record.codec, record.checksum = stored_size, raw_size, codec, checksum
         record.slot, record.tier = slot, -1
         return record
-
-    @property
-    def namespace_id(self) -> bytes:
-        return self.key[:NAMESPACE_ID_BYTES]
-
-    @property
-    def block_hash(self) -> bytes:
-        return self.key[NAMESPACE_ID_BYTES:]
 
     @property
     def parent_hash(self) -> bytes | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kvstore.keys import NAMESPACE_ID_BYTES, block_key
+from kvstore.keys import NAMESPACE_ID_BYTES, NamedByKey, block_key
 from kvstore.store.policy import EvictionPolicy
 from kvstore.tiers.base import BlockRecord
 
@@ -143,7 +143,7 @@ def _flag(bit: int, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
-class Entry(Copies):
+class Entry(Copies, NamedByKey):
     """The index's view of one block: where its copies are and who holds it. Slotted, its five
     flags and its pins in one int, its names held as keys (``key``; its parent's, ``parent_key``:
     the parent entry's ``key`` itself where the parent was indexed first, see
@@ -165,14 +165,6 @@ class Entry(Copies):
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
         self.charged_to = charged_to  # the tenant whose quota counts this block (see quotas.py)
         self._flags = _READY if ready else 0
-
-    @property
-    def namespace_id(self) -> bytes:
-        return self.key[:NAMESPACE_ID_BYTES]
-
-    @property
-    def block_hash(self) -> bytes:
-        return self.key[NAMESPACE_ID_BYTES:]
 
     @property
     def copies(self) -> Copies:
