@@ -32,8 +32,11 @@ engine reports its counters with its next step.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -64,13 +67,13 @@ HASHER = ChainHasher("xxh3_128", seed=0)
 FLUSH_PROMPT = "Hello."
 
 
-def _fleet_daemon(workdir, redis_url: str, prefix: str, node_id: str):
+def _fleet_daemon(workdir, arena_dir: str, redis_url: str, prefix: str, node_id: str):
     from daemon_util import start_daemon
 
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "kvstore.yaml"
     config.write_text(textwrap.dedent(f"""
-        shm_dir: {workdir}
+        shm_dir: {arena_dir}
         fleet:
           enabled: true
           redis_url: {redis_url}
@@ -104,8 +107,12 @@ class Cluster:
         self.root = root
         python = vllm_runner.vllm_python()
         self.model = real_model()
-        self.a = _fleet_daemon(root / "a", redis_url, self.prefix, "a")
-        self.b = _fleet_daemon(root / "b", redis_url, self.prefix, "b")
+        # the arenas in memory, as a deployment has them (/dev/shm): on the test directory's disk
+        # every put would also be written back to that disk, competing with the host's other writes
+        memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.arena_dirs = [tempfile.mkdtemp(prefix=f"kvs-pd-{n}-", dir=memory or str(root)) for n in "ab"]
+        self.a = _fleet_daemon(root / "a", self.arena_dirs[0], redis_url, self.prefix, "a")
+        self.b = _fleet_daemon(root / "b", self.arena_dirs[1], redis_url, self.prefix, "b")
         wd = str(root)
         self.servers = []
         # P has vLLM's prefix cache on, roomy enough to keep every prompt's blocks, for the
@@ -160,6 +167,8 @@ class Cluster:
             s.stop()
         for d in (self.a, self.b):
             d.kill()
+        for path in self.arena_dirs:
+            shutil.rmtree(path, ignore_errors=True)
         import redis
 
         r = redis.Redis.from_url(self.redis_url)
@@ -262,6 +271,8 @@ def record(tmp_path_factory, redis_url):
     finally:
         cluster.close()
     rec["seconds"] = time.monotonic() - rec["started"]
+    # the whole record beside the servers' logs, for reading a failure afterwards
+    (cluster.root / "record.json").write_text(json.dumps(rec, default=str, indent=1))
     return rec
 
 
@@ -345,7 +356,7 @@ def test_decode_loads_every_full_prompt_block_and_recomputes_none(record):
         counters = record[phase]["counters"]
         blocks = sum(_full_blocks(record, n) for n in names)
         assert _sum(counters, "vllm:kvstore_pd_waits") == len(names), counters
-        assert _sum(counters, "vllm:kvstore_pd_loaded_requests") == len(names), counters
+        assert _sum(counters, "vllm:kvstore_pd_loaded_requests") == len(names), (counters, record[phase]["producer"])
         assert _sum(counters, "vllm:kvstore_pd_loaded_blocks") == blocks, counters
         assert _sum(counters, "vllm:kvstore_loaded_blocks") == blocks, counters
         assert _sum(counters, "vllm:kvstore_pd_recomputes") == 0, counters
