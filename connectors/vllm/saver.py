@@ -20,8 +20,7 @@ The send thread needs the GIL in the same way, between the steps of a put. A pro
 its blocks to a decode engine that waits for them, so its worker also waits, at ``finish``, until a
 finished request's batches are sent (at most ``SEND_WAIT_S``): blocked there it lets the GIL go for
 as long as the put needs it, where vLLM's worker would otherwise spin (``sched_yield``) and take it
-back after every brief release. Seen on the 2-core CI host: a producer's put of 5 blocks, queued as
-the prefill finished, reached the daemon 10 s later, while the daemon and the engine core sat idle.
+back after every brief release, and the put could wait for the engine's next real step.
 
 Saves are best effort: when the send queue is full or the daemon is down (the handle's breaker is
 open) a batch is dropped and counted, never retried — the engine recomputes what is missing.
@@ -225,9 +224,9 @@ class SaveQueue:
                 self.stats_add("saved_blocks" if stored else "save_failed_blocks", len(hashes))
                 done = time.monotonic()
                 if done - queued > SLOW_SAVE_S:   # a decode engine may be waiting for these
-                    logger.warning("kvstore connector: a save of %d blocks reached the daemon %.2fs after it "
-                                   "was queued (%.2fs waiting to be sent, %.2fs in the put)", len(hashes),
-                                   done - queued, started - queued, done - started)
+                    logger.warning("kvstore connector: a save of %d blocks ended %.2fs after it was queued "
+                                   "(%.2fs waiting to be sent, %.2fs in the put, %s)", len(hashes), done - queued,
+                                   started - queued, done - started, "stored" if stored else "not stored")
             finally:
                 self._sent(req_id)
                 self._to_send.task_done()
