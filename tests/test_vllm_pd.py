@@ -118,17 +118,25 @@ class Cluster:
         # P has vLLM's prefix cache on, roomy enough to keep every prompt's blocks, for the
         # colocated references (step 5); a producer computes every prompt it is sent that its
         # cache does not hold, so the P/D steps are the same with it off
-        self.p = self._server(python, wd, "prefill", self.a.url, "kv_producer", prefix_caching=True,
+        # each engine on cores of its own, as P/D deploys them (bench_pd.py does the same): vLLM's
+        # automatic binding puts every worker's main thread, and the connector's threads with it,
+        # on the first core, where a decode engine spinning through its hand-off wait would share
+        # that core with the very producer whose saves it waits for
+        cores = sorted(os.sched_getaffinity(0))
+        prefill_cores, decode_cores = (cores[:1], cores[1:]) if len(cores) > 1 else (cores, cores)
+        self.p = self._server(python, wd, "prefill", self.a.url, "kv_producer", prefill_cores, prefix_caching=True,
                               kv_cache_bytes=256 * 2**20)
-        self.d1 = self._server(python, wd, "decode1", self.a.url, "kv_consumer")
-        self.d2 = self._server(python, wd, "decode2", self.b.url, "kv_consumer")
+        self.d1 = self._server(python, wd, "decode1", self.a.url, "kv_consumer", decode_cores)
+        self.d2 = self._server(python, wd, "decode2", self.b.url, "kv_consumer", decode_cores)
         for s in self.servers:
             s.wait_healthy("/health", 600)
         self.proxy = PdProxy.start(wd, [self.p.url], [self.d1.url, self.d2.url])
 
-    def _server(self, python, wd, name, daemon_url, role, prefix_caching=False, kv_cache_bytes=64 * 2**20):
+    def _server(self, python, wd, name, daemon_url, role, cores, prefix_caching=False, kv_cache_bytes=64 * 2**20):
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
         server = VllmServer.start(python, self.model, wd, name, _transfer_config(daemon_url, role), wait=False,
-                                  tokenizer=True, prefix_caching=prefix_caching, kv_cache_bytes=kv_cache_bytes)
+                                  tokenizer=True, prefix_caching=prefix_caching, kv_cache_bytes=kv_cache_bytes,
+                                  env_extra=bind)
         self.servers.append(server)
         return server
 
