@@ -205,9 +205,9 @@ class SaveQueue:
             _ = self.handle.client.active_transport
         except Exception:  # noqa: BLE001 - the first save fails and counts it, as without this
             pass
-        if time.monotonic() - started > SLOW_SAVE_S:
-            logger.warning("kvstore connector: agreeing the transport with the daemon took %.2fs",
-                           time.monotonic() - started)
+        took = time.monotonic() - started
+        if took > SLOW_SAVE_S:
+            logger.warning("kvstore connector: agreeing the transport with the daemon took %.2fs", took)
 
     def _send_loop(self) -> None:
         self._connect()
