@@ -59,7 +59,6 @@ class StoreAdmin:
         self.cascade = cascade
         self.namespaces = namespaces
         self.pins = PinnedPrefixes(cascade)
-        cascade.listeners.add(self.pins)
 
     # -- limits changed while serving (reload) ----------------------------------------------------
 

@@ -24,13 +24,12 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Extent
-from kvstore.errors import BlockCorrupt, CodecError, InvalidArgument, LeaseExpired
+from kvstore.errors import InvalidArgument, LeaseExpired
 from kvstore.keys import block_key
 from kvstore.store.cascade import Cascade
 from kvstore.store.puts import RUN_BLOCKS, PutResults, check_encoded, payload_codecs, reserve_next, run_limit
-from kvstore.store.reads import read_staged
 from kvstore.store.transcoding import RAW
-from kvstore.store.transfers import PLACEMENT_ERRORS
+from kvstore.store.transfers import COPIED
 from kvstore.tiers.cpu import CpuTier
 
 
@@ -139,7 +138,9 @@ class Leases:
             out.publish([e for _, e, _ in ready], [p for _, _, p in ready], [a for a, _, _ in ready])
             ready.clear()
 
-        kept_raw, unread = None, False
+        c = cascade.cpu_index
+        raw_tier = cascade.transcoder.configured(c) == RAW  # type: ignore[arg-type]
+        needs = None   # whether completing reads the blocks' bytes (one namespace per lease: decided once)
         try:
             for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
                 entry = cascade.index.entries.get(key) if ext is not None else None
@@ -148,23 +149,15 @@ class Leases:
                     continue
                 if i in encoded:
                     like, payload = encoded[i]
-                    payload = cascade.encode_reserved(entry, cascade.cpu_index, payload, like)  # type: ignore[arg-type]
+                    payload = cascade.encode_reserved(entry, c, payload, like)  # type: ignore[arg-type]
                 else:
-                    if kept_raw is None:   # one namespace per lease: decided once
-                        kept_raw = cascade.transcoder.configured(cascade.cpu_index) == RAW  # type: ignore[arg-type]
-                        unread = kept_raw and not self._needs_bytes(entry)
-                    if unread:   # a raw CPU tier keeps the slots as written, and nothing reads them now
-                        payload = None
-                    else:
-                        data = cascade.tiers[cascade.cpu_index].view(key)  # type: ignore[attr-defined,index]
-                        if len(data) == 1:
-                            payload = data[0]
-                        elif self._needs_bytes(entry):
-                            payload = np.concatenate(data)
-                        else:   # a block in several pieces (tenant segments) that nothing reads: no 16 MiB copy
-                            payload = None
-                        if not kept_raw:   # encode for the CPU tier's codec (and tally it)
-                            payload = cascade.encode_reserved(entry, cascade.cpu_index, payload)  # type: ignore[arg-type]
+                    needs = self._needs_bytes(entry) if needs is None else needs
+                    payload = None   # a raw CPU tier keeps the slots as written: nothing reads them unless needed
+                    if needs:
+                        views = cascade.tiers[c].view(key)  # type: ignore[attr-defined,index]
+                        payload = views[0] if len(views) == 1 else np.concatenate(views)
+                    if not raw_tier:   # encode for the CPU tier's codec (and tally it)
+                        payload = cascade.encode_reserved(entry, c, payload)  # type: ignore[arg-type]
                 ready.append((out.add("stored"), entry, payload))
                 if len(ready) >= RUN_BLOCKS:
                     publish_ready()
@@ -221,9 +214,9 @@ class Leases:
         needed) and return their arena extents; stops at the first block it cannot stage that way
         (absent, no room, or encoded with a codec not in ``accept``). Blocks already in the arena
         are taken a run at a time under one lock acquisition. Blocks to stage are taken a run of
-        up to ``STAGE_RUN`` blocks (and ``STAGE_BYTES``) at a time: pinned under the lock, read
-        outside it, several at once (``reads.read_staged``: no other caller waits on this one's
-        disk), then copied into the arena under it, in order."""
+        up to ``STAGE_RUN`` blocks (and ``STAGE_BYTES``) of one source tier at a time: pinned under
+        the lock, then copied into the arena as any copy between tiers is (``Cascade.copy_out_many``:
+        read several at once, no other caller waiting on this one's disk), then leased in order."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
@@ -233,8 +226,8 @@ class Leases:
         i, stopped = 0, False
         try:
             while i < len(hashes) and not stopped:
-                staging: list = []   # (entry, tier its copy is read from), pinned
-                staged_bytes = 0
+                staging: list = []   # pinned entries whose copies are read from tier ``src``
+                staged_bytes = src = 0
                 with cascade.lock:
                     hits = nbytes = 0
                     while i < len(hashes):
@@ -245,12 +238,13 @@ class Leases:
                                 stopped = True
                             break
                         if c not in entry.copies:
-                            src = entry.fastest
-                            size = entry.copies[src].stored_size
-                            if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES):
+                            t, record = entry.copies.first_item()
+                            size = record.stored_size
+                            if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES
+                                            or t != src):
                                 break
-                            cascade.pin_entry(entry)
-                            staging.append((entry, src))
+                            src = t
+                            staging.append(cascade.pin_entry(entry))
                             staged_bytes += size
                             i += 1
                             continue
@@ -271,57 +265,38 @@ class Leases:
                     if hits:
                         cascade.served(c, hits, nbytes)
                 if staging:
-                    stopped = not self._stage_run(staging, c, cpu, accept, lease)
+                    stopped = not self._stage_run(staging, src, c, cpu, accept, lease)
         except BaseException:
             cascade.unpin_keys(lease.keys)
             raise
         return self._register(lease)
 
-    def _stage_run(self, staging: list, c: int, cpu: CpuTier, accept: Collection[int], lease: Lease) -> bool:
-        """Give each pinned block of ``staging`` (``(entry, tier to read)``) a copy
-        in the CPU tier ``c`` and lease it, in order; False at the first that cannot be (a damaged
-        copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with a codec the
-        reader does not take): it and the rest are unpinned (on any exit, so no pin outlives a
-        failure), and the reader is told it was not staged (it fetches it over a stream)."""
+    def _stage_run(self, staging: list, src: int, c: int, cpu: CpuTier, accept: Collection[int],
+                   lease: Lease) -> bool:
+        """Give each pinned entry of ``staging`` a copy in the CPU tier ``c`` from its copy in tier
+        ``src`` (``Cascade.copy_out_many``) and lease it, in order; False at the first that cannot
+        be (a damaged copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with
+        a codec the reader does not take): it and the rest are unpinned (on any exit, so no pin
+        outlives a failure), and the reader is told it was not staged (it fetches it over a stream)."""
         cascade = self._cascade
         leased = 0
         try:
-            payloads = read_staged(cascade, staging)
-            # room for the run first: victims bound for disk are written with the lock released
-            cascade.clear_room(c, sum(e.raw_size for e, _ in staging), staging[0][0].namespace_id)
+            outcomes = cascade.copy_out_many(staging, src, c)
             with cascade.lock:
-                for (entry, src), payload in zip(staging, payloads):
-                    if isinstance(payload, (BlockCorrupt, CodecError)) and src in entry.copies:
-                        cascade.discard_corrupt_copy(entry, src)   # every damaged copy read: dropped, counted
-                for (entry, src), payload in zip(staging, payloads):
-                    if not self._place_staged(entry, c, src, payload, accept):
+                for entry, outcome in zip(staging, outcomes):
+                    record = entry.copies.get(c)
+                    if outcome != COPIED or record is None or not entry.visible or record.codec not in (0, *accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
-                    cascade.served(src, 1, entry.copies[c].stored_size)
-                    lease.add(entry.key, cpu.extents(entry.key), entry.copies[c])
+                    cascade.served(src, 1, record.stored_size)
+                    lease.add(entry.key, cpu.extents(entry.key), record)
                     leased += 1
         finally:
             if leased < len(staging):
                 with cascade.lock:
-                    for entry, _ in staging[leased:]:
+                    for entry in staging[leased:]:
                         cascade.unpin(entry)
         return leased == len(staging)
-
-    def _place_staged(self, entry, c: int, src: int, payload, accept: Collection[int]) -> bool:
-        """Under the lock: copy one staged block's ``payload`` (read from tier ``src``) into the
-        CPU tier ``c``, unless it got a copy there meanwhile; whether it can be leased."""
-        cascade = self._cascade
-        if isinstance(payload, BaseException):
-            return False   # a damaged copy (already dropped) or a failed read
-        if not entry.visible or (c not in entry.copies and src not in entry.copies):
-            return False   # deleted, or the copy read was dropped, while it was read
-        if c not in entry.copies:
-            try:
-                cascade.store_copy(entry, c, payload, entry.copies[src], downward=c > src)
-            except PLACEMENT_ERRORS:
-                return False
-        record = entry.copies[c]
-        return record.codec == 0 or record.codec in accept
 
     def complete_load(self, lease_id: int) -> None:
         lease = self._take(lease_id, "load")

@@ -38,7 +38,8 @@ class Listeners:
         self._registered: list[StoreListener] = []
 
     def add(self, listener: StoreListener) -> None:
-        self._registered.append(listener)
+        if listener not in self._registered:
+            self._registered.append(listener)
 
     def remove(self, listener: StoreListener) -> None:
         if listener in self._registered:

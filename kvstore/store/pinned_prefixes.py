@@ -3,7 +3,7 @@
 A pin is a declaration about block hashes of one namespace, whether the blocks are stored yet or
 not, so a system prompt can be pinned before its first request: blocks already stored are held at
 once and copied into the CPU tier (``warming.warm``); blocks published later are held as they
-arrive (this is a store listener). A held block (``Entry.held``) is skipped by every tier's
+arrive (this is a store listener while any prefix is pinned, so puts pay nothing for it otherwise). A held block (``Entry.held``) is skipped by every tier's
 eviction. A client's Delete still removes it (the tenant's own data), and a later put of the same
 block is held again; ``kvstore ns drop`` forgets the namespace's pins with it.
 
@@ -61,6 +61,7 @@ class PinnedPrefixes(StoreListener):
         with cascade.lock:
             pins = self._hashes.setdefault(ns.id, {})
             self._namespaces[ns.id] = ns
+            cascade.listeners.add(self)
             new = [h for h in dict.fromkeys(hashes) if h not in pins]
             for h in new:
                 pins[h] = None
@@ -139,6 +140,8 @@ class PinnedPrefixes(StoreListener):
         if not pins:
             self._hashes.pop(namespace_id, None)
             self._namespaces.pop(namespace_id, None)
+        if not self._hashes:
+            self.cascade.listeners.remove(self)
         return gone
 
     def unpin(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> PinOutcome:

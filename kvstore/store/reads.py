@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, CodecError
-from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
 from kvstore.threads import BUDGET, LazyPool
+
+if TYPE_CHECKING:
+    from kvstore.store.cascade import Cascade
 
 READS_IN_FLIGHT = BUDGET.slow_reads   # slow-tier reads of one call at once (queue depth for NVMe)
 RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)

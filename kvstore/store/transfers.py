@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, BlockTooLarge, CodecError, TierFull, TierIOError
 from kvstore.store.index import Entry
+from kvstore.store.reads import read_staged
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
@@ -147,30 +148,44 @@ class Transfers:
             raise unexpected
 
     def copy_out_many(self, entries: Sequence[Entry], src: int, dst: int) -> list[str]:
-        """``copy_out`` for blocks the caller has pinned, their writes into ``dst`` made by one
-        ``Tier.write_many_unsynced`` (neighbouring slots of a disk tier in one call) where each
-        copy in ``src`` is one view of memory (a CPU arena slot: no scratch buffer is shared
-        between them); the others go one by one. Returns each block's outcome. Takes the lock
-        itself."""
+        """``copy_out`` for blocks the caller has pinned, planned and recorded together: room in
+        ``dst`` made for all of them first (``clear_room``), their copies in ``src`` taken where
+        each is one view of memory (a CPU arena slot: no scratch buffer is shared between them) or
+        else read several at once (``reads.read_staged``), their writes into ``dst`` made by one
+        ``Tier.write_many_unsynced`` (neighbouring slots of a disk tier in one call). A copy of
+        several pieces, and a lone block, go one by one (``copy_out``). Returns each block's
+        outcome. Takes the lock itself."""
         outcomes: list[str] = [NO_ROOM] * len(entries)
         placed_all = []   # (position, entry, its placement in dst)
         alone: list[int] = []
-        src_tier = self.cascade.tiers[src]
+        todo = [k for k, e in enumerate(entries) if dst not in e.copies and src in e.copies]
         for k, entry in enumerate(entries):
-            record = entry.copies.get(src)
             if dst in entry.copies:
                 outcomes[k] = COPIED
-                continue
-            if record is None:
-                continue
-            views = src_tier.view(entry.key) if isinstance(src_tier, CpuTier) and len(entries) > 1 else ()
-            if len(views) != 1:
+        src_tier = self.cascade.tiers[src]
+        if len(todo) > 1:
+            first = entries[todo[0]]
+            self.clear_room(dst, max(entries[k].copies[src].stored_size for k in todo), first.namespace_id,
+                            blocks=len(todo))
+            if isinstance(src_tier, CpuTier):
+                payloads: list = [v[0] if len(v := src_tier.view(entries[k].key)) == 1 else None for k in todo]
+            else:   # into this thread's staging buffer: nothing below reads through it before the writes
+                payloads = read_staged(self.cascade, [(entries[k], src) for k in todo])
+        else:
+            alone, payloads = todo, []
+        for k, payload in zip(todo, payloads):
+            entry = entries[k]
+            record = entry.copies.get(src)
+            if payload is None or record is None:
                 alone.append(k)
                 continue
-            self.clear_room(dst, record.stored_size, entry.namespace_id)
+            if isinstance(payload, Exception) and not isinstance(payload, (BlockCorrupt, CodecError)):
+                continue   # the read failed: no copy
             try:
-                placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, views[0],
-                                               downward=True)
+                if isinstance(payload, Exception):
+                    raise payload
+                placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, payload,
+                                                       downward=dst > src)
             except (BlockCorrupt, CodecError):
                 outcomes[k] = self._damaged(entry, src, record)
                 continue
