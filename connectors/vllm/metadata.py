@@ -25,6 +25,9 @@ class BlockTransfer:
     hashes: list[bytes]
     parent: bytes | None = None   # hash of the block before hashes[0] (saves; eviction uses it)
     asynchronous: bool = False    # loads: lands between steps, reported through get_finished
+    # saves: the request hands its prompt off to a decode engine (a producer's, or a ``kv_both``
+    # request with ``do_remote_decode``): its worker waits for the put as the request finishes
+    handoff: bool = False
 
 
 @dataclasses.dataclass

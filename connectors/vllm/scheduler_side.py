@@ -247,6 +247,14 @@ class SchedulerSide:
                         "evicted": "evicted after they arrived",
                         "unsaved": f"the prefill did not save {unsaved} of them"}[reason])
 
+    def _hands_off(self, request: "Request") -> bool:
+        """Whether the request's finished prefill names its saved blocks to a decode engine: every
+        producer's request, and a ``kv_both`` request that asks for it (``do_remote_decode``)."""
+        if self.kv_role.is_producer:
+            return True
+        params = request.kv_transfer_params
+        return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
     def _offered_handoff(self, request: "Request", state: RequestState | None) -> dict[str, Any] | None:
         """A producer's finished request: ``kv_transfer_params`` naming the prompt blocks its
         daemon holds or gets from its saves (asked for by ``kv_producer``, or by a ``kv_both``
@@ -258,7 +266,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if state is None or not state.cacheable or not self.kv_role.saves_prompt:
             return None
-        if not (self.kv_role.is_producer or (isinstance(params, dict) and params.get("do_remote_decode"))):
+        if not self._hands_off(request):
             return None
         n = min(state.num_stored, len(request.prompt_token_ids or ()) // self.chunk_tokens, len(state.hashes))
         if n == 0:
@@ -440,7 +448,8 @@ class SchedulerSide:
             state.hashes += block_hashes(self.hasher, request, self.chunk_tokens, known, end,
                                          state.hashes[-1] if known else None)
         meta.saves.append(BlockTransfer(req_id, state.block_ids[start * n:end * n], state.hashes[start:end],
-                                        parent=state.hashes[start - 1] if start else None))
+                                        parent=state.hashes[start - 1] if start else None,
+                                        handoff=self._hands_off(request)))
         state.num_stored = end
         state.saved_any = True
 

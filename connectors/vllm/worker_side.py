@@ -26,8 +26,10 @@ layer's pages of them out as the forward pass computes it (``saver.LayerSaves``)
 saves is reported as finished *sending* once its blocks are copied out (the scheduler held them
 through ``request_finished``); a copy the gather thread has not started by then is made on the
 engine's thread (``SaveQueue.finish``), so the report never waits on that thread getting the GIL.
-A producer's worker also waits there (at most ``saver.SEND_WAIT_S``) for the request's put, so the
-send thread gets the GIL while a decode engine waits for those blocks.
+A request handed off to a decode engine (every producer's, and a ``kv_both`` request with
+``do_remote_decode``: the scheduler marks its saves ``handoff``) also has its worker wait there (at
+most ``saver.SEND_WAIT_S``) for its put, so the send thread gets the GIL while a decode engine waits
+for those blocks.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class WorkerSide:
         self._layer_save_hooks_missing = False  # ... fell back to copying after the step
         self._saving_reqs: set[str] = set()    # requests the scheduler holds blocks of for saves
         self._finishing: set[str] = set()      # ... that finished; reported once copied out
+        self._handoffs: set[str] = set()       # ... whose saves a decode engine waits for (``handoff``)
         self._staging = torch.empty(0, dtype=torch.uint8)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -242,6 +245,8 @@ class WorkerSide:
             # Recorded before anything can fail: the scheduler holds this request's blocks until
             # get_finished reports it, so it must be reported even if nothing is saved.
             self._saving_reqs.add(t.req_id)
+            if t.handoff:
+                self._handoffs.add(t.req_id)
         if self._saver is None:
             return
         saves, self._layer_saves = self._layer_saves, None
@@ -288,15 +293,16 @@ class WorkerSide:
         self._failed_async = []
         self._finishing |= finished_req_ids & self._saving_reqs
         if self._saver is not None:
-            # a producer's decode engine waits for these blocks: its put goes out before the report
-            sent_within_s = SEND_WAIT_S if self.kv_role.is_producer else 0.0
             for r in self._finishing:
                 # copied out here if the gather thread has not got to it: vLLM steps without
-                # pause until the request is reported, and the gather thread may not get the GIL
-                self._saver.finish(r, sent_within_s=sent_within_s)
+                # pause until the request is reported, and the gather thread may not get the GIL;
+                # a request handed off to a decode engine (which waits for these blocks) also
+                # has its put go out before the report
+                self._saver.finish(r, sent_within_s=SEND_WAIT_S if r in self._handoffs else 0.0)
         sending = {r for r in self._finishing if self._saver is None or self._saver.ungathered(r) == 0}
         self._finishing -= sending
         self._saving_reqs -= sending
+        self._handoffs -= sending
         return sending or None, recving or None
 
     def drain_saves(self, timeout_s: float = 10.0) -> None:
