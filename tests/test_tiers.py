@@ -299,6 +299,46 @@ def test_nvme_recover_never_takes_a_header_planted_in_a_payload(tmp_path):
     assert again.read_into(a.key, out) == size and np.array_equal(out, body_a)
 
 
+def test_nvme_holds_recovered_blocks_as_rows_read_dropped_and_stored_again(tmp_path):
+    """A restarted tier holds what it found as rows of its slabs' columns (``RecoveredRows``):
+    each block's record is made when asked, neighbours are read in one run, a dropped one can be
+    stored again (a held one cannot), and the next restart finds exactly what is held."""
+    d = str(tmp_path)
+    tier = NvmeTier(d, 64 << 20)
+    records = [rec(i, 8192, parent=i - 1 if i else None) for i in range(8)] + [rec(20, 5000)]
+    write_all(tier, records)
+    tier.close()
+    again = NvmeTier(d, 64 << 20)
+    batches = list(again.recover_blocks())
+    assert sorted(k for b in batches for k in b.keys) == sorted(r.key for r in records)
+    for b in batches:
+        for key, parent in zip(b.keys, b.parent_keys):
+            assert parent is None or parent in b.keys   # a parent's key is its parent's key object
+            assert parent is None or any(parent is k for k in b.keys)
+    assert again.stats()["blocks"] == 9 and again.used_bytes == tier.used_bytes
+    for r in records:
+        assert again.record(r.key) == r.replace(checksum=0) and again.checksum(r.key) == r.checksum
+    outs = [np.zeros(r.stored_size, np.uint8) for r in records[:8]]
+    assert again.read_many_into([r.key for r in records[:8]], outs) == [8192] * 8
+    assert all(np.array_equal(o, payload(i, 8192)) for i, o in enumerate(outs))
+    with pytest.raises(KeyError):
+        again.allocate(rec(3, 8192))   # held already
+    again.drop(records[3].key)
+    again.drop(records[3].key)   # idempotent
+    again.drop(records[8].key)   # the last of its slab's rows
+    with pytest.raises(KeyError):
+        again.record(records[3].key)
+    assert again.stats()["blocks"] == 7 and len(again.records()) == 7
+    again.finish_drops()
+    r3 = rec(3, 8192, parent=2)
+    roundtrip(again, r3, payload(3, 8192))
+    again.close()
+    third = NvmeTier(d, 64 << 20)
+    assert sorted(r.key for r in third.recover()) == sorted(r.key for r in records[:8])
+    out = np.zeros(8192, np.uint8)
+    assert third.read_into(r3.key, out) == 8192 and np.array_equal(out, payload(3, 8192))
+
+
 def test_nvme_recover_rebuilds_the_index_and_cleans_leftovers(tmp_path):
     d = str(tmp_path)
     tier = NvmeTier(d, 64 << 20)

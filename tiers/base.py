@@ -40,8 +40,13 @@ Primitive by primitive:
   only: I/O a drop needs (erasing a slot on disk) waits for ``finish_drops()``.
 * ``finish_drops()`` — the I/O of the drops so far (erasing their slots), then their space is
   reusable. The Store calls it with its lock released; volatile tiers have none (no-op).
-* ``recover()`` — for durable tiers: yield the ``BlockRecord`` of every intact block found at
-  start-up (torn or corrupt ones are deleted and counted, never yielded).
+* ``recover_blocks()`` — for durable tiers: yield the intact blocks found at start-up as
+  ``RecoveredBlocks`` batches, columns of what the index needs of each block (torn or corrupt
+  ones are deleted and counted, never yielded). The tier keeps each block's record itself from
+  then on (``record(key)``): an index of millions holds no record object per recovered block.
+  ``recover()`` yields the same blocks' records one by one (inspection, tests).
+* ``record(key)`` — the ``BlockRecord`` of a block the tier holds (``KeyError`` if none); a
+  recovered block's is made when asked, its ``checksum`` 0 (``checksum(key)`` has it).
 * ``close()`` — flush and release resources.
 """
 
@@ -114,6 +119,30 @@ class BlockRecord(NamedByKey):
         return (f"BlockRecord(namespace_id={self.namespace_id!r}, block_hash={self.block_hash!r}, "
                 f"parent_hash={self.parent_hash!r}, stored_size={self.stored_size}, raw_size={self.raw_size}, "
                 f"codec={self.codec}, checksum={self.checksum}, slot={self.slot})")
+
+
+class RecoveredBlocks:
+    """Blocks a durable tier found at start-up, one row per block in column lists (``keys``,
+    ``parent_keys``, ``raw_sizes``, ``stored_sizes``, ``codecs``), in the order the tier found
+    them: what the index needs to hold each block and to name its copy's size and codec, with
+    no record object per block (the tier keeps the rest: ``Tier.record``). Equal keys and sizes
+    are one object (a child's parent key is its parent's key, where the tier holds both)."""
+
+    __slots__ = ("keys", "parent_keys", "raw_sizes", "stored_sizes", "codecs")
+
+    def __init__(self, keys: list[bytes], parent_keys: list[bytes | None], raw_sizes: list[int],
+                 stored_sizes: list[int], codecs: list[int]) -> None:
+        assert len(keys) == len(parent_keys) == len(raw_sizes) == len(stored_sizes) == len(codecs), "ragged columns"
+        self.keys, self.parent_keys, self.raw_sizes = keys, parent_keys, raw_sizes
+        self.stored_sizes, self.codecs = stored_sizes, codecs
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def records(self) -> Iterator[BlockRecord]:
+        """Each block's record, made now (its checksum 0: its tier keeps it)."""
+        for row in zip(self.keys, self.parent_keys, self.stored_sizes, self.raw_sizes, self.codecs):
+            yield BlockRecord.of_keys(*row)
 
 
 class Tier(ABC):
@@ -205,8 +234,16 @@ class Tier(ABC):
     def finish_drops(self) -> None:
         pass
 
-    def recover(self) -> Iterator[BlockRecord]:
+    def recover_blocks(self) -> Iterator[RecoveredBlocks]:
         return iter(())
+
+    def recover(self) -> Iterator[BlockRecord]:
+        """``recover_blocks``, each block's record one by one."""
+        for found in self.recover_blocks():
+            yield from found.records()
+
+    def record(self, key: bytes) -> BlockRecord:
+        raise KeyError(key)
 
     def close(self) -> None:
         pass

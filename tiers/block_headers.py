@@ -54,27 +54,37 @@ def decode_header(buf: bytes) -> BlockRecord:
     return BlockRecord(ns, h[:hlen], p[:plen] if plen else None, stored, raw, codec, checksum)
 
 
-def decode_headers(rows: np.ndarray) -> list[BlockRecord | None]:
+class DecodedRows:
+    """The rows of a record file decoded at once (``decode_headers``), as column lists, one item
+    per row: ``intact`` (an intact header of ours; the other columns are meaningless where not),
+    ``keys``, ``parent_keys`` (None: a chain's head), ``stored_sizes``, ``raw_sizes``, ``codecs``,
+    ``checksums`` (the payloads')."""
+
+    __slots__ = ("intact", "keys", "parent_keys", "stored_sizes", "raw_sizes", "codecs", "checksums")
+
+    def __init__(self, intact, keys, parent_keys, stored_sizes, raw_sizes, codecs, checksums) -> None:
+        self.intact, self.keys, self.parent_keys = intact, keys, parent_keys
+        self.stored_sizes, self.raw_sizes, self.codecs, self.checksums = stored_sizes, raw_sizes, codecs, checksums
+
+
+def decode_headers(rows: np.ndarray) -> DecodedRows:
     """``decode_header`` of each row of ``rows`` (one record file row of ``RECORD_BYTES`` each), in
     bulk: numpy reads the fields of every row at once, and only the header checksum and the
-    record itself are made per row. None where a row is not an intact header."""
+    keys are made per row (no record object: a warm restart of millions of blocks keeps none)."""
     n = len(rows)
     if n == 0:
-        return []
+        return DecodedRows([], [], [], [], [], [], [])
     rows = np.ascontiguousarray(rows, dtype=np.uint8)
     fields = rows.view(_ROW).reshape(n)
     size = _HEADER.size
     bodies = rows[:, :size].tobytes()
     xxh = xxhash.xxh3_64_intdigest
-    intact = [xxh(bodies[i * size:(i + 1) * size]) == want for i, want in enumerate(fields["hsum"].tolist())]
     ours = (fields["magic"] == MAGIC).tolist()
-    keys = _keys(rows, _HASH_AT, fields["hlen"])
-    parents = _keys(rows, _PARENT_AT, fields["plen"])
-    return [BlockRecord.of_keys(key, parent if len(parent) > _NS_BYTES else None, stored, raw, codec, checksum)
-            if ok and mine else None
-            for ok, mine, key, parent, stored, raw, codec, checksum
-            in zip(intact, ours, keys, parents, fields["stored"].tolist(), fields["raw"].tolist(),
-                   fields["codec"].tolist(), fields["sum"].tolist())]
+    intact = [mine and xxh(bodies[i * size:(i + 1) * size]) == want
+              for i, (mine, want) in enumerate(zip(ours, fields["hsum"].tolist()))]
+    parents = [p if len(p) > _NS_BYTES else None for p in _keys(rows, _PARENT_AT, fields["plen"])]
+    return DecodedRows(intact, _keys(rows, _HASH_AT, fields["hlen"]), parents, fields["stored"].tolist(),
+                       fields["raw"].tolist(), fields["codec"].tolist(), fields["sum"].tolist())
 
 
 def _keys(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:

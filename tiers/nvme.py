@@ -20,6 +20,7 @@ checksummed. Every read verifies the header (its key and footprint must match) a
 checksum; a bad slot is dropped, counted and reported as ``BlockCorrupt`` (the store turns that
 into a miss). Warm restart: ``recover()`` rebuilds the index from the record files, one read
 per slab (``slab_recovery``); each record's header checksum is checked then, each slot when it is read.
+A recovered block is held as a row of its slab's columns (``recovered_rows``), not as a record.
 
 Planted files (see ``private_files``): the directory is created 0700 and an existing one must be
 ours and private (an empty loose one is tightened to 0700, a loose one with entries is refused);
@@ -41,11 +42,12 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
-from kvstore.tiers.base import BlockRecord, Tier
+from kvstore.tiers.base import BlockRecord, RecoveredBlocks, Tier
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch, as_bytes
 from kvstore.tiers.block_headers import ALIGN, HEADER_BYTES, decode_header, encode_header
 from kvstore.tiers.block_headers import find_blocks  # noqa: F401 (where inspection and tests find it)
 from kvstore.tiers.private_files import claim_private_dir, create_exclusive, fsync_dir, unlink_quietly
+from kvstore.tiers.recovered_rows import RecoveredRows
 from kvstore.tiers.slab_recovery import SlabFinder
 from kvstore.tiers.slabs import Slab
 
@@ -109,6 +111,9 @@ class NvmeTier(Tier):
             raise TierIOError(f"nvme tier: directory {self.path} is not writable: {e.strerror}") from e
         self.o_direct = use_o_direct and o_direct_supported(self.path)
         self._blocks: dict[bytes, BlockRecord] = {}   # key -> record (its slot in ``record.slot``)
+        #: the blocks found at start-up and still held, per slab (never also in ``_blocks``);
+        #: replaced whole under ``_lock``, so a reader without it walks one consistent tuple
+        self._recovered: tuple[RecoveredRows, ...] = ()
         self._slabs: dict[int, Slab] = {}   # footprint -> its slab
         self._lock = threading.Lock()
         self._to_punch: list[tuple[bytes, Slab, int]] = []   # dropped, slot not yet erased: (key, slab, slot)
@@ -123,11 +128,32 @@ class NvmeTier(Tier):
 
     # -- where blocks are ------------------------------------------------------------------------
 
-    def _where(self, key: bytes) -> tuple[BlockRecord, Slab, int]:
-        """(record, slab, slot) of a block held (``KeyError`` if not): a block lies in the one slab
-        of its footprint, at its record's slot."""
-        record = self._blocks[key]
-        return record, self._slabs[HEADER_BYTES + _round_up(record.stored_size)], record.slot
+    def _where(self, key: bytes) -> tuple[int, Slab, int]:
+        """(stored size, slab, slot) of a block held (``KeyError`` if not): a block lies in the one
+        slab of its footprint, at its record's slot, or at its recovered row's."""
+        record = self._blocks.get(key)
+        if record is not None:
+            return record.stored_size, self._slabs[HEADER_BYTES + _round_up(record.stored_size)], record.slot
+        rows, row = self._recovered_row(key)
+        stored, slot = rows.where(row)
+        return stored, rows.slab, slot
+
+    def _recovered_row(self, key: bytes) -> tuple[RecoveredRows, int]:
+        """The recovered rows holding ``key`` and its row there (``KeyError`` if none)."""
+        for rows in self._recovered:
+            row = rows.find(key)
+            if row >= 0:
+                return rows, row
+        raise KeyError(key)
+
+    def _holds(self, key: bytes) -> bool:
+        if key in self._blocks:
+            return True
+        try:
+            self._recovered_row(key)
+        except KeyError:
+            return False
+        return True
 
     def location(self, key: bytes) -> tuple[str, int]:
         """(slab file, byte offset of the block's header): where a block lies, for inspection."""
@@ -145,7 +171,7 @@ class NvmeTier(Tier):
     def allocate(self, record: BlockRecord) -> None:
         fp = self.footprint(record.stored_size)
         with self._lock:
-            if record.key in self._blocks:
+            if self._holds(record.key):
                 raise KeyError(f"{record.key.hex()} already in nvme tier")
             if fp > self.free_bytes:
                 raise TierFull(f"nvme tier has {self.free_bytes} free bytes, needs {fp}")
@@ -292,8 +318,7 @@ class NvmeTier(Tier):
         """Verified read. A page-aligned ``out`` with room for the padded payload is filled by the
         disk directly (no staging copy); if verification then fails its contents are undefined
         and ``BlockCorrupt`` says so: the caller treats it as a miss."""
-        record, slab, slot = self._where(key)
-        n = record.stored_size
+        n, slab, slot = self._where(key)
         padded = _round_up(n)
         dst = as_bytes(out)
         direct = _lands_in_place(dst, n)
@@ -333,14 +358,17 @@ class NvmeTier(Tier):
 
     def _run_end(self, keys, i: int) -> int:
         """The end of the run from ``keys[i]``: each next block in the slot after the last's."""
-        record = self._blocks.get(keys[i])
-        if record is None:
+        try:
+            _, slab, slot = self._where(keys[i])
+        except KeyError:
             return i + 1
-        _, slab, slot = self._where(keys[i])
         j, nbytes = i + 1, slab.slot_bytes
         while j < len(keys) and nbytes + slab.slot_bytes <= READ_RUN_BYTES:
-            nxt = self._blocks.get(keys[j])
-            if nxt is None or HEADER_BYTES + _round_up(nxt.stored_size) != slab.slot_bytes or nxt.slot != slot + 1:
+            try:
+                _, nxt_slab, nxt_slot = self._where(keys[j])
+            except KeyError:
+                break
+            if nxt_slab is not slab or nxt_slot != slot + 1:
                 break
             slot, nbytes, j = slot + 1, nbytes + slab.slot_bytes, j + 1
         return j
@@ -351,8 +379,7 @@ class NvmeTier(Tier):
         entries = [self._where(k) for k in keys]
         slab, first = entries[0][1], entries[0][2]
         plans, pieces, staged = [], [], 0
-        for (record, _, _), out in zip(entries, outs):
-            n = record.stored_size
+        for (n, _, _), out in zip(entries, outs):
             padded = _round_up(n)
             dst = as_bytes(out)
             direct = _lands_in_place(dst, n)
@@ -403,10 +430,17 @@ class NvmeTier(Tier):
     def drop(self, key: bytes) -> None:
         """Forget the block; its slot stays taken until ``finish_drops`` has erased it."""
         with self._lock:
-            if key not in self._blocks:
-                return
-            _, slab, slot = self._where(key)
-            del self._blocks[key]
+            if key in self._blocks:
+                _, slab, slot = self._where(key)
+                del self._blocks[key]
+            else:
+                try:
+                    rows, row = self._recovered_row(key)
+                except KeyError:
+                    return
+                slab, slot = rows.slab, rows.drop(row)
+                if not rows:
+                    self._recovered = tuple(r for r in self._recovered if r is not rows)
             self.used_bytes -= slab.slot_bytes
             self._to_punch.append((key, slab, slot))
 
@@ -441,7 +475,12 @@ class NvmeTier(Tier):
         slab.close()
 
     def record(self, key: bytes) -> BlockRecord:
-        return self._blocks[key]
+        """The block's record: the one it was written with, or a recovered block's, made now."""
+        record = self._blocks.get(key)
+        if record is not None:
+            return record
+        rows, row = self._recovered_row(key)
+        return rows.record(row)
 
     def checksum(self, key: bytes) -> int:
         """The xxh3_64 of the block's payload, as its header holds it (its slab keeps it: a
@@ -453,28 +492,30 @@ class NvmeTier(Tier):
     def records(self) -> list[BlockRecord]:
         """The record of every block this tier holds (a snapshot; for inspection)."""
         with self._lock:
-            return list(self._blocks.values())
+            return [*self._blocks.values(), *(r for rows in self._recovered for r in rows.records())]
 
-    def recover(self) -> Iterator[BlockRecord]:
+    def recover_blocks(self) -> Iterator[RecoveredBlocks]:
         """Rebuild the index from the slabs' record files (``slab_recovery``): erase damaged
-        records' slots, yield intact blocks. A slab found without its record file has its slots'
-        headers read instead, and the record file written again from them."""
+        records' slots, yield each slab's intact blocks, and hold them as its rows
+        (``RecoveredRows``). A slab found without its record file has its slots' headers read
+        instead, and the record file written again from them."""
         finder = SlabFinder(self.path, self.o_direct, self.verify_on_recover, self._staging)
         shared: dict = {}   # one object per key and size (a child's parent_key is its parent's key)
         try:
             for slab, rebuild in finder.slabs(self._slabs.__contains__):
                 self._slabs[slab.slot_bytes] = slab
-                found, count = finder.intact(slab, rebuild, self.capacity_bytes - self.used_bytes,
-                                             self._blocks.__contains__, shared)
+                found, slots, count = finder.intact(slab, rebuild, self.capacity_bytes - self.used_bytes,
+                                                    self._holds, shared)
                 with self._lock:
-                    for record in found:
-                        self._blocks[record.key] = record
+                    if found:
+                        self._recovered += (RecoveredRows(slab, found, slots),)
                     self.used_bytes += len(found) * slab.slot_bytes
-                    slab.adopt([record.slot for record in found], count)
+                    slab.adopt(slots, count)
                     if not found:
                         self._retire(slab)
                 self._count_recovery(finder)
-                yield from found
+                if found:
+                    yield found
         finally:
             self._count_recovery(finder)
 
@@ -489,7 +530,8 @@ class NvmeTier(Tier):
                 slab.close()
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "blocks": len(self._blocks), "o_direct": int(self.o_direct),
+        return {**super().stats(), "blocks": len(self._blocks) + sum(map(len, self._recovered)),
+                "o_direct": int(self.o_direct),
                 "slab_files": sum(1 for s in self._slabs.values() if s.fd >= 0),
                 "recovery_skipped_not_regular": self.recovery_skipped_not_regular,
                 "file_fsyncs": self.file_fsyncs, "filesystem_flushes": self.filesystem_flushes}

@@ -21,7 +21,7 @@ import xxhash
 
 from kvstore.buffers import Scratch
 from kvstore.errors import TierIOError
-from kvstore.tiers.base import BlockRecord
+from kvstore.tiers.base import RecoveredBlocks
 from kvstore.tiers.block_headers import ALIGN, HEADER_BYTES, SUMMED_BYTES, decode_headers
 from kvstore.tiers.private_files import NotRegularFile, file_kind, open_regular, unlink_quietly
 from kvstore.tiers.slabs import RECORD_BYTES, RECORDS_NAME, SLAB_NAME, Slab, records_path
@@ -122,47 +122,50 @@ class SlabFinder:
         unlink_quietly(path)
 
     def intact(self, slab: Slab, rebuild: bool, room: int, taken: Callable[[bytes], bool],
-               shared: dict) -> tuple[list[BlockRecord], int]:
-        """The intact blocks of one slab (their slots in ``record.slot``) and its slot count, from
+               shared: dict) -> tuple[RecoveredBlocks, list[int], int]:
+        """The intact blocks of one slab, their slots (in the same order) and its slot count, from
         its records, decoded at once (``decode_headers``); with ``verify`` each slot is read as
-        well and must hold the same header and a payload that matches its checksum. ``rebuild``:
-        its record file is new, so its records come from the headers at its slot starts, and are
-        written. ``room``: bytes the tier has left; ``taken(key)``: a block the tier holds
-        already. ``shared``: equal keys and sizes are made one object (an index of millions
-        holds them; a child's ``parent_key`` is its parent's ``key``)."""
+        well and must hold the same header and a payload that matches its checksum. The slab
+        keeps their checksums (``Slab.set_checksums``). ``rebuild``: its record file is new, so
+        its records come from the headers at its slot starts, and are written. ``room``: bytes
+        the tier has left; ``taken(key)``: a block the tier holds already. ``shared``: equal keys
+        and sizes are made one object (an index of millions holds them; a child's parent key is
+        its parent's key)."""
         count = os.fstat(slab.fd).st_size // slab.slot_bytes
         rows = self._slot_header_rows(slab, count) if rebuild else slab.read_records(count)
         flat = memoryview(rows).cast("B")
         page = self._staging.get(slab.slot_bytes if self.verify else HEADER_BYTES)
-        found: list[BlockRecord] = []
+        found = RecoveredBlocks([], [], [], [], [])
+        slots: list[int] = []
+        sums: list[int] = []
         keys: set[bytes] = set()
-        slots = np.flatnonzero(rows.any(axis=1))
+        used = np.flatnonzero(rows.any(axis=1))
+        d = decode_headers(rows[used])
         share = shared.setdefault
-        for slot, record in zip(slots.tolist(), decode_headers(rows[slots])):
-            key = None if record is None else record.key
+        for slot, ok, key, parent, stored, raw, codec, checksum in zip(
+                used.tolist(), d.intact, d.keys, d.parent_keys, d.stored_sizes, d.raw_sizes, d.codecs, d.checksums):
             at = slot * RECORD_BYTES
-            if (record is None or HEADER_BYTES + -(-record.stored_size // ALIGN) * ALIGN != slab.slot_bytes
+            if (not ok or HEADER_BYTES + -(-stored // ALIGN) * ALIGN != slab.slot_bytes
                     or key in keys or taken(key) or room < slab.slot_bytes
-                    or (self.verify and not self._slot_intact(slab, slot, flat[at:at + RECORD_BYTES], record, page))):
+                    or (self.verify and not self._slot_intact(slab, slot, flat[at:at + RECORD_BYTES], stored,
+                                                              checksum, page))):
                 self._dropped += 1
                 rows[slot] = 0
                 slab.punch(slot)
                 continue
             keys.add(key)
             room -= slab.slot_bytes
-            record.key = share(key, key)
-            if record.parent_key is not None:   # its parent's key, where the tier holds the parent
-                record.parent_key = share(record.parent_key, record.parent_key)
-            record.raw_size = share(record.raw_size, record.raw_size)
-            record.stored_size = share(record.stored_size, record.stored_size)
-            record.slot = slot
-            found.append(record)
-        slab.set_checksums([r.slot for r in found], [r.checksum for r in found])
-        for record in found:
-            record.checksum = 0   # the slab keeps it (``Slab.checksum``): an index of millions holds the record
+            found.keys.append(share(key, key))
+            found.parent_keys.append(None if parent is None else share(parent, parent))
+            found.raw_sizes.append(share(raw, raw))
+            found.stored_sizes.append(share(stored, stored))
+            found.codecs.append(codec)
+            slots.append(slot)
+            sums.append(checksum)
+        slab.set_checksums(slots, sums)
         if rebuild:
             slab.write_records(rows)
-        return found, count
+        return found, slots, count
 
     def _slot_header_rows(self, slab: Slab, count: int) -> np.ndarray:
         """The headers at the slot starts of a slab without a record file, one row each, as its
@@ -183,12 +186,12 @@ class SlabFinder:
                 rows[slot, 0] ^= 0xFF   # not a header of ours: decoding it fails
         return rows
 
-    def _slot_intact(self, slab: Slab, slot: int, row, record: BlockRecord, page) -> bool:
-        """Whether ``slot`` holds the header its record names and a payload matching its checksum."""
+    def _slot_intact(self, slab: Slab, slot: int, row, stored: int, checksum: int, page) -> bool:
+        """Whether ``slot`` holds the header ``row`` and a ``stored``-byte payload matching ``checksum``."""
         view = memoryview(page)
         try:
             got = os.preadv(slab.fd, [view[:slab.slot_bytes]], slab.offset(slot))
         except OSError:
             return False
-        return (got >= HEADER_BYTES + record.stored_size and view[:SUMMED_BYTES] == row[:SUMMED_BYTES]
-                and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:HEADER_BYTES + record.stored_size]) == record.checksum)
+        return (got >= HEADER_BYTES + stored and view[:SUMMED_BYTES] == row[:SUMMED_BYTES]
+                and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:HEADER_BYTES + stored]) == checksum)

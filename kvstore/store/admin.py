@@ -91,9 +91,9 @@ class StoreAdmin:
             fp.blocks += 1
             fp.bytes += entry.raw_size
             tiers = per_tier[entry.namespace_id]
-            for t, record in list(entry.copies.items()):
+            for t, stored_size, _ in entry.copies.sizes_and_codecs():
                 tiers[names[t]][0] += 1
-                tiers[names[t]][1] += record.stored_size
+                tiers[names[t]][1] += stored_size
         for ns_id, fp in out.items():
             fp.tiers = {n: {"blocks": b, "bytes": nb} for n, (b, nb) in per_tier[ns_id].items()}
             fp.pinned_blocks, fp.pinned_bytes = self.pins.of_namespace(ns_id)

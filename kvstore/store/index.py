@@ -9,11 +9,45 @@ policies never see a stale chain. Callers hold the store lock.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 
 from kvstore.keys import NAMESPACE_ID_BYTES, NamedByKey, block_key
 from kvstore.store.policy import EvictionPolicy
 from kvstore.tiers.base import BlockRecord
+
+
+class RecoveredCopy:
+    """Stands in for the record of a recovered block's one copy, until the record is asked for:
+    the copy's tier (``tier``, as a record's), ``stored_size`` and ``codec``. The rest of the
+    record is its entry's (key, parent key, raw size) and its tier's (slot, checksum), so one
+    instance is shared by every recovered block of a tier, size and codec (``RecoveredCopies``):
+    a warm restart of millions of blocks makes no record per block. Never changed once made."""
+
+    __slots__ = ("tier", "stored_size", "codec")
+
+    def __init__(self, tier: int, stored_size: int, codec: int) -> None:
+        self.tier, self.stored_size, self.codec = tier, stored_size, codec
+
+    def __repr__(self) -> str:
+        return f"RecoveredCopy(tier={self.tier}, stored_size={self.stored_size}, codec={self.codec})"
+
+
+class RecoveredCopies:
+    """The ``RecoveredCopy`` of each tier, stored size and codec met during one recovery."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, int, int], RecoveredCopy] = {}
+
+    def __call__(self, tier: int, stored_size: int, codec: int) -> RecoveredCopy:
+        made = self._made.get((tier, stored_size, codec))
+        if made is None:
+            made = self._made[tier, stored_size, codec] = RecoveredCopy(tier, stored_size, codec)
+        return made
+
+
+#: makes a recovered copy's record at most once, whichever thread asks first (``Copies._record``)
+_MAKING_RECORDS = threading.Lock()
 
 
 class Copies:
@@ -24,21 +58,59 @@ class Copies:
     a separate object would take 40 bytes more per block). The copies are one value, replaced
     whole on each change, so a reader that does not hold the store lock still sees one consistent
     state: None (no copy), the record of the one copy (most blocks; its tier is ``record.tier``),
-    or a flat tuple (tier, record, tier, record, ...) in tier order."""
+    a ``RecoveredCopy`` (a recovered block's one copy, its record not made yet), or a flat tuple
+    (tier, record, tier, record, ...) in tier order. A recovered copy's record is made the first
+    time it is asked for (``get``, ``[t]``, ``first_item``, ``items``, a change), kept from then
+    on, and one object for every caller (a caller may compare it by identity later);
+    ``sizes_and_codecs`` answers without making it."""
 
     __slots__ = ("_flat",)
 
     def __init__(self) -> None:
-        self._flat: tuple | BlockRecord | None = None
+        self._flat: tuple | BlockRecord | RecoveredCopy | None = None
+
+    def _record(self, stand_in: RecoveredCopy) -> BlockRecord:
+        """The record ``stand_in`` stands for, made from it and the entry, and kept in its place."""
+        assert isinstance(self, Entry), "copies are an entry's"
+        with _MAKING_RECORDS:
+            if self._flat is stand_in:
+                record = BlockRecord.of_keys(self.key, self.parent_key, stand_in.stored_size, self.raw_size,
+                                             stand_in.codec)
+                record.tier = stand_in.tier
+                self._flat = record
+                return record
+        return self.get(stand_in.tier)   # another thread made it meanwhile
+
+    def hold_recovered(self, copy: RecoveredCopy) -> None:
+        """A copy a warm restart found (its record made only when asked for)."""
+        if self._flat is None:
+            self._flat = copy
+        else:   # found in a second tier: records for both
+            self[copy.tier] = BlockRecord.of_keys(self.key, self.parent_key, copy.stored_size, self.raw_size,
+                                                  copy.codec)
 
     def _pairs(self) -> tuple:
         flat = self._flat
         if flat is None:
             return ()
+        if type(flat) is RecoveredCopy:
+            return flat.tier, self._record(flat)
         return flat if type(flat) is tuple else (flat.tier, flat)
+
+    def sizes_and_codecs(self) -> list[tuple[int, int, int]]:
+        """(tier, stored size, codec) of each copy, in tier order, no record made (a whole
+        index's figures: ``Store.stats``, namespace footprints)."""
+        flat = self._flat
+        if flat is None:
+            return []
+        if type(flat) is tuple:
+            return [(flat[i], flat[i + 1].stored_size, flat[i + 1].codec) for i in range(0, len(flat), 2)]
+        return [(flat.tier, flat.stored_size, flat.codec)]
 
     def get(self, t: int, default=None):
         flat = self._flat
+        if type(flat) is RecoveredCopy:
+            return self._record(flat) if flat.tier == t else default
         if type(flat) is tuple:
             for i in range(0, len(flat), 2):
                 if flat[i] == t:
@@ -59,6 +131,7 @@ class Copies:
         return flat is not None and flat.tier == t
 
     def _set(self, pairs: list) -> None:
+        assert all(type(p[1]) is not RecoveredCopy for p in pairs), "a stand-in among records"
         if not pairs:
             self._flat = None
         elif len(pairs) == 1 and pairs[0][1].tier in (-1, pairs[0][0]):
@@ -86,14 +159,21 @@ class Copies:
         return record
 
     def __delitem__(self, t: int) -> None:
-        self.pop(t)
+        flat = self._flat
+        if type(flat) is RecoveredCopy and flat.tier == t:
+            self._flat = None   # no record made for a copy that leaves
+        else:
+            self.pop(t)
 
     def items(self) -> list[tuple[int, BlockRecord]]:
         flat = self._pairs()
         return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def __iter__(self):
-        return iter(self._pairs()[::2])
+        flat = self._flat
+        if flat is None:
+            return iter(())
+        return iter(flat[::2]) if type(flat) is tuple else iter((flat.tier,))
 
     def first(self) -> int:
         """The fastest tier holding a copy (``min`` of the tiers: the one copy's, or the front of
@@ -119,14 +199,18 @@ class Copies:
             return flat[0], flat[1]
         if flat is None:
             raise ValueError("no copy")
-        return flat.tier, flat
+        return flat.tier, self._record(flat) if type(flat) is RecoveredCopy else flat
 
     def __len__(self) -> int:
         flat = self._flat
         return 0 if flat is None else len(flat) // 2 if type(flat) is tuple else 1
 
+    def _shown(self) -> dict | RecoveredCopy:
+        flat = self._flat
+        return flat if type(flat) is RecoveredCopy else dict(self.items())
+
     def __repr__(self) -> str:
-        return f"Copies({dict(self.items())!r})"
+        return f"Copies({self._shown()!r})"
 
 
 _READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN = 1, 2, 4, 8, 16
@@ -210,7 +294,7 @@ class Entry(Copies, NamedByKey):
         return (kids,) if type(kids) is bytes else kids
 
     def __repr__(self) -> str:
-        return (f"Entry({self.key.hex()[:24]}..., copies={dict(self.items())!r}, ready={self.ready}, pins={self.pins}, "
+        return (f"Entry({self.key.hex()[:24]}..., copies={self._shown()!r}, ready={self.ready}, pins={self.pins}, "
                 f"doomed={self.doomed})")
 
 

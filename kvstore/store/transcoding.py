@@ -125,8 +125,8 @@ class Transcoder:
         """Per tier: the copies it holds encoded and raw now, and the tally of placements."""
         held = [[0, 0] for _ in self.tiers]
         for entry in entries:
-            for t, record in entry.copies.items():
-                held[t][record.codec == 0] += 1
+            for t, _, codec in entry.copies.sizes_and_codecs():
+                held[t][codec == 0] += 1
         return {tier.name: self.tally.tier_stats(tier.name, *held[t]) for t, tier in enumerate(self.tiers)}
 
     def count(self, t: int, placement: Placement, raw_size: int) -> None:
