@@ -107,7 +107,7 @@ class Leases:
                     lease.extents.append(None if entry is None else cpu.extents(entry.key))
                 i += len(run)
         except Exception:
-            self._release(lease)
+            self.cancel_store(lease)
             raise
         return lease
 
@@ -118,10 +118,6 @@ class Leases:
         lease (``InvalidArgument`` naming it): nothing is stored, the slots are freed."""
         return self.finish_store(self._take(lease_id, "store"), codec, sizes)
 
-    def cancel_store(self, lease: Lease) -> None:
-        """Free a ``reserve_store`` reservation's slots (nothing of it becomes visible)."""
-        self._release(lease)
-
     def finish_store(self, lease: Lease, codec: int = 0, sizes: Sequence[int] = ()) -> list[str]:
         """``complete_store`` of a store lease already taken out of the table (or never in it:
         ``reserve_store``)."""
@@ -129,7 +125,7 @@ class Leases:
         try:
             encoded = self._client_payloads(lease, codec, sizes)
         except Exception:
-            self._release(lease)
+            self.cancel_store(lease)
             raise
         out = PutResults(cascade)
         ready: list[tuple[int, object, object]] = []   # (result position, entry, payload), not yet published
@@ -197,10 +193,11 @@ class Leases:
         return out
 
     def abort_store(self, lease_id: int) -> None:
-        self._release(self._take(lease_id, "store"))
+        self.cancel_store(self._take(lease_id, "store"))
 
-    def _release(self, lease: Lease) -> None:
-        """Free a store lease's reserved slots: its blocks not yet visible are dropped."""
+    def cancel_store(self, lease: Lease) -> None:
+        """Free a store lease's reserved slots (a ``reserve_store`` one's on any failure): its blocks
+        not yet visible are dropped."""
         with self._cascade.lock:
             for key, extents in zip(lease.keys, lease.extents):
                 entry = self._cascade.index.entries.get(key) if extents is not None else None
@@ -331,6 +328,6 @@ class Leases:
             if lease.kind == "load":
                 cascade.unpin_keys(lease.keys)
             else:
-                self._release(lease)
+                self.cancel_store(lease)
         cascade.count("leases_expired", len(dead))
         return len(dead)

@@ -1,6 +1,7 @@
 """Copies between tiers with the I/O outside the store lock: writing victims down to make room
-(``clear_room``), and copying a pinned block into another tier (``copy_out``, ``copy_out_many``:
-write-through, demotions, promotions into a disk tier, prewarm).
+(``clear_room``), and copying pinned blocks into another tier (``copy_out_many``, and
+``copy_out`` for one: write-through, demotions, promotions into a disk tier, prewarm, a lease's
+staging into the CPU arena, flush).
 
 Each copy is planned under the store lock (room made, the destination allocated, the blocks it
 reads pinned), executed with the lock released (the read of the source, the codec, the write),
@@ -13,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockCorrupt, BlockTooLarge, CodecError, TierFull, TierIOError
 from kvstore.store.index import Entry
 from kvstore.store.reads import read_staged
@@ -50,9 +50,6 @@ class Transfers:
 
     def __init__(self, cascade: Cascade) -> None:
         self.cascade = cascade
-        # one per source tier: writing a victim down to make room below reads through the next one's
-        self._scratch = [Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
-                         for _ in cascade.tiers]
 
     def clear_room(self, t: int, nbytes: int, namespace_id: bytes, blocks: int = 1,
                    keep: set[bytes] | frozenset[bytes] = frozenset()) -> None:
@@ -147,143 +144,87 @@ class Transfers:
         if unexpected is not None:
             raise unexpected
 
-    def copy_out_many(self, entries: Sequence[Entry], src: int, dst: int) -> list[str]:
-        """``copy_out`` for blocks the caller has pinned, planned and recorded together: room in
-        ``dst`` made for all of them first (``clear_room``), their copies in ``src`` taken where
-        each is one view of memory (a CPU arena slot: no scratch buffer is shared between them) or
-        else read several at once (``reads.read_staged``), their writes into ``dst`` made by one
-        ``Tier.write_many_unsynced`` (neighbouring slots of a disk tier in one call). A copy of
-        several pieces, and a lone block, go one by one (``copy_out``). Returns each block's
-        outcome. Takes the lock itself."""
-        outcomes: list[str] = [NO_ROOM] * len(entries)
-        placed_all = []   # (position, entry, its placement in dst)
-        alone: list[int] = []
-        todo = [k for k, e in enumerate(entries) if dst not in e.copies and src in e.copies]
-        for k, entry in enumerate(entries):
-            if dst in entry.copies:
-                outcomes[k] = COPIED
-        src_tier = self.cascade.tiers[src]
-        if len(todo) > 1:
-            first = entries[todo[0]]
-            self.clear_room(dst, max(entries[k].copies[src].stored_size for k in todo), first.namespace_id,
-                            blocks=len(todo))
-            if isinstance(src_tier, CpuTier):
-                payloads: list = [v[0] if len(v := src_tier.view(entries[k].key)) == 1 else None for k in todo]
-            else:   # into this thread's staging buffer: nothing below reads through it before the writes
-                payloads = read_staged(self.cascade, [(entries[k], src) for k in todo])
-        else:
-            alone, payloads = todo, []
-        for k, payload in zip(todo, payloads):
-            entry = entries[k]
-            record = entry.copies.get(src)
-            if payload is None or record is None:
-                alone.append(k)
-                continue
-            if isinstance(payload, Exception) and not isinstance(payload, (BlockCorrupt, CodecError)):
-                continue   # the read failed: no copy
-            try:
-                if isinstance(payload, Exception):
-                    raise payload
-                placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, payload,
-                                                       downward=dst > src)
-            except (BlockCorrupt, CodecError):
-                outcomes[k] = self._damaged(entry, src, record)
-                continue
-            placed_all.append((k, entry, placed))
-        writing = []
-        with self.cascade.lock:
-            for k, entry, placed in placed_all:
-                if dst in entry.copies:
-                    outcomes[k] = COPIED
-                    continue
-                try:
-                    self.cascade.make_room(dst, placed.record.stored_size, entry.namespace_id)
-                    self.cascade.tiers[dst].allocate(placed.record)
-                except RoomNotReady:
-                    alone.append(k)   # copy_out clears the room below and tries again
-                    continue
-                except PLACEMENT_ERRORS:
-                    continue
-                writing.append((k, entry, placed))
-        try:
-            failed = self.cascade.tiers[dst].write_many_unsynced([p.record for _, _, p in writing],
-                                                         [p.payload for _, _, p in writing], durable=False)
-        except BaseException:
-            with self.cascade.lock:
-                for _, _, placed in writing:
-                    self.cascade.tiers[dst].drop(placed.record.key)
-            raise
-        with self.cascade.lock:
-            for (k, entry, placed), error in zip(writing, failed):
-                if error is not None or entry.doomed or self.cascade.index.entries.get(entry.key) is not entry:
-                    self.cascade.tiers[dst].drop(placed.record.key)   # not written, or a copy nobody will read
-                    continue
-                self.cascade.add_copy(entry, dst, placed)
-                outcomes[k] = COPIED
-        for k in sorted(alone):
-            outcomes[k] = self.copy_out(entries[k], src, dst)
-        return outcomes
-
     def copy_out(self, entry: Entry, src: int, dst: int, data=None, decoded=None) -> str:
-        """Copy a block the caller has pinned (or that is still invisible) from tier ``src`` to
-        tier ``dst`` with the lock released for every I/O: the read of ``src`` (skipped when
-        ``data`` holds its payload already; ``decoded``: its raw bytes, if at hand), room in
-        ``dst`` (``clear_room``, then ``make_room`` under the lock, tried again if another caller
-        took it), the write. The copy is recorded only if the block is still wanted (not deleted
-        meanwhile). Returns ``COPIED`` (or ``dst`` had a copy already), ``NO_ROOM`` (the tier
-        refused it, or its write failed) or ``CORRUPT`` (the ``src`` copy was damaged: dropped,
-        counted). Takes the lock itself."""
-        record = entry.copies.get(src)
-        if dst in entry.copies:
-            return COPIED
-        if record is None:
-            return NO_ROOM
-        if data is None:
-            # room below first, and into this tier's own buffer: writing another victim down to
-            # make that room reads it through the next tier's
-            self.clear_room(dst, record.stored_size, entry.namespace_id)
-            try:
-                data = self.cascade.read_copy(entry, src, self._scratch[src])
-            except (BlockCorrupt, CodecError, KeyError):
-                return self._damaged(entry, src, record)
-        try:
-            placed = self.cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, record, data,
-                                           downward=dst > src, decoded=decoded)
-        except (BlockCorrupt, CodecError):
-            return self._damaged(entry, src, record)
-        target = placed.record
-        for attempt in range(ROOM_ATTEMPTS):
-            if attempt:
-                self.clear_room(dst, target.stored_size, entry.namespace_id)
-            with self.cascade.lock:
-                if dst in entry.copies:
-                    return COPIED
+        """``copy_out_many`` for one block; ``data``: its payload in ``src`` when the caller has
+        read it already (``decoded``: its raw bytes, if at hand)."""
+        return self.copy_out_many([entry], src, dst, None if data is None else [(data, decoded)])[0]
+
+    def copy_out_many(self, entries: Sequence[Entry], src: int, dst: int, given: Sequence | None = None) -> list[str]:
+        """Copy blocks the caller has pinned (or that are still invisible) from tier ``src`` to tier
+        ``dst``, planned, executed and recorded together, every I/O with the lock released: room
+        in ``dst`` for all of them (``clear_room``); their payloads (``given``: ``(payload, raw
+        bytes or None)`` per block, when the caller has read them; else a copy in ``src`` that is
+        one view of memory, a CPU arena slot, as it lies, and the others read several at once,
+        ``reads.read_staged``) in ``dst``'s form; room and slots taken under one lock acquisition
+        (``make_room``; blocks whose room needs a write down first go round again, at most
+        ``ROOM_ATTEMPTS`` times in all, read again); one ``Tier.write_many_unsynced``
+        (neighbouring slots of a disk tier in one call); each copy recorded under the lock only if
+        its block is still wanted (not deleted meanwhile). Per block ``COPIED`` (or ``dst`` had a
+        copy already), ``NO_ROOM`` (refused, or its read or write failed) or ``CORRUPT`` (its
+        ``src`` copy was damaged: dropped, counted). Takes the lock itself."""
+        cascade = self.cascade
+        outcomes: list[str] = [COPIED if dst in e.copies else NO_ROOM for e in entries]
+        todo = [k for k, e in enumerate(entries) if dst not in e.copies and src in e.copies]
+        src_tier, dst_tier = cascade.tiers[src], cascade.tiers[dst]
+        for _ in range(ROOM_ATTEMPTS):
+            records = {k: entries[k].copies.get(src) for k in todo}
+            todo = [k for k in todo if records[k] is not None]
+            if not todo:
+                break
+            self.clear_room(dst, max(r.stored_size for r in records.values() if r is not None),
+                            entries[todo[0]].namespace_id, blocks=len(todo))
+            if given is not None:
+                payloads = [given[k] for k in todo]
+            else:   # read after the room is made: writing victims down reads through the same buffer
+                views = [src_tier.view(entries[k].key) if isinstance(src_tier, CpuTier) else () for k in todo]
+                unread = [(entries[k], src) for k, v in zip(todo, views) if len(v) != 1]
+                staged = iter(read_staged(cascade, unread) if unread else ())
+                payloads = [(v[0] if len(v) == 1 else next(staged), None) for v in views]
+            placed_all = []   # (position, entry, its placement in dst)
+            for k, (payload, decoded) in zip(todo, payloads):
+                entry = entries[k]
+                if isinstance(payload, Exception) and not isinstance(payload, (BlockCorrupt, CodecError, KeyError)):
+                    continue   # the read failed: no copy
                 try:
-                    self.cascade.make_room(dst, target.stored_size, entry.namespace_id)
-                    self.cascade.tiers[dst].allocate(target)
-                    break
-                except RoomNotReady:
+                    if isinstance(payload, Exception):
+                        raise payload
+                    placed = cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, records[k], payload,
+                                                      downward=dst > src, decoded=decoded)
+                except (BlockCorrupt, CodecError, KeyError):
+                    outcomes[k] = self._damaged(entry, src, records[k])
                     continue
-                except PLACEMENT_ERRORS:
-                    return NO_ROOM
-        else:
-            return NO_ROOM
-        try:
-            self.cascade.tiers[dst].write_unsynced(target, placed.payload, durable=False)
-        except PLACEMENT_ERRORS:
-            with self.cascade.lock:
-                self.cascade.tiers[dst].drop(target.key)
-            return NO_ROOM
-        except BaseException:
-            with self.cascade.lock:
-                self.cascade.tiers[dst].drop(target.key)
-            raise
-        with self.cascade.lock:
-            if entry.doomed or self.cascade.index.entries.get(entry.key) is not entry:
-                self.cascade.tiers[dst].drop(target.key)   # a copy nobody will read
-                return NO_ROOM
-            self.cascade.add_copy(entry, dst, placed)
-        return COPIED
+                placed_all.append((k, entry, placed))
+            writing, todo = [], []
+            with cascade.lock:
+                for k, entry, placed in placed_all:
+                    if dst in entry.copies:
+                        outcomes[k] = COPIED
+                        continue
+                    try:
+                        cascade.make_room(dst, placed.record.stored_size, entry.namespace_id)
+                        dst_tier.allocate(placed.record)
+                    except RoomNotReady:
+                        todo.append(k)   # the next round clears the room below first
+                        continue
+                    except PLACEMENT_ERRORS:
+                        continue
+                    writing.append((k, entry, placed))
+            try:
+                failed = dst_tier.write_many_unsynced([p.record for _, _, p in writing],
+                                                      [p.payload for _, _, p in writing], durable=False)
+            except BaseException:
+                with cascade.lock:
+                    for _, _, placed in writing:
+                        dst_tier.drop(placed.record.key)
+                raise
+            with cascade.lock:
+                for (k, entry, placed), error in zip(writing, failed):
+                    if error is not None or entry.doomed or cascade.index.entries.get(entry.key) is not entry:
+                        dst_tier.drop(placed.record.key)   # not written, or a copy nobody will read
+                        continue
+                    cascade.add_copy(entry, dst, placed)
+                    outcomes[k] = COPIED
+        return outcomes
 
     def _damaged(self, entry: Entry, src: int, record) -> str:
         """A copy in ``src`` failed its checksum or decode: dropped (counted) unless it changed

@@ -52,7 +52,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, on_bytes=None) -> Non
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise ConnectionError("side channel closed mid-transfer")
+            raise ConnectionError("the peer closed the connection mid-transfer")
         got += k
         if on_bytes is not None:
             on_bytes()
@@ -67,7 +67,7 @@ def recv_exact_into_each(sock: socket.socket, views: list[memoryview], on_bytes=
         run = [views[at][offset:]] + views[at + 1:at + SEND_RUN_BUFFERS]
         k = sock.recvmsg_into(run)[0]
         if k == 0:
-            raise ConnectionError("side channel closed mid-transfer")
+            raise ConnectionError("the peer closed the connection mid-transfer")
         if on_bytes is not None:
             on_bytes()
         k += offset

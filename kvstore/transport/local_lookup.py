@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvstore.transport.bulk import recv_exact
 from kvstore.transport.lookup_index import IndexReader
 from kvstore.transport.tickets import TokenBook
 from kvstore.transport.socket_server import Connection, SocketServer
@@ -107,26 +108,15 @@ def peer_closed(sock: socket.socket) -> bool:
     return bool(readable.poll(0))
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes of an answer, or ConnectionResetError when the daemon closes first."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("the daemon closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def frame(body: bytes) -> bytes:
     """``body`` behind its ``u32`` length: every request and answer on this socket."""
     return _LEN.pack(len(body)) + body
 
 
 def recv_frame(sock: socket.socket) -> bytes:
-    """The body of the next frame (its length read first), as ``recv_exactly`` reads."""
-    (n,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
-    return recv_exactly(sock, n)
+    """The body of the next frame (its length read first); ConnectionError when the daemon closes first."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    return recv_exact(sock, n)
 
 
 def greeting(ticket: bytes, tenant: str) -> bytes:
@@ -363,7 +353,7 @@ class LocalLookup:
         data, fds, _, _ = socket.recv_fds(self._sock, _LEN.size + _ANSWER.size, 1)
         try:
             if len(data) < _LEN.size + _ANSWER.size:
-                data += recv_exactly(self._sock, _LEN.size + _ANSWER.size - len(data))
+                data += recv_exact(self._sock, _LEN.size + _ANSWER.size - len(data))
             status, _ = _ANSWER.unpack_from(data, _LEN.size)
             return IndexReader(fds[0]) if status == 0 and fds else None
         finally:
