@@ -13,7 +13,8 @@ takes in each tier: codecs where configured) with ``codec_stats`` (its per-tier 
 ``namespace_files`` (one file per namespace on disk), ``quotas`` (per-tenant byte accounting),
 ``recovery`` (warm restart), ``views`` (pinned blocks and the shared arena), ``listeners``,
 ``config`` and ``policy``; ``admin`` (operator commands: footprints, drop, evict, prewarm, limits;
-``Store.admin``) with ``pinned_prefixes`` (``kvstore pin``) and ``warming`` (copies into the CPU tier).
+``Store.admin``) with ``pinned_prefixes`` (``kvstore pin``); both warm blocks into the CPU tier
+with ``Transfers.warm``.
 """
 
 from kvstore.store.config import StoreConfig

@@ -18,7 +18,7 @@ from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.pinned_prefixes import PinnedPrefixes
-from kvstore.store.warming import ALREADY_WARM, WARMED, warm
+from kvstore.store.transfers import ALREADY_WARM, WARMED
 
 
 @dataclasses.dataclass
@@ -143,7 +143,7 @@ class StoreAdmin:
 
     def prewarm(self, namespace_id: bytes, hashes: Sequence[bytes]) -> Warmed:
         """Copy the stored blocks of ``hashes`` into the CPU tier, one at a time, each read and
-        written with the lock released (``warming.warm``), so requests interleave with a long prewarm."""
+        written with the lock released (``Transfers.warm``), so requests interleave with a long prewarm."""
         result = Warmed()
         for h in dict.fromkeys(hashes):
             with self.cascade.lock:
@@ -151,7 +151,7 @@ class StoreAdmin:
             if entry is None:
                 result.missing += 1
                 continue
-            done = warm(self.cascade, entry)
+            done = self.cascade.transfers.warm(entry)
             if done == WARMED:
                 result.warmed += 1
             elif done == ALREADY_WARM:

@@ -2,7 +2,7 @@
 
 A pin is a declaration about block hashes of one namespace, whether the blocks are stored yet or
 not, so a system prompt can be pinned before its first request: blocks already stored are held at
-once and copied into the CPU tier (``warming.warm``); blocks published later are held as they
+once and copied into the CPU tier (``Transfers.warm``); blocks published later are held as they
 arrive (this is a store listener while any prefix is pinned, so puts pay nothing for it otherwise). A held block (``Entry.held``) is skipped by every tier's
 eviction. A client's Delete still removes it (the tenant's own data), and a later put of the same
 block is held again; ``kvstore ns drop`` forgets the namespace's pins with it.
@@ -27,7 +27,7 @@ from kvstore.errors import QuotaExceeded
 from kvstore.keys import Namespace
 from kvstore.store.cascade import Cascade
 from kvstore.store.listeners import StoreListener
-from kvstore.store.warming import WARMED, warm
+from kvstore.store.transfers import WARMED
 
 #: the daemon setting that sets ``PinnedPrefixes.limit_bytes`` (named in refusals)
 LIMIT_SETTING = "max_pinned_bytes_per_tenant"
@@ -72,7 +72,7 @@ class PinnedPrefixes(StoreListener):
                     entry.held = True
                     stored.append(entry)
             self._refuse_beyond_limit(ns, new)
-        warmed = sum(1 for entry in stored if warm(cascade, entry) == WARMED)   # its I/O without the lock
+        warmed = sum(1 for entry in stored if cascade.transfers.warm(entry) == WARMED)   # its I/O without the lock
         with cascade.lock:   # the copies just made may keep more segments than the footprints say
             self._refuse_beyond_limit(ns, new)
             return PinOutcome(pinned=len(new), stored=len(stored), warmed=warmed,

@@ -34,6 +34,8 @@ WRITE_DOWN_BATCH = 64
 ROOM_ATTEMPTS = 3
 #: what ``copy_out`` did
 COPIED, NO_ROOM, CORRUPT = "copied", "no_room", "corrupt"
+#: what ``warm`` did for one block (or copy_out's NO_ROOM, CORRUPT)
+WARMED, ALREADY_WARM = "warmed", "already"
 
 
 class RoomNotReady(TierFull):
@@ -225,6 +227,32 @@ class Transfers:
                     cascade.add_copy(entry, dst, placed)
                     outcomes[k] = COPIED
         return outcomes
+
+    def warm(self, entry: Entry) -> str:
+        """Give a block a copy in the CPU tier ahead of traffic (``kvstore prewarm``, ``kvstore
+        pin``): the copy a read's promotion makes, made before the first request pays the slow
+        tier, so a warmed block is indistinguishable from a promoted one. Copies its fastest copy
+        unless it has one in the CPU tier or a faster one already, or is gone. The block is pinned
+        while its copy is read and room is made, both with the lock released (``copy_out``).
+        Takes the lock itself."""
+        cascade = self.cascade
+        c = cascade.cpu_index
+        with cascade.lock:
+            if c is None or not entry.visible or entry.fastest <= c:
+                return ALREADY_WARM
+            src = entry.fastest
+            cascade.pin_entry(entry)
+        try:
+            done = self.copy_out(entry, src, c)
+        finally:
+            with cascade.lock:
+                cascade.unpin(entry)
+        if done == COPIED:
+            cascade.count("prewarmed")
+            return WARMED
+        if done == NO_ROOM:
+            cascade.count("prewarm_no_room")
+        return done
 
     def _damaged(self, entry: Entry, src: int, record) -> str:
         """A copy in ``src`` failed its checksum or decode: dropped (counted) unless it changed
