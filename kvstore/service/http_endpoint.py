@@ -47,6 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChainHasher
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.rpc_base import PlainContext
 from kvstore.threads import BUDGET
 
 log = logging.getLogger("kvstore.service.http")
@@ -67,16 +68,6 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large"
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
-class _HeaderContext:
-    """What the servicer reads of a call's context, from an HTTP request's headers."""
-
-    def __init__(self, authorization: str) -> None:
-        self._metadata = (("authorization", authorization),) if authorization else ()
-
-    def invocation_metadata(self):
-        return self._metadata
-
-
 class RouteOverHttp:
     """The Route RPC for a JSON body (see the module docstring); ``servicer`` answers it."""
 
@@ -84,7 +75,7 @@ class RouteOverHttp:
         self.servicer = servicer
 
     def __call__(self, body: dict, authorization: str) -> dict:
-        context = _HeaderContext(authorization)
+        context = PlainContext(metadata=(("authorization", authorization),) if authorization else ())
         try:
             namespace_id = bytes.fromhex(str(body.get("namespace_id", "")))
         except ValueError:

@@ -20,7 +20,7 @@ import time
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import accepted_codecs
-from kvstore.service.rpc_base import PUT_RESULT, ServiceState
+from kvstore.service.rpc_base import PUT_RESULT, PlainContext, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
 from kvstore.transport.local_calls import LEASE_METHODS, REQUESTS, CallFailed
 from kvstore.wire import RAW_CODEC
@@ -61,22 +61,6 @@ class ClientLeases:
         with self._lock:
             for lid in [k for k, (_, until, _) in self._owner.items() if until < now]:
                 del self._owner[lid]
-
-
-class LocalCallContext:
-    """What a lease method sees of a call that came over the Unix socket: the tenant its greeting's
-    ticket proved (``ServiceState.tenant_of`` reads it), no gRPC metadata, and the trailing
-    metadata the method sets, which goes back with the answer."""
-
-    def __init__(self, tenant: str) -> None:
-        self.tenant = tenant
-        self.trailing: tuple = ()
-
-    def invocation_metadata(self):
-        return ()
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self.trailing = tuple(metadata)
 
 
 class LeaseRpcs:
@@ -148,7 +132,7 @@ class LeaseRpcs:
         own method, checks and answer, as ``tenant``; its latency and errors are counted as the
         RPC's are. Raises ``CallFailed`` with the class the method raised."""
         started, code = time.perf_counter(), None
-        context = LocalCallContext(tenant)
+        context = PlainContext(tenant)
         try:
             response = getattr(self, method)(well_formed(_PARSE[method](request)), context)
             return response.SerializeToString(), context.trailing

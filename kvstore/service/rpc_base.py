@@ -31,6 +31,23 @@ from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
 PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
 
+class PlainContext:
+    """A call's context outside gRPC (a lease call over the Unix socket, the HTTP route): the
+    tenant a ticket proved (None: ``ServiceState.tenant_of`` resolves it from ``metadata``), the
+    metadata the call carries, and the trailing metadata the method sets, sent back with the answer."""
+
+    def __init__(self, tenant: str | None = None, metadata: tuple = ()) -> None:
+        self.tenant = tenant
+        self._metadata = metadata
+        self.trailing: tuple = ()
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
+
+
 class ServiceState:
     def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
                  shm_dir: str = "/dev/shm", chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
