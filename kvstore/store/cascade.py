@@ -276,28 +276,25 @@ class Cascade:
 
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
         """Make written entries visible, in order, under one lock acquisition (``_show_run``),
-        after writing each through to the durable tier if configured (``write_through``). Returns
-        the positions of those with a durable copy, which the caller reports as "persisted" after
-        ``sync_durable``. Takes the lock itself."""
-        durable = [] if self.durable_index is None else \
-            [k for k, (entry, data) in enumerate(zip(entries, payloads)) if self._write_through(entry, data)]
+        after writing those of one tier through to the durable tier together if configured
+        (``write_through``: ``copy_out_many`` of ``payloads``, outside the lock, as nobody else
+        touches an invisible entry; not synced, the caller's ``sync_durable`` commits the batch).
+        Returns the positions of those with a durable copy, which the caller reports as
+        "persisted" after ``sync_durable``. Takes the lock itself."""
+        d = self.durable_index
+        if d is None:
+            durable = []
+        else:
+            todo = [k for k, e in enumerate(entries) if d not in e.copies] if self.config.write_through else []
+            for src in sorted({entries[k].fastest for k in todo}):
+                ks = [k for k in todo if entries[k].fastest == src]
+                done = self.copy_out_many([entries[k] for k in ks], src, d, [(payloads[k], None) for k in ks])
+                if done.count(COPIED) < len(ks):
+                    self.count("write_through_failures", len(ks) - done.count(COPIED))
+            durable = [k for k, e in enumerate(entries) if d in e.copies]
         with self.lock:
             self._show_run(entries)
         return durable
-
-    def _write_through(self, entry: Entry, data) -> bool:
-        """Give a written, still invisible entry its durable copy when ``write_through`` asks for
-        one (the write outside the lock: nobody else touches an invisible entry); whether it has
-        one. The write is not synced: the caller's ``sync_durable`` commits the batch."""
-        d = self.durable_index
-        if d is None or d in entry.copies:
-            return d is not None
-        if not self.config.write_through:
-            return False
-        if self.copy_out(entry, entry.fastest, d, data) == COPIED:
-            return True
-        self.count("write_through_failures")
-        return False
 
     def _show_run(self, entries: Sequence[Entry]) -> None:
         """Make written entries visible, in order, each in its fastest tier: the policies and the
