@@ -90,14 +90,17 @@ def decode_headers(rows: np.ndarray) -> DecodedRows:
 def _keys(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:
     """Per row ``block_key`` of its namespace id and the hash from ``at`` on, as long as its
     length says (at most ``_MAX_HASH``; a length of 0 gives the id alone): with one slice when
-    every row's length is the same (a tier's blocks share a hash size). Keys are made straight
-    from the rows: no hash is made apart from its key."""
+    every row's length is the same or 0 (a tier's blocks share a hash size; a chain's head has no
+    parent hash). Keys are made straight from the rows: no hash is made apart from its key."""
     lengths = np.minimum(lengths, _MAX_HASH)
     ns = rows[:, _NS_AT:_NS_AT + _NS_BYTES]
-    if (lengths == lengths[0]).all():
-        size = _NS_BYTES + int(lengths[0])
-        keys = np.concatenate([ns, rows[:, at:at + size - _NS_BYTES]], axis=1)
-        return keys.view(f"V{size}").reshape(-1).tolist()
+    sizes = np.unique(lengths[lengths > 0])
+    if len(sizes) <= 1:
+        size = _NS_BYTES + (int(sizes[0]) if len(sizes) else 0)
+        keys = np.concatenate([ns, rows[:, at:at + size - _NS_BYTES]], axis=1).view(f"V{size}").reshape(-1).tolist()
+        if len(sizes) and not lengths.all():   # the id alone where a row's length is 0
+            keys = [key if n else key[:_NS_BYTES] for key, n in zip(keys, lengths.tolist())]
+        return keys
     return [ns[i].tobytes() + rows[i, at:at + size].tobytes() for i, size in enumerate(lengths.tolist())]
 
 

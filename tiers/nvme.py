@@ -504,8 +504,9 @@ class NvmeTier(Tier):
         try:
             for slab, rebuild in finder.slabs(self._slabs.__contains__):
                 self._slabs[slab.slot_bytes] = slab
+                taken = self._holds if self._recovered else self._blocks.__contains__   # (the same: quicker)
                 found, slots, count = finder.intact(slab, rebuild, self.capacity_bytes - self.used_bytes,
-                                                    self._holds, shared)
+                                                    taken, shared)
                 with self._lock:
                     if found:
                         self._recovered += (RecoveredRows(slab, found, slots),)
