@@ -45,10 +45,6 @@ class Listeners:
         if listener in self._registered:
             self._registered.remove(listener)
 
-    def added(self, namespace_id: bytes, block_hash: bytes) -> None:
-        for listener in self._registered:
-            listener.blocks_added(namespace_id, [block_hash])
-
     def added_run(self, entries) -> None:
         """Blocks made visible together (index entries, in order). A listener that takes both
         kinds of event hears, for each block in turn, "added", then "moved" naming its fastest

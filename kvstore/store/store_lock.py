@@ -31,7 +31,3 @@ class StoreLock:
         if held.depth == 0:
             for tier in self._finishing:
                 tier.finish_drops()
-
-    def held(self) -> bool:
-        """Whether the calling thread holds it."""
-        return getattr(self._held, "depth", 0) > 0
