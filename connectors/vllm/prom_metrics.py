@@ -49,6 +49,9 @@ SERIES: dict[str, tuple[str, str]] = {
                           "Producer: prompt blocks its daemon held on arrival, evicted before the hand-off"),
     "pd_waits": ("vllm:kvstore_pd_waits", "Consumer: requests that waited for a producer's blocks"),
     "pd_wait_seconds": ("vllm:kvstore_pd_wait_seconds", "Consumer: seconds requests waited for them"),
+    "pd_admit_deferrals": ("vllm:kvstore_pd_admit_deferrals",
+                           "Consumer: scheduler passes that held a request whose blocks were there for a later "
+                           "step (pd_admit_per_step)"),
     "pd_loaded_requests": ("vllm:kvstore_pd_loaded_requests", "Consumer: hand-offs whose blocks were all there"),
     "pd_loaded_blocks": ("vllm:kvstore_pd_loaded_blocks", "Consumer: blocks of those hand-offs"),
     "pd_recomputes": ("vllm:kvstore_pd_recomputes", "Consumer: hand-offs that recomputed blocks"),

@@ -84,6 +84,7 @@ class SchedulerSide:
         self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
         self._handoff_waits: dict[str, Wait] = {}
         self._handoff_expected: dict[str, tuple[int, str, int, str]] = {}   # named, outcome, unsaved, polls
+        self._handoffs_admitted = 0                   # requests let in this step after a hand-off wait
         self._inflight_waits: dict[str, Wait] = {}    # requests waiting for blocks another one computes
         self._inflight_settled: set[str] = set()      # requests asked once whether to wait so
         if self.enabled:
@@ -201,6 +202,11 @@ class SchedulerSide:
             return True
         if wait.outcome is None:
             return True
+        limit = self.settings.pd_admit_per_step
+        if limit and self._handoffs_admitted >= limit:
+            self._add_stat("pd_admit_deferrals")
+            return True     # its load and prompt tail go into a later step (``build_connector_meta``)
+        self._handoffs_admitted += 1
         del self._handoff_waits[rid]
         self._handoff_expected[rid] = (len(wait.hashes), wait.outcome, self._handoff_expected[rid][2], wait.describe())
         self._add_stat("pd_wait_seconds", wait.seconds)
@@ -404,6 +410,7 @@ class SchedulerSide:
             self._add_stat("load_planned_blocks", end - first)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+        self._handoffs_admitted = 0     # the step is scheduled: the next one admits afresh
         meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()), load_mode=self.settings.load_mode,
                                         preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
         self._pending_loads.clear()

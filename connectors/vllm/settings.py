@@ -48,6 +48,9 @@ class ConnectorSettings:
     # named before it recomputes them, and how often it asks its daemon meanwhile
     pd_wait_s: float = 2.0
     pd_poll_s: float = 0.005
+    # how many requests whose hand-off wait ended a consumer lets into one engine step (0: all):
+    # each one's load and prompt tail lengthen that step, which every running request waits for
+    pd_admit_per_step: int = 1
     # a prompt whose leading blocks another live request of this engine is computing (and will
     # save) waits up to this long for them to reach the daemon, then loads them (0: never waits)
     inflight_wait_s: float = 10.0
@@ -88,6 +91,9 @@ class ConnectorSettings:
         if not 0.0 <= out.get("inflight_wait_s", 10.0) <= MAX_PD_WAIT_S:
             raise ValueError(f"kv_connector_extra_config.inflight_wait_s: {out['inflight_wait_s']!r} is not in "
                              f"[0, {MAX_PD_WAIT_S}] (seconds a request waits for blocks another one computes)")
+        if out.get("pd_admit_per_step", 1) < 0:
+            raise ValueError(f"kv_connector_extra_config.pd_admit_per_step: {out['pd_admit_per_step']!r} is "
+                             "below 0 (hand-off requests let into one engine step; 0: no limit)")
         if not 0.0 < out.get("pd_poll_s", 0.005) <= 1.0:
             raise ValueError(f"kv_connector_extra_config.pd_poll_s: {out['pd_poll_s']!r} is not in (0, 1]")
         return cls(**out)
