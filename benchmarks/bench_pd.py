@@ -14,17 +14,27 @@ Configurations (vLLM OpenAI servers, engine core in its own process; each P/D pa
 * ``example``: vLLM's ``ExampleConnector`` (``kv_both`` on both, KV files under a shared
   directory on local disk), prefill core 0, decode core 1.
 
-P/D pairs use the two cores one each; the colocated engine gets both, so all see the same machine.
+Placement (``--placement pinned``, the default), as one would deploy 1P1D on a 2-core host: the
+decode server (its API server and engine core processes) has the second core to itself; the prefill
+server, the kvstore daemon, ``kvstore pd-proxy`` and this benchmark's client (standing in for the
+clients) share the first. The colocated engine's server gets both cores (the client the first).
+Each engine's OpenMP threads are bound to its cores (``VLLM_CPU_OMP_THREADS_BIND``). ``--placement
+omp`` binds only the engines' OpenMP threads and leaves every process free to run on either core
+(the placement of earlier runs): then the daemon, the proxy, the client and both API servers also
+run on the decode engine's core.
 
 Workload per rate: ``--requests`` distinct random prompts of ``--prompt`` tokens (prefill-heavy),
-Poisson arrivals at the rate, ``--max-tokens`` generated greedily and streamed. TTFT is the first
+Poisson arrivals at the rate, ``--max-tokens`` generated greedily and streamed. The higher default
+rates are prefill-heavy: at 1 req/s a prefill on one core takes about as long as the gap between
+arrivals, at 2 req/s longer, and the colocated engine's decodes often run in the same step as
+another request's prefill. TTFT is the first
 token at the client (through the proxy: the prefill, the hand-off and the first decode step), ITL
 the gaps between the later tokens of a request. *Decode-computed prompt tokens* come from vLLM's
 own counters on the decode engine (prompt tokens minus those its connector loaded): a decode
 engine that got every full block computes only the prompt's tail (the tokens after the last full
 block, at least one), ``--prompt`` mod 32 each here; more means it recomputed prompt blocks.
 
-    .venv/bin/python benchmarks/bench_pd.py                 # real model; results/pd.{json,md}
+    .venv/bin/python benchmarks/bench_pd.py                 # real model; results/pd.{json,md}; ~15 min
     .venv/bin/python benchmarks/bench_pd.py --toy --quick   # toy random model, a smoke run (not committed)
 """
 
@@ -96,19 +106,29 @@ async def _run_rate(url: str, model: str, prompts: list[list[int]], max_tokens: 
         return await asyncio.gather(*(_one(session, url, model, p, max_tokens, d) for p, d in zip(prompts, delays)))
 
 
+def _mean(delta: dict, name: str) -> float | None:
+    """The mean of vLLM histogram ``name`` over a run (from its ``_sum`` and ``_count`` deltas)."""
+    n = delta.get(name + "_count", 0)
+    return delta.get(name + "_sum", 0) / n if n else None
+
+
 def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for, rates: list[float],
-            max_tokens: int) -> dict:
-    """Every rate against ``url``; counters read from the engine that decodes (``decode_url``)."""
+            max_tokens: int, prefill_url: str | None = None) -> dict:
+    """Every rate against ``url``; counters read from the engine that decodes (``decode_url``) and,
+    for a P/D pair, the prefill engine's (``prefill_url``)."""
     out = {}
     for i, rate in enumerate(rates):
         prompts = prompts_for(name, rate)
         before = metrics(decode_url, "vllm:") if decode_url else {}
+        p_before = metrics(prefill_url, "vllm:") if prefill_url else {}
         t0 = time.perf_counter()
         results = asyncio.run(_run_rate(url, model, prompts, max_tokens, rate, seed=i))
         wall = time.perf_counter() - t0
         time.sleep(1.5)   # the engine records its last step's stats after answering
         after = metrics(decode_url, "vllm:") if decode_url else {}
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        p_after = metrics(prefill_url, "vllm:") if prefill_url else {}
+        p_delta = {k: p_after.get(k, 0) - p_before.get(k, 0) for k in p_after}
         ok = [r for r in results if "error" not in r]
         ttft = [r["ttft"] for r in ok]
         itl = [g for r in ok for g in r["itl"]]
@@ -123,6 +143,14 @@ def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for
             row["decode_pd_loaded_requests"] = delta.get("vllm:kvstore_pd_loaded_requests")
             waits = delta.get("vllm:kvstore_pd_waits", 0)
             row["decode_pd_wait_s_mean"] = delta.get("vllm:kvstore_pd_wait_seconds", 0) / waits if waits else None
+            # where a request's TTFT went, in means over the run: the decode engine's queue (the
+            # hand-off wait included) and its prefill step (the load and the prompt's tail)
+            row["decode_queue_s_mean"] = _mean(delta, "vllm:request_queue_time_seconds")
+            row["decode_prefill_s_mean"] = _mean(delta, "vllm:request_prefill_time_seconds")
+        if prefill_url:
+            # the prefill engine: its queue (requests arriving faster than it prefills) and compute
+            row["prefill_queue_s_mean"] = _mean(p_delta, "vllm:request_queue_time_seconds")
+            row["prefill_prefill_s_mean"] = _mean(p_delta, "vllm:request_prefill_time_seconds")
         print(f"{name} rate {rate}/s: TTFT p50 {row['ttft_p50_s']}, ITL p99 {row['itl_p99_s']}, "
               f"decode-computed {row.get('decode_computed_prompt_tokens_per_request')}", flush=True)
         out[str(rate)] = row
@@ -133,11 +161,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--toy", action="store_true", help="the random toy model instead of SmolLM2-135M (labelled)")
     ap.add_argument("--quick", action="store_true", help="one low rate, few requests (smoke run, not committed)")
-    ap.add_argument("--rates", default="0.25,0.5,1.0", help="requests per second")
-    ap.add_argument("--requests", type=int, default=8, help="per rate")
+    ap.add_argument("--rates", default="0.25,0.5,1.0,2.0", help="requests per second")
+    ap.add_argument("--requests", type=int, default=16, help="per rate")
     ap.add_argument("--prompt", type=int, default=490, help="prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,kvstore-no-wait,example,colocated")
+    ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,example,colocated",
+                    help="of kvstore-shm, kvstore-bulk, kvstore-no-wait, example, colocated")
+    ap.add_argument("--placement", choices=("pinned", "omp"), default="pinned",
+                    help="pinned: each server's processes on its cores, the daemon, proxy and client on the "
+                         "prefill core; omp: only the engines' OpenMP threads bound (see the docstring)")
     ap.add_argument("--colocated-cores", default="0-1",
                     help="OpenMP binding of the colocated engine (VLLM_CPU_OMP_THREADS_BIND): both cores, or "
                          "one (0) as each engine of a P/D pair gets")
@@ -173,10 +205,18 @@ def main() -> None:
     kv_bytes = 256 << 20
     core = {"p": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "d": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
             "both": {"VLLM_CPU_OMP_THREADS_BIND": a.colocated_cores}}
+    pinned = a.placement == "pinned"
+    cpus = {"p": [0], "d": [1], "both": _cores(a.colocated_cores)}
+    host = machine_facts(work)     # before this process is pinned: the machine's usable cores
+    if pinned and not {0, 1} <= os.sched_getaffinity(0):
+        raise SystemExit("bench_pd: --placement pinned needs cores 0 and 1; use --placement omp")
+    if pinned:
+        # the daemon and the proxies started from here, and the client, share the prefill core
+        os.sched_setaffinity(0, {0})
 
     def server(name, kv, cores):
         return VllmServer.start(python, model, work, name, kv, kv_cache_bytes=kv_bytes, wait=False,
-                                env_extra=core[cores], max_model_len=max_len)
+                                env_extra=core[cores], max_model_len=max_len, cpus=cpus[cores] if pinned else None)
 
     load_start = os.getloadavg()
     runs: dict[str, dict] = {}
@@ -184,23 +224,24 @@ def main() -> None:
     def save(echo: bool = False) -> None:
         """The report so far (rewritten after every configuration: a later failure keeps these)."""
         report = {"benchmark": "pd", "model": model_label, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
-                  "colocated_cores": a.colocated_cores,
+                  "colocated_cores": a.colocated_cores, "placement": a.placement,
                   "requests_per_rate": a.requests, "rates": rates, "runs": runs,
-                  "machine": machine_facts(work), "load_start": load_start, "load_end": os.getloadavg()}
+                  "machine": {**host, "load_avg_1m": os.getloadavg()[0]}, "load_start": load_start,
+                  "load_end": os.getloadavg()}
         write_report(a.out, report, markdown, echo=echo)
     warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
 
-    def measure_at(name: str, url: str, decode_url: str | None) -> None:
+    def measure_at(name: str, url: str, decode_url: str | None, prefill_url: str | None = None) -> None:
         """Warm ``url`` up, measure it at every rate, save the report so far."""
         asyncio.run(_run_rate(url, model, [warm, warm[::-1]], 2, 100.0, seed=99))
-        runs[name] = measure(name, url, decode_url, model, prompts_for, rates, a.max_tokens)
+        runs[name] = measure(name, url, decode_url, model, prompts_for, rates, a.max_tokens, prefill_url)
         save()
 
     def measure_pair(name: str, prefill, decode) -> None:
         """A prefill and a decode server behind a fresh ``kvstore pd-proxy``, measured."""
         proxy = PdProxy.start(work, [prefill.url], [decode.url])
         try:
-            measure_at(name, proxy.url, decode.url)
+            measure_at(name, proxy.url, decode.url, prefill.url)
         finally:
             proxy.stop()
 
@@ -258,6 +299,15 @@ def main() -> None:
     save(echo=True)
 
 
+def _cores(spec: str) -> list[int]:
+    """The cores of a ``VLLM_CPU_OMP_THREADS_BIND``-style list ("0-1", "0,1", "0")."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
@@ -269,6 +319,7 @@ def markdown(r: dict) -> str:
              f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
              "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
              f"colocated: one engine, OpenMP threads bound to cores {r.get('colocated_cores', '0-1')}.", "",
+             _placement(r), "",
              machine_line(m, load=(r["load_start"], r["load_end"])) + " (shared with other work). "
              "Read the figures as comparisons within this run.", "",
              "| config | rate /s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode-computed prompt "
@@ -284,7 +335,30 @@ def markdown(r: dict) -> str:
                          f"{len(row['errors'])} |")
     lines += ["", f"A decode engine that got every full block computes {r['prompt_tokens'] % BLOCK} prompt tokens "
               "per request (the tail after the last full block); the prefill instance computes the rest.", ""]
+    pairs = [(name, rate, row) for name, rows in r["runs"].items() for rate, row in rows.items()
+             if "prefill_prefill_s_mean" in row]
+    if pairs:
+        lines += ["Where a P/D request's TTFT went (means over each run, from vLLM's own histograms): the prefill "
+                  "engine's queue and prefill (a prompt prefilled in one batch with others takes their step's "
+                  "time); the decode engine's queue (the hand-off wait included) and its first step (the load and "
+                  "the prompt's tail). The rest is HTTP and the proxy.", "",
+                  "| config | rate /s | prefill queue ms | prefill ms | decode queue ms | hand-off wait ms | "
+                  "decode first step ms |", "|---|---|---|---|---|---|---|"]
+        for name, rate, row in pairs:
+            lines.append(f"| {name} | {rate} | {_ms(row.get('prefill_queue_s_mean'))} | "
+                         f"{_ms(row.get('prefill_prefill_s_mean'))} | {_ms(row.get('decode_queue_s_mean'))} | "
+                         f"{_ms(row.get('decode_pd_wait_s_mean'))} | {_ms(row.get('decode_prefill_s_mean'))} |")
+        lines.append("")
     return "\n".join(lines)
+
+
+def _placement(r: dict) -> str:
+    if r.get("placement") == "pinned":
+        return ("Placement: each P/D pair's decode server (API server and engine core) alone on core 1; the prefill "
+                "server, the kvstore daemon, the proxy and the benchmark client on core 0; the colocated server on "
+                "both cores.")
+    return ("Placement: only the engines' OpenMP threads bound; the API servers, the daemon, the proxy and the "
+            "client free to run on either core.")
 
 
 if __name__ == "__main__":

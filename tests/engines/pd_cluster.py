@@ -90,9 +90,12 @@ class _Process:
         self.kill()
 
 
-def _spawn(cmd: list[str], log_path: str, env: dict, cwd: str) -> subprocess.Popen:
+def _spawn(cmd: list[str], log_path: str, env: dict, cwd: str, cpus: list[int] | None = None) -> subprocess.Popen:
+    """``cpus``: the cores the process and every process and thread it starts may run on."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True,
+                                preexec_fn=pin)
 
 
 class VllmServer(_Process):
@@ -114,12 +117,14 @@ class VllmServer(_Process):
     @classmethod
     def start(cls, python: str, model_dir: str, workdir: str, name: str, kv_transfer_config: dict | None,
               kv_cache_bytes: int = 64 * 2**20, wait: bool = True, env_extra: dict | None = None,
-              max_model_len: int = 1024, tokenizer: bool = False, prefix_caching: bool = False) -> "VllmServer":
+              max_model_len: int = 1024, tokenizer: bool = False, prefix_caching: bool = False,
+              cpus: list[int] | None = None) -> "VllmServer":
         """``tokenizer``: load the model's tokenizer (text prompts); ``prefix_caching``: vLLM's own
-        prefix cache on (answers then report their cached prompt tokens)."""
+        prefix cache on (answers then report their cached prompt tokens); ``cpus``: the cores the
+        whole server (API server and engine core processes) may run on."""
         args = (python, model_dir, workdir, name, kv_transfer_config)
         kwargs = dict(kv_cache_bytes=kv_cache_bytes, env_extra=env_extra, max_model_len=max_model_len,
-                      tokenizer=tokenizer, prefix_caching=prefix_caching)
+                      tokenizer=tokenizer, prefix_caching=prefix_caching, cpus=cpus)
         port = closed_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--seed", "0",
@@ -133,7 +138,7 @@ class VllmServer(_Process):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "PYTHON"))}
         env.update({"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
                     **(env_extra or {})})
-        server = cls(_spawn(cmd, os.path.join(workdir, f"{name}.log"), env, workdir), f"http://127.0.0.1:{port}",
+        server = cls(_spawn(cmd, os.path.join(workdir, f"{name}.log"), env, workdir, cpus), f"http://127.0.0.1:{port}",
                      os.path.join(workdir, f"{name}.log"))
         server._args, server._kwargs = args, kwargs
         if wait:
