@@ -94,11 +94,11 @@ def _keys(rows: np.ndarray, at: int, lengths: np.ndarray) -> list[bytes]:
     parent hash). Keys are made straight from the rows: no hash is made apart from its key."""
     lengths = np.minimum(lengths, _MAX_HASH)
     ns = rows[:, _NS_AT:_NS_AT + _NS_BYTES]
-    sizes = np.unique(lengths[lengths > 0])
-    if len(sizes) <= 1:
+    sizes = lengths[lengths > 0]   # (not np.unique: its first call imports numpy.ma, counted in a restart's bytes)
+    if not len(sizes) or (sizes == sizes[0]).all():
         size = _NS_BYTES + (int(sizes[0]) if len(sizes) else 0)
         keys = np.concatenate([ns, rows[:, at:at + size - _NS_BYTES]], axis=1).view(f"V{size}").reshape(-1).tolist()
-        if len(sizes) and not lengths.all():   # the id alone where a row's length is 0
+        if len(sizes) < len(lengths):   # the id alone where a row's length is 0
             keys = [key if n else key[:_NS_BYTES] for key, n in zip(keys, lengths.tolist())]
         return keys
     return [ns[i].tobytes() + rows[i, at:at + size].tobytes() for i, size in enumerate(lengths.tolist())]
