@@ -86,15 +86,9 @@ class Cascade:
 
     # -- pins ------------------------------------------------------------------------------------
 
-    def pin(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
-        """Hold a visible block in place (no eviction, freed only on the last unpin); None if absent."""
-        entry = self.index.visible(namespace_id, block_hash)
-        if entry is not None:
-            self.pin_entry(entry)
-        return entry
-
     def pin_entry(self, entry: Entry) -> Entry:
-        """Pin a visible block the caller found in the index (caller holds the lock)."""
+        """Hold a visible block the caller found in the index in place (no eviction, freed only on
+        the last unpin). Caller holds the lock."""
         assert entry.visible and self.index.entries.get(entry.key) is entry, "pinned a block the index does not serve"
         entry.pins += 1
         return entry

@@ -188,8 +188,8 @@ class Store:
         """Hold one block's fastest copy in place for the ``with`` body (None: absent). Not a read:
         no hit or miss is counted, the block is not promoted, its recency is unchanged."""
         with self._lock:
-            entry = self._cascade.pin(namespace_id, block_hash)
-            block = None if entry is None else PinnedBlock(entry.copies[entry.fastest],
+            entry = self._cascade.index.visible(namespace_id, block_hash)
+            block = None if entry is None else PinnedBlock(self._cascade.pin_entry(entry).copies[entry.fastest],
                                                            self.tiers[entry.fastest])
         try:
             yield block
