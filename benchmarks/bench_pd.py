@@ -18,7 +18,9 @@ Placement (``--placement pinned``, the default), as one would deploy 1P1D on a 2
 decode server (its API server and engine core processes) has the second core to itself; the prefill
 server, the kvstore daemon, ``kvstore pd-proxy`` and this benchmark's client (standing in for the
 clients) share the first. The colocated engine's server gets both cores (the client the first).
-Each engine's OpenMP threads are bound to its cores (``VLLM_CPU_OMP_THREADS_BIND``). ``--placement
+Each engine's OpenMP threads are bound to its cores (``VLLM_CPU_OMP_THREADS_BIND``). The P/D
+engines never split a prompt over steps (``--max-num-batched-tokens`` of 8 whole prompts):
+``ExampleConnector`` cannot load a split prompt's KV. ``--placement
 omp`` binds only the engines' OpenMP threads and leaves every process free to run on either core
 (the placement of earlier runs): then the daemon, the proxy, the client and both API servers also
 run on the decode engine's core.
@@ -64,6 +66,7 @@ from kvstore.ops.machine import machine_facts  # noqa: E402
 from kvstore.ops.report import machine_line, write_report  # noqa: E402
 
 BLOCK = 32
+MAX_SEQS = 8     # pd_cluster's --max-num-seqs
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -87,7 +90,10 @@ async def _one(session, url: str, model: str, prompt: list[int], max_tokens: int
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+            event = json.loads(line[6:])
+            if "choices" not in event:     # the server failed mid-stream
+                return {"error": f"stream: {line[:200]}"}
+            n = len(event["choices"][0].get("token_ids") or [])
             stamps += [time.perf_counter()] * n
     if not stamps:
         return {"error": "no tokens"}
@@ -215,8 +221,14 @@ def main() -> None:
         os.sched_setaffinity(0, {0})
 
     def server(name, kv, cores):
+        # P/D engines never split a prompt over steps: ExampleConnector stores a prompt's KV as the
+        # step computes it, and a decode engine loading a split prompt's fails (vLLM 0.32 raised a
+        # shape mismatch and the engine died when queued prompts at 1 req/s were chunked). The
+        # colocated engine keeps vLLM's default budget, as deployed.
+        budget = None if cores == "both" else MAX_SEQS * max_len
         return VllmServer.start(python, model, work, name, kv, kv_cache_bytes=kv_bytes, wait=False,
-                                env_extra=core[cores], max_model_len=max_len, cpus=cpus[cores] if pinned else None)
+                                env_extra=core[cores], max_model_len=max_len, cpus=cpus[cores] if pinned else None,
+                                max_num_batched_tokens=budget)
 
     load_start = os.getloadavg()
     runs: dict[str, dict] = {}

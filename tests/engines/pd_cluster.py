@@ -118,19 +118,23 @@ class VllmServer(_Process):
     def start(cls, python: str, model_dir: str, workdir: str, name: str, kv_transfer_config: dict | None,
               kv_cache_bytes: int = 64 * 2**20, wait: bool = True, env_extra: dict | None = None,
               max_model_len: int = 1024, tokenizer: bool = False, prefix_caching: bool = False,
-              cpus: list[int] | None = None) -> "VllmServer":
+              cpus: list[int] | None = None, max_num_batched_tokens: int | None = None) -> "VllmServer":
         """``tokenizer``: load the model's tokenizer (text prompts); ``prefix_caching``: vLLM's own
         prefix cache on (answers then report their cached prompt tokens); ``cpus``: the cores the
-        whole server (API server and engine core processes) may run on."""
+        whole server (API server and engine core processes) may run on; ``max_num_batched_tokens``:
+        vLLM's token budget of one step (None: vLLM's default)."""
         args = (python, model_dir, workdir, name, kv_transfer_config)
         kwargs = dict(kv_cache_bytes=kv_cache_bytes, env_extra=env_extra, max_model_len=max_model_len,
-                      tokenizer=tokenizer, prefix_caching=prefix_caching, cpus=cpus)
+                      tokenizer=tokenizer, prefix_caching=prefix_caching, cpus=cpus,
+                      max_num_batched_tokens=max_num_batched_tokens)
         port = closed_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--block-size", "32", "--enforce-eager", "--seed", "0",
                "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes),
                "--max-num-seqs", "8"]
         cmd += [] if tokenizer else ["--skip-tokenizer-init"]
+        if max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"] if prefix_caching \
             else ["--no-enable-prefix-caching"]
         if kv_transfer_config is not None:
