@@ -15,11 +15,9 @@ stored when ``get_finished`` returned (read before anything else can let the sen
 how many the daemon holds once the saver is drained.
 """
 
-import dataclasses
 import json
 import sys
 import types
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +29,7 @@ from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.settings import ConnectorSettings
 from kvstore.connectors.vllm.worker_side import WorkerSide
 from kvstore.keys import ChainHasher, KVLayout, Namespace
+from prompt_request import PromptRequest
 
 BLOCK = 16
 LAYERS, HEADS, DIM = 4, 4, 64
@@ -41,21 +40,6 @@ PROMPT_BLOCKS = 12
 url, case = sys.argv[1], sys.argv[2]
 NAMESPACE = Namespace(LAYOUT, cache_salt=f"both-handoff-{case}")
 HASHER = ChainHasher("xxh3_128", seed=0)
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def handle(name: str, timeout_s: float = 5.0) -> NamespaceHandle:
@@ -86,7 +70,7 @@ assert worker._saver is not None, "the worker has no saver"
 
 tokens = [int(t) for t in np.random.default_rng(7).integers(1, 30000, PROMPT_BLOCKS * BLOCK + 5)]
 params = {"do_remote_decode": True, "do_remote_prefill": False} if case == "remote" else None
-request = Request("prefill", tokens, params)
+request = PromptRequest("prefill", tokens, params)
 block_ids = list(range(3, 3 + PROMPT_BLOCKS + 1))
 
 # step 1: the prompt is scheduled whole (nothing in the daemon yet) and computed

@@ -10,12 +10,10 @@ second pass). Prints one JSON line: the pass each request was let in at (its mat
 the counters.
 """
 
-import dataclasses
 import json
 import sys
 import time
 import types
-from typing import Any
 
 import numpy as np
 
@@ -25,6 +23,7 @@ from kvstore.connectors.vllm.roles import Role
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.settings import ConnectorSettings
 from kvstore.keys import ChainHasher, KVLayout, Namespace
+from prompt_request import PromptRequest
 
 BLOCK = 16
 BLOCKS = 4
@@ -33,21 +32,6 @@ LAYOUT = KVLayout(model="test/pd-admit", num_layers=2, num_kv_heads=2, head_dim=
 url, admit = sys.argv[1], int(sys.argv[2])
 NAMESPACE = Namespace(LAYOUT, cache_salt=f"pd-admit-{admit}")
 HASHER = ChainHasher("xxh3_128", seed=0)
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 counts: dict[str, float] = {}
@@ -64,7 +48,7 @@ for i in range(3):
     hashes = HASHER.chain(tokens[:BLOCKS * BLOCK], BLOCK)
     assert store.put(hashes, [np.full(LAYOUT.block_bytes, i, dtype=np.uint8) for _ in hashes])
     params = Handoff(NAMESPACE.id, BLOCKS, BLOCK, hashes[-1], url).to_params()
-    requests.append(Request(f"decode-{i}", tokens, params))
+    requests.append(PromptRequest(f"decode-{i}", tokens, params))
 
 settings = ConnectorSettings(url=url, pd_admit_per_step=admit, lookup_timeout_s=5.0)
 consumer = SchedulerSide(settings, Role.of("kv_consumer", settings), NAMESPACE, HASHER, BLOCK, [NAMESPACE],

@@ -14,15 +14,13 @@ The prompt's HELD full blocks are in the daemon before the prefill arrives (anot
 them), so the producer names them without saving them. A control chain, stored too and never
 named, shows the flood evicts what nobody pinned. Prints one JSON line: the params' blocks and
 unsaved counts, how many prompt and control blocks the daemon holds after the flood, the
-consumer's matched tokens, its seconds deferred, and both halves' counters. The requests are plain
-records of the fields the scheduler half reads from vLLM's ``Request``.
+consumer's matched tokens, its seconds deferred, and both halves' counters. The requests are
+``prompt_request.PromptRequest``s: the fields the scheduler half reads from vLLM's ``Request``.
 """
 
-import dataclasses
 import json
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
@@ -32,6 +30,7 @@ from kvstore.connectors.vllm.roles import Role
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.settings import ConnectorSettings
 from kvstore.keys import ChainHasher, KVLayout, Namespace
+from prompt_request import PromptRequest
 
 BLOCK = 16
 LAYOUT = KVLayout(model="test/pd-pins", num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
@@ -41,21 +40,6 @@ HELD = 4
 FLOOD = 200          # blocks: well over what the test's 4 MiB CPU arena and 4 MiB NVMe tier hold
 HASHER = ChainHasher("xxh3_128", seed=0)
 url, case, pd_wait_s, lease_s = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def payloads(hashes):
@@ -97,7 +81,7 @@ tokens, hashes = held_prompt(store, 1, more=int(case == "late"))
 _, control = held_prompt(store, 2)
 pc, cc = {}, {}
 producer, consumer = side("kv_producer", pc), side("kv_consumer", cc)
-prefill = Request("prefill", tokens)
+prefill = PromptRequest("prefill", tokens)
 assert producer.get_num_new_matched_tokens(prefill, 0) == (0, False)   # a producer never loads
 if case == "before":
     flood(store)
@@ -108,7 +92,7 @@ if case == "after":
     flood(store)
 if case == "late":   # as if the prefill saved the last block: named, still on its way
     params = Handoff(NAMESPACE.id, HELD + 1, BLOCK, hashes[HELD], url).to_params()
-    assert consumer.get_num_new_matched_tokens(Request("decode", tokens, params), 0)[0] is None   # it waits
+    assert consumer.get_num_new_matched_tokens(PromptRequest("decode", tokens, params), 0)[0] is None   # it waits
     time.sleep(lease_s + 0.5)       # the producer's lease ran out
     flood(store)
     control_left = store.lookup(control, lease=False).num_hit
@@ -118,7 +102,7 @@ if case != "late":
     control_left = store.lookup(control, lease=False).num_hit
 handoff = Handoff.from_params(params)
 
-decode, t0 = Request("decode", tokens, params), time.monotonic()
+decode, t0 = PromptRequest("decode", tokens, params), time.monotonic()
 while True:     # vLLM asks again every pass while the request is deferred
     matched, _ = consumer.get_num_new_matched_tokens(decode, 0)
     if matched is not None:
