@@ -9,6 +9,10 @@ Configurations (vLLM OpenAI servers, engine core in its own process; each P/D pa
   daemon; decode loads over shared memory.
 * ``kvstore-bulk``: the same prefill; a decode engine (core 1) that reaches the daemon over the
   side channel (``transport: bulk``), as a decode node on another host would.
+* ``kvstore-fleet``: prefill on daemon A, decode (core 1) on daemon B, two fleet daemons on one
+  Redis (``--redis``): B fetches the prefill's blocks from A by verified peer fetch, as a decode node
+  whose daemon is not the prefill node's would. Its prefill server is its own (on A); with
+  ``--placement pinned`` daemon B runs on the decode core, as on a decode node.
 * ``kvstore-no-wait``: as ``kvstore-shm`` but ``pd_wait_s`` 0: decode looks the prompt up once, at
   once, as the connector did before the hand-off (the race it closes).
 * ``example``: vLLM's ``ExampleConnector`` (``kv_both`` on both, KV files under a shared
@@ -36,7 +40,7 @@ own counters on the decode engine (prompt tokens minus those its connector loade
 engine that got every full block computes only the prompt's tail (the tokens after the last full
 block, at least one), ``--prompt`` mod 32 each here; more means it recomputed prompt blocks.
 
-    .venv/bin/python benchmarks/bench_pd.py                 # real model; results/pd.{json,md}; ~15 min
+    .venv/bin/python benchmarks/bench_pd.py                 # real model; results/pd.{json,md}; ~20 min
     .venv/bin/python benchmarks/bench_pd.py --toy --quick   # toy random model, a smoke run (not committed)
 """
 
@@ -48,6 +52,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -171,8 +176,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="per rate")
     ap.add_argument("--prompt", type=int, default=490, help="prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,example,colocated",
-                    help="of kvstore-shm, kvstore-bulk, kvstore-no-wait, example, colocated")
+    ap.add_argument("--configs", default="kvstore-shm,kvstore-bulk,kvstore-fleet,example,colocated",
+                    help="of kvstore-shm, kvstore-bulk, kvstore-fleet, kvstore-no-wait, example, colocated")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="kvstore-fleet: the fleet's Redis")
     ap.add_argument("--placement", choices=("pinned", "omp"), default="pinned",
                     help="pinned: each server's processes on its cores, the daemon, proxy and client on the "
                          "prefill core; omp: only the engines' OpenMP threads bound (see the docstring)")
@@ -268,28 +274,54 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
 
-    kvstore_configs = [c for c in configs if c.startswith("kvstore")]
+    def kv_config(daemon, role: str, **extra) -> dict:
+        cfg = vllm_kv_transfer_config(f"grpc://{daemon.url}", **extra)
+        cfg["kv_role"] = role
+        return cfg
+
+    kvstore_configs = [c for c in configs if c.startswith("kvstore") and c != "kvstore-fleet"]
     if kvstore_configs:
         daemon = start_local_daemon(os.path.join(work, "daemon"), cpu_bytes="2GiB", nvme_bytes="0")
-        url = f"grpc://{daemon.url}"
-
-        def kv(role, **extra):
-            cfg = vllm_kv_transfer_config(url, **extra)
-            cfg["kv_role"] = role
-            return cfg
-
-        servers = {"p": server("prefill", kv("kv_producer"), "p")}
+        servers = {"p": server("prefill", kv_config(daemon, "kv_producer"), "p")}
         decoders = {"kvstore-shm": ("kv_consumer", {}), "kvstore-bulk": ("kv_consumer", {"transport": "bulk"}),
                     "kvstore-no-wait": ("kv_consumer", {"pd_wait_s": 0})}
         for c in kvstore_configs:
             role, extra = decoders[c]
-            servers[c] = server(c, kv(role, **extra), "d")
+            servers[c] = server(c, kv_config(daemon, role, **extra), "d")
         try:
             with serving(servers):
                 for c in kvstore_configs:
                     measure_pair(c, servers["p"], servers[c])
         finally:
             daemon.kill()
+
+    if "kvstore-fleet" in configs:
+        fleet = (f"  enabled: true\n  redis_url: {json.dumps(a.redis)}\n  key_prefix: {json.dumps(f'bench-pd-{os.getpid()}:')}\n"
+                 f"  secret: {secrets.token_hex(16)}\n")
+        daemons = {}
+        try:
+            for node in ("a", "b"):
+                config = os.path.join(work, f"fleet-{node}.yaml")
+                with open(config, "w") as f:
+                    f.write(f"fleet:\n{fleet}  node_id: {node}\n")
+                if pinned and node == "b":   # B is the decode node's daemon: on the decode core
+                    os.sched_setaffinity(0, set(cpus["d"]))
+                try:
+                    daemons[node] = start_local_daemon(os.path.join(work, f"fleet-{node}"), "--config", config,
+                                                       cpu_bytes="2GiB", nvme_bytes="0")
+                finally:
+                    if pinned:
+                        os.sched_setaffinity(0, {0})
+            servers = {"p": server("fleet-prefill", kv_config(daemons["a"], "kv_producer"), "p"),
+                       "d": server("fleet-decode", kv_config(daemons["b"], "kv_consumer"), "d")}
+            with serving(servers):
+                measure_pair("kvstore-fleet", servers["p"], servers["d"])
+        except Exception as e:  # noqa: BLE001 - report it, keep the other configurations' figures
+            runs["kvstore-fleet"] = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
+            save()
+        finally:
+            for d in daemons.values():
+                d.kill()
 
     if "example" in configs or "colocated" in configs:
         shared = os.path.join(work, "shared-kv")
@@ -329,7 +361,8 @@ def markdown(r: dict) -> str:
     lines = ["# Prefill/decode disaggregation (`benchmarks/bench_pd.py`)", "",
              f"Model: {r['model']}. Prompts of {r['prompt_tokens']} random tokens, {r['max_tokens']} generated "
              f"(greedy, streamed), {r['requests_per_rate']} requests per rate, Poisson arrivals; a fresh prompt "
-             "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front; "
+             "for every request. P/D pairs: prefill on core 0, decode on core 1, `kvstore pd-proxy` in front "
+             "(`kvstore-fleet`: prefill on daemon A, decode on daemon B, B fetching from A through the fleet); "
              f"colocated: one engine, OpenMP threads bound to cores {r.get('colocated_cores', '0-1')}.", "",
              _placement(r), "",
              machine_line(m, load=(r["load_start"], r["load_end"])) + " (shared with other work). "
@@ -337,7 +370,8 @@ def markdown(r: dict) -> str:
              "| config | rate /s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode-computed prompt "
              "tokens / request | decode P/D recomputes | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for name, rows in r["runs"].items():
+    measured = {name: rows for name, rows in r["runs"].items() if "error" not in rows}
+    for name, rows in measured.items():
         for rate, row in rows.items():
             computed = row.get("decode_computed_prompt_tokens_per_request")
             lines.append(f"| {name} | {rate} | {_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} | "
@@ -347,7 +381,8 @@ def markdown(r: dict) -> str:
                          f"{len(row['errors'])} |")
     lines += ["", f"A decode engine that got every full block computes {r['prompt_tokens'] % BLOCK} prompt tokens "
               "per request (the tail after the last full block); the prefill instance computes the rest.", ""]
-    pairs = [(name, rate, row) for name, rows in r["runs"].items() for rate, row in rows.items()
+    lines += [f"- `{name}` did not run: {rows['error']}" for name, rows in r["runs"].items() if "error" in rows]
+    pairs = [(name, rate, row) for name, rows in measured.items() for rate, row in rows.items()
              if "prefill_prefill_s_mean" in row]
     if pairs:
         lines += ["Where a P/D request's TTFT went (means over each run, from vLLM's own histograms): the prefill "
@@ -366,9 +401,11 @@ def markdown(r: dict) -> str:
 
 def _placement(r: dict) -> str:
     if r.get("placement") == "pinned":
+        fleet = " (`kvstore-fleet`: daemon A there, daemon B, the decode node's, on core 1)" \
+            if "kvstore-fleet" in r["runs"] else ""
         return ("Placement: each P/D pair's decode server (API server and engine core) alone on core 1; the prefill "
-                "server, the kvstore daemon, the proxy and the benchmark client on core 0; the colocated server on "
-                "both cores.")
+                f"server, the kvstore daemon{fleet}, the proxy and the benchmark client on core 0; the colocated "
+                "server on both cores.")
     return ("Placement: only the engines' OpenMP threads bound; the API servers, the daemon, the proxy and the "
             "client free to run on either core.")
 
