@@ -126,6 +126,18 @@ class Handoff:
 
 
 @dataclasses.dataclass
+class Expected:
+    """What a consumer's request was told to expect of its hand-off, kept until its lookup settles
+    it: blocks ``named`` (to wait for) and ``unsaved`` (to recompute), and, once its wait has ended,
+    how (``outcome``, as ``Wait``'s) and the wait's ``describe()`` for the log line."""
+
+    named: int
+    unsaved: int
+    outcome: str = ""
+    polls: str = ""
+
+
+@dataclasses.dataclass
 class Wait:
     """One request waiting for a hand-off's blocks."""
 

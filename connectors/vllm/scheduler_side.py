@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvstore.client import NamespaceHandle
-from kvstore.connectors.vllm.handoff import Handoff, HandoffWaiter, Wait
+from kvstore.connectors.vllm.handoff import Expected, Handoff, HandoffWaiter, Wait
 from kvstore.connectors.vllm.identity import block_hashes, prompt_block_hashes
 from kvstore.connectors.vllm.metadata import BlockTransfer, KVStoreConnectorMetadata
 from kvstore.connectors.vllm.ranks import hits_on_every_rank
@@ -83,7 +83,7 @@ class SchedulerSide:
         self._lookup_links: list[NamespaceHandle] = []
         self._handoff_waiter: HandoffWaiter | None = None   # consumers: waits for producers' blocks
         self._handoff_waits: dict[str, Wait] = {}
-        self._handoff_expected: dict[str, tuple[int, str, int, str]] = {}   # named, outcome, unsaved, polls
+        self._handoff_expected: dict[str, Expected] = {}
         self._handoffs_admitted = 0                   # requests let in this step after a hand-off wait
         self._inflight_waits: dict[str, Wait] = {}    # requests waiting for blocks another one computes
         self._inflight_settled: set[str] = set()      # requests asked once whether to wait so
@@ -194,10 +194,10 @@ class SchedulerSide:
                 return False
             hashes, unsaved = handoff
             if not hashes:      # the producer saved none of it: nothing to wait for
-                self._handoff_expected[rid] = (0, "", unsaved, "")
+                self._handoff_expected[rid] = Expected(0, unsaved)
                 return False
             self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s)
-            self._handoff_expected[rid] = (len(hashes), "", unsaved, "")
+            self._handoff_expected[rid] = Expected(len(hashes), unsaved)
             self._add_stat("pd_waits")
             return True
         if wait.outcome is None:
@@ -208,7 +208,8 @@ class SchedulerSide:
             return True     # its load and prompt tail go into a later step (``build_connector_meta``)
         self._handoffs_admitted += 1
         del self._handoff_waits[rid]
-        self._handoff_expected[rid] = (len(wait.hashes), wait.outcome, self._handoff_expected[rid][2], wait.describe())
+        expected = self._handoff_expected[rid]
+        expected.outcome, expected.polls = wait.outcome, wait.describe()
         self._add_stat("pd_wait_seconds", wait.seconds)
         return False
 
@@ -233,7 +234,10 @@ class SchedulerSide:
     def _settle_handoff(self, request: "Request", num_hit: int) -> None:
         """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks: the
         named blocks all there (loaded), and any block it spoke of that is not (recomputed)."""
-        expected, outcome, unsaved, polls = self._handoff_expected.pop(request.request_id, (0, "", 0, ""))
+        told = self._handoff_expected.pop(request.request_id, None)
+        if told is None:
+            return
+        expected, unsaved = told.named, told.unsaved
         if not expected and not unsaved:
             return
         if expected and num_hit >= expected:
@@ -242,13 +246,13 @@ class SchedulerSide:
         missing = expected + unsaved - min(num_hit, expected + unsaved)
         if not missing:
             return
-        reason = ("evicted" if outcome == "arrived" else outcome) if num_hit < expected else "unsaved"
+        reason = ("evicted" if told.outcome == "arrived" else told.outcome) if num_hit < expected else "unsaved"
         self._add_stat("pd_recomputes")
         self._add_stat(f"pd_recomputes_{reason}")
         self._add_stat("pd_recomputed_blocks", missing)
         logger.warning("kvstore connector: %s: %d of the %d blocks its prefill computed are in the daemon (%s); "
                        "recomputing the rest", request.request_id, num_hit, expected + unsaved,
-                       {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s: {polls}",
+                       {"timeout": f"not all there after pd_wait_s={self.settings.pd_wait_s}s: {told.polls}",
                         "unavailable": "the daemon did not answer",
                         "evicted": "evicted after they arrived",
                         "unsaved": f"the prefill did not save {unsaved} of them"}[reason])
