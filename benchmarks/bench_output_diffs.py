@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -50,8 +49,8 @@ def main() -> None:
     requests = [int(x) for x in a.requests.split(",")]
     earlier = [earlier_turn(rows, i) for i in requests]
     t0 = time.time()
-    (found,) = run_engine_jobs(python, DRIVER, work, [("diffs", {"model": model, "rows": rows, "requests": requests,
-                                                                   "earlier": earlier})],
+    (found,) = run_engine_jobs(python, DRIVER, work, [("diffs", {"model": model, "block": BLOCK, "rows": rows,
+                                                                   "requests": requests, "earlier": earlier})],
                                timeout_s=3000, env={**engine_env(), **SERVER_ENV})
     serve = {}
     for name in a.serve.split(","):
@@ -114,5 +113,4 @@ def render_markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     run_or_render(main, render_markdown)

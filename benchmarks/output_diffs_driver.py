@@ -3,8 +3,9 @@ serving run can compute it, with no connector (vLLM's own prefix cache only).
 
     python output_diffs_driver.py JOB.json RESULT.json
 
-JOB: ``model``, ``rows`` (the chat dataset's rows, in order), ``requests`` (indices to examine) and
-``earlier`` (for each, the index of the turn it extends). Per request, three experiments:
+JOB: ``model``, ``block`` (vLLM's block size, as the serving runs had), ``rows`` (the chat
+dataset's rows, in order), ``requests`` (indices to examine) and ``earlier`` (for each, the index
+of the turn it extends). Per request, three experiments:
 
 * ``cached``: alone, with vLLM's prefix cache holding exactly its first N tokens, every N (a
   multiple of the block) from 0 (a full prefill) to the last full block;
@@ -18,8 +19,6 @@ from __future__ import annotations
 import json
 import sys
 
-BLOCK = 32
-
 
 def main() -> None:
     from vllm import LLM, SamplingParams
@@ -27,7 +26,8 @@ def main() -> None:
 
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    llm = LLM(model=job["model"], dtype="bfloat16", block_size=BLOCK, max_model_len=2048, enforce_eager=True,
+    block = job["block"]
+    llm = LLM(model=job["model"], dtype="bfloat16", block_size=block, max_model_len=2048, enforce_eager=True,
               seed=0, enable_prefix_caching=True)
     tokenizer = llm.get_tokenizer()
     ids = [tokenizer(row["conversations"][0]["value"]).input_ids for row in job["rows"]]
@@ -47,7 +47,7 @@ def main() -> None:
     for i, k in zip(job["requests"], job["earlier"]):
         others = [j for j in range(len(ids)) if j != i]
         cached = []
-        for n in range(0, len(ids[i]), BLOCK):
+        for n in range(0, len(ids[i]), block):
             t, hit = text(i, cache_first=ids[i][:n] if n else None)
             cached.append({"cached_tokens": hit, "text": t})
         batched = [{"with": None, "text": text(i)[0]}] + [{"with": j, "text": text(i, j)[0]} for j in others]
