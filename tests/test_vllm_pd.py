@@ -502,3 +502,9 @@ def test_settings_bound_the_wait():
         ConnectorSettings.from_extra_config({"pd_wait_s": 10_000})
     with pytest.raises(ValueError, match="pd_poll_s"):
         ConnectorSettings.from_extra_config({"pd_poll_s": 0})
+    assert ConnectorSettings.from_extra_config({}).pd_admit_per_step == 1
+    assert ConnectorSettings.from_extra_config({"pd_admit_per_step": "0"}).pd_admit_per_step == 0   # no limit
+    with pytest.raises(ValueError, match="pd_admit_per_step.*below 0"):
+        ConnectorSettings.from_extra_config({"pd_admit_per_step": -1})
+    with pytest.raises(ValueError, match="pd_admit_per_step: cannot use 'many' as int"):
+        ConnectorSettings.from_extra_config({"pd_admit_per_step": "many"})
