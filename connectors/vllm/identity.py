@@ -68,7 +68,7 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", s
                   tp_rank: int = 0, pp_rank: int = 0) -> Namespace | None:
     """The namespace a worker with these ranks stores into; None if this model is unsupported.
     With ``blocks_per_chunk`` N a stored block is N vLLM blocks: ``block_tokens`` and
-    ``block_bytes`` say so, so each N has its own namespace (N = 1 is the namespace as before)."""
+    ``block_bytes`` say so, so each N has its own namespace (N = 1: one vLLM block per stored block)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         logger.warning("kvstore connector: %d KV cache groups (hybrid model); disabled", len(groups))

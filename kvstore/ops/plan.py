@@ -236,7 +236,7 @@ def run(args: argparse.Namespace, console=None) -> dict:
         "recommendation": summaries[0]["recommendation"] if len(summaries) == 1 else None,
         "results": results, "machine": machine_facts(tempfile.gettempdir()),
     }
-    if len(summaries) == 1:   # one workload: its figures at the top level, as before
+    if len(summaries) == 1:   # one workload: its figures also at the top level, where single-workload readers look
         report.update({k: summaries[0][k] for k in ("workload", "requests", "blocks", "infinite_cache_hit_rate")})
     report["cost_model"]["bandwidth_gbps"] = {k: (v if math.isfinite(v) else None) for k, v in bandwidth.items()}
     for c in report["codecs"].values():
