@@ -334,7 +334,10 @@ def test_pd_decode_is_token_identical_to_a_colocated_engine(record):
     seq = record["sequential"]["out"]
     for name in ("S1", "S2", "S3", "S4"):
         assert seq[name]["token_ids"] == record["cached"][name]["token_ids"], name
-    assert seq["S4"]["events"] >= MAX_TOKENS   # streamed through the proxy, token by token
+    # streamed through the proxy: the answer came in several events spread over its decode steps
+    # (vLLM may put two tokens in one event when its output loop is behind, so not one per token)
+    arrivals = seq["S4"]["arrivals"]
+    assert len(arrivals) >= 2 and arrivals[-1] - arrivals[0] >= 0.02, arrivals
     assert record["held"]["out"]["token_ids"] == record["cached"]["H"]["token_ids"]
     # four at once run batched on the decoders: bf16 results may depend on the batch, so only
     # their length is checked here (their loads are checked below)

@@ -176,21 +176,30 @@ class PdProxy(_Process):
 def complete(url: str, model: str, prompt: str | list[int], max_tokens: int, stream: bool = False,
              extra: dict | None = None) -> dict:
     """One /v1/completions request (greedy); its generated token ids, and the raw answer (not
-    streamed: its ``choices[0]`` also has the ``prompt_token_ids``)."""
+    streamed: its ``choices[0]`` also has the ``prompt_token_ids``). Streamed: the ids and when
+    each server-sent event reached the client (``arrivals``, seconds after the request was sent),
+    read as they come, so a proxy that held the answer back shows as one burst."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream, **(extra or {})}
-    status, raw = _post(url + "/v1/completions", body)
-    if status != 200:
-        raise RuntimeError(f"{url}: HTTP {status}: {raw[:500]!r}")
     if not stream:
+        status, raw = _post(url + "/v1/completions", body)
+        if status != 200:
+            raise RuntimeError(f"{url}: HTTP {status}: {raw[:500]!r}")
         answer = json.loads(raw)
         return {"token_ids": answer["choices"][0]["token_ids"], "answer": answer}
-    ids, events = [], 0
-    for line in raw.decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events += 1
-            ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
-    return {"token_ids": ids, "events": events}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    ids, arrivals, sent = [], [], time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=300.0) as resp:
+            for raw_line in resp:
+                line = raw_line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    arrivals.append(time.monotonic() - sent)
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:500]!r}") from None
+    return {"token_ids": ids, "events": len(arrivals), "arrivals": arrivals}
 
 
 def tokenize(url: str, model: str, text: str) -> list[int]:
