@@ -87,6 +87,45 @@ def test_the_table_answers_as_a_model_does_through_inserts_moves_removals_and_ov
         table.close()
 
 
+def test_batches_of_keys_answer_as_the_model_does_through_shared_homes_moves_and_overflow():
+    """``put_many`` of ``keys_of`` arrays (what the daemon writes as blocks are published): keys
+    sharing a home in one batch, keys already present (moved or not), a batch repeating a key, and
+    batches written while some blocks have no slot, against a model, with removals between."""
+    table = LI.IndexTable(64, ["cpu", "nvme"])
+    reader = LI.IndexReader(table.descriptor())
+    rng = random.Random(11)
+    model: dict[bytes, int] = {}
+    pool = []
+    for i in range(100):
+        home = rng.choice([0, 1, 2, 17, 62, 63])
+        h = (home | (i << 8)).to_bytes(8, "little") + rng.randbytes(8)
+        pool.append(bytes(a ^ b for a, b in zip(h, NS)))
+    try:
+        for step in range(1500):
+            if rng.random() < 0.5:
+                batch = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+                tier = rng.randrange(2)
+                keys = LI.keys_of(NS, batch)
+                assert isinstance(keys, np.ndarray) and keys.shape == (len(batch), 2)
+                table.put_many(keys, tier)
+                model.update((h, tier) for h in batch)
+            else:
+                for h in rng.sample(pool, rng.randrange(1, 6)):
+                    table.remove(LI.key_of(NS, h))
+                    model.pop(h, None)
+            assert table.live + len(table._overflow) == len(model)
+            probe = rng.sample(pool, 8)
+            got = reader.leading_hits(NS, probe)
+            if not table.complete:
+                assert got is None
+                continue
+            n = next((i for i, p in enumerate(probe) if p not in model), len(probe))
+            assert got == (n, [["cpu", "nvme"][model[p]] for p in probe[:n]])
+    finally:
+        reader.close()
+        table.close()
+
+
 def test_a_client_cannot_write_the_table_through_its_descriptor():
     table = LI.IndexTable(64, ["cpu"])
     fd = table.descriptor()

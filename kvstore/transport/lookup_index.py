@@ -64,12 +64,12 @@ def key_of(namespace_id: bytes, block_hash: bytes) -> tuple[int, int]:
     return lo, hi
 
 
-def keys_of(namespace_id: bytes, hashes: Sequence[bytes]) -> list:
-    """``key_of`` of each hash wide enough to have a key (a narrower one has none), as ``[lo, hi]``
-    pairs, in one numpy pass where the hashes allow (``_keys``)."""
+def keys_of(namespace_id: bytes, hashes: Sequence[bytes]):
+    """``key_of`` of each hash wide enough to have a key (a narrower one has none): an ``(n, 2)``
+    uint64 array made in one numpy pass where the hashes allow (``_keys``), else ``(lo, hi)`` pairs."""
     words = _keys(namespace_id, hashes) if hashes else None
     if words is not None:
-        return words.tolist()
+        return words
     return [key_of(namespace_id, h) for h in hashes if len(h) >= MIN_HASH_BYTES]
 
 
@@ -110,6 +110,7 @@ class IndexTable:
             os.close(self.fd)
             raise
         self._w = memoryview(self._map).cast("Q")          # word access, cheaper than numpy scalars
+        self._rows = np.frombuffer(self._map, dtype=np.uint64, offset=HEADER_BYTES).reshape(slots, SLOT_WORDS)
         for i, name in enumerate(tier_names):
             raw = name.encode()[:TIER_NAME_BYTES]
             at = _NAMES_AT + i * TIER_NAME_BYTES
@@ -136,8 +137,12 @@ class IndexTable:
 
     def put_many(self, keys, tier: int) -> None:
         """Record (or move) served blocks, all now fastest in ``tier``: ``keys`` are ``(lo, hi)``
-        pairs. Each write is its own round of the sequence counter, so a reader never spins out a
-        whole batch."""
+        pairs, or an ``(n, 2)`` uint64 array of them (``keys_of``). An array's keys whose home slot
+        is empty, or holds them already, are written in one numpy pass (one round of the sequence
+        counter); the others, and every key of a list, one write per round, so a reader never spins
+        out a whole batch of probes."""
+        if isinstance(keys, np.ndarray):
+            keys = self._put_at_home(keys, tier + 1)
         w, base, mask, meta_now = self._w, HEADER_BYTES // 8, self.mask, tier + 1
         for lo, hi in keys:
             i = lo & mask
@@ -163,6 +168,31 @@ class IndexTable:
             else:
                 self._overflow[(lo, hi)] = tier
                 self.set_flag(INCOMPLETE, True)
+
+    def _put_at_home(self, keys: np.ndarray, meta_now: int) -> list:
+        """Write the keys of ``keys`` (``(n, 2)`` uint64) that go in their home slot: it is empty
+        (the first key of the batch homed there) or holds the key already. Returns the others as
+        ``(lo, hi)`` pairs, in order, for the probing loop. With blocks that found no slot listed
+        (``INCOMPLETE``) every key takes the loop, which takes them off that list."""
+        if self._overflow or not len(keys):
+            return keys.tolist()
+        rows = self._rows
+        homes = keys[:, 0] & np.uint64(self.mask)
+        found = rows[homes]
+        empty = found[:, 2] == 0
+        same = ~empty & (found[:, 0] == keys[:, 0]) & (found[:, 1] == keys[:, 1])
+        first = np.zeros(len(keys), dtype=bool)
+        first[np.unique(homes, return_index=True)[1]] = True   # one key per home slot in this pass
+        new = empty & first
+        moved = same & (found[:, 2] != meta_now)
+        if new.any() or moved.any():
+            self._begin()
+            rows[homes[new], :2] = keys[new]
+            rows[homes[new | moved], 2] = meta_now
+            self.live += int(new.sum())
+            self._w[_LIVE] = self.live
+            self._end()
+        return keys[~(new | same)].tolist()
 
     def _unlist(self, key: tuple[int, int]) -> None:
         """``key`` has a slot or is gone: out of the overflow (INCOMPLETE cleared with the last)."""
@@ -233,6 +263,7 @@ class IndexTable:
     def close(self) -> None:
         """Tell readers the table is no longer kept (they ask the daemon), then let it go."""
         self.set_flag(CLOSED, True)
+        self._rows = None
         self._w.release()
         try:
             self._map.close()
