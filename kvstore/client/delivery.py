@@ -29,6 +29,7 @@ from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import RAW_CODEC
 
+_U8 = np.dtype(np.uint8)
 _PUT_RESULT = {pb.PUT_STORED: "stored", pb.PUT_EXISTS: "exists", pb.PUT_PERSISTED: "persisted"}
 
 
@@ -69,12 +70,21 @@ class IntoBuffer:
     """One caller buffer a get fills (``get_into``'s ``outs[i]``); ``pool`` lends the landing
     buffer of block ``index`` when the payload cannot land in the destination itself."""
 
+    __slots__ = ("block_bytes", "layout", "index", "pool", "device_out", "host", "capacity", "_landing")
+
     def __init__(self, out, index: int, block_bytes: int, layout: KVLayout | None, pool: LandingPool) -> None:
         self.block_bytes = block_bytes
         self.layout = layout
         self.index = index
         self.pool = pool
         self.device_out = None
+        self._landing: np.ndarray | None = None
+        if type(out) is np.ndarray and out.dtype is _U8 and out.ndim == 1:   # the usual destination: one
+            flags = out.flags                                                 # check, no copy, no view
+            if flags.c_contiguous and flags.writeable and out.nbytes >= block_bytes:
+                self.host = out
+                self.capacity = out.nbytes
+                return
         if type(out) is not np.ndarray and _on_device(out):
             import torch
             if not block_bytes or not out.is_contiguous():
@@ -89,13 +99,13 @@ class IntoBuffer:
         if block_bytes and nbytes < block_bytes:
             raise InvalidArgument(f"outs[{index}]", f"buffer of {nbytes} bytes; blocks are {block_bytes} bytes")
         self.capacity = nbytes      # the most bytes this block may bring (deadlines scale with it)
-        self._landing: np.ndarray | None = None
 
     def raw_destination(self, size: int) -> np.ndarray | None:
         """Where a raw block of ``size`` bytes lands when it lands in the caller's host buffer
         itself (nothing to stage or decode, so ``finish`` has nothing to do); else None."""
-        if self.host is not None and size == self.block_bytes and size <= self.host.nbytes:
-            return self.host[:size]
+        host = self.host
+        if host is not None and size == self.block_bytes and size <= host.nbytes:
+            return host if size == host.nbytes else host[:size]
         return None
 
     def buffer(self, size: int) -> np.ndarray:
