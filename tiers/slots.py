@@ -41,7 +41,9 @@ class SlotTable:
         self._last_owner: list[str | None] = [None] * n_segments
         self.generations = [1] * n_segments
         self._on_reassign = on_reassign
-        self._blocks: dict[bytes, tuple[list[Extent], int, list[int]]] = {}
+        #: key -> a one-slot block's ``slot << _SLOT_SHIFT | nbytes`` (one int: most blocks), or a
+        #: larger block's ``(extents, nbytes, slots)``
+        self._blocks: dict[bytes, int | tuple[list[Extent], int, list[int]]] = {}
         self.payload_bytes = 0   # the blocks' own bytes; the rest of their slots is slack
         self._lock = threading.Lock()
 
@@ -87,35 +89,27 @@ class SlotTable:
                 free = self._free[0]
                 if n > len(free):
                     raise TierFull(f"{self.tier_name} tier has {len(free)} free slots, needs {n}")
-                if n == 1:
-                    slot = free.pop()
-                    slots, extents = [slot], ([(slot * self.slot_bytes, nbytes)] if nbytes > 0 else [])
-                else:
-                    slots = free[-n:]
-                    del free[-n:]
-                    slots.reverse()   # the order n pops would have taken them in
-                    extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
-                self._blocks[key] = (extents, nbytes, slots)
-                self.payload_bytes += nbytes
-                return extents
-            free = self._free_slots_for(owner)
-            if n > free:
-                raise TierFull(f"{self.tier_name} tier has {free} free slots, needs {n}")
-            slots: list[int] = []
-            own = [s for s in range(self.num_segments) if self._owner[s] == owner and self.owned]
-            for s in own + [s for s in range(self.num_segments) if self._owner[s] is None]:
-                if len(slots) == n:
-                    break
-                if not self._free[s]:
-                    continue
-                if self.owned and self._owner[s] is None:
-                    self._claim(s, owner)
-                take = min(n - len(slots), len(self._free[s]))
-                slots += [self._free[s].pop() for _ in range(take)]
-            extents = _coalesce(sorted(slots), self.slot_bytes, nbytes, self.segment_slots)
-            self._blocks[key] = (extents, nbytes, slots)
+                slots = free[-n:]
+                del free[-n:]
+                slots.reverse()   # the order n pops would have taken them in
+            else:
+                free = self._free_slots_for(owner)
+                if n > free:
+                    raise TierFull(f"{self.tier_name} tier has {free} free slots, needs {n}")
+                slots = []
+                own = [s for s in range(self.num_segments) if self._owner[s] == owner]
+                for s in own + [s for s in range(self.num_segments) if self._owner[s] is None]:
+                    if len(slots) == n:
+                        break
+                    if not self._free[s]:
+                        continue
+                    if self._owner[s] is None:
+                        self._claim(s, owner)
+                    take = min(n - len(slots), len(self._free[s]))
+                    slots += [self._free[s].pop() for _ in range(take)]
+            held = self._blocks[key] = _held(slots, self.slot_bytes, nbytes, self.segment_slots)
             self.payload_bytes += nbytes
-            return extents
+            return self._unpack(held)[0]
 
     def takes_runs(self, nbytes: int) -> bool:
         """Whether ``allocate_run`` takes blocks of ``nbytes``: one slot each, in one pool."""
@@ -127,7 +121,7 @@ class SlotTable:
         allocated. One lock acquisition and one slice of the free list for the run."""
         if not self.takes_runs(nbytes):
             raise ValueError(f"allocate_run takes blocks of one slot in one pool, not {nbytes} bytes here")
-        slot_bytes, blocks = self.slot_bytes, self._blocks
+        blocks = self._blocks
         with self._lock:
             free = self._free[0]
             n = min(len(keys), len(free))
@@ -137,7 +131,7 @@ class SlotTable:
             taken = free[len(free) - n:]
             del free[len(free) - n:]
             for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
-                blocks[key] = ([(slot * slot_bytes, nbytes)], nbytes, [slot])
+                blocks[key] = slot << _SLOT_SHIFT | nbytes
             self.payload_bytes += n * nbytes
             return n
 
@@ -149,17 +143,31 @@ class SlotTable:
         self._owner[s] = self._last_owner[s] = owner
 
     def lookup(self, key: bytes) -> tuple[list[Extent], int]:
-        extents, nbytes, _ = self._blocks[key]
-        return extents, nbytes
+        """A held block's extents and bytes (``KeyError`` if none)."""
+        return self._unpack(self._blocks[key])
+
+    def _unpack(self, held) -> tuple[list[Extent], int]:
+        if type(held) is int:
+            nbytes = held & _NBYTES
+            return ([((held >> _SLOT_SHIFT) * self.slot_bytes, nbytes)] if nbytes else []), nbytes
+        return held[0], held[1]
+
+    def span(self, key: bytes) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of a block held in one slot, None for a larger one (``lookup``
+        has its extents): one dict lookup and no list, for the copy loops of whole batches."""
+        held = self._blocks[key]
+        if type(held) is int:
+            return (held >> _SLOT_SHIFT) * self.slot_bytes, held & _NBYTES
+        return None
 
     def release(self, key: bytes) -> int:
         """Free a block's slots; returns the bytes it accounted (0 if absent)."""
         with self._lock:
-            entry = self._blocks.pop(key, None)
-            if entry is None:
+            held = self._blocks.pop(key, None)
+            if held is None:
                 return 0
-            self.payload_bytes -= entry[1]
-            slots = entry[2]
+            self.payload_bytes -= self._unpack(held)[1]
+            slots = _slots_of(held)
             for slot in sorted(slots, reverse=True):
                 self._free[slot // self.segment_slots].append(slot)
             if self.owned:
@@ -177,7 +185,8 @@ class SlotTable:
     def segments_of(self, keys) -> set[int]:
         """The segments holding a slot of any of the blocks ``keys`` held here."""
         with self._lock:
-            return {slot // self.segment_slots for key in keys if key in self._blocks for slot in self._blocks[key][2]}
+            return {slot // self.segment_slots for key in keys if key in self._blocks
+                    for slot in _slots_of(self._blocks[key])}
 
     def if_owned_by(self, s: int, owner: str, action: Callable[[], object]) -> object | None:
         """``action()`` if segment ``s`` belongs to ``owner``, atomically with respect to the
@@ -192,6 +201,22 @@ class SlotTable:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+#: a one-slot block's entry: its slot above these bits, its bytes (at most a slot) in them
+_SLOT_SHIFT = 40
+_NBYTES = (1 << _SLOT_SHIFT) - 1
+
+
+def _held(slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int):
+    """What the table keeps for a block in ``slots``: one int for one slot, else its extents too."""
+    if len(slots) == 1:
+        return slots[0] << _SLOT_SHIFT | nbytes
+    return _coalesce(sorted(slots), slot_bytes, nbytes, segment_slots), nbytes, slots
+
+
+def _slots_of(held) -> list[int]:
+    return [held >> _SLOT_SHIFT] if type(held) is int else held[2]
 
 
 def _coalesce(sorted_slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int) -> list[Extent]:
