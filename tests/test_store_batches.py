@@ -229,15 +229,13 @@ def test_a_corrupt_copy_in_a_batched_get_is_dropped_and_the_next_copy_served(tmp
     store, ns = make_store(tmp_path, "c", write_through=True)
     hashes = chain(4)
     assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 4
-    real = CpuTier.read_into
+    real = CpuTier.read_many_into
     bad = store.namespace(ns).id + hashes[2]
 
-    def corrupt(self, key, out):
-        if key == bad:
-            raise BlockCorrupt("flipped bit")
-        return real(self, key, out)
+    def corrupt(self, keys, outs):   # the batch's CPU copies are read with one call
+        return [BlockCorrupt("flipped bit") if key == bad else n for key, n in zip(keys, real(self, keys, outs))]
 
-    monkeypatch.setattr(CpuTier, "read_into", corrupt)
+    monkeypatch.setattr(CpuTier, "read_many_into", corrupt)
     outs = [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes]
     assert store.get_into(ns, hashes, outs) == [BLOCK] * 4
     for h, o in zip(hashes, outs):
@@ -253,16 +251,13 @@ def test_a_failed_read_in_a_batched_get_leaves_nothing_pinned(tmp_path, monkeypa
     store, ns = make_store(tmp_path, "f", nvme_blocks=0)
     hashes = chain(4)
     store.put(ns, hashes, [data(h) for h in hashes])
-    real = CpuTier.read_into
-    calls = []
+    real = CpuTier.read_many_into
 
-    def failing(self, key, out):
-        calls.append(key)
-        if len(calls) == 3:
-            raise OSError("gone")
-        return real(self, key, out)
+    def failing(self, keys, outs):   # the batch's CPU copies are read with one call
+        real(self, keys[:2], outs[:2])
+        raise OSError("gone")
 
-    monkeypatch.setattr(CpuTier, "read_into", failing)
+    monkeypatch.setattr(CpuTier, "read_many_into", failing)
     with pytest.raises(OSError):
         store.get_into(ns, hashes, [np.zeros(BLOCK, dtype=np.uint8) for _ in hashes])
     assert all(s.pins == 0 and s.visible for s in store.block_states())

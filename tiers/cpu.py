@@ -178,13 +178,13 @@ class CpuTier(Tier):
 
     def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
         """``write``: nothing to sync in memory (one call per block, no hop through ``write``)."""
-        extents = self.slots.lookup(record.key)[0]
         data = as_bytes(data)
-        if len(extents) == 1:   # most blocks: one copy, no loop
-            off, n = extents[0]
+        at = self.slots.span(record.key)
+        if at is not None:   # most blocks: one slot, one copy
+            off, n = at
             np.copyto(self.arena[off:off + n], data if data.nbytes == n else data[:n])
         else:
-            scatter(self.arena, extents, data)
+            scatter(self.arena, self.slots.lookup(record.key)[0], data)
 
     write = write_unsynced
 
@@ -197,6 +197,26 @@ class CpuTier(Tier):
         else:
             gather(self.arena, extents, out)
         return nbytes
+
+    def read_many_into(self, keys, outs) -> list:
+        """``read_into`` for each key, in one loop: a one-slot block (most) is one ``copyto``."""
+        got: list = []
+        span, arena = self.slots.span, self.arena
+        for key, out in zip(keys, outs):
+            try:
+                at = span(key)
+            except KeyError as e:
+                got.append(e)
+                continue
+            if at is None:   # several extents
+                got.append(self.read_into(key, out))
+                continue
+            off, n = at
+            if type(out) is not np.ndarray or out.ndim != 1 or out.dtype != np.uint8:
+                out = as_bytes(out)
+            np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
+            got.append(n)
+        return got
 
     def view(self, key: bytes) -> list[np.ndarray]:
         """Zero-copy views of a block's pieces (valid while the block is pinned)."""

@@ -90,15 +90,19 @@ class Cascade:
         """Hold a visible block the caller found in the index in place (no eviction, freed only on
         the last unpin). Caller holds the lock."""
         assert entry.visible and self.index.entries.get(entry.key) is entry, "pinned a block the index does not serve"
-        entry.pins += 1
+        entry.add_pin()
         return entry
 
     def unpin(self, entry: Entry) -> None:
         """Let go of one pin (caller holds the lock); a deleted block is freed on its last."""
-        assert entry.pins > 0, "unpinned a block nobody pinned"
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
+        if entry.drop_pin():
             self.drop_entry(entry)
+
+    def unpin_all(self, entries) -> None:
+        """``unpin`` each of ``entries`` (caller holds the lock)."""
+        for entry in entries:
+            if entry.drop_pin():
+                self.drop_entry(entry)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of the store's counters (takes the lock itself: increments are never lost)."""
@@ -212,6 +216,7 @@ class Cascade:
                 room = min(room, max(0, quota - quotas.charged[tenant]) // nbytes)
             plan: list[BlockRecord | None] = []   # per block: its new record, or None (present)
             fresh: dict[bytes, BlockRecord] = {}
+            of_keys = BlockRecord.of_keys
             for k in range(start, min(len(hashes), start + limit)):
                 key = nsid + hashes[k]
                 present = entries.get(key)
@@ -222,7 +227,13 @@ class Cascade:
                     continue
                 if len(fresh) == room:
                     break
-                record = fresh[key] = BlockRecord(nsid, hashes[k], parents[k], nbytes, nbytes)
+                parent_key = parents[k]
+                if parent_key is not None:   # the parent's own key object where it is held (shared_parent_key)
+                    parent_key = nsid + parent_key
+                    parent = entries.get(parent_key) or fresh.get(parent_key)
+                    if parent is not None:
+                        parent_key = parent.key
+                record = fresh[key] = of_keys(key, parent_key, nbytes, nbytes)
                 plan.append(record)
             records = list(fresh.values())
             allocated = tier.allocate_run(records)
@@ -234,8 +245,8 @@ class Cascade:
                 if record is None:
                     run.append(None)
                     continue
-                entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged_to=tenant)
-                entry.copies[t] = record
+                entry = Entry(record.key, record.parent_key, nbytes, charged_to=tenant)
+                entry.hold_first(t, record)
                 entries[entry.key] = entry
                 run.append(entry)
         return run
@@ -294,15 +305,7 @@ class Cascade:
         """Make written entries visible, in order, each in its fastest tier: the policies and the
         chains learn of each in turn (a block's parent is linked before it), then the listeners
         hear of each in turn (``Listeners.added_run``); the counts once per run. Caller holds the lock."""
-        index = self.index
-        track, link, namespace_bytes = index.track_copy, index.link, index.namespace_bytes
-        nbytes = 0
-        for entry in entries:
-            track(entry, entry.fastest)
-            entry.ready = True
-            link(entry)
-            namespace_bytes[entry.namespace_id] += entry.raw_size
-            nbytes += entry.raw_size
+        nbytes = self.index.show_run(entries)
         self.listeners.added_run(entries)
         self.counters["puts"] += len(entries)
         self.counters["bytes_in"] += nbytes

@@ -142,6 +142,12 @@ class Copies:
             pairs.sort(key=lambda p: p[0])
             self._flat = tuple(x for p in pairs for x in p)
 
+    def hold_first(self, t: int, record: BlockRecord) -> None:
+        """The first copy of an entry that has none (a new block's, in tier ``t``)."""
+        assert self._flat is None and record.tier == -1, "hold_first of an entry with a copy, or a record held"
+        record.tier = t
+        self._flat = record
+
     def __setitem__(self, t: int, record: BlockRecord) -> None:
         if self._flat is None and record.tier in (-1, t):   # most entries: their first copy
             record.tier = t
@@ -268,6 +274,17 @@ class Entry(Copies, NamedByKey):
         assert n >= 0, "a negative pin count"
         self._flags = n * _PIN | self._flags % _PIN
 
+    def add_pin(self) -> None:
+        """One more pin (``Cascade.pin_entry``): the count above the flag bits, one addition."""
+        self._flags += _PIN
+
+    def drop_pin(self) -> bool:
+        """One pin fewer (``Cascade.unpin``); whether the entry is now unpinned and doomed (to be freed)."""
+        flags = self._flags - _PIN
+        assert flags >= 0, "a negative pin count"
+        self._flags = flags
+        return flags < _PIN and flags & _DOOMED != 0
+
     ready = _flag(_READY, "visible to lookups and gets")
     doomed = _flag(_DOOMED, "deleted while pinned: freed on last unpin")
     linked = _flag(_LINKED, "listed in its parent's ``children``")
@@ -362,6 +379,38 @@ class BlockIndex:
             entry.linked = True
             _add_child(parent, entry.key)
             self.refresh_policies(parent)
+
+    def show_run(self, entries) -> int:
+        """Make written entries visible, in order, each in its fastest tier: its policy learns of
+        it and it is linked into its parent, a block's parent before it (``track_copy``,
+        ``link``). Where no policy uses chains, each tier's policy is told its run at once
+        (``insert_run``). Returns the entries' raw bytes; the namespaces' bytes are counted."""
+        namespace_bytes = self.namespace_bytes
+        nbytes = 0
+        if self._chains:
+            for entry in entries:
+                self.track_copy(entry, entry.first())
+                entry.ready = True
+                self.link(entry)
+                namespace_bytes[entry.namespace_id] += entry.raw_size
+                nbytes += entry.raw_size
+            return nbytes
+        index = self.entries
+        new: list[list[bytes]] = [[] for _ in self.policies]
+        for entry in entries:
+            new[entry.first()].append(entry.key)
+            flags = entry._flags | _READY
+            parent = None if entry.parent_key is None else index.get(entry.parent_key)
+            if parent is not None and not flags & _LINKED:   # ``link``; no policy to refresh
+                flags |= _LINKED
+                _add_child(parent, entry.key)
+            entry._flags = flags
+            namespace_bytes[entry.key[:NAMESPACE_ID_BYTES]] += entry.raw_size
+            nbytes += entry.raw_size
+        for t, keys in enumerate(new):
+            if keys:
+                self.policies[t].insert_run(keys)
+        return nbytes
 
     def link_recovered(self) -> None:
         """``link`` every entry into its parent at once, before any policy knows of them (warm

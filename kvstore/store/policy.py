@@ -50,8 +50,19 @@ class EvictionPolicy(ABC):
             for key, (children, orphan) in zip(keys, chains):
                 self.insert(key, children, orphan)
 
+    def insert_run(self, keys: Iterable[bytes]) -> None:
+        """``insert`` each key, in order, without a chain state (a run of new blocks, for a
+        policy that ignores chains): as new as any insert, unlike ``insert_many``'s bulk."""
+        for key in keys:
+            self.insert(key)
+
     @abstractmethod
     def touch(self, key: bytes) -> None: ...
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """``touch`` each key, in order (a batch of reads)."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
@@ -154,6 +165,17 @@ class LRUPolicy(EvictionPolicy):
                 raise   # not held
             self._dormant.leave(key)
             self._order[key] = None
+
+    def insert_run(self, keys: Iterable[bytes]) -> None:
+        self._order.update(dict.fromkeys(keys))
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        move = self._order.move_to_end
+        for key in keys:
+            try:
+                move(key)
+            except KeyError:
+                self.touch(key)   # dormant (or not held: raises)
 
     def remove(self, key: bytes) -> None:
         if self._order.pop(key, 0) is not None and self._dormant.holds(key):   # not in _order: dormant (or not held)

@@ -120,7 +120,8 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
     """Read every planned copy into its buffer, the lock released: below the CPU tier several at
     once (runs where the tier reads runs), the rest on this thread. A damaged copy sets ``failed``;
     any other failure raises (the caller unpins)."""
-    slow = [r for r in reads if r.tier >= slow_from(cascade) and not r.decode]
+    slow_tiers = slow_from(cascade)
+    slow = [r for r in reads if r.tier >= slow_tiers and not r.decode]
     if len(slow) < 2:
         slow = []
     in_flight = []
@@ -132,7 +133,7 @@ def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray
     try:
         run: list[BlockRead] = []   # neighbours in the call of one tier, none to decode: one read_many_into
         for r in reads:
-            if id(r) in taken:
+            if taken and id(r) in taken:
                 continue
             if run and (r.decode or r.tier != run[0].tier):
                 _read_run(cascade, run, dsts)
@@ -208,22 +209,35 @@ def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
     again: list[int] = []
     policies, tiers = cascade.index.policies, cascade.tiers
     hits, nbytes = [0] * len(tiers), [0] * len(tiers)
+    touched: list[list[bytes]] = [[] for _ in tiers]   # per tier, the keys read, in order: one touch_many each
     with cascade.lock:
         for r in reads:
             entry = r.entry
             if r.failed is not None:
+                for t, keys in enumerate(touched):   # the reads before it touched first, as they came
+                    if keys:
+                        policies[t].touch_many(keys)
+                        touched[t] = []
                 if r.tier in entry.copies:
                     cascade.discard_corrupt_copy(entry, r.tier)
                 cascade.unpin(entry)
                 again.append(r.at)
                 continue
-            hits[r.tier] += 1
-            nbytes[r.tier] += r.n
-            policies[r.tier].touch(entry.key)
-            if r.promote and not entry.doomed:
-                cascade.promote(entry, r.tier, r.payload, r.decoded)
-            cascade.unpin(entry)
+            t = r.tier
+            hits[t] += 1
+            nbytes[t] += r.n
+            if r.promote and not entry.doomed:   # (touched first: as it was read, before it moved)
+                policies[t].touch_many(touched[t])
+                touched[t] = []
+                policies[t].touch(entry.key)
+                cascade.promote(entry, t, r.payload, r.decoded)
+            else:
+                touched[t].append(entry.key)
             out[r.at] = (r.n, r.codec)
+        for t, keys in enumerate(touched):
+            if keys:
+                policies[t].touch_many(keys)
+        cascade.unpin_all([r.entry for r in reads if r.failed is None])
         for t, k in enumerate(hits):   # counted once per batch: the same totals, under the same lock
             if k:
                 cascade.served(t, k, nbytes[t])
