@@ -258,24 +258,26 @@ class DiskWrites:
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: PutResults) -> None:
     """Copy a reserved run's payloads into the first tier outside the lock, then publish them in
     order under one acquisition. A failed copy publishes the blocks before it, drops the rest."""
-    tier = cascade.tiers[0]
+    write = cascade.tiers[0].write_unsynced
     written = 0
     try:
         for entry, data in zip(run, arrays[start:start + len(run)]):
             if entry is not None:
-                tier.write_unsynced(entry.copies[0], data)
+                write(entry.first_item()[1], data)   # its one copy: in tier 0
             written += 1
     finally:
         done, payloads, at = [], [], []   # the entries to publish, their payloads, their result indices
+        results = out.results
         with cascade.lock:
             for k, entry in enumerate(run):
                 if entry is None:
                     if k < written:
-                        out.add("exists")
+                        results.append("exists")
                 elif k >= written:
                     cascade.drop_entry(entry)
                 else:
-                    at.append(out.add("stored"))
+                    at.append(len(results))
+                    results.append("stored")
                     done.append(entry)
                     payloads.append(arrays[start + k])
         out.publish(done, payloads, at)

@@ -262,10 +262,13 @@ class Store:
         ns = self._namespaces.check_batch(namespace_id, hashes)
         if len(outs) != len(hashes):
             raise InvalidArgument("outs", f"{len(outs)} buffers for {len(hashes)} hashes")
-        dsts = [writable_bytes(out, f"outs[{i}]") for i, out in enumerate(outs)]
-        for dst in dsts:
-            if dst.nbytes < ns.block_bytes:
-                raise InvalidArgument("outs", f"buffer of {dst.nbytes} bytes; blocks are {ns.block_bytes}")
+        try:
+            dsts = [writable_bytes(out, "outs") for out in outs]
+        except InvalidArgument:   # again, one by one, to name the one refused
+            dsts = [writable_bytes(out, f"outs[{i}]") for i, out in enumerate(outs)]
+        if dsts and min(dst.nbytes for dst in dsts) < ns.block_bytes:
+            short = min(dst.nbytes for dst in dsts)
+            raise InvalidArgument("outs", f"buffer of {short} bytes; blocks are {ns.block_bytes}")
         return read_blocks(self._cascade, namespace_id, hashes, dsts, accept)
 
     def stored_codecs(self) -> list[int]:
