@@ -304,14 +304,10 @@ def main() -> None:
                 config = os.path.join(work, f"fleet-{node}.yaml")
                 with open(config, "w") as f:
                     f.write(f"fleet:\n{fleet}  node_id: {node}\n")
-                if pinned and node == "b":   # B is the decode node's daemon: on the decode core
-                    os.sched_setaffinity(0, set(cpus["d"]))
-                try:
-                    daemons[node] = start_local_daemon(os.path.join(work, f"fleet-{node}"), "--config", config,
-                                                       cpu_bytes="2GiB", nvme_bytes="0")
-                finally:
-                    if pinned:
-                        os.sched_setaffinity(0, {0})
+                # B is the decode node's daemon: on the decode core (A, as every child here, on core 0)
+                on = cpus["d"] if pinned and node == "b" else None
+                daemons[node] = start_local_daemon(os.path.join(work, f"fleet-{node}"), "--config", config,
+                                                   cpu_bytes="2GiB", nvme_bytes="0", cpus=on)
             servers = {"p": server("fleet-prefill", kv_config(daemons["a"], "kv_producer"), "p"),
                        "d": server("fleet-decode", kv_config(daemons["b"], "kv_consumer"), "d")}
             with serving(servers):

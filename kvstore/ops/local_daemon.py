@@ -118,13 +118,14 @@ def serve_command(*args: str) -> list[str]:
 
 def start_local_daemon(workdir, *flags: str, cpu_bytes: str = "64MiB", nvme_bytes: str = "256MiB",
                        nvme_path: str | None = None, env: dict | None = None, timeout: float = 90.0,
-                       client_kwargs: dict | None = None) -> LocalDaemon:
+                       client_kwargs: dict | None = None, cpus: list[int] | None = None) -> LocalDaemon:
     """Start ``kvstore serve`` with ``flags`` in ``workdir`` (created; holds the ready file, the log
     and, unless ``nvme_path`` is given, the NVMe directory) and wait until it is healthy.
 
     ``env`` is added to the child's environment; ``client_kwargs`` are the defaults of
     ``LocalDaemon.client()`` (and of the health probe), e.g. ``{"root_ca": cert_path}`` for a TLS
-    daemon or ``{"token": ...}``."""
+    daemon or ``{"token": ...}``; ``cpus``: the cores the daemon (every thread and process it
+    starts) may run on, set in the child before it runs (None: this process's)."""
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
     nvme_path = nvme_path or os.path.join(workdir, "nvme")
@@ -135,7 +136,8 @@ def start_local_daemon(workdir, *flags: str, cpu_bytes: str = "64MiB", nvme_byte
     cmd = serve_command("--listen", "127.0.0.1:0", "--ready-file", ready, "--cpu-bytes", cpu_bytes,
                         "--nvme-bytes", nvme_bytes, "--nvme-path", nvme_path, *flags)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + timeout
     while not os.path.exists(ready):
         if proc.poll() is not None:
