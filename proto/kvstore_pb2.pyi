@@ -29,7 +29,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., client_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant", "stored_codecs", "segment_socket", "segment_ticket", "segment_bytes", "lookup_socket", "lookup_ticket", "lease_socket", "lease_ticket")
+    __slots__ = ("server_version", "server_id", "arena_path", "arena_bytes", "arena_dev", "arena_ino", "probe_path", "lease_seconds", "max_message_bytes", "chunk_bytes", "bulk_port", "bulk_ticket", "tenant", "stored_codecs", "segment_socket", "segment_ticket", "segment_bytes", "lookup_socket", "lookup_ticket", "lease_socket", "lease_ticket", "fleet_node")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class HandshakeResponse(_message.Message):
     LOOKUP_TICKET_FIELD_NUMBER: _ClassVar[int]
     LEASE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LEASE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    FLEET_NODE_FIELD_NUMBER: _ClassVar[int]
     server_version: int
     server_id: str
     arena_path: str
@@ -72,7 +73,8 @@ class HandshakeResponse(_message.Message):
     lookup_ticket: bytes
     lease_socket: str
     lease_ticket: bytes
-    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ..., stored_codecs: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_ticket: _Optional[bytes] = ..., segment_bytes: _Optional[int] = ..., lookup_socket: _Optional[str] = ..., lookup_ticket: _Optional[bytes] = ..., lease_socket: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
+    fleet_node: str
+    def __init__(self, server_version: _Optional[int] = ..., server_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_dev: _Optional[int] = ..., arena_ino: _Optional[int] = ..., probe_path: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., bulk_port: _Optional[int] = ..., bulk_ticket: _Optional[bytes] = ..., tenant: _Optional[str] = ..., stored_codecs: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_ticket: _Optional[bytes] = ..., segment_bytes: _Optional[int] = ..., lookup_socket: _Optional[str] = ..., lookup_ticket: _Optional[bytes] = ..., lease_socket: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ..., fleet_node: _Optional[str] = ...) -> None: ...
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "layout", "kv_per_token", "tp_rank", "tp_size", "pp_rank", "pp_size", "cp_rank", "cp_size", "block_bytes")
@@ -129,14 +131,16 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "no_lease")
+    __slots__ = ("namespace_id", "hashes", "no_lease", "producer")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_lease: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_lease: _Optional[bool] = ...) -> None: ...
+    producer: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_lease: _Optional[bool] = ..., producer: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hit", "tiers")
@@ -219,6 +223,20 @@ class RouteResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeRoute]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeRoute, _Mapping]]] = ...) -> None: ...
+
+class PeerChecksumsRequest(_message.Message):
+    __slots__ = ("namespace_id", "hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PeerChecksumsResponse(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, signed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("json",)

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.PeerChecksums = channel.unary_unary(
+                '/kvstore.v1.KVStore/PeerChecksums',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PutChunk.SerializeToString,
@@ -203,6 +208,14 @@ class KVStoreServicer:
 
     def Route(self, request, context):
         """Fleet mode: which nodes hold the longest cached prefix of a chain (KV-aware routing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerChecksums(self, request, context):
+        """Fleet mode, between peers only (a peer proof, kvstore.fleet.peer_proof): each block's checksum
+        as stored, signed under the fleet key for that very block, as its directory record would be.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -354,6 +367,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.SerializeToString,
+            ),
+            'PeerChecksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerChecksums,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -652,6 +670,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Route',
             kvstore_dot_proto_dot_kvstore__pb2.RouteRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerChecksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PeerChecksums',
+            kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.PeerChecksumsResponse.FromString,
             options,
             channel_credentials,
             insecure,

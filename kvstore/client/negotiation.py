@@ -50,6 +50,7 @@ class Negotiation:
         self.local_leases = local_leases
         self.accept_codecs: tuple[int, ...] = ()   # codecs of this daemon run that we decode ourselves
         self.server_id: str | None = None   # the daemon run whose arena / side channel we hold
+        self.fleet_node = ""                 # the daemon's node id in its fleet ("" fleet mode off)
         self.arena: shm.ArenaMap | SegmentMap | None = None
         self.bulk: BulkChannel | None = None
         self.lookups: LocalLookup | None = None   # same-host Lookup over the daemon's Unix socket
@@ -77,6 +78,7 @@ class Negotiation:
             if self._negotiated:
                 return
             self.server_id = hs.server_id
+            self.fleet_node = hs.fleet_node
             if self.chunk_bytes is None:
                 self.chunk_bytes = hs.chunk_bytes or chunks.DEFAULT_CHUNK_BYTES
             self.arena = self._map_arena(hs, nonce)

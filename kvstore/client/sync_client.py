@@ -117,6 +117,12 @@ class Client:
         return self._negotiation.server_id
 
     @property
+    def fleet_node(self) -> str:
+        """The node id the daemon goes by in its fleet ("" when fleet mode is off there)."""
+        self._negotiation.ensure()
+        return self._negotiation.fleet_node
+
+    @property
     def mapped_arena(self):
         """The daemon's arena as this process mapped it (a ``transport.shm.ArenaMap``, or with auth
         on a ``transport.segments.SegmentMap`` of this tenant's segments), or None when data does
@@ -153,12 +159,14 @@ class Client:
             self._layouts[ns_id] = ns.layout
         return ns_id
 
-    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
+    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True, producer: str = "") -> Lookup:
         """Leading blocks of the chain present in the daemon (pinned for the lease time). On the
-        daemon's host this goes over its Unix socket (``transport.local_lookup``), else gRPC."""
+        daemon's host this goes over its Unix socket (``transport.local_lookup``), else gRPC.
+        ``producer``: the fleet node id a P/D hand-off names as the blocks' producer; a fleet
+        daemon fetches what it misses from that member directly (``LookupRequest.producer``)."""
         self._negotiation.ensure()
         for _ in range(2):   # a connection the daemon let go is connected again, once, at once
-            local = self._negotiation.local_lookups()
+            local = self._negotiation.local_lookups()   # (not offered in fleet mode: no producer to name)
             if local is None or not hashes:
                 break
             try:
@@ -169,7 +177,8 @@ class Client:
                 self._negotiation.drop_local_lookups()
 
         def rpc(h):
-            r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=h, no_lease=not lease))
+            r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=h, no_lease=not lease,
+                                                          producer=producer))
             return r.num_hit, list(r.tiers)
         return self._lookup_with(rpc, hashes)
 

@@ -17,7 +17,8 @@ into it, peer fetch and routing, and ``kvstore route``. It uses only the Store's
 Modules: ``records`` (value layouts, defensive parsing), ``signing`` (MACs under the fleet secret),
 ``lua`` (the scripts), ``directory`` (Redis keys, membership, verified reads), ``routing`` (route
 answers), ``publisher`` (Store -> directory), ``peer_proof`` (how peer calls prove possession),
-``peers`` (bounded peer clients, verified fetch),
+``peers`` (bounded peer clients, verified fetch), ``direct`` (direct fetch of a P/D hand-off from the
+member a lookup names), ``checksums`` (the checksum a node vouches for a block with),
 ``node`` (``Fleet``, composing them) and ``cli`` (``kvstore route``).
 """
 

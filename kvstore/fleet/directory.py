@@ -349,6 +349,16 @@ class Directory:
                     self._revoked.pop(next(iter(self._revoked)))
             self._revoked[(namespace_id, node_id, epoch)] = until
 
+    def members(self, namespace_id: bytes) -> dict[int, tuple[str, str, int]]:
+        """``live_nodes`` of a namespace, read in one round trip (its nodes and tombstones)."""
+        batch = self._batch()
+        batch.call("hgetall", self.nodes_key(namespace_id))
+        batch.call("hgetall", self.revoked_key(namespace_id))
+        nodes, revoked = batch.execute()
+        if isinstance(nodes, ResponseError):
+            raise nodes
+        return self.live_nodes(namespace_id, nodes, {} if isinstance(revoked, ResponseError) else revoked)
+
     def revoked(self, namespace_id: bytes) -> dict:
         """The raw tombstones hash of a namespace (empty when it is missing or not a hash)."""
         try:

@@ -8,11 +8,17 @@ import logging
 import secrets
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.fleet.checksums import payload_checksum
+from kvstore.fleet.direct import COUNTERS as DIRECT_COUNTERS
+from kvstore.fleet.direct import DirectFetcher
 from kvstore.fleet.directory import Directory
 from kvstore.fleet.peer_proof import PeerKeys, PeerVerifier
 from kvstore.fleet.peers import PeerClients, PeerFetcher, grpc_client_factory
 from kvstore.fleet.publisher import Publisher
+from kvstore.fleet.records import CHECKSUM_BYTES
 from kvstore.fleet.routing import NodeRoute
 from kvstore.keys import ChainHasher
 from kvstore.store import Lookup, Store
@@ -64,6 +70,8 @@ class Fleet:
                                  max_peer_clients)
         self.fetcher = PeerFetcher(store, self.directory, self.peers, node_id, fetch_batch=fetch_batch,
                                    skip_failed_s=heartbeat_s, counters=self.counters, shared_pool=shared_pool)
+        self.direct = DirectFetcher(store, self.directory, self.peers, node_id, fetch_batch=fetch_batch,
+                                    refresh_s=heartbeat_s, skip_failed_s=heartbeat_s, counters=self.counters)
         self._slots = self.publisher.slots   # ns -> our slot (the same dict; tests read it)
 
     @property
@@ -116,15 +124,40 @@ class Fleet:
 
     # -- peer fetch ------------------------------------------------------------------------------
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
-        """``store.lookup``, but a local miss is first filled from peers (when fleet mode is on)."""
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease: bool = True, producer: str = "") -> Lookup:
+        """``store.lookup``, but a local miss is first filled from peers (when fleet mode is on):
+        from the member ``producer`` names directly (``DirectFetcher``: a P/D hand-off's producer,
+        an untrusted hint), then what is still missing through the directory (``fetch``)."""
         result = self.store.lookup(namespace_id, hashes, lease=lease)
         if result.num_hit < len(hashes) and self.peer_fetch_enabled:
             first = result.num_hit
-            parent = hashes[first - 1] if first else None
-            if self.fetch(namespace_id, hashes[first:], parent=parent):
+            got = self.direct.fetch(namespace_id, hashes[first:], hashes[first - 1] if first else None,
+                                    producer) if producer else 0
+            at = first + got
+            if at < len(hashes):
+                got += self.fetch(namespace_id, hashes[at:], parent=hashes[at - 1] if at else None)
+            if got:
                 result = self.store.lookup(namespace_id, hashes, lease=lease)
         return result
+
+    def signed_checksums(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[bytes]:
+        """What a peer's direct fetch checks this node's bytes against (``PeerChecksums``): for
+        each leading block held here, the checksum of its payload as stored, signed for that very
+        block as its directory record is; b"" from the first block not held on."""
+        out: list[bytes] = []
+        for h in hashes:
+            try:
+                with self.store.pinned(namespace_id, h) as block:
+                    checksum = None if block is None else payload_checksum(block, _fresh_buffer)
+            except Exception as e:  # noqa: BLE001 - a block that cannot be read is not vouched for
+                log.debug("fleet: cannot checksum block %s for a peer: %s", h.hex(), e)
+                checksum = None
+            if checksum is None:
+                break
+            out.append(self.directory.signer.checksum_prefix(namespace_id, h,
+                                                             checksum.to_bytes(CHECKSUM_BYTES, "little")))
+        self.counters["checksums_served"] += len(out)
+        return out + [b""] * (len(hashes) - len(out))
 
     def fetch(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None = None) -> int:
         """Copy the leading blocks of ``hashes`` from peers into the local store (``PeerFetcher``);
@@ -140,5 +173,10 @@ class Fleet:
         mirror = self.publisher.mirror
         return {"node_id": self.node_id, "connected": self.connected, "namespaces": len(mirror),
                 "published_blocks": sum(len(m) for m in mirror.values()), "peer_clients": len(self.peers),
-                "counters": {**self.counters, "peer_clients_evicted": self.peers.evicted,
+                "counters": {**dict.fromkeys(DIRECT_COUNTERS, 0), **self.counters,
+                             "peer_clients_evicted": self.peers.evicted,
                              "peer_proofs_refused": self.peer_verifier.refused}}
+
+
+def _fresh_buffer(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)

@@ -3,7 +3,7 @@
 Whoever holds a peer's address (a signed directory entry written back after its node left, a port
 taken over) must get nothing from a daemon that calls it: not the peer token, not a proof it can
 use on an honest peer, and no bytes taken from it. So a fleet daemon calling a peer (Handshake,
-RegisterNamespace, Get) sends
+RegisterNamespace, PeerChecksums, Get) sends
 
     authorization: KvsPeer <nonce hex> <ms> <request sha256 hex> <fleet mac hex> <token mac hex | ->
 
@@ -39,7 +39,7 @@ SCHEME = "KvsPeer"
 ANSWER_KEY = "kvs-peer-proof"              # initial metadata of a callee's answer
 FRESH_MS = 30_000                          # clock skew and call time a proof may span
 MAX_NONCES = 1 << 17                       # nonces a callee remembers: 4,000 peer calls a second
-METHODS = frozenset({"Handshake", "RegisterNamespace", "Get"})   # what peer fetch calls
+METHODS = frozenset({"Handshake", "RegisterNamespace", "Get", "PeerChecksums"})   # what peer fetch calls
 _MAC_BYTES = 16
 
 

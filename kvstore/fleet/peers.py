@@ -104,7 +104,7 @@ class PeerClients:
             self._clients.clear()
 
 
-def _stored_payloads(client, ns: bytes, hashes: list[bytes]) -> list:
+def stored_payloads(client, ns: bytes, hashes: list[bytes]) -> list:
     """Per block ``(codec id, payload)`` as the peer stores it, or None for a miss. A peer client
     without ``get_payloads`` (an in-process stand-in) serves raw blocks."""
     if hasattr(client, "get_payloads"):
@@ -195,7 +195,7 @@ class PeerFetcher:
             client = self.clients.get(route.address, self.store, ns, (route.node_id, route.epoch))
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]
-                got = _stored_payloads(client, ns, batch)
+                got = stored_payloads(client, ns, batch)
                 run_h, run_d, run_c = [], [], []
                 for h, block, want_sum in zip(batch, got, expected[i:i + len(batch)]):
                     if block is None or want_sum is None:

@@ -17,11 +17,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-import xxhash
-
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from redis.exceptions import ResponseError
 
+from kvstore.fleet.checksums import payload_checksum
 from kvstore.fleet.directory import Directory, DirectoryFull
 from kvstore.fleet.records import pack_entry
 from kvstore.store import Store, StoreListener
@@ -164,19 +163,8 @@ class Publisher(StoreListener):
         with self.store.pinned(ns, h) as block:
             if block is None:
                 return None
-            record = block.record
             try:
-                if record.checksum:
-                    checksum = record.checksum          # NVMe keeps the payload's xxh3_64 in its header
-                elif (pieces := block.pieces()) is not None:
-                    x = xxhash.xxh3_64()                # zero-copy over the arena, under the pin
-                    for piece in pieces:
-                        x.update(piece)
-                    checksum = x.intdigest()
-                else:
-                    buf = self._scratch.get(record.stored_size)
-                    n = block.read_into(buf)
-                    checksum = xxhash.xxh3_64_intdigest(buf[:n])
+                checksum = payload_checksum(block, self._scratch.get)
                 self.counters["checksummed"] += 1
                 return pack_entry(checksum, block.tier)
             except Exception as e:  # noqa: BLE001 - a block we cannot read is not advertised

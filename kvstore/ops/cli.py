@@ -173,6 +173,16 @@ def cmd_stats(args) -> int:
     for k, v in sorted(stats.get("counters", {}).items()):
         counters.add_row(k, str(v))
     console.print(counters)
+    fleet = stats.get("fleet")
+    if fleet:   # peer fetches, direct fetches of P/D hand-offs, directory health (docs/fleet.md)
+        events = Table(title=f"fleet: node {fleet.get('node_id')}, "
+                             f"{'connected' if fleet.get('connected') else 'directory unreachable'}, "
+                             f"{fleet.get('published_blocks', 0)} blocks published", box=box.SIMPLE_HEAD)
+        events.add_column("counter", overflow="fold")
+        events.add_column("value", justify="right", overflow="fold")
+        for k, v in sorted(fleet.get("counters", {}).items()):
+            events.add_row(k, str(v))
+        console.print(events)
     threads = stats.get("server", {}).get("threads")
     if threads:   # what every pool of the daemon is sized to (kvstore/threads.py)
         console.print("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))

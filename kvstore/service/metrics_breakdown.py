@@ -21,7 +21,8 @@ OTHER = "other"
 NAMESPACE_LABELS = ["namespace", "model", "tenant"]
 #: fleet events exported from the first scrape on, at 0 until they happen (dashboards plot them)
 KNOWN_EVENTS = ("fetches", "fetched_blocks", "peer_misses", "peer_errors", "pool_blocks", "pool_errors",
-                "redis_errors", "route_errors", "heartbeats", "published")
+                "redis_errors", "route_errors", "heartbeats", "published", "direct_fetches", "direct_blocks",
+                "direct_failures")
 
 
 def top_and_other(rows: dict, n: int, key: Callable[[dict], float]) -> tuple[list, dict | None]:

@@ -20,10 +20,11 @@ import json
 import time
 from collections.abc import Callable
 
-from kvstore.errors import FleetModeOff, InvalidArgument
+from kvstore.errors import FleetModeOff, InvalidArgument, Unauthenticated
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.admin_rpcs import AdminRpcs
+from kvstore.service.auth import authorization
 from kvstore.service.bulk_rpcs import BulkRpcs
 from kvstore.service.lease_rpcs import LeaseRpcs
 from kvstore.service.rpc_base import ServiceState
@@ -37,7 +38,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
 class KVStoreServicer(ServiceState):
-    RPCS = ("Handshake", "RegisterNamespace", "Lookup", "LookupBatch", "Exists", "Delete", "Stats", "Route")
+    RPCS = ("Handshake", "RegisterNamespace", "Lookup", "LookupBatch", "Exists", "Delete", "Stats", "Route",
+            "PeerChecksums")
 
     def __init__(self, store: Store, **settings) -> None:
         super().__init__(store, **settings)
@@ -60,7 +62,8 @@ class KVStoreServicer(ServiceState):
         resp = pb.HandshakeResponse(server_version=PROTOCOL_VERSION, server_id=self.server_id,
                                     lease_seconds=self.store.config.lease_seconds,
                                     max_message_bytes=self.max_message_bytes, chunk_bytes=self.chunk_bytes,
-                                    tenant=tenant, stored_codecs=self.store.stored_codecs())
+                                    tenant=tenant, stored_codecs=self.store.stored_codecs(),
+                                    fleet_node=self.fleet.node_id if self.fleet is not None else "")
         arena = self.store.shared_arena()
         if arena is not None and request.nonce:
             if arena.segmented:   # auth on: this tenant's segments, by descriptor (transport.segments)
@@ -91,13 +94,14 @@ class KVStoreServicer(ServiceState):
         same checks and answer as the RPC, local blocks only (not offered in fleet mode)."""
         return self._look_up(self.store, self.tenant_namespace(tenant, namespace_id), hashes, lease)
 
-    def _look_up(self, source, ns: Namespace, hashes, lease: bool) -> tuple[int, list[str]]:
+    def _look_up(self, source, ns: Namespace, hashes, lease: bool, **hints) -> tuple[int, list[str]]:
         """``(hits, their tiers)`` from ``source`` (the store, or the fleet that completes a short
-        local run from peers), counted in the namespace's usage."""
+        local run from peers, with ``hints``: the producer a P/D hand-off names), counted in the
+        namespace's usage."""
         hashes = check_hashes(hashes, allow_empty=True)
         if not hashes:
             return 0, []
-        found = source.lookup(ns.id, hashes, lease=lease)
+        found = source.lookup(ns.id, hashes, lease=lease, **hints)
         self.usage.looked_up(ns.id, len(hashes), found.num_hit)
         return found.num_hit, list(found.tiers)
 
@@ -121,9 +125,27 @@ class KVStoreServicer(ServiceState):
 
     def Lookup(self, request, context) -> pb.LookupResponse:
         ns = self.caller_namespace(context, request.namespace_id)
-        # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops)
-        hits, tiers = self._look_up(self.fleet or self.store, ns, request.hashes, not request.no_lease)
+        # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops),
+        # first from the member a P/D hand-off names (an untrusted hint: ``fleet.direct``)
+        if self.fleet is None:
+            hits, tiers = self._look_up(self.store, ns, request.hashes, not request.no_lease)
+        else:
+            hits, tiers = self._look_up(self.fleet, ns, request.hashes, not request.no_lease,
+                                        producer=request.producer)
         return pb.LookupResponse(num_hit=hits, tiers=tiers)
+
+    def PeerChecksums(self, request, context):
+        """A fleet peer's direct fetch: the signed checksums of the leading blocks held here
+        (``Fleet.signed_checksums``). Answered to callers with an admitted peer proof only (the
+        auth interceptor refuses a proof that does not verify before this runs)."""
+        if self.fleet is None:
+            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
+        peers = self.auth.peers
+        if peers is None or authorization(context.invocation_metadata()).partition(" ")[0] != peers.scheme:
+            raise Unauthenticated("authorization: PeerChecksums is answered to fleet peers only (a peer proof)")
+        ns = self.caller_namespace(context, request.namespace_id)
+        hashes = check_hashes(request.hashes)
+        return pb.PeerChecksumsResponse(signed=self.fleet.signed_checksums(ns.id, hashes))
 
     def Route(self, request, context):
         ns = self.caller_namespace(context, request.namespace_id)
