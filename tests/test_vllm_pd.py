@@ -3,8 +3,8 @@ own process) on the real model (SmolLM2-135M-Instruct, bf16, scripts/real-model.
 tokenizer, real kvstore daemons in fleet mode on real Redis, ``kvstore pd-proxy`` in front.
 
 One prefill server P (``kv_producer``) on daemon A; two decode servers (``kv_consumer``): D1 on A
-(same daemon: 1P1D through one daemon) and D2 on B (B fetches P's blocks from A by verified peer
-fetch: the XpYd case). Prompts are English text (a document and a question about it), tokenized by
+(same daemon: 1P1D through one daemon) and D2 on B (B fetches P's blocks from A directly, the
+params naming A's fleet node, each block verified against the checksum A signed: the XpYd case). Prompts are English text (a document and a question about it), tokenized by
 each server. The proxy takes the decoders in turn. The scenario runs once, in order (engine starts
 are the cost), and the tests below read its record:
 
@@ -222,6 +222,7 @@ def record(tmp_path_factory, redis_url):
     try:
         rec["ids"] = {name: cluster.token_ids(text) for name, text in PROMPTS.items()}
         rec["health_all_up"] = _health(cluster)
+        rec["b_fleet_before"] = _fleet_counters(cluster.b)
         # 1. healthy, one at a time (S4 streamed), then four at once, then a prompt whose document
         #    daemon A holds already (S1's)
         rec["sequential"] = _phase(cluster, lambda: {n: cluster.via_proxy(n, stream=n == "S4")
@@ -239,6 +240,7 @@ def record(tmp_path_factory, redis_url):
 
         rec["concurrent"] = _phase(cluster, at_once)
         rec["held"] = _phase(cluster, lambda: cluster.via_proxy("H"))
+        rec["b_fleet_healthy"] = _fleet_counters(cluster.b)
 
         # 2. prefill dies mid-save: its last two blocks never reach the daemon
         prefill = complete(cluster.p.url, cluster.model, PROMPTS["M"], 1,
@@ -282,6 +284,12 @@ def record(tmp_path_factory, redis_url):
     # the whole record beside the servers' logs, for reading a failure afterwards
     (cluster.root / "record.json").write_text(json.dumps(rec, default=str, indent=1))
     return rec
+
+
+def _fleet_counters(daemon) -> dict:
+    """A fleet daemon's fleet counters (``kvstore stats``: peer and direct fetches)."""
+    with daemon.client() as c:
+        return c.stats()["fleet"]["counters"]
 
 
 def _health(cluster: Cluster) -> tuple[int, dict]:
@@ -357,6 +365,22 @@ def test_prefill_names_exactly_the_prompt_blocks_it_saves(record):
     kv = p["kvstore"]
     assert kv["blocks"] == _full_blocks(record, "M") and kv["block_tokens"] == BLOCK and kv["unsaved"] == 0
     assert kv["last_hash"] == HASHER.chain(record["ids"]["M"], BLOCK)[-1].hex()
+    assert kv["node"] == "a"     # its daemon's fleet node: where a decode node's daemon fetches from
+
+
+def test_decode_s_daemon_fetches_hand_offs_from_the_producer_s_daemon_directly(record):
+    """D2's daemon B got the hand-offs' blocks from A by direct fetch: the waiter's lookups name
+    A's node (from the params), so B asks A at once instead of waiting for A's directory records;
+    nothing was refused or failed, and nothing came through the directory."""
+    before, after = record["b_fleet_before"], record["b_fleet_healthy"]
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    loaded = sum(record[p]["counters"]["d2"].get("vllm:kvstore_pd_loaded_blocks", 0)
+                 for p in ("sequential", "concurrent", "held"))
+    assert loaded > 0 and delta["direct_fetches"] > 0 and delta["direct_blocks"] > 0, (loaded, delta)
+    for bad in ("direct_failures", "direct_unproven", "direct_bad_mac", "direct_checksum_mismatch",
+                "direct_refused_malformed", "direct_refused_self", "direct_refused_unknown"):
+        assert delta[bad] == 0, (bad, delta)
+    assert delta.get("fetched_blocks", 0) == 0, delta
 
 
 def test_decode_loads_every_full_prompt_block_and_recomputes_none(record):
@@ -486,6 +510,13 @@ def test_handoff_params_round_trip_and_refuse_what_does_not_match():
     old = h.to_params()
     del old["kvstore"]["unsaved"]             # params of a producer that does not mark unsaved blocks
     assert Handoff.from_params(old).unsaved == 0
+    # a producer in a fleet names its daemon's node; anything but a non-empty string names none
+    named = Handoff(ns, 6, BLOCK, hashes[5], "127.0.0.1:7373", node="prefill-7")
+    assert Handoff.from_params(named.to_params()) == named and named.to_params()["kvstore"]["node"] == "prefill-7"
+    for node in (None, "", 7, ["a"]):
+        params = named.to_params()
+        params["kvstore"]["node"] = node
+        assert Handoff.from_params(params).node is None
     assert Handoff.from_params({"do_remote_decode": True}) is None      # a prefill request's params
     assert Handoff.from_params(None) is None
     for bad, field in (({"blocks": "6"}, "blocks"), ({"last_hash": "zz"}, "last_hash"),

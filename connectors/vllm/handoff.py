@@ -7,7 +7,8 @@ the blocks the consumer can expect:
 
     {"do_remote_prefill": true, "do_remote_decode": false,
      "kvstore": {"namespace": "<id hex>", "blocks": 15, "unsaved": 0, "block_tokens": 32,
-                 "last_hash": "<chain hash of block 15, hex>", "daemon": "<producer's daemon url>"}}
+                 "last_hash": "<chain hash of block 15, hex>", "daemon": "<producer's daemon url>",
+                 "node": "<producer's daemon's fleet node id, or null>"}}
 
 ``blocks`` are the leading prompt blocks the producer stands behind: saved, queued for saving, or
 already held by its daemon (another request stored them; they are not saved again). ``unsaved``
@@ -39,11 +40,17 @@ index, the few milliseconds before its lease note reaches the daemon (or a note 
 the daemon is behind). A block lost in one of these is recomputed after ``pd_wait_s``.
 
 With a fleet the consumer's daemon fetches the blocks from the producer's daemon during these
-lookups (verified peer fetch, docs/fleet.md), so nothing here names a peer to call; the producer's
-lease pins them on its own daemon, the waiter's on the consumer's.
+lookups. The waiter's lookups name the producer's fleet node (``node``, which the producer's
+daemon told it at the handshake), and the consumer's daemon fetches what it misses from that
+member directly, without waiting for the blocks to be published in the directory
+(``kvstore.fleet.direct``); without a ``node``, or when that fails, by verified peer fetch through
+the directory (docs/fleet.md). The consumer never calls the producer's daemon itself, and its own
+daemon takes a node id from no one but the fleet's signed membership; the producer's lease pins the
+blocks on its own daemon, the waiter's on the consumer's.
 
 Params come from the client's request body, so they are untrusted: they can at most make their own
-request wait ``pd_wait_s`` for blocks of its own prompt, or count its own recompute.
+request wait ``pd_wait_s`` for blocks of its own prompt, or count its own recompute, and make the
+consumer's daemon fetch blocks of that prompt from a member of its fleet.
 """
 
 from __future__ import annotations
@@ -74,13 +81,14 @@ class Handoff:
     last_hash: bytes       # chain hash of block ``blocks + unsaved``
     daemon: str | None = None
     unsaved: int = 0       # full blocks after those that the producer knows it did not save
+    node: str | None = None   # the producer's daemon's fleet node id (None: not in a fleet, or unknown)
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` for the finished prefill request (vLLM's P/D convention)."""
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 PARAMS_KEY: {"namespace": self.namespace_id.hex(), "blocks": self.blocks,
                              "unsaved": self.unsaved, "block_tokens": self.block_tokens, "last_hash": self.last_hash.hex(),
-                             "daemon": self.daemon}}
+                             "daemon": self.daemon, "node": self.node}}
 
     @classmethod
     def from_params(cls, params: Any) -> "Handoff | None":
@@ -108,8 +116,9 @@ class Handoff:
             namespace_id, last_hash = bytes.fromhex(field("namespace", str)), bytes.fromhex(field("last_hash", str))
         except ValueError:
             raise ValueError(f"kv_transfer_params.{PARAMS_KEY}.namespace/last_hash: not hex") from None
-        daemon = p.get("daemon")
-        return cls(namespace_id, blocks, block_tokens, last_hash, daemon if isinstance(daemon, str) else None, unsaved)
+        daemon, node = p.get("daemon"), p.get("node")
+        return cls(namespace_id, blocks, block_tokens, last_hash, daemon if isinstance(daemon, str) else None, unsaved,
+                   node if isinstance(node, str) and node else None)
 
     def mismatch(self, namespace_id: bytes, block_tokens: int, hashes: Sequence[bytes]) -> str | None:
         """Why these params do not name blocks of this prompt in this namespace (None: they do)."""
@@ -144,6 +153,7 @@ class Wait:
     hashes: list[bytes]
     deadline: float
     started: float
+    producer: str = ""             # the fleet node named to the daemon as the blocks' producer
     outcome: str | None = None     # "arrived", "timeout" or "unavailable" (the daemon did not answer)
     seconds: float = 0.0
     polls: int = 0                 # lookups answered so far ...
@@ -171,9 +181,11 @@ class HandoffWaiter:
         self._thread = threading.Thread(target=self._run, name="kvstore-handoff", daemon=True)
         self._thread.start()
 
-    def watch(self, req_id: str, hashes: list[bytes], wait_s: float) -> Wait:
+    def watch(self, req_id: str, hashes: list[bytes], wait_s: float, producer: str = "") -> Wait:
+        """Poll for ``hashes`` until they are all there or ``wait_s`` has passed; ``producer``: the
+        fleet node its lookups name as their producer (a P/D hand-off's ``node``)."""
         now = time.monotonic()
-        wait = Wait(hashes, now + wait_s, now)
+        wait = Wait(hashes, now + wait_s, now, producer)
         with self._cond:
             self._waits[req_id] = wait
             self._cond.notify_all()
@@ -210,7 +222,8 @@ class HandoffWaiter:
         found = len(wait.hashes)
         for handle in self.handles:
             # leased: what is there stays there until the consumer's own lookup pins it for the load
-            got = handle.call(lambda c, ns: c.lookup(ns, wait.hashes[:found], True).num_hit, "lookup")
+            got = handle.call(lambda c, ns: c.lookup(ns, wait.hashes[:found], True, producer=wait.producer).num_hit,
+                              "lookup")
             if got is None:
                 return "unavailable"
             found = min(found, got)

@@ -192,11 +192,11 @@ class SchedulerSide:
             handoff = self._handoff_of(request)
             if handoff is None:
                 return False
-            hashes, unsaved = handoff
+            hashes, unsaved, node = handoff
             if not hashes:      # the producer saved none of it: nothing to wait for
                 self._handoff_expected[rid] = Expected(0, unsaved)
                 return False
-            self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s)
+            self._handoff_waits[rid] = self._handoff_waiter.watch(rid, hashes, self.settings.pd_wait_s, node)
             self._handoff_expected[rid] = Expected(len(hashes), unsaved)
             self._add_stat("pd_waits")
             return True
@@ -213,10 +213,11 @@ class SchedulerSide:
         self._add_stat("pd_wait_seconds", wait.seconds)
         return False
 
-    def _handoff_of(self, request: "Request") -> tuple[list[bytes], int] | None:
-        """The hashes of the blocks the request's hand-off params name, and how many blocks after
-        them its producer did not save, when the params speak of this very prompt in this
-        namespace; None for requests without params, and (counted, logged) for params that do not."""
+    def _handoff_of(self, request: "Request") -> tuple[list[bytes], int, str] | None:
+        """The hashes of the blocks the request's hand-off params name, how many blocks after
+        them its producer did not save, and the producer's fleet node ("" when not named), when
+        the params speak of this very prompt in this namespace; None for requests without params,
+        and (counted, logged) for params that do not."""
         try:
             handoff = Handoff.from_params(request.kv_transfer_params)
             if handoff is None or handoff.blocks + handoff.unsaved == 0:
@@ -229,7 +230,7 @@ class SchedulerSide:
             logger.warning("kvstore connector: hand-off params of %s refused: %s", request.request_id, why)
             self._add_stat("pd_params_refused")
             return None
-        return hashes[:handoff.blocks], handoff.unsaved
+        return hashes[:handoff.blocks], handoff.unsaved, handoff.node or ""
 
     def _settle_handoff(self, request: "Request", num_hit: int) -> None:
         """Count how a hand-off ended once the request's lookup has found ``num_hit`` blocks: the
@@ -292,7 +293,18 @@ class SchedulerSide:
             self._add_stat("pd_unsaved_blocks", unsaved)
         self._add_stat("pd_offered_blocks", n)
         return Handoff(self.namespace.id, n, self.chunk_tokens, state.hashes[n + unsaved - 1], self.settings.url,
-                       unsaved).to_params()
+                       unsaved, self._fleet_node()).to_params()
+
+    def _fleet_node(self) -> str | None:
+        """The fleet node id its daemon goes by (the handshake's; None outside a fleet), named in
+        the params so the consumer's daemon can fetch the blocks from it directly."""
+        link = self._lookup_link
+        if link is None or not link.available():
+            return None
+        try:
+            return link.client.fleet_node or None
+        except Exception:  # noqa: BLE001 - not negotiated (the daemon is down): named by the next one
+            return None
 
     def _pinned_for_decode(self, request: "Request", state: RequestState, n: int) -> tuple[int, int]:
         """The ``n`` leading blocks about to be named, looked up again with a lease on every rank's
