@@ -56,7 +56,8 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
 
 
 def write_fleet_config(workdir, redis_url: str, prefix: str, node_id: str, *, secret_in_file: bool = True,
-                       fleet_extra: str = "", ttl_s: float = 1.5, extra: str = "") -> str:
+                       fleet_extra: str = "", ttl_s: float = 1.5, heartbeat_s: float = 0.2,
+                       extra: str = "") -> str:
     """A `kvstore serve --config` file for one fleet node: small tiers, fast heartbeats;
     ``fleet_extra`` holds more ``fleet.*`` lines (``key: value``, one per line), ``extra`` more
     top-level ones (``tokens:`` and the like)."""
@@ -74,7 +75,7 @@ def write_fleet_config(workdir, redis_url: str, prefix: str, node_id: str, *, se
           redis_url: {redis_url}
           node_id: {node_id}
           key_prefix: {prefix}
-          heartbeat_s: 0.2
+          heartbeat_s: {heartbeat_s}
           ttl_s: {ttl_s}
           peer_timeout_s: 2.0
     """) + textwrap.indent(fleet_lines, "  ") + textwrap.dedent(extra))

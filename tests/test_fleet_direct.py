@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import redis
@@ -23,10 +24,11 @@ from kvstore.fleet import Directory
 
 
 def _fleet_daemon(daemon_factory, tmp_path, redis_url: str, prefix: str, node_id: str, *, port: int = 0,
-                  advertise: str = ""):
+                  advertise: str = "", heartbeat_s: float = 0.2):
     workdir = tmp_path / node_id
     workdir.mkdir()
-    config = write_fleet_config(workdir, redis_url, prefix, node_id,
+    config = write_fleet_config(workdir, redis_url, prefix, node_id, heartbeat_s=heartbeat_s,
+                                ttl_s=max(1.5, 3 * heartbeat_s),
                                 fleet_extra=f"advertise_addr: {advertise}\n" if advertise else "")
     flags = ["--config", config] + (["--listen", f"127.0.0.1:{port}"] if port else [])
     return daemon_factory(*flags, tmp=workdir / "daemon", nvme_bytes="0")
@@ -46,9 +48,10 @@ def _counters(client) -> dict:
 @pytest.fixture
 def fleet(daemon_factory, tmp_path, redis_url, prefix):
     """Daemons A and B in one fleet, the namespace registered on both, A a member of it (it
-    published a first block)."""
+    published a first block). B beats every 5 s, so it reads a namespace's membership that
+    seldom, unless it lacks the node a lookup names."""
     a = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "a")
-    b = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "b")
+    b = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "b", heartbeat_s=5.0)
     ca, cb = a.client(), b.client()
     for c in (ca, cb):
         c.register_namespace(NS)
@@ -103,6 +106,25 @@ def test_a_producer_that_is_no_member_is_not_called_and_the_directory_still_serv
     assert cb.get(NS.id, listed) == [b.tobytes() for b in listed_blocks]
     got = _counters(cb)
     assert (got["direct_refused_unknown"], got["fetched_blocks"], got["direct_blocks"]) == (2, 4, 0)
+
+
+def test_a_producer_that_joins_after_it_was_refused_is_found_at_once(fleet, daemon_factory, tmp_path, redis_url,
+                                                                     prefix):
+    ca, cb, directory = fleet
+    hashes, blocks = chain(3, seed=95)
+    assert cb.lookup(NS.id, hashes, producer="c").num_hit == 0        # no node c yet: B's view lacks it
+    assert _counters(cb)["direct_refused_unknown"] == 1
+    refused = time.monotonic()
+    cc = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "c").client()
+    cc.register_namespace(NS)
+    cc.put(NS.id, hashes, blocks)
+    wait_for(lambda: directory.entries(NS.id, "c") == 3, what="C to join the namespace")
+    _unpublished(redis_url, prefix, hashes)
+    # B reads the membership again when it lacks the node named, within less than its heartbeat
+    assert time.monotonic() - refused < 5.0
+    assert cb.lookup(NS.id, hashes, producer="c").num_hit == 3
+    assert _counters(cb)["direct_blocks"] == 3
+    cc.close()
 
 
 class _CorruptingProxy:

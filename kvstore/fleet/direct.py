@@ -7,7 +7,8 @@ to the directory, and then through a route and a checksums read in Redis. With i
 the member at once: one ``PeerChecksums`` call for the blocks it misses, then one ``Get`` of those
 the member holds (in batches of ``fetch_batch``), and keeps each block whose bytes match the
 checksum the member signed for it. No Redis read per block or per lookup: the namespace's
-membership is read at most once per ``refresh_s``.
+membership is read at most once per ``refresh_s``, and once per ``MISS_REFRESH_S`` while it lacks
+the node named (a producer that has just joined the namespace is found within that).
 
 Threat model. The node id comes from a client's request body, so it is untrusted. What a client
 that can look blocks up here can make this daemon do with it:
@@ -17,7 +18,7 @@ that can look blocks up here can make this daemon do with it:
   ``Directory.members``), never from the client. A node id that is not a live member, that is
   this daemon, or that is no node id at all gets no call (counted as ``direct_refused_unknown``,
   ``_self``, ``_malformed``), and the lookup goes on as it would without it. Naming ids that are
-  not members costs at most one membership read per namespace per ``refresh_s``.
+  not members costs at most one membership read per namespace per ``MISS_REFRESH_S``.
 * Fetch blocks. Only the blocks of hashes the client looked up in its own namespace, and only
   from a member of the fleet: that member's own bytes for those hashes, which the directory path
   would fetch from it too once it published them.
@@ -55,6 +56,7 @@ COUNTERS = ("checksums_served", "direct_fetches", "direct_blocks", "direct_misse
             "direct_bad_mac", "direct_checksum_mismatch", "direct_refused_malformed", "direct_refused_self",
             "direct_refused_unknown", "direct_skipped_failed", "direct_directory_errors")
 MAX_NODE_ID = 256            # longer is no node id (fleet.node_id is a host name or like it)
+MISS_REFRESH_S = 0.1         # how stale a membership view lacking the named node may be
 _MAX_NAMESPACES = 1024       # membership views kept
 
 
@@ -154,7 +156,7 @@ class DirectFetcher:
             self.counters["direct_skipped_failed"] += 1
             return None
         try:
-            member = self._view(ns).get(node_id)
+            member = self._view(ns, node_id).get(node_id)
         except Exception as e:  # noqa: BLE001 - no membership (Redis down): the directory path decides
             self.counters["direct_directory_errors"] += 1
             log.debug("fleet: membership unavailable for a direct fetch: %s", e)
@@ -163,13 +165,15 @@ class DirectFetcher:
             self.counters["direct_refused_unknown"] += 1
         return member
 
-    def _view(self, ns: bytes) -> dict[str, tuple[str, int]]:
+    def _view(self, ns: bytes, wanted: str) -> dict[str, tuple[str, int]]:
         """Node id -> (address, epoch) of the namespace's verified live members, read again once
-        older than ``refresh_s``."""
+        older than ``refresh_s``, or than ``MISS_REFRESH_S`` when it lacks ``wanted``."""
         now = time.monotonic()
         cached = self._members.get(ns)
-        if cached is not None and now - cached[0] < self.refresh_s:
-            return cached[1]
+        if cached is not None:
+            age = now - cached[0]
+            if age < MISS_REFRESH_S or age < self.refresh_s and wanted in cached[1]:
+                return cached[1]
         view = {node_id: (address, epoch) for node_id, address, epoch in self.directory.members(ns).values()}
         if len(self._members) >= _MAX_NAMESPACES and ns not in self._members:
             self._members.clear()
