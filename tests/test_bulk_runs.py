@@ -130,3 +130,52 @@ def test_a_side_channel_put_the_arena_cannot_take_lands_below_it(daemon_factory)
         outs = [np.zeros(4 * BLOCK, dtype=np.uint8) for _ in range(8)]
         assert c.get_into(ns, hashes, outs) == [4 * BLOCK] * 8
         assert all(np.array_equal(o, x) for o, x in zip(outs, data))
+
+
+def test_get_frames_sent_a_run_at_a_time_read_back_block_by_block_with_each_next_size():
+    """The daemon's side of a BulkGet writes frames a run per ``sendmsg`` (misses, blocks of
+    several pieces, payloads shorter than a block, one larger than a run) through a small send
+    buffer; the client reads each block's bytes together with the next frame's size and gets
+    every frame back as sent."""
+    rng = np.random.default_rng(13)
+    frames = [[rng.integers(0, 256, BLOCK, dtype=np.uint8)] for _ in range(40)]
+    frames[3] = None
+    frames[7] = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 100, BLOCK - 4196)]
+    frames[8] = [rng.integers(0, 256, 777, dtype=np.uint8)]
+    frames[20] = [rng.integers(0, 256, 2 * bulk.SEND_RUN_BYTES + 3, dtype=np.uint8)]
+    frames[39] = None
+    frames.insert(0, None)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    a.settimeout(30)
+    b.settimeout(30)
+    channel = bulk.BulkChannel.__new__(bulk.BulkChannel)   # the client's reads, on this socket
+    channel.sock, channel._head = b, memoryview(bytearray(8))
+    got: list = []
+    sent_runs = []
+
+    def reader():
+        size = channel.read_size()
+        for i in range(len(frames)):
+            following = None
+            if size:
+                buf = np.zeros(size, dtype=np.uint8)
+                following = channel.recv_into_and_size(buf) if i + 1 < len(frames) else channel.recv_into(buf)
+                got.append(buf)
+            else:
+                got.append(None)
+                following = channel.read_size() if i + 1 < len(frames) else None
+            size = following
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        sizes = bulk.send_blocks(a, frames, lambda: sent_runs.append(1))
+        t.join(timeout=30)
+    finally:
+        a.close()
+        b.close()
+    assert sizes == [0 if f is None else sum(p.nbytes for p in f) for f in frames]
+    for frame, back in zip(frames, got, strict=True):
+        assert (back is None) if frame is None else np.array_equal(back, np.concatenate(frame))
+    assert 1 < len(sent_runs) < len(frames)   # runs of frames, not a call per block

@@ -103,15 +103,24 @@ class BulkPath:
                 fut = self.rpc.future("BulkGet", req, timeout)
                 try:
                     bulk.wait_readable(fut, time.monotonic() + timeout)
+                    size = bulk.read_size() if sinks else 0
+                    last = len(sinks) - 1
                     for i, sink in enumerate(sinks):
-                        size = bulk.read_size()
                         if size is None:
                             fut.result()  # raises the daemon's error
                             raise DaemonUnavailable("side channel reported an error the RPC did not")
+                        following = None   # the next frame's size, read with this block's bytes
                         if size:
-                            bulk.recv_into(sink.buffer(size))
+                            buf = sink.buffer(size)
+                            if i < last:
+                                following = bulk.recv_into_and_size(buf)
+                            else:
+                                bulk.recv_into(buf)
                             early.arrived(i, sink, size)
+                        elif i < last:
+                            following = bulk.read_size()
                         sizes.append(size or None)
+                        size = following
                     codecs = list(fut.result().codecs)
                 except grpc.RpcError as e:
                     raise self._rpc_failed(e) from None

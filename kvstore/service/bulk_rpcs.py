@@ -89,11 +89,9 @@ class BulkRpcs:
             runs = pinned_runs(self.store, asked(self.service, request, context), self.service.scratch.get)
             with contextlib.closing(runs):  # unpin on any exit
                 for run in progress.working_through(runs):   # staging from disk is ours
-                    for block in run.blocks:
-                        pieces, codec = (None, 0) if block is None else block
-                        sizes.append(bulk_transport.send_block(sock, pieces))
-                        codecs.append(codec)
-                        progress.touch()
+                    blocks = [(None, 0) if block is None else block for block in run.blocks]
+                    sizes += bulk_transport.send_blocks(sock, [pieces for pieces, _ in blocks], progress.touch)
+                    codecs += [codec for _, codec in blocks]
         self.service.moved("out", "bulk", sum(sizes))
         return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
@@ -156,7 +154,7 @@ class BulkRpcs:
                     for extents in lease.extents:   # None: present already, its bytes read and dropped
                         views += (arena.views(extents) if extents is not None
                                   else [self.service.scratch.get(ns.block_bytes)[:ns.block_bytes]])
-                    bulk_transport.recv_exact_into_each(sock, [memoryview(v) for v in views], progress.touch)
+                    bulk_transport.recv_exact_into_each(sock, views, progress.touch)
                     received += (b - a) * ns.block_bytes
                 except BaseException:
                     self.store.leases.cancel_store(lease)

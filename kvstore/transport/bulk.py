@@ -32,7 +32,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,6 +41,8 @@ SESSION_ID_BYTES = 16
 GREETING_BYTES = len(MAGIC) + TICKET_BYTES
 ERROR_SIZE = 2**64 - 1
 _U64 = struct.Struct("<Q")
+_MISS = _U64.pack(0)
+_U8 = np.dtype(np.uint8)
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview, on_bytes=None) -> None:
@@ -58,10 +59,11 @@ def recv_exact_into(sock: socket.socket, view: memoryview, on_bytes=None) -> Non
             on_bytes()
 
 
-def recv_exact_into_each(sock: socket.socket, views: list[memoryview], on_bytes=None) -> None:
-    """Fill every buffer of ``views`` in order from ``sock``, a run of up to ``SEND_RUN_BUFFERS``
-    per ``recvmsg_into`` (one syscall for many small blocks, as ``send_all`` sends them);
-    ``on_bytes()`` after each read that brought some."""
+def recv_exact_into_each(sock: socket.socket, views: list, on_bytes=None) -> None:
+    """Fill every buffer of ``views`` (flat byte buffers: ``memoryview``s cast to bytes, uint8
+    numpy arrays) in order from ``sock``, a run of up to ``SEND_RUN_BUFFERS`` per ``recvmsg_into``
+    (one syscall for many small blocks, as ``send_all`` sends them); ``on_bytes()`` after each
+    read that brought some."""
     at, offset = 0, 0   # the first buffer not yet full, and how much of it is
     while at < len(views):
         run = [views[at][offset:]] + views[at + 1:at + SEND_RUN_BUFFERS]
@@ -82,24 +84,39 @@ SEND_RUN_BYTES = 1 << 20
 SEND_RUN_BUFFERS = 256
 
 
-def send_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every byte of ``views`` in order, small ones a run of up to ``SEND_RUN_BYTES`` per
-    ``sendmsg``: a put's small blocks then cost a syscall per run, not per block (64 KiB sends
-    cost about 2.5x what 1 MiB ones do per byte on loopback). A larger buffer goes alone."""
-    at = 0
-    while at < len(views):
-        stop, size = at, 0
-        while stop < len(views) and stop - at < SEND_RUN_BUFFERS and (stop == at or size + len(views[stop]) <= SEND_RUN_BYTES):
-            size += len(views[stop])
+def byte_view(buf):
+    """``buf`` as a flat byte buffer whose ``len`` is its size in bytes: a uint8 numpy array as
+    it is (what the arena's views and a put's blocks are), anything else cast to bytes."""
+    if type(buf) is np.ndarray and buf.dtype is _U8:
+        return buf
+    return memoryview(buf).cast("B")
+
+
+def send_all(sock: socket.socket, views: list, on_bytes=None) -> None:
+    """Send every byte of ``views`` (flat byte buffers, as ``byte_view`` makes them) in order,
+    small ones a run of up to ``SEND_RUN_BYTES`` per ``sendmsg``: small blocks then cost a
+    syscall per run, not per block (64 KiB sends cost about 2.5x what 1 MiB ones do per byte on
+    loopback). A larger buffer goes alone. ``on_bytes()`` after each run is sent."""
+    lengths = [len(v) for v in views]
+    at, n = 0, len(views)
+    while at < n:
+        stop, size = at + 1, lengths[at]
+        while stop < n and stop - at < SEND_RUN_BUFFERS and size + lengths[stop] <= SEND_RUN_BYTES:
+            size += lengths[stop]
             stop += 1
         sent = sock.sendmsg(views[at:stop])
-        for view in views[at:stop]:   # past the buffers sent whole; the rest of a partly sent one by sendall
+        if sent < size:   # past the buffers sent whole; the rest of a partly sent one by sendall
+            while sent >= lengths[at]:
+                sent -= lengths[at]
+                at += 1
+            sock.sendall(views[at][sent:])
             at += 1
-            if sent >= len(view):
-                sent -= len(view)
-                continue
-            sock.sendall(view[sent:])
-            break
+            if on_bytes is not None:
+                on_bytes()
+            continue   # the buffers after it start the next run
+        at = stop
+        if on_bytes is not None:
+            on_bytes()
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -130,6 +147,7 @@ class BulkChannel:
             raise
         self.lock = threading.Lock()
         self.timeout_s = timeout_s
+        self._head = memoryview(bytearray(_U64.size))   # a frame's size, read with the block before it
 
     def alive(self) -> bool:
         """False once the daemon has closed this session (idle past its bound, evicted for a new
@@ -160,12 +178,20 @@ class BulkChannel:
     def recv_into(self, dst: np.ndarray) -> None:
         recv_exact_into(self.sock, memoryview(dst).cast("B"))
 
+    def recv_into_and_size(self, dst: np.ndarray) -> int | None:
+        """``recv_into`` a block's bytes and, in the same reads, the next frame's size (as
+        ``read_size``): one syscall per block of a BulkGet rather than two. Only where a next
+        frame is due (the block is not the last asked for): the daemon writes nothing else."""
+        recv_exact_into_each(self.sock, [memoryview(dst).cast("B"), self._head])
+        (size,) = _U64.unpack(self._head)
+        return None if size == ERROR_SIZE else size
+
     def send(self, src: np.ndarray) -> None:
         self.sock.sendall(memoryview(src).cast("B"))
 
     def send_each(self, srcs) -> None:
         """Every array of ``srcs``, in order, a run of them per syscall (``send_all``)."""
-        send_all(self.sock, [memoryview(a).cast("B") for a in srcs])
+        send_all(self.sock, [byte_view(a) for a in srcs])
 
     def close(self) -> None:
         try:
@@ -174,20 +200,24 @@ class BulkChannel:
             pass
 
 
-def send_block(sock: socket.socket, pieces: Sequence[np.ndarray] | None) -> int:
-    """One BulkGet frame: the size (0 = miss) and the bytes of ``pieces``, in order; returns the size."""
-    if pieces is None:
-        sock.sendall(_U64.pack(0))
-        return 0
-    parts = [memoryview(p).cast("B") for p in pieces]
-    size = sum(len(p) for p in parts)
-    parts.insert(0, memoryview(_U64.pack(size)))
-    sent = sock.sendmsg(parts)  # one syscall (and no lone 8-byte packet) per block
-    for part in parts:
-        if sent < len(part):
-            sock.sendall(part[sent:])
-        sent = max(0, sent - len(part))
-    return size
+def send_blocks(sock: socket.socket, blocks, on_bytes=None) -> list[int]:
+    """BulkGet frames of ``blocks`` (each a list of pieces, or None for a miss), in order: each
+    block's size (0 = miss) and the bytes of its pieces, a run of frames per ``sendmsg``
+    (``send_all``: a syscall per run of small blocks, not one per block); returns each block's
+    size. ``on_bytes()`` after each run is sent."""
+    parts, sizes = [], []
+    for pieces in blocks:
+        if pieces is None:
+            parts.append(_MISS)
+            sizes.append(0)
+            continue
+        views = [byte_view(p) for p in pieces]
+        size = sum(map(len, views))
+        parts.append(_U64.pack(size))
+        parts += views
+        sizes.append(size)
+    send_all(sock, parts, on_bytes)
+    return sizes
 
 
 def send_error(sock: socket.socket) -> None:
