@@ -8,6 +8,11 @@ same sizes; then lookup throughput (blocks/s) and chained hashing (tokens/s). Ev
 median of several repetitions (the machine is shared and noisy); the goals are ratios:
 CPU tier >= 0.7x memcpy, NVMe >= 0.8x raw O_DIRECT, hashing >= 0.5 G tokens/s.
 Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/store, or store-quick).
+
+``--small-only``: 64 KiB blocks, 64 per call, through a Store over a CPU tier, in this thread's CPU
+time per block against memcpy (the goal: >= 0.8x) and against the same copies in a CPU tier's own
+/dev/shm arena; then the index's bytes per block put into a running CPU tier (``tracemalloc``,
+lru and prefix). Writes results/store-small.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -32,6 +38,7 @@ from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
 from kvstore.ops.report import machine_line, write_report
 
 MIB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOALS = {"cpu": 0.7, "nvme": 0.8, "hash_gtok_s": 0.5}
 
 
@@ -51,13 +58,14 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1, put_ceiling=None,
-               get_ceiling=None, get_batch: int = 1, front=None) -> dict[str, float]:
+               get_ceiling=None, get_batch: int = 1, front=None, more_ceilings=None) -> dict[str, float]:
     """Put ``n`` blocks through a Store over one tier (``batch`` blocks per put call), read them
     back with get_into (``get_batch`` blocks per call), delete them; ``reps`` rounds after a
     warm-up round. The ceilings (callables timing one pass over the same bytes) run in the same
     round, right before the tier, so each round gives a ratio measured under the same load; the
     result is the median of those ratios. ``front``: a tier placed above (a small CPU tier, so
-    that puts land there and reach the measured tier as write-back demotions)."""
+    that puts land there and reach the measured tier as write-back demotions). ``more_ceilings``:
+    name -> callable, each timed in every round too (CPU time only, ``cpu_us_per_block[name]``)."""
     tier = make_tier()
     store = Store(([front()] if front else []) + [tier], StoreConfig(promote_on_hit=False, eviction_policy="lru"))
     ns = store.register_namespace(Namespace(layout(size)))
@@ -68,9 +76,16 @@ def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1, put_ceil
     hasher = ChainHasher()
     t = {"put": [], "get": [], "put_ceiling": [], "get_ceiling": []}
     cpu = {"put": [], "get": [], "put_ceiling": [], "get_ceiling": []}   # this thread's CPU seconds, same passes
+    more_ceilings = more_ceilings or {}
+    cpu.update({name: [] for name in more_ceilings})
     try:
         for r in range(reps + 1):
             hashes = hasher.chain(np.arange(16 * n) + r * 16 * n, 16)
+            for name, ceiling in more_ceilings.items():
+                c0 = time.thread_time()
+                ceiling()
+                if r:
+                    cpu[name].append(time.thread_time() - c0)
             c0 = time.thread_time()
             t_put_ceiling = put_ceiling() if put_ceiling else 0.0
             c_put_ceiling = time.thread_time() - c0
@@ -124,13 +139,42 @@ SMALL = 64 * 1024
 SMALL_BATCH = 64
 
 
+class ArenaCopies:
+    """The copies alone, in the CPU tier's own kind of memory: a ``CpuTier``'s arena (a /dev/shm
+    file the daemon shares), no store. ``put``: each of 8 pooled sources into the next 64 KiB of
+    it; ``get``: each 64 KiB of it into one of 64 pooled outputs (as the benchmark's gets do)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self._tier = n, CpuTier(n * SMALL, slot_bytes=SMALL)
+        arena = self._tier.arena
+        self.slots = [arena[i * SMALL:(i + 1) * SMALL] for i in range(n)]
+        self.sources = payload_pool(SMALL, 8)
+        self.outs = [np.frombuffer(ceilings.touched_buffer(SMALL, fill=0), dtype=np.uint8)[:SMALL]
+                     for _ in range(SMALL_BATCH)]
+
+    def put(self) -> None:
+        for i, slot in enumerate(self.slots):
+            np.copyto(slot, self.sources[i % 8])
+
+    def get(self) -> None:
+        for i, slot in enumerate(self.slots):
+            np.copyto(self.outs[i % SMALL_BATCH], slot)
+
+    def close(self) -> None:
+        self.slots = []
+        self._tier.close()
+
+
 def bench_small_blocks(reps: int, n: int) -> dict[str, float]:
     """``n`` blocks of 64 KiB through a Store over a CPU tier, ``SMALL_BATCH`` per put and per get
     call, against memcpy of the same blocks in the same rounds; the time per block above the copy
     is the store's per-block bookkeeping (planning, pins, index, policy, counters)."""
     memcpy = ceilings.MemcpyPass(SMALL, count=n, working_set=n * SMALL)
+    arena = ArenaCopies(n)
     r = bench_tier(lambda: CpuTier(n * SMALL, slot_bytes=SMALL), SMALL, n, reps, batch=SMALL_BATCH,
-                   get_batch=SMALL_BATCH, put_ceiling=memcpy, get_ceiling=memcpy)
+                   get_batch=SMALL_BATCH, put_ceiling=memcpy, get_ceiling=memcpy,
+                   more_ceilings={"arena_put": arena.put, "arena_get": arena.get})
+    arena.close()
     us = {k: SMALL / (r[k] * 1e9) * 1e6 for k in ("put_gbps", "get_gbps", "put_ceiling_gbps", "get_ceiling_gbps")}
     c = r["cpu_us_per_block"]
     return {**r, "blocks": n, "batch": SMALL_BATCH,
@@ -139,6 +183,39 @@ def bench_small_blocks(reps: int, n: int) -> dict[str, float]:
             "put_us_per_block": us["put_gbps"], "get_us_per_block": us["get_gbps"],
             "put_bookkeeping_us_per_block": us["put_gbps"] - us["put_ceiling_gbps"],
             "get_bookkeeping_us_per_block": us["get_gbps"] - us["get_ceiling_gbps"]}
+
+
+#: blocks put for the live index's bytes (``live_index_bytes``), and their size (the index does not
+#: depend on it: small blocks keep the arena small)
+LIVE_BLOCKS = 100_000
+LIVE_BLOCK = 4096
+
+
+def live_index_bytes(blocks: int, policy: str) -> dict:
+    """Bytes the store holds per block put into a running CPU tier (no restart): ``tracemalloc``
+    over puts of ``blocks`` blocks in chains of 64 per call, every byte allocated and still held,
+    over the blocks; and the five largest allocation sites. The caller's hashes are not counted."""
+    store = Store([CpuTier(blocks * LIVE_BLOCK, slot_bytes=LIVE_BLOCK, pretouch=False)],
+                  StoreConfig(eviction_policy=policy))
+    try:
+        ns = store.register_namespace(Namespace(layout(LIVE_BLOCK)))
+        src = np.zeros(LIVE_BLOCK, dtype=np.uint8)
+        hashes = ChainHasher().chain(np.arange(16 * blocks), 16)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            for i in range(0, blocks, SMALL_BATCH):
+                part = hashes[i:i + SMALL_BATCH]
+                store.put(ns, part, [src] * len(part), parent=hashes[i - 1] if i else None)
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        total = sum(d.size_diff for d in after.compare_to(before, "filename"))
+        sites = [(f"{os.path.relpath(d.traceback[0].filename, ROOT)}:{d.traceback[0].lineno}", d.size_diff / blocks)
+                 for d in after.compare_to(before, "lineno")[:5]]
+    finally:
+        store.close()
+    return {"blocks": blocks, "policy": policy, "bytes_per_block": total / blocks, "sites": sites}
 
 
 def small_markdown(r: dict) -> str:
@@ -171,7 +248,23 @@ def small_markdown(r: dict) -> str:
         f"| put (64/call) | {c['put']:.1f} | {x['cpu_put_ratio']:.2f}x | {c['put'] - c['put_ceiling']:.1f} |",
         f"| get (64/call) | {c['get']:.1f} | {x['cpu_get_ratio']:.2f}x | {c['get'] - c['get_ceiling']:.1f} |",
         "",
-    ])
+    ] + ([
+        "The copies alone in the CPU tier's own memory (a second CPU tier's /dev/shm arena, no store: 8 pooled "
+        "sources into its slots, its slots into 64 pooled outputs), CPU time in the same rounds:",
+        "",
+        "| | CPU us per block | put / get vs this copy | of which above it |",
+        "|---|---|---|---|",
+        f"| sources into the arena | {c['arena_put']:.1f} | put {c['arena_put'] / c['put']:.2f}x "
+        f"| {c['put'] - c['arena_put']:.1f} |",
+        f"| the arena into outputs | {c['arena_get']:.1f} | get {c['arena_get'] / c['get']:.2f}x "
+        f"| {c['get'] - c['arena_get']:.1f} |",
+        "",
+    ] if "arena_put" in c else []) + [
+        f"Index bytes per block put into a running CPU tier (``tracemalloc`` over {x['blocks']:,} puts of "
+        f"{LIVE_BLOCK // 1024} KiB blocks, {SMALL_BATCH} per call, no restart), eviction policy {x['policy']}: "
+        f"{x['bytes_per_block']:.0f} bytes; largest sites: "
+        + ", ".join(f"{site} {b:.0f}" for site, b in x["sites"]) + "."
+        for x in r.get("live_index", [])] + [""])
 
 
 def bench_lookup(reps: int, blocks: int = 20_000, chain_len: int = 32) -> float:
@@ -228,6 +321,8 @@ def main() -> None:
         reps = 3 if args.quick else 7
         results = {"machine": machine_facts(args.dir), "reps": reps, "load": os.getloadavg(),
                    "small": bench_small_blocks(reps, 1024 if args.quick else 4096), "load_end": os.getloadavg()}
+        results["live_index"] = [live_index_bytes(LIVE_BLOCKS // (5 if args.quick else 1), policy)
+                                 for policy in ("lru", "prefix")]
         write_report(args.out or os.path.join(here, "results", "store-small"), results, small_markdown)
         return
 
