@@ -589,7 +589,7 @@ def test_random_workload_never_serves_a_wrong_byte(harness, tiers):
 @pytest.mark.parametrize("policy", ["lru", "prefix"])
 def test_recovered_blocks_serve_evict_delete_and_come_back_across_restarts(tmp_path, policy):
     """A warm restart holds its blocks as rows of their slabs' columns (``RecoveredRows``) behind
-    one shared stand-in per size (``RecoveredCopy``), no record each: a seeded random mix of puts,
+    one shared stand-in per size (``PlainCopy``), no record each: a seeded random mix of puts,
     gets, two-phase loads and deletes, restarted every 80 operations, serves every byte exactly
     while recovered blocks are promoted, evicted from a full NVMe tier, deleted and stored again,
     and each tier's accounting matches the blocks the index names."""

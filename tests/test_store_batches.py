@@ -205,15 +205,15 @@ def test_a_copy_failing_inside_a_run_publishes_the_blocks_before_and_frees_the_r
     ev = Events()
     store.subscribe(ev)
     writes = []
-    real = CpuTier.write_unsynced   # what the store's runs call
+    real = CpuTier.write_key   # what the store's runs call
 
-    def failing(self, record, payload, durable=True):
-        writes.append(record.block_hash)
+    def failing(self, key, payload):
+        writes.append(key)
         if len(writes) == 3:
             raise OSError("disk on fire")
-        real(self, record, payload, durable)
+        real(self, key, payload)
 
-    monkeypatch.setattr(CpuTier, "write_unsynced", failing)
+    monkeypatch.setattr(CpuTier, "write_key", failing)
     hashes = chain(6)
     with pytest.raises(OSError):
         store.put(ns, hashes, [data(h) for h in hashes])

@@ -22,6 +22,8 @@ Primitive by primitive:
   checksum turns into a counted miss; the next ``sync()`` makes it durable with the rest (one
   filesystem flush for every such write since the last). Volatile tiers inherit the defaults
   (``write``; no-op).
+* ``allocate_keys(keys, nbytes)`` / ``write_key(key, data)`` — a memory tier's run of new raw
+  blocks, allocated and written by key (the store makes no record of their copies).
 * ``write_many_unsynced(records, datas, durable=True)`` — ``write_unsynced`` for several reserved
   blocks; per block None or its ``TierIOError``. NVMe writes neighbouring slots with one call.
 * ``read_into(key, out)`` — copy the payload into the writable buffer ``out`` (at least the
@@ -189,6 +191,16 @@ class Tier(ABC):
                 break
             done += 1
         return done
+
+    def allocate_keys(self, keys: list[bytes], nbytes: int) -> int:
+        """``allocate_run`` for new raw blocks of ``nbytes`` named by their keys alone (a memory
+        tier's run of new blocks, whose copies the store holds no record of until one is asked
+        for); returns how many, in order, were allocated."""
+        return self.allocate_run([BlockRecord.of_keys(key, None, nbytes, nbytes) for key in keys])
+
+    def write_key(self, key: bytes, data) -> None:
+        """Fill the room ``allocate_keys`` took for ``key``: a memory tier's write (nothing to sync)."""
+        raise NotImplementedError(f"the {self.name} tier takes no writes by key")
 
     @abstractmethod
     def write(self, record: BlockRecord, data: memoryview) -> None: ...

@@ -176,15 +176,28 @@ class CpuTier(Tier):
         self.used_bytes += done * self.slots.footprint(size)
         return done
 
-    def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
-        """``write``: nothing to sync in memory (one call per block, no hop through ``write``)."""
+    def allocate_keys(self, keys: list[bytes], nbytes: int) -> int:
+        """One slice of the free list where the blocks take one slot each (``SlotTable.allocate_run``)."""
+        if not keys:
+            return 0
+        if not self.slots.takes_runs(nbytes):
+            return super().allocate_keys(keys, nbytes)
+        done = self.slots.allocate_run(keys, nbytes)
+        self.used_bytes += done * self.slots.footprint(nbytes)
+        return done
+
+    def write_key(self, key: bytes, data) -> None:
         data = as_bytes(data)
-        at = self.slots.span(record.key)
+        at = self.slots.span(key)
         if at is not None:   # most blocks: one slot, one copy
             off, n = at
             np.copyto(self.arena[off:off + n], data if data.nbytes == n else data[:n])
         else:
-            scatter(self.arena, self.slots.lookup(record.key)[0], data)
+            scatter(self.arena, self.slots.lookup(key)[0], data)
+
+    def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
+        """``write``: nothing to sync in memory."""
+        self.write_key(record.key, data)
 
     write = write_unsynced
 

@@ -55,17 +55,20 @@ class GpuTier(Tier):
         return as_bytes(buf)
 
     def write(self, record: BlockRecord, data) -> None:
+        self.write_key(record.key, data)
+
+    def write_key(self, key: bytes, data) -> None:
         host = self._host_array(data)
         if host is not None:
             pool = self.pool.numpy()
             pos = 0
-            for off, length in self.slots.lookup(record.key)[0]:
+            for off, length in self.slots.lookup(key)[0]:
                 pool[off:off + length] = host[pos:pos + length]
                 pos += length
             return
         src = self._as_tensor(data)
         pos = 0
-        for off, length in self.slots.lookup(record.key)[0]:
+        for off, length in self.slots.lookup(key)[0]:
             self.pool[off:off + length].copy_(src[pos:pos + length], non_blocking=False)
             pos += length
 

@@ -41,7 +41,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockBusy, BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
-from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.index import BlockIndex, Entry, PlainCopies
 from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.policy import make_tier_policies
@@ -75,6 +75,7 @@ class Cascade:
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
         self.quotas = TenantQuotas(config.tenant_quotas)
+        self._plain = PlainCopies()   # the shared stand-in records of runs of new raw blocks (reserve_run)
         self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
         # page-aligned: the NVMe tier reads into it with O_DIRECT
         self._scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
@@ -214,9 +215,8 @@ class Cascade:
             room = tier.free_bytes_for(nsid) // need   # blocks that fit without evicting
             if quota is not None:
                 room = min(room, max(0, quota - quotas.charged[tenant]) // nbytes)
-            plan: list[BlockRecord | None] = []   # per block: its new record, or None (present)
-            fresh: dict[bytes, BlockRecord] = {}
-            of_keys = BlockRecord.of_keys
+            plan: list[tuple[bytes, bytes | None] | None] = []   # per block: (key, parent key), or None (present)
+            fresh: dict[bytes, tuple[bytes, bytes | None]] = {}
             for k in range(start, min(len(hashes), start + limit)):
                 key = nsid + hashes[k]
                 present = entries.get(key)
@@ -230,23 +230,26 @@ class Cascade:
                 parent_key = parents[k]
                 if parent_key is not None:   # the parent's own key object where it is held (shared_parent_key)
                     parent_key = nsid + parent_key
-                    parent = entries.get(parent_key) or fresh.get(parent_key)
+                    parent = entries.get(parent_key)
                     if parent is not None:
                         parent_key = parent.key
-                record = fresh[key] = of_keys(key, parent_key, nbytes, nbytes)
-                plan.append(record)
-            records = list(fresh.values())
-            allocated = tier.allocate_run(records)
-            if allocated < len(records):   # the tier refused one: the run ends before it
-                plan = plan[:plan.index(records[allocated])]
+                    elif parent_key in fresh:
+                        parent_key = fresh[parent_key][0]
+                block = fresh[key] = (key, parent_key)
+                plan.append(block)
+            keys = list(fresh)
+            allocated = tier.allocate_keys(keys, nbytes)
+            if allocated < len(keys):   # the tier refused one: the run ends before it
+                plan = plan[:plan.index(fresh[keys[allocated]])]
             quotas.charge(tenant, allocated * nbytes)
+            copy = self._plain(t, nbytes, 0)   # each new copy: raw, in tier ``t``, no record of its own
             run: list[Entry | None] = []
-            for record in plan:
-                if record is None:
+            for block in plan:
+                if block is None:
                     run.append(None)
                     continue
-                entry = Entry(record.key, record.parent_key, nbytes, charged_to=tenant)
-                entry.hold_first(t, record)
+                entry = Entry(block[0], block[1], nbytes, charged_to=tenant)
+                entry.hold_plain(copy)
                 entries[entry.key] = entry
                 run.append(entry)
         return run

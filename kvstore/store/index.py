@@ -17,12 +17,14 @@ from kvstore.store.policy import EvictionPolicy
 from kvstore.tiers.base import BlockRecord
 
 
-class RecoveredCopy:
-    """Stands in for the record of a recovered block's one copy, until the record is asked for:
-    the copy's tier (``tier``, as a record's), ``stored_size`` and ``codec``. The rest of the
-    record is its entry's (key, parent key, raw size) and its tier's (slot, checksum), so one
-    instance is shared by every recovered block of a tier, size and codec (``RecoveredCopies``):
-    a warm restart of millions of blocks makes no record per block. Never changed once made."""
+class PlainCopy:
+    """Stands in for the record of a block's one copy that its tier, stored size and codec
+    describe (a block put raw into a memory tier, a block a warm restart found), until the record
+    is asked for: the copy's tier (``tier``, as a record's), ``stored_size`` and ``codec``. The
+    rest of the record is its entry's (key, parent key, raw size) and its tier's (slots; a
+    recovered NVMe copy's slot and checksum), so one instance is shared by every such block of a
+    tier, size and codec (``PlainCopies``): an index of millions makes no record per block.
+    Never changed once made."""
 
     __slots__ = ("tier", "stored_size", "codec")
 
@@ -30,23 +32,24 @@ class RecoveredCopy:
         self.tier, self.stored_size, self.codec = tier, stored_size, codec
 
     def __repr__(self) -> str:
-        return f"RecoveredCopy(tier={self.tier}, stored_size={self.stored_size}, codec={self.codec})"
+        return f"PlainCopy(tier={self.tier}, stored_size={self.stored_size}, codec={self.codec})"
 
 
-class RecoveredCopies:
-    """The ``RecoveredCopy`` of each tier, stored size and codec met during one recovery."""
+class PlainCopies:
+    """The ``PlainCopy`` of each tier, stored size and codec met so far (one recovery's, or a
+    cascade's for its puts)."""
 
     def __init__(self) -> None:
-        self._made: dict[tuple[int, int, int], RecoveredCopy] = {}
+        self._made: dict[tuple[int, int, int], PlainCopy] = {}
 
-    def __call__(self, tier: int, stored_size: int, codec: int) -> RecoveredCopy:
+    def __call__(self, tier: int, stored_size: int, codec: int) -> PlainCopy:
         made = self._made.get((tier, stored_size, codec))
         if made is None:
-            made = self._made[tier, stored_size, codec] = RecoveredCopy(tier, stored_size, codec)
+            made = self._made[tier, stored_size, codec] = PlainCopy(tier, stored_size, codec)
         return made
 
 
-#: makes a recovered copy's record at most once, whichever thread asks first (``Copies._record``)
+#: makes a plain copy's record at most once, whichever thread asks first (``Copies._record``)
 _MAKING_RECORDS = threading.Lock()
 
 
@@ -57,19 +60,20 @@ class Copies:
     one item takes 224 bytes; this is one slot of the entry itself (``Entry`` is a ``Copies``:
     a separate object would take 40 bytes more per block). The copies are one value, replaced
     whole on each change, so a reader that does not hold the store lock still sees one consistent
-    state: None (no copy), the record of the one copy (most blocks; its tier is ``record.tier``),
-    a ``RecoveredCopy`` (a recovered block's one copy, its record not made yet), or a flat tuple
-    (tier, record, tier, record, ...) in tier order. A recovered copy's record is made the first
-    time it is asked for (``get``, ``[t]``, ``first_item``, ``items``, a change), kept from then
-    on, and one object for every caller (a caller may compare it by identity later);
-    ``sizes_and_codecs`` answers without making it."""
+    state: None (no copy), the record of the one copy (its tier is ``record.tier``), a
+    ``PlainCopy`` (the one copy of a block put raw into a memory tier or found by a warm restart,
+    its record not made yet), or a flat tuple (tier, record, tier, record, ...) in tier order. A
+    plain copy's record is made the first time it is asked for (``get``, ``[t]``, ``first_item``,
+    ``items``, a change), kept from then on, and one object for every caller (a caller may compare
+    it by identity later); ``sizes_and_codecs``, ``stored`` and ``first_codec`` answer without
+    making it."""
 
     __slots__ = ("_flat",)
 
     def __init__(self) -> None:
-        self._flat: tuple | BlockRecord | RecoveredCopy | None = None
+        self._flat: tuple | BlockRecord | PlainCopy | None = None
 
-    def _record(self, stand_in: RecoveredCopy) -> BlockRecord:
+    def _record(self, stand_in: PlainCopy) -> BlockRecord:
         """The record ``stand_in`` stands for, made from it and the entry, and kept in its place."""
         assert isinstance(self, Entry), "copies are an entry's"
         with _MAKING_RECORDS:
@@ -81,8 +85,8 @@ class Copies:
                 return record
         return self.get(stand_in.tier)   # another thread made it meanwhile
 
-    def hold_recovered(self, copy: RecoveredCopy) -> None:
-        """A copy a warm restart found (its record made only when asked for)."""
+    def hold_plain(self, copy: PlainCopy) -> None:
+        """A copy its tier, size and codec describe (its record made only when asked for)."""
         if self._flat is None:
             self._flat = copy
         else:   # found in a second tier: records for both
@@ -93,7 +97,7 @@ class Copies:
         flat = self._flat
         if flat is None:
             return ()
-        if type(flat) is RecoveredCopy:
+        if type(flat) is PlainCopy:
             return flat.tier, self._record(flat)
         return flat if type(flat) is tuple else (flat.tier, flat)
 
@@ -107,9 +111,28 @@ class Copies:
             return [(flat[i], flat[i + 1].stored_size, flat[i + 1].codec) for i in range(0, len(flat), 2)]
         return [(flat.tier, flat.stored_size, flat.codec)]
 
+    def stored(self, t: int) -> tuple[int, int] | None:
+        """``(stored size, codec)`` of the copy in tier ``t``, or None; no record made."""
+        flat = self._flat
+        if flat is None:
+            return None
+        if type(flat) is tuple:
+            record = self.get(t)
+            return None if record is None else (record.stored_size, record.codec)
+        return (flat.stored_size, flat.codec) if flat.tier == t else None
+
+    def first_codec(self) -> tuple[int, int]:
+        """``(first(), the codec of that copy)``; no record made. ValueError when there is none."""
+        flat = self._flat
+        if type(flat) is tuple:
+            return flat[0], flat[1].codec
+        if flat is None:
+            raise ValueError("no copy")
+        return flat.tier, flat.codec
+
     def get(self, t: int, default=None):
         flat = self._flat
-        if type(flat) is RecoveredCopy:
+        if type(flat) is PlainCopy:
             return self._record(flat) if flat.tier == t else default
         if type(flat) is tuple:
             for i in range(0, len(flat), 2):
@@ -131,7 +154,7 @@ class Copies:
         return flat is not None and flat.tier == t
 
     def _set(self, pairs: list) -> None:
-        assert all(type(p[1]) is not RecoveredCopy for p in pairs), "a stand-in among records"
+        assert all(type(p[1]) is not PlainCopy for p in pairs), "a stand-in among records"
         if not pairs:
             self._flat = None
         elif len(pairs) == 1 and pairs[0][1].tier in (-1, pairs[0][0]):
@@ -141,12 +164,6 @@ class Copies:
         else:
             pairs.sort(key=lambda p: p[0])
             self._flat = tuple(x for p in pairs for x in p)
-
-    def hold_first(self, t: int, record: BlockRecord) -> None:
-        """The first copy of an entry that has none (a new block's, in tier ``t``)."""
-        assert self._flat is None and record.tier == -1, "hold_first of an entry with a copy, or a record held"
-        record.tier = t
-        self._flat = record
 
     def __setitem__(self, t: int, record: BlockRecord) -> None:
         if self._flat is None and record.tier in (-1, t):   # most entries: their first copy
@@ -166,7 +183,7 @@ class Copies:
 
     def __delitem__(self, t: int) -> None:
         flat = self._flat
-        if type(flat) is RecoveredCopy and flat.tier == t:
+        if type(flat) is PlainCopy and flat.tier == t:
             self._flat = None   # no record made for a copy that leaves
         else:
             self.pop(t)
@@ -205,15 +222,15 @@ class Copies:
             return flat[0], flat[1]
         if flat is None:
             raise ValueError("no copy")
-        return flat.tier, self._record(flat) if type(flat) is RecoveredCopy else flat
+        return flat.tier, self._record(flat) if type(flat) is PlainCopy else flat
 
     def __len__(self) -> int:
         flat = self._flat
         return 0 if flat is None else len(flat) // 2 if type(flat) is tuple else 1
 
-    def _shown(self) -> dict | RecoveredCopy:
+    def _shown(self) -> dict | PlainCopy:
         flat = self._flat
-        return flat if type(flat) is RecoveredCopy else dict(self.items())
+        return flat if type(flat) is PlainCopy else dict(self.items())
 
     def __repr__(self) -> str:
         return f"Copies({self._shown()!r})"

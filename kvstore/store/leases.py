@@ -52,12 +52,13 @@ class Lease:
     codecs: list[int] = dataclasses.field(default_factory=list)   # load: each block's codec id
     sizes: list[int] = dataclasses.field(default_factory=list)    # load: each block's stored bytes
 
-    def add(self, key: bytes, extents, record) -> None:
-        """A load lease's next block: its key, arena extents, and what its copy holds."""
+    def add(self, key: bytes, extents, stored: tuple[int, int]) -> None:
+        """A load lease's next block: its key, arena extents, and what its copy holds
+        (``(stored size, codec)``, ``Copies.stored``)."""
         self.keys.append(key)
         self.extents.append(extents)
-        self.codecs.append(record.codec)
-        self.sizes.append(record.stored_size)
+        self.sizes.append(stored[0])
+        self.codecs.append(stored[1])
 
 
 class Leases:
@@ -247,8 +248,8 @@ class Leases:
                             continue
                         if staging:
                             break   # the run to stage ends here; this block is leased after it
-                        record = entry.copies[c]
-                        if record.codec != 0 and record.codec not in accept:
+                        stored = entry.copies.stored(c)   # (size, codec); no record made
+                        if stored[1] != 0 and stored[1] not in accept:
                             # an encoded arena copy is not the block's bytes to a reader that cannot decode
                             # it; the server reads such blocks for it through get_into instead
                             stopped = True
@@ -257,8 +258,8 @@ class Leases:
                         i += 1
                         touch(entry.key)
                         hits += 1
-                        nbytes += record.stored_size
-                        lease.add(entry.key, cpu.extents(entry.key), record)
+                        nbytes += stored[0]
+                        lease.add(entry.key, cpu.extents(entry.key), stored)
                     if hits:
                         cascade.served(c, hits, nbytes)
                 if staging:
@@ -281,12 +282,12 @@ class Leases:
             outcomes = cascade.copy_out_many(staging, src, c)
             with cascade.lock:
                 for entry, outcome in zip(staging, outcomes):
-                    record = entry.copies.get(c)
-                    if outcome != COPIED or record is None or not entry.visible or record.codec not in (0, *accept):
+                    stored = entry.copies.stored(c)
+                    if outcome != COPIED or stored is None or not entry.visible or stored[1] not in (0, *accept):
                         break
                     cascade.index.policies[c].touch(entry.key)
-                    cascade.served(src, 1, record.stored_size)
-                    lease.add(entry.key, cpu.extents(entry.key), record)
+                    cascade.served(src, 1, stored[0])
+                    lease.add(entry.key, cpu.extents(entry.key), stored)
                     leased += 1
         finally:
             if leased < len(staging):

@@ -258,12 +258,12 @@ class DiskWrites:
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: PutResults) -> None:
     """Copy a reserved run's payloads into the first tier outside the lock, then publish them in
     order under one acquisition. A failed copy publishes the blocks before it, drops the rest."""
-    write = cascade.tiers[0].write_unsynced
+    write = cascade.tiers[0].write_key
     written = 0
     try:
         for entry, data in zip(run, arrays[start:start + len(run)]):
             if entry is not None:
-                write(entry.first_item()[1], data)   # its one copy: in tier 0
+                write(entry.key, data)
             written += 1
     finally:
         done, payloads, at = [], [], []   # the entries to publish, their payloads, their result indices

@@ -108,8 +108,7 @@ def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: 
             if entry is None or not entry.visible:
                 misses += 1
                 continue
-            t, record = entry.copies.first_item()
-            codec = record.codec
+            t, codec = entry.copies.first_codec()
             reads.append(BlockRead(i, cascade.pin_entry(entry), t, codec, codec != 0 and codec not in accept))
         if misses:
             cascade.count("misses", misses)

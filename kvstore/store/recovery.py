@@ -2,7 +2,7 @@
 
 Each durable tier yields the intact blocks it finds, a batch of columns at a time
 (``RecoveredBlocks``; torn or corrupt ones are deleted by the tier, never yielded). Each block
-becomes one ``Entry`` whose copy is a shared ``RecoveredCopy`` (its record made only when asked
+becomes one ``Entry`` whose copy is a shared ``PlainCopy`` (its record made only when asked
 for: the tier keeps the rest), so an index of millions holds one object per block. Recovered
 blocks are visible at once and count against their tenant's quota (a block whose namespace is
 no longer registered counts against no one). Chain
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 from kvstore.keys import NAMESPACE_ID_BYTES
 from kvstore.store.cascade import Cascade
-from kvstore.store.index import Entry, RecoveredCopies
+from kvstore.store.index import Entry, PlainCopies
 from kvstore.tiers.base import RecoveredBlocks
 
 #: told (tier name, blocks found in it so far, whether that tier is done) during a recovery
@@ -71,7 +71,7 @@ def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
     tenants: dict[bytes, str | None] = {}
     restored: dict[str, int] = defaultdict(int)
     found = [_found_in(tier, on_progress) for tier in cascade.tiers]   # the tiers' I/O, before the lock
-    copy_of = RecoveredCopies()
+    copy_of = PlainCopies()
     with cascade.lock:
         for t, batches in enumerate(found):
             for batch in batches:
@@ -89,7 +89,7 @@ def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
                         namespace_bytes[nsid] += raw_size
                         if tenant is not None:  # whatever the quota now: these bytes are already stored
                             restored[tenant] += raw_size
-                    entry.hold_recovered(copy_of(t, stored_size, codec))
+                    entry.hold_plain(copy_of(t, stored_size, codec))
         for tenant, nbytes in restored.items():
             cascade.quotas.restore(tenant, nbytes)
         recovered = sum(len(batch) for batches in found for batch in batches)
