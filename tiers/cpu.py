@@ -46,6 +46,10 @@ from kvstore.tiers.replaced_segments import Replaced, ReplacedSegments
 from kvstore.tiers.slots import SlotTable
 
 
+#: the dtype of a plain byte array (numpy's own object: compared by identity)
+_BYTE = np.dtype(np.uint8)
+
+
 class CpuTier(Tier):
     name = "cpu"
     durable = False
@@ -187,7 +191,8 @@ class CpuTier(Tier):
         return done
 
     def write_key(self, key: bytes, data) -> None:
-        data = as_bytes(data)
+        if type(data) is not np.ndarray or data.dtype is not _BYTE or data.ndim != 1:
+            data = as_bytes(data)
         at = self.slots.span(key)
         if at is not None:   # most blocks: one slot, one copy
             off, n = at
@@ -214,18 +219,13 @@ class CpuTier(Tier):
     def read_many_into(self, keys, outs) -> list:
         """``read_into`` for each key, in one loop: a one-slot block (most) is one ``copyto``."""
         got: list = []
-        span, arena = self.slots.span, self.arena
-        for key, out in zip(keys, outs):
-            try:
-                at = span(key)
-            except KeyError as e:
-                got.append(e)
-                continue
-            if at is None:   # several extents
-                got.append(self.read_into(key, out))
+        arena = self.arena
+        for key, out, at in zip(keys, outs, self.slots.spans(keys)):
+            if type(at) is not tuple:   # several extents, or not held (its KeyError)
+                got.append(at if at is not None else self.read_into(key, out))
                 continue
             off, n = at
-            if type(out) is not np.ndarray or out.ndim != 1 or out.dtype != np.uint8:
+            if type(out) is not np.ndarray or out.dtype is not _BYTE or out.ndim != 1:
                 out = as_bytes(out)
             np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
             got.append(n)

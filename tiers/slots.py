@@ -160,6 +160,18 @@ class SlotTable:
             return (held >> _SLOT_SHIFT) * self.slot_bytes, held & _NBYTES
         return None
 
+    def spans(self, keys) -> list:
+        """``span`` of each key, in one call (a batch's copy loop); in place of a key not held,
+        its ``KeyError``."""
+        blocks, slot_bytes, out = self._blocks, self.slot_bytes, []
+        for key in keys:
+            held = blocks.get(key)
+            if type(held) is int:
+                out.append(((held >> _SLOT_SHIFT) * slot_bytes, held & _NBYTES))
+            else:
+                out.append(KeyError(key) if held is None else None)
+        return out
+
     def release(self, key: bytes) -> int:
         """Free a block's slots; returns the bytes it accounted (0 if absent)."""
         with self._lock:

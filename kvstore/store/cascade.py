@@ -94,6 +94,13 @@ class Cascade:
         entry.add_pin()
         return entry
 
+    def pin_all(self, entries) -> None:
+        """``pin_entry`` each of ``entries`` (caller holds the lock)."""
+        index = self.index.entries
+        for entry in entries:
+            assert entry.visible and index.get(entry.key) is entry, "pinned a block the index does not serve"
+            entry.add_pin()
+
     def unpin(self, entry: Entry) -> None:
         """Let go of one pin (caller holds the lock); a deleted block is freed on its last."""
         if entry.drop_pin():

@@ -109,7 +109,8 @@ def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: 
                 misses += 1
                 continue
             t, codec = entry.copies.first_codec()
-            reads.append(BlockRead(i, cascade.pin_entry(entry), t, codec, codec != 0 and codec not in accept))
+            reads.append(BlockRead(i, entry, t, codec, codec != 0 and codec not in accept))
+        cascade.pin_all([r.entry for r in reads])
         if misses:
             cascade.count("misses", misses)
     return reads
