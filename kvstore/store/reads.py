@@ -11,7 +11,7 @@ One path for every read, in three steps, as the cascade's books want them:
    those reads is a run of up to ``RUN_BYTES`` of blocks, read with one call.
 3. ``_complete`` (under the lock, once per batch): in the callers' order, count each hit, touch its
    policy, promote a slower tier's copy from the payload just read (no second read or decode; the
-   room for it was made before, with the lock released) and unpin. A copy that failed its
+   room for it was made before, with the lock released); then unpin them. A copy that failed its
    checksum or its decode is dropped (counted) and its block planned again: the next copy, or a miss.
 
 A payload decoded here is read in place when it is one piece of the CPU arena (the pin holds it),
@@ -203,9 +203,11 @@ def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]
 
 
 def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
-    """Under one lock acquisition, in the callers' order: count, touch, promote and unpin each
-    read (``out[at]``: its size and codec); drop each damaged copy (counted) and unpin its block.
-    Returns the positions to plan again (their next copy, or a miss)."""
+    """Under one lock acquisition, in the callers' order: count, touch and promote each read
+    (``out[at]``: its size and codec), then unpin them all (a block read stays pinned while the
+    batch's promotions make room); drop each damaged copy (counted) and unpin its block. The
+    touches go to each policy a run at a time (``touch_many``), in the same order. Returns the
+    positions to plan again (their next copy, or a miss)."""
     again: list[int] = []
     policies, tiers = cascade.index.policies, cascade.tiers
     hits, nbytes = [0] * len(tiers), [0] * len(tiers)
