@@ -175,3 +175,18 @@ def test_async_client(kv_daemon):
             assert got == [b.tobytes() for b in blocks]
             assert await c.health()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["shm", "bulk", "grpc"])
+def test_a_hash_the_daemon_cannot_take_is_refused_naming_it(kv_daemon, transport):
+    """A batch with one hash of no bytes, or of more than 64, is refused whole, naming that hash's
+    index; nothing of it is stored."""
+    with kv_daemon.client(transport=transport) as c:
+        ns = c.register_namespace(Namespace(LAYOUT, cache_salt=f"width-{transport}"))
+        h = _chain(4, salt=11)
+        blocks = _blocks(4, LAYOUT.block_bytes, seed=11)
+        for bad in (b"", b"\x01" * 65):
+            with pytest.raises(InvalidArgument, match=r"hashes\[2\]"):
+                c.put(ns, h[:2] + [bad] + h[3:], blocks)
+        assert c.lookup(ns, h, lease=False).num_hit == 0
+        assert c.put(ns, h, blocks) == ["stored"] * 4
