@@ -103,11 +103,12 @@ COUNTERPARTS = {"mc_tcp": ("kv_bulk", "kv_grpc"), "lm_server": ("kv_bulk", "kv_g
 # and kvstore's ceiling; {kv_x}/{peer_x}: x ceiling). Established by reading the code and by the
 # measurements named in them (profiles and A/B repeats on this machine, 2026-12-01).
 _PER_BLOCK = ("per-block work bounds it, not the bytes: kvstore {kv_us:.0f} us a block, the peer {peer_us:.0f} us, "
-              "raw TCP {ceil_us:.0f} us to move it. The daemon's BulkPut receives the blocks into a scratch buffer and "
-              "stores them a 1 MiB run at a time with one Store.put each (kvstore/service/bulk_rpcs.py): a second "
-              "copy, into the arena, and bookkeeping in Python per block (reserve slots, index and chain the block, "
-              "eviction policy); a py-spy profile of 64 KiB side-channel puts (2026-12-02) has 65% of BulkPut's "
-              "samples in those Store.put calls (18% the copy), 31% in recv_into")
+              "raw TCP {ceil_us:.0f} us to move it. The daemon's BulkPut receives the blocks straight into CPU-arena "
+              "slots reserved a run of up to 4 MiB at a time and publishes each run with one call "
+              "(kvstore/service/bulk_rpcs.py); what is left per block is bookkeeping in Python (reserve slots, "
+              "index and chain the block, eviction policy): a py-spy profile of 64 KiB side-channel puts "
+              "(2026-12-05, samples holding the GIL) has 78% of BulkPut's in the store's reserve_store and "
+              "finish_store")
 _GRPC = ("kvstore's gRPC streams are the fallback for clients that cannot reach the side channel (behind a proxy, "
          "TLS-only): payloads cross in protobuf messages of up to 1 MiB (smaller blocks packed several to one) "
          "through grpcio in Python, {kv_x_range} raw TCP here, and grpcio's own stream of 1 MiB messages with no work "

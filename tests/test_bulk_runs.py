@@ -32,7 +32,7 @@ def test_a_side_channel_put_across_runs_stores_links_and_reports_every_block(dae
     d = daemon_factory(cpu_bytes="64MiB", nvme_bytes="0")
     count = 100
     per_run = RUN_BYTES // BLOCK
-    present = [per_run - 1, per_run, per_run + 1, 50, count - 1]
+    present = sorted({per_run - 1, per_run, per_run + 1, 50, count - 1})
     layout = KVLayout(model="test/runs", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
                       block_tokens=16, block_bytes=BLOCK)
     rng = np.random.default_rng(4)
