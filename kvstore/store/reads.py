@@ -74,7 +74,7 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
                 for r in reads:
                     cascade.unpin(r.entry)
             raise
-        up = [r for r in reads if r.failed is None and r.tier > 0 and not r.entry.doomed] \
+        up = [r for r in reads if r.tier > 0 and r.failed is None and not r.entry.doomed] \
             if cascade.config.promote_on_hit else []
         if any(r.tier >= slow_from(cascade) for r in up):
             # hits below the CPU tier are promoted one by one, in the callers' order, each after
