@@ -57,7 +57,7 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
 
 def write_fleet_config(workdir, redis_url: str, prefix: str, node_id: str, *, secret_in_file: bool = True,
                        fleet_extra: str = "", ttl_s: float = 1.5, heartbeat_s: float = 0.2,
-                       extra: str = "") -> str:
+                       bulk_channel: bool = False, extra: str = "") -> str:
     """A `kvstore serve --config` file for one fleet node: small tiers, fast heartbeats;
     ``fleet_extra`` holds more ``fleet.*`` lines (``key: value``, one per line), ``extra`` more
     top-level ones (``tokens:`` and the like)."""
@@ -69,7 +69,7 @@ def write_fleet_config(workdir, redis_url: str, prefix: str, node_id: str, *, se
         nvme_bytes: 0
         shm_dir: {workdir}
         lease_seconds: 1.0
-        bulk_channel: false
+        bulk_channel: {str(bulk_channel).lower()}
         fleet:
           enabled: true
           redis_url: {redis_url}

@@ -10,7 +10,10 @@ a block whose bytes do not match the checksum its member signed is never stored.
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,10 +27,10 @@ from kvstore.fleet import Directory
 
 
 def _fleet_daemon(daemon_factory, tmp_path, redis_url: str, prefix: str, node_id: str, *, port: int = 0,
-                  advertise: str = "", heartbeat_s: float = 0.2):
+                  advertise: str = "", heartbeat_s: float = 0.2, bulk_channel: bool = False):
     workdir = tmp_path / node_id
     workdir.mkdir()
-    config = write_fleet_config(workdir, redis_url, prefix, node_id, heartbeat_s=heartbeat_s,
+    config = write_fleet_config(workdir, redis_url, prefix, node_id, heartbeat_s=heartbeat_s, bulk_channel=bulk_channel,
                                 ttl_s=max(1.5, 3 * heartbeat_s),
                                 fleet_extra=f"advertise_addr: {advertise}\n" if advertise else "")
     flags = ["--config", config] + (["--listen", f"127.0.0.1:{port}"] if port else [])
@@ -49,8 +52,9 @@ def _counters(client) -> dict:
 def fleet(daemon_factory, tmp_path, redis_url, prefix):
     """Daemons A and B in one fleet, the namespace registered on both, A a member of it (it
     published a first block). B beats every 5 s, so it reads a namespace's membership that
-    seldom, unless it lacks the node a lookup names."""
-    a = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "a")
+    seldom, unless it lacks the node a lookup names. A offers a side channel, which its peers'
+    gets take."""
+    a = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "a", bulk_channel=True)
     b = _fleet_daemon(daemon_factory, tmp_path, redis_url, prefix, "b", heartbeat_s=5.0)
     ca, cb = a.client(), b.client()
     for c in (ca, cb):
@@ -80,6 +84,11 @@ def test_the_named_producer_serves_blocks_the_directory_does_not_list(fleet, red
     got = _counters(cb)
     assert (got["direct_fetches"], got["direct_blocks"], got["direct_checksum_mismatch"]) == (1, 6, 0)
     assert _counters(ca)["checksums_served"] == 6
+    assert ca.stats()["server"]["bulk_channel"]["sessions_opened"] == 1    # the bytes came over A's side channel
+    # `kvstore stats` shows them to the operator
+    shown = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "stats", "--url", cb.address],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"}).stdout
+    assert "fleet node b" in shown and any(line.split() == ["direct_blocks", "6"] for line in shown.splitlines())
     # already here: the next lookup calls no one
     assert cb.lookup(NS.id, hashes, producer="a").num_hit == 6
     assert _counters(ca)["checksums_served"] == 6

@@ -4,7 +4,7 @@ A decode engine's connector knows from its hand-off params which fleet node's da
 prompt, and names that node on the lookups it makes while it waits (``LookupRequest.producer``).
 Without the name this daemon finds the blocks only once the producer's publisher has flushed them
 to the directory, and then through a route and a checksums read in Redis. With it, the daemon asks
-the member at once: one ``PeerChecksums`` call for the blocks it misses, then one ``Get`` of those
+the member at once: one ``PeerChecksums`` call for the blocks it misses, then one get of those
 the member holds (in batches of ``fetch_batch``), and keeps each block whose bytes match the
 checksum the member signed for it. No Redis read per block or per lookup: the namespace's
 membership is read at most once per ``refresh_s``, and once per ``MISS_REFRESH_S`` while it lacks
@@ -109,8 +109,9 @@ class DirectFetcher:
         return stored
 
     def _fetch_batch(self, client, ns: bytes, batch: list[bytes], parent: bytes | None, producer: str) -> int:
-        """One ``PeerChecksums`` and one ``Get`` of the leading blocks the member vouches for;
-        the verified leading run stored. Returns its length."""
+        """One ``PeerChecksums`` and one get (side channel or gRPC: ``peers.grpc_client_factory``)
+        of the leading blocks the member vouches for; the verified leading run stored. Returns its
+        length."""
         signed = list(client.call("PeerChecksums", pb.PeerChecksumsRequest(namespace_id=ns, hashes=batch)).signed)
         sums: list[int] = []
         for h, value in zip(batch, signed):

@@ -3,7 +3,7 @@
 Whoever holds a peer's address (a signed directory entry written back after its node left, a port
 taken over) must get nothing from a daemon that calls it: not the peer token, not a proof it can
 use on an honest peer, and no bytes taken from it. So a fleet daemon calling a peer (Handshake,
-RegisterNamespace, PeerChecksums, Get) sends
+RegisterNamespace, PeerChecksums, Get or BulkGet) sends
 
     authorization: KvsPeer <nonce hex> <ms> <request sha256 hex> <fleet mac hex> <token mac hex | ->
 
@@ -39,7 +39,7 @@ SCHEME = "KvsPeer"
 ANSWER_KEY = "kvs-peer-proof"              # initial metadata of a callee's answer
 FRESH_MS = 30_000                          # clock skew and call time a proof may span
 MAX_NONCES = 1 << 17                       # nonces a callee remembers: 4,000 peer calls a second
-METHODS = frozenset({"Handshake", "RegisterNamespace", "Get", "PeerChecksums"})   # what peer fetch calls
+METHODS = frozenset({"Handshake", "RegisterNamespace", "Get", "BulkGet", "PeerChecksums"})   # what peer fetch calls
 _MAC_BYTES = 16
 
 
@@ -231,6 +231,12 @@ class PeerProver(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
     def intercept_unary_unary(self, continuation, client_call_details, request):
         details, method, nonce = self._prove(client_call_details, request)
         outcome = continuation(details, request)
+        if not outcome.done():
+            # a future (BulkGet: its answer waits on the caller reading the side channel, so it is
+            # not waited for here): its answer is handed on once the proof, which comes with it
+            # (a unary call's headers arrive with its answer), verifies
+            return _ProvenAnswer(outcome, lambda: self._proven(outcome, method, nonce),
+                                 lambda: self._unproven(method))
         if outcome.exception() is not None or self._proven(outcome, method, nonce):
             return outcome   # a refusal surfaces as itself: it carries no bytes
         raise self._unproven(method)
@@ -244,3 +250,28 @@ class PeerProver(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
             return call      # refused before any header: the error surfaces, no message came
         call.cancel()
         raise self._unproven(method)
+
+
+class _ProvenAnswer:
+    """A unary call in flight (a grpc future) whose ``result`` and ``exception`` hand its answer on
+    only once the callee's proof verifies; a refusal surfaces as itself. The rest is the call's."""
+
+    def __init__(self, call, proven, unproven) -> None:
+        self._call = call
+        self._proven = proven
+        self._unproven = unproven
+
+    def result(self, timeout=None):
+        answer = self._call.result(timeout)
+        if not self._proven():
+            raise self._unproven()
+        return answer
+
+    def exception(self, timeout=None):
+        error = self._call.exception(timeout)
+        if error is None and not self._proven():
+            return self._unproven()
+        return error
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)

@@ -175,11 +175,11 @@ def cmd_stats(args) -> int:
     console.print(counters)
     fleet = stats.get("fleet")
     if fleet:   # peer fetches, direct fetches of P/D hand-offs, directory health (docs/fleet.md)
-        events = Table(title=f"fleet: node {fleet.get('node_id')}, "
-                             f"{'connected' if fleet.get('connected') else 'directory unreachable'}, "
-                             f"{fleet.get('published_blocks', 0)} blocks published", box=box.SIMPLE_HEAD)
+        events = Table(title=f"fleet node {fleet.get('node_id')}", box=box.SIMPLE_HEAD)
         events.add_column("counter", overflow="fold")
         events.add_column("value", justify="right", overflow="fold")
+        events.add_row("directory connected", "yes" if fleet.get("connected") else "no")
+        events.add_row("published_blocks", str(fleet.get("published_blocks", 0)))
         for k, v in sorted(fleet.get("counters", {}).items()):
             events.add_row(k, str(v))
         console.print(events)
