@@ -88,29 +88,33 @@ def test_the_table_answers_as_a_model_does_through_inserts_moves_removals_and_ov
 
 
 def test_batches_of_keys_answer_as_the_model_does_through_shared_homes_moves_and_overflow():
-    """``put_many`` of ``keys_of`` arrays (what the daemon writes as blocks are published): keys
-    sharing a home in one batch, keys already present (moved or not), a batch repeating a key, and
-    batches written while some blocks have no slot, against a model, with removals between."""
-    table = LI.IndexTable(64, ["cpu", "nvme"])
+    """``put_many`` of ``keys_of`` arrays (what the daemon writes as blocks are published), short
+    ones looped and long ones (``VECTOR_KEYS`` and more) written in a numpy pass: keys sharing a
+    home in one batch, keys already present (moved or not), a batch repeating a key, and batches
+    written while some blocks have no slot, against a model, with removals between."""
+    table = LI.IndexTable(256, ["cpu", "nvme"])
     reader = LI.IndexReader(table.descriptor())
     rng = random.Random(11)
+    homes = rng.sample(range(256), 40) + [0, 255]
     model: dict[bytes, int] = {}
     pool = []
-    for i in range(100):
-        home = rng.choice([0, 1, 2, 17, 62, 63])
-        h = (home | (i << 8)).to_bytes(8, "little") + rng.randbytes(8)
+    for i in range(260):
+        h = (rng.choice(homes) | (i << 8)).to_bytes(8, "little") + rng.randbytes(8)
         pool.append(bytes(a ^ b for a, b in zip(h, NS)))
+    long_batches = 0
     try:
-        for step in range(1500):
+        for step in range(1200):
             if rng.random() < 0.5:
-                batch = [rng.choice(pool) for _ in range(rng.randrange(1, 12))]
+                n = rng.randrange(1, 12) if rng.random() < 0.5 else rng.randrange(LI.VECTOR_KEYS, LI.VECTOR_KEYS + 40)
+                batch = [rng.choice(pool) for _ in range(n)]
                 tier = rng.randrange(2)
                 keys = LI.keys_of(NS, batch)
                 assert isinstance(keys, np.ndarray) and keys.shape == (len(batch), 2)
+                long_batches += n >= LI.VECTOR_KEYS and table.complete
                 table.put_many(keys, tier)
                 model.update((h, tier) for h in batch)
             else:
-                for h in rng.sample(pool, rng.randrange(1, 6)):
+                for h in rng.sample(pool, rng.randrange(1, 60)):
                     table.remove(LI.key_of(NS, h))
                     model.pop(h, None)
             assert table.live + len(table._overflow) == len(model)
@@ -121,6 +125,9 @@ def test_batches_of_keys_answer_as_the_model_does_through_shared_homes_moves_and
                 continue
             n = next((i for i, p in enumerate(probe) if p not in model), len(probe))
             assert got == (n, [["cpu", "nvme"][model[p]] for p in probe[:n]])
+        for h in model:
+            assert reader.leading_hits(NS, [h]) == (1, [["cpu", "nvme"][model[h]]]) or not table.complete
+        assert long_batches > 100   # the numpy pass ran, not only the loop
     finally:
         reader.close()
         table.close()
