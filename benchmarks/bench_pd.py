@@ -10,9 +10,10 @@ Configurations (vLLM OpenAI servers, engine core in its own process; each P/D pa
 * ``kvstore-bulk``: the same prefill; a decode engine (core 1) that reaches the daemon over the
   side channel (``transport: bulk``), as a decode node on another host would.
 * ``kvstore-fleet``: prefill on daemon A, decode (core 1) on daemon B, two fleet daemons on one
-  Redis (``--redis``): B fetches the prefill's blocks from A by verified peer fetch, as a decode node
-  whose daemon is not the prefill node's would. Its prefill server is its own (on A); with
-  ``--placement pinned`` daemon B runs on the decode core, as on a decode node.
+  Redis (``--redis``): B fetches the prefill's blocks from A directly (the hand-off params name A's
+  fleet node: direct fetch, docs/fleet.md), as a decode node whose daemon is not the prefill node's
+  would; the report says how many blocks came that way (B's fleet counters). Its prefill server is
+  its own (on A); with ``--placement pinned`` daemon B runs on the decode core, as on a decode node.
 * ``kvstore-no-wait``: as ``kvstore-shm`` but ``pd_wait_s`` 0: decode looks the prompt up once, at
   once, as the connector did before the hand-off (the race it closes).
 * ``example``: vLLM's ``ExampleConnector`` (``kv_both`` on both, KV files under a shared
@@ -238,6 +239,7 @@ def main() -> None:
 
     load_start = os.getloadavg()
     runs: dict[str, dict] = {}
+    report_extra: dict = {}
 
     def save(echo: bool = False) -> None:
         """The report so far (rewritten after every configuration: a later failure keeps these)."""
@@ -245,7 +247,7 @@ def main() -> None:
                   "colocated_cores": a.colocated_cores, "placement": a.placement,
                   "requests_per_rate": a.requests, "rates": rates, "runs": runs,
                   "machine": {**host, "load_avg_1m": os.getloadavg()[0]}, "load_start": load_start,
-                  "load_end": os.getloadavg()}
+                  "load_end": os.getloadavg(), **report_extra}
         write_report(a.out, report, markdown, echo=echo)
     warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
 
@@ -312,6 +314,11 @@ def main() -> None:
                        "d": server("fleet-decode", kv_config(daemons["b"], "kv_consumer"), "d")}
             with serving(servers):
                 measure_pair("kvstore-fleet", servers["p"], servers["d"])
+            with daemons["b"].client() as c:   # how B got the hand-offs: direct fetch or the directory
+                fleet_b = c.stats()["fleet"]["counters"]
+            report_extra["fleet_b_counters"] = {k: v for k, v in fleet_b.items()
+                                                if k.startswith("direct_") or k in ("fetched_blocks", "fetches")}
+            save()
         except Exception as e:  # noqa: BLE001 - report it, keep the other configurations' figures
             runs["kvstore-fleet"] = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
             save()
@@ -378,6 +385,13 @@ def markdown(r: dict) -> str:
     lines += ["", f"A decode engine that got every full block computes {r['prompt_tokens'] % BLOCK} prompt tokens "
               "per request (the tail after the last full block); the prefill instance computes the rest.", ""]
     lines += [f"- `{name}` did not run: {rows['error']}" for name, rows in r["runs"].items() if "error" in rows]
+    fleet_b = r.get("fleet_b_counters")
+    if fleet_b:
+        refused = sum(v for k, v in fleet_b.items() if k.startswith("direct_refused"))
+        lines += [f"`kvstore-fleet`: daemon B got {fleet_b.get('direct_blocks', 0)} blocks from daemon A by direct "
+                  f"fetch (the hand-off params name A's node) and {fleet_b.get('fetched_blocks', 0)} through the "
+                  f"directory; {refused} named nodes refused, {fleet_b.get('direct_failures', 0)} direct fetches "
+                  "failed (daemon B's fleet counters, warm-up included).", ""]
     pairs = [(name, rate, row) for name, rows in measured.items() for rate, row in rows.items()
              if "prefill_prefill_s_mean" in row]
     if pairs:
