@@ -52,6 +52,8 @@ def test_a_large_run_is_copied_by_several_threads(small_parts, monkeypatch):
     def noting(*args):
         seen.add(threading.current_thread().name)
         copy_run(*args)
+        time.sleep(0.001)   # a part takes a while, as an 8 MiB one does: on a loaded host the
+        # calling thread could otherwise take every part before a pool thread is scheduled
 
     monkeypatch.setattr(buffers, "_copy_run", noting)
     arena, placed, dsts = run_copies([3000] * 200, seed=1)
