@@ -16,6 +16,7 @@ new owner's bytes) and the segment's generation counts up. No extent spans two s
 
 from __future__ import annotations
 
+import array
 import threading
 from collections.abc import Callable
 
@@ -41,9 +42,12 @@ class SlotTable:
         self._last_owner: list[str | None] = [None] * n_segments
         self.generations = [1] * n_segments
         self._on_reassign = on_reassign
-        #: key -> a one-slot block's ``slot << _SLOT_SHIFT | nbytes`` (one int: most blocks), or a
-        #: larger block's ``(extents, nbytes, slots)``
+        #: key -> a one-slot block's slot number (most blocks: the free list's own int object, so a
+        #: block costs its dict slot and nothing else; its bytes are in ``_nbytes``), or a larger
+        #: block's ``(extents, nbytes, slots)``
         self._blocks: dict[bytes, int | tuple[list[Extent], int, list[int]]] = {}
+        #: the bytes of the one-slot block in each slot (4 B a slot, made with the table)
+        self._nbytes = array.array("I" if slot_bytes < 1 << 32 else "Q", [0]) * self.num_slots
         self.payload_bytes = 0   # the blocks' own bytes; the rest of their slots is slack
         self._lock = threading.Lock()
 
@@ -107,7 +111,11 @@ class SlotTable:
                         self._claim(s, owner)
                     take = min(n - len(slots), len(self._free[s]))
                     slots += [self._free[s].pop() for _ in range(take)]
-            held = self._blocks[key] = _held(slots, self.slot_bytes, nbytes, self.segment_slots)
+            if len(slots) == 1:
+                held = self._blocks[key] = slots[0]
+                self._nbytes[held] = nbytes
+            else:
+                held = self._blocks[key] = _held(slots, self.slot_bytes, nbytes, self.segment_slots)
             self.payload_bytes += nbytes
             return self._unpack(held)[0]
 
@@ -130,8 +138,10 @@ class SlotTable:
                     raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
             taken = free[len(free) - n:]
             del free[len(free) - n:]
+            sizes = self._nbytes
             for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
-                blocks[key] = slot << _SLOT_SHIFT | nbytes
+                blocks[key] = slot
+                sizes[slot] = nbytes
             self.payload_bytes += n * nbytes
             return n
 
@@ -148,8 +158,8 @@ class SlotTable:
 
     def _unpack(self, held) -> tuple[list[Extent], int]:
         if type(held) is int:
-            nbytes = held & _NBYTES
-            return ([((held >> _SLOT_SHIFT) * self.slot_bytes, nbytes)] if nbytes else []), nbytes
+            nbytes = self._nbytes[held]
+            return ([(held * self.slot_bytes, nbytes)] if nbytes else []), nbytes
         return held[0], held[1]
 
     def span(self, key: bytes) -> tuple[int, int] | None:
@@ -157,17 +167,17 @@ class SlotTable:
         has its extents): one dict lookup and no list, for the copy loops of whole batches."""
         held = self._blocks[key]
         if type(held) is int:
-            return (held >> _SLOT_SHIFT) * self.slot_bytes, held & _NBYTES
+            return held * self.slot_bytes, self._nbytes[held]
         return None
 
     def spans(self, keys) -> list:
         """``span`` of each key, in one call (a batch's copy loop); in place of a key not held,
         its ``KeyError``."""
-        blocks, slot_bytes, out = self._blocks, self.slot_bytes, []
+        blocks, sizes, slot_bytes, out = self._blocks, self._nbytes, self.slot_bytes, []
         for key in keys:
             held = blocks.get(key)
             if type(held) is int:
-                out.append(((held >> _SLOT_SHIFT) * slot_bytes, held & _NBYTES))
+                out.append((held * slot_bytes, sizes[held]))
             else:
                 out.append(KeyError(key) if held is None else None)
         return out
@@ -178,7 +188,7 @@ class SlotTable:
             held = self._blocks.pop(key, None)
             if held is None:
                 return 0
-            self.payload_bytes -= self._unpack(held)[1]
+            self.payload_bytes -= self._unpack(held)[1]   # (a slot's ``_nbytes`` is rewritten when next taken)
             slots = _slots_of(held)
             for slot in sorted(slots, reverse=True):
                 self._free[slot // self.segment_slots].append(slot)
@@ -216,19 +226,13 @@ class SlotTable:
 
 
 #: a one-slot block's entry: its slot above these bits, its bytes (at most a slot) in them
-_SLOT_SHIFT = 40
-_NBYTES = (1 << _SLOT_SHIFT) - 1
-
-
 def _held(slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int):
-    """What the table keeps for a block in ``slots``: one int for one slot, else its extents too."""
-    if len(slots) == 1:
-        return slots[0] << _SLOT_SHIFT | nbytes
+    """What the table keeps for a block in more than one slot: its extents, bytes and slots."""
     return _coalesce(sorted(slots), slot_bytes, nbytes, segment_slots), nbytes, slots
 
 
 def _slots_of(held) -> list[int]:
-    return [held >> _SLOT_SHIFT] if type(held) is int else held[2]
+    return [held] if type(held) is int else held[2]
 
 
 def _coalesce(sorted_slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int) -> list[Extent]:
