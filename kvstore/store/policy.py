@@ -208,7 +208,9 @@ class PrefixAwarePolicy(EvictionPolicy):
     and its class, ``tick << 2 | leaf << 1 | orphan``. That dict is also the recency order class 3
     walks: a key touched is taken out and put back at its end, so it lists keys least recently
     used first, and no second structure per key is needed. The classes' heaps hold (tick, key) of
-    leaves; an entry whose key has moved on (a newer tick, or no longer a leaf) is skipped lazily.
+    leaves, taken in when a victim is searched for (``_flush``: a key given a leaf's state waits in
+    ``_pending`` till then, and most are parents by then, with no heap entry); an entry whose key
+    has moved on (a newer tick, or no longer a leaf) is skipped lazily.
     Keys handed over in bulk into an empty policy (a warm restart's) wait dormant
     (``DormantKeys``: no int, no dict slot), older than any other, their ticks below
     ``_bulk_end``; a dormant key keeps its class (``_bulk_leaves`` holds the classes of the few
@@ -220,6 +222,8 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     name = "prefix"
     uses_chains = True
+    #: keys given a leaf's state wait in ``_pending`` until a victim is searched for or this many wait
+    PENDING_MAX = 1024
 
     def __init__(self) -> None:
         self._state: dict[bytes, int] = {}   # least recently used first
@@ -229,13 +233,25 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._bulk_leaves: dict[bytes, int] = {}   # the class of dormant keys that were leaves (few)
         self._leaves: list[tuple[int, bytes]] = []
         self._orphans: list[tuple[int, bytes]] = []
+        self._pending: list[bytes] = []   # keys given a leaf's state since ``_flush`` (few)
 
     def _push(self, key: bytes, state: int) -> None:
-        if not state & _LEAF:
-            return
-        heap = self._orphans if state & _ORPHAN else self._leaves
-        heapq.heappush(heap, (state >> 2, key))
-        if len(heap) > 4 * (len(self._state) + (self._bulk_end if self._dormant else 0)) + 64:
+        if state & _LEAF:
+            self._pending.append(key)
+            if len(self._pending) >= self.PENDING_MAX:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Give each pending key that is still a leaf its (tick, key) in its class's heap. Most
+        keys are inserted as leaves and are parents by the next victim search (their child comes
+        in the same put): the heaps then never hold an entry for them."""
+        pending, self._pending = self._pending, []
+        states = self._state
+        for key in dict.fromkeys(pending):
+            state = states.get(key)   # None: removed since (or dormant: its bulk entry stands)
+            if state is not None and state & _LEAF:
+                heapq.heappush(self._orphans if state & _ORPHAN else self._leaves, (state >> 2, key))
+        if len(self._leaves) + len(self._orphans) > 4 * (len(states) + (self._bulk_end if self._dormant else 0)) + 64:
             self._leaves = [(t, k) for t, k in self._leaves if self._holds(k, t, _LEAF)]
             self._orphans = [(t, k) for t, k in self._orphans if self._holds(k, t, _LEAF | _ORPHAN)]
             heapq.heapify(self._leaves)
@@ -320,6 +336,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         return victim
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
+        if self._pending:
+            self._flush()
         return (self._pick(self._orphans, _LEAF | _ORPHAN, is_pinned)
                 or self._pick(self._leaves, _LEAF, is_pinned)
                 or next((key for key in itertools.chain(self._dormant.oldest_first(), self._state)
