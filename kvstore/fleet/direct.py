@@ -39,11 +39,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-import xxhash
-
 from kvstore.fleet.directory import Directory
 from kvstore.fleet.peer_proof import PeerUnproven
-from kvstore.fleet.peers import PeerClients, stored_payloads
+from kvstore.fleet.peers import PeerClients, stored_payloads, verified_run
 from kvstore.fleet.records import CHECKSUM_BYTES
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
@@ -126,23 +124,16 @@ class DirectFetcher:
         if not sums:
             self.counters["direct_misses"] += 1
             return 0
-        run_h, run_d, run_c = [], [], []
-        for h, block, want in zip(batch, stored_payloads(client, ns, batch[:len(sums)]), sums):
-            if block is None:
-                self.counters["direct_misses"] += 1
-                break
-            codec, data = block
-            if xxhash.xxh3_64_intdigest(data) != want:
-                self.counters["direct_checksum_mismatch"] += 1
-                log.warning("fleet: block %s from %s does not match the checksum it signed; not stored",
-                            h.hex(), producer)
-                break
-            run_h.append(h)
-            run_d.append(data)
-            run_c.append(codec)
-        if run_h:
-            self.store.put(ns, run_h, run_d, parent=parent, codecs=run_c)
-        return len(run_h)
+        run = verified_run(batch, stored_payloads(client, ns, batch[:len(sums)]), sums)
+        if run.stop == "miss":
+            self.counters["direct_misses"] += 1
+        elif run.stop == "mismatch":
+            self.counters["direct_checksum_mismatch"] += 1
+            log.warning("fleet: block %s from %s does not match the checksum it signed; not stored",
+                        batch[len(run.hashes)].hex(), producer)
+        if run.hashes:
+            self.store.put(ns, run.hashes, run.payloads, parent=parent, codecs=run.codecs)
+        return len(run.hashes)
 
     def _member(self, ns: bytes, node_id) -> tuple[str, int] | None:
         """``(address, epoch)`` of ``node_id`` as a live member of namespace ``ns``; None (counted)

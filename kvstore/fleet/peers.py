@@ -23,6 +23,7 @@ bounded LRU (``max_clients``), one per address and node run; an evicted client i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -117,6 +118,36 @@ def stored_payloads(client, ns: bytes, hashes: list[bytes]) -> list:
     return [None if data is None else (0, data) for data in client.get(ns, hashes)]
 
 
+@dataclasses.dataclass
+class VerifiedRun:
+    """The leading blocks of a peer's answer whose bytes match the checksums they were vouched for
+    with (what may be stored), and why the run stopped short: None (it did not), "miss" (a block
+    or its checksum missing) or "mismatch" (bytes that do not match: never stored)."""
+
+    hashes: list[bytes]
+    payloads: list
+    codecs: list[int]
+    stop: str | None = None
+
+
+def verified_run(hashes: Sequence[bytes], answers: Sequence, checksums: Sequence[int | None]) -> VerifiedRun:
+    """The leading run of ``answers`` (``stored_payloads``' for ``hashes``) whose xxh3_64 equals its
+    entry of ``checksums``; a peer is trusted with no byte it cannot match to a signed checksum."""
+    run = VerifiedRun([], [], [])
+    for h, answer, want in zip(hashes, answers, checksums):
+        if answer is None or want is None:
+            run.stop = "miss"
+            break
+        codec, data = answer
+        if xxhash.xxh3_64_intdigest(data) != want:
+            run.stop = "mismatch"
+            break
+        run.hashes.append(h)
+        run.payloads.append(data)
+        run.codecs.append(codec)
+    return run
+
+
 def _close(client) -> None:
     try:
         client.close()
@@ -200,26 +231,19 @@ class PeerFetcher:
             client = self.clients.get(route.address, self.store, ns, (route.node_id, route.epoch))
             for i in range(0, len(want), self.fetch_batch):
                 batch = want[i:i + self.fetch_batch]
-                got = stored_payloads(client, ns, batch)
-                run_h, run_d, run_c = [], [], []
-                for h, block, want_sum in zip(batch, got, expected[i:i + len(batch)]):
-                    if block is None or want_sum is None:
-                        self.counters["peer_misses"] += 1
-                        break
-                    codec, data = block
-                    if xxhash.xxh3_64_intdigest(data) != want_sum:
-                        self.counters["peer_checksum_mismatch"] += 1
-                        log.warning("fleet: block %s from %s failed its published checksum; not stored",
-                                    h.hex(), route.node_id)
-                        break
-                    run_h.append(h)
-                    run_d.append(data)
-                    run_c.append(codec)
-                if run_h:
-                    self.store.put(ns, run_h, run_d, parent=want[i - 1] if i else parent, codecs=run_c)
-                    stored += len(run_h)
-                    parent = run_h[-1]
-                if len(run_h) < len(batch):
+                run = verified_run(batch, stored_payloads(client, ns, batch), expected[i:i + len(batch)])
+                if run.stop == "miss":
+                    self.counters["peer_misses"] += 1
+                elif run.stop == "mismatch":
+                    self.counters["peer_checksum_mismatch"] += 1
+                    log.warning("fleet: block %s from %s failed its published checksum; not stored",
+                                batch[len(run.hashes)].hex(), route.node_id)
+                if run.hashes:
+                    self.store.put(ns, run.hashes, run.payloads, parent=want[i - 1] if i else parent,
+                                   codecs=run.codecs)
+                    stored += len(run.hashes)
+                    parent = run.hashes[-1]
+                if len(run.hashes) < len(batch):
                     break
         except Exception as e:  # noqa: BLE001 - a broken peer or directory is a miss, never a crash
             self.counters["peer_unproven" if isinstance(e, PeerUnproven) else "peer_errors"] += 1
