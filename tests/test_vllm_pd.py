@@ -65,6 +65,9 @@ pytestmark = pytest.mark.timeout(900)
 HASHER = ChainHasher("xxh3_128", seed=0)
 #: a prompt shorter than a block: it makes the producer step without saving or naming anything
 FLUSH_PROMPT = "Hello."
+#: a prompt of its own (three full blocks, no prefix shared with PROMPTS) that makes daemon A a
+#: member of the namespace before anything is measured
+MEMBER_PROMPT = " ".join(f"Line {i} of a note that only makes the producer's daemon publish." for i in range(12))
 
 
 def _fleet_daemon(workdir, arena_dir: str, redis_url: str, prefix: str, node_id: str):
@@ -111,10 +114,20 @@ class Cluster:
         # every put would also be written back to that disk, competing with the host's other writes
         memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.arena_dirs = [tempfile.mkdtemp(prefix=f"kvs-pd-{n}-", dir=memory or str(root)) for n in "ab"]
+        self.daemons, self.servers, self.proxy = [], [], None
+        try:   # a part that fails to start stops the parts already started (close), then fails the tests
+            self._start(python, root)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, python: str, root) -> None:
+        redis_url = self.redis_url
         self.a = _fleet_daemon(root / "a", self.arena_dirs[0], redis_url, self.prefix, "a")
+        self.daemons.append(self.a)
         self.b = _fleet_daemon(root / "b", self.arena_dirs[1], redis_url, self.prefix, "b")
+        self.daemons.append(self.b)
         wd = str(root)
-        self.servers = []
         # P has vLLM's prefix cache on, roomy enough to keep every prompt's blocks, for the
         # colocated references (step 5); a producer computes every prompt it is sent that its
         # cache does not hold, so the P/D steps are the same with it off
@@ -172,8 +185,9 @@ class Cluster:
 
     def close(self) -> None:
         for s in [self.proxy, *self.servers]:
-            s.stop()
-        for d in (self.a, self.b):
+            if s is not None:
+                s.stop()
+        for d in self.daemons:
             d.kill()
         for path in self.arena_dirs:
             shutil.rmtree(path, ignore_errors=True)
@@ -222,6 +236,7 @@ def record(tmp_path_factory, redis_url):
     try:
         rec["ids"] = {name: cluster.token_ids(text) for name, text in PROMPTS.items()}
         rec["health_all_up"] = _health(cluster)
+        _make_a_member(cluster)
         rec["b_fleet_before"] = _fleet_counters(cluster.b)
         # 1. healthy, one at a time (S4 streamed), then four at once, then a prompt whose document
         #    daemon A holds already (S1's)
@@ -290,6 +305,18 @@ def _fleet_counters(daemon) -> dict:
     """A fleet daemon's fleet counters (``kvstore stats``: peer and direct fetches)."""
     with daemon.client() as c:
         return c.stats()["fleet"]["counters"]
+
+
+def _make_a_member(cluster: Cluster) -> None:
+    """Daemon A joins the namespace's fleet membership with its first publish there; a hand-off
+    before that names a node daemon B cannot find yet, and its blocks take the directory path
+    (docs/pd.md, Known limits). One prefill of a prompt of its own, and A's first publish, come
+    before anything the tests measure, so they measure the steady state."""
+    complete(cluster.p.url, cluster.model, MEMBER_PROMPT, 1)
+    deadline = time.monotonic() + 60
+    while not _fleet_counters(cluster.a).get("published", 0):
+        assert time.monotonic() < deadline, "daemon A published nothing in 60 s"
+        time.sleep(0.1)
 
 
 def _health(cluster: Cluster) -> tuple[int, dict]:
