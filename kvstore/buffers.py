@@ -25,6 +25,12 @@ from kvstore.threads import BUDGET
 
 Extent = tuple[int, int]  # (byte offset in an arena, length)
 
+#: copies of at most this many bytes run through memoryviews (a plain memcpy, the GIL held);
+#: larger ones through numpy's copyto, which releases the GIL around the copy so that other
+#: threads run meanwhile, but copies a byte range slower and costs more per call: small blocks
+#: are bound by those costs, large ones should not hold the GIL for the whole copy
+HELD_COPY_BYTES = 256 << 10
+
 #: the largest scratch buffer a thread keeps between requests (``Scratch.trim_above``): typical
 #: blocks reuse one buffer, a larger one is freed after its request
 SCRATCH_KEEP_BYTES = 8 << 20

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore import dead_owners
-from kvstore.buffers import Extent, as_bytes, gather, scatter
+from kvstore.buffers import HELD_COPY_BYTES, Extent, as_bytes, gather, scatter
 from kvstore.errors import QuotaExceeded, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.replaced_segments import Replaced, ReplacedSegments
@@ -70,6 +70,9 @@ class CpuTier(Tier):
         self.stale_segments_removed = sweep_stale_segments(shm_dir)
         self._owner_of: Callable[[bytes], str | None] = lambda _namespace_id: None
         self.page_locked = False   # this process's mapping is page-locked (cudaHostRegister)
+        #: the arena as a memoryview, for copies of one slot of at most ``HELD_COPY_BYTES``
+        #: (None for tenant segments: those copy through numpy)
+        self._bytes: memoryview | None = None
         if segment_bytes is not None:
             self.segment_path = None
             self.arena = SegmentedArena(self.slots.num_segments, self.slots.segment_bytes,
@@ -96,6 +99,7 @@ class CpuTier(Tier):
             raise TierIOError(f"cpu tier: {self.segment_path} cannot hold {size} bytes ({e.strerror}); "
                               "lower cpu_bytes or point shm_dir at a larger tmpfs") from e
         os.close(fd)
+        self._bytes = memoryview(self.arena)
         self.page_locked = page_lock and _register_with_cuda(self.arena)
 
     @property
@@ -196,7 +200,10 @@ class CpuTier(Tier):
         at = self.slots.span(key)
         if at is not None:   # most blocks: one slot, one copy
             off, n = at
-            np.copyto(self.arena[off:off + n], data if data.nbytes == n else data[:n])
+            if n <= HELD_COPY_BYTES and self._bytes is not None:
+                self._bytes[off:off + n] = data if data.nbytes == n else data[:n]
+            else:
+                np.copyto(self.arena[off:off + n], data if data.nbytes == n else data[:n])
         else:
             scatter(self.arena, self.slots.lookup(key)[0], data)
 
@@ -211,15 +218,18 @@ class CpuTier(Tier):
         out = as_bytes(out)
         if len(extents) == 1:
             off = extents[0][0]
-            np.copyto(out[:nbytes], self.arena[off:off + nbytes])
+            if nbytes <= HELD_COPY_BYTES and self._bytes is not None:
+                memoryview(out)[:nbytes] = self._bytes[off:off + nbytes]
+            else:
+                np.copyto(out[:nbytes], self.arena[off:off + nbytes])
         else:
             gather(self.arena, extents, out)
         return nbytes
 
     def read_many_into(self, keys, outs) -> list:
-        """``read_into`` for each key, in one loop: a one-slot block (most) is one ``copyto``."""
+        """``read_into`` for each key, in one loop: a one-slot block (most) is one copy."""
         got: list = []
-        arena = self.arena
+        arena, held = self.arena, self._bytes
         for key, out, at in zip(keys, outs, self.slots.spans(keys)):
             if type(at) is not tuple:   # several extents, or not held (its KeyError)
                 got.append(at if at is not None else self.read_into(key, out))
@@ -227,7 +237,10 @@ class CpuTier(Tier):
             off, n = at
             if type(out) is not np.ndarray or out.dtype is not _BYTE or out.ndim != 1:
                 out = as_bytes(out)
-            np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
+            if n <= HELD_COPY_BYTES and held is not None:
+                memoryview(out)[:n] = held[off:off + n]
+            else:
+                np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
             got.append(n)
         return got
 
@@ -250,7 +263,7 @@ class CpuTier(Tier):
                 os.unlink(self.segment_path)
             except FileNotFoundError:
                 pass
-        self.arena = None  # the mmap closes once no view of it is left
+        self.arena = self._bytes = None  # the mmap closes once no view of it is left
 
     def stats(self) -> dict[str, int]:
         out = {**super().stats(), "blocks": len(self.slots), "slot_bytes": self.slots.slot_bytes,
