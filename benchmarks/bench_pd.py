@@ -60,6 +60,9 @@ import sys
 import tempfile
 import time
 
+import psutil
+import redis
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "engines"))
@@ -124,19 +127,50 @@ def _mean(delta: dict, name: str) -> float | None:
     return delta.get(name + "_sum", 0) / n if n else None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` and its living descendants (0 once gone)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def redis_pid(url: str) -> int:
+    """The process id of the Redis server at ``url`` (this host's: the benchmark runs beside it)."""
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("server")["process_id"])
+    finally:
+        client.close()
+
+
 def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for, rates: list[float],
-            max_tokens: int, prefill_url: str | None = None) -> dict:
+            max_tokens: int, prefill_url: str | None = None, cpu_pids: dict[str, int] | None = None) -> dict:
     """Every rate against ``url``; counters read from the engine that decodes (``decode_url``) and,
-    for a P/D pair, the prefill engine's (``prefill_url``)."""
+    for a P/D pair, the prefill engine's (``prefill_url``); the CPU time each process in ``cpu_pids``
+    (role -> pid, its children counted with it) spent per request."""
     out = {}
+    cpu_pids = cpu_pids or {}
     for i, rate in enumerate(rates):
         prompts = prompts_for(name, rate)
         before = metrics(decode_url, "vllm:") if decode_url else {}
         p_before = metrics(prefill_url, "vllm:") if prefill_url else {}
+        cpu_before = {role: cpu_seconds(pid) for role, pid in cpu_pids.items()}
         t0 = time.perf_counter()
         results = asyncio.run(_run_rate(url, model, prompts, max_tokens, rate, seed=i))
         wall = time.perf_counter() - t0
         time.sleep(1.5)   # the engine records its last step's stats after answering
+        cpu_ms = {role: 1e3 * (cpu_seconds(pid) - cpu_before[role]) / max(1, len(prompts))
+                  for role, pid in cpu_pids.items()}
         after = metrics(decode_url, "vllm:") if decode_url else {}
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         p_after = metrics(prefill_url, "vllm:") if prefill_url else {}
@@ -163,8 +197,13 @@ def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for
             # the prefill engine: its queue (requests arriving faster than it prefills) and compute
             row["prefill_queue_s_mean"] = _mean(p_delta, "vllm:request_queue_time_seconds")
             row["prefill_prefill_s_mean"] = _mean(p_delta, "vllm:request_prefill_time_seconds")
+            # its scheduler's lookups (a producer's: which prompt blocks its daemon holds already)
+            lookups = p_delta.get("vllm:kvstore_lookups", 0)
+            row["prefill_lookup_s_mean"] = p_delta.get("vllm:kvstore_lookup_seconds", 0) / lookups if lookups else None
         print(f"{name} rate {rate}/s: TTFT p50 {row['ttft_p50_s']}, ITL p99 {row['itl_p99_s']}, "
               f"decode-computed {row.get('decode_computed_prompt_tokens_per_request')}", flush=True)
+        if cpu_ms:
+            row["cpu_ms_per_request"] = cpu_ms
         out[str(rate)] = row
     return out
 
@@ -251,17 +290,21 @@ def main() -> None:
         write_report(a.out, report, markdown, echo=echo)
     warm = [rng.randrange(low, vocab) for _ in range(a.prompt)]
 
-    def measure_at(name: str, url: str, decode_url: str | None, prefill_url: str | None = None) -> None:
+    def measure_at(name: str, url: str, decode_url: str | None, prefill_url: str | None = None,
+                   cpu_pids: dict[str, int] | None = None) -> None:
         """Warm ``url`` up, measure it at every rate, save the report so far."""
         asyncio.run(_run_rate(url, model, [warm, warm[::-1]], 2, 100.0, seed=99))
-        runs[name] = measure(name, url, decode_url, model, prompts_for, rates, a.max_tokens, prefill_url)
+        runs[name] = measure(name, url, decode_url, model, prompts_for, rates, a.max_tokens, prefill_url, cpu_pids)
         save()
 
-    def measure_pair(name: str, prefill, decode) -> None:
-        """A prefill and a decode server behind a fresh ``kvstore pd-proxy``, measured."""
+    def measure_pair(name: str, prefill, decode, others: dict[str, int] | None = None) -> None:
+        """A prefill and a decode server behind a fresh ``kvstore pd-proxy``, measured, with the CPU
+        time of each server, the proxy and ``others`` (role -> pid: daemons, Redis)."""
         proxy = PdProxy.start(work, [prefill.url], [decode.url])
         try:
-            measure_at(name, proxy.url, decode.url, prefill.url)
+            measure_at(name, proxy.url, decode.url, prefill.url,
+                       {"prefill server": prefill.proc.pid, "decode server": decode.proc.pid,
+                        "proxy": proxy.proc.pid, **(others or {})})
         finally:
             proxy.stop()
 
@@ -293,7 +336,7 @@ def main() -> None:
         try:
             with serving(servers):
                 for c in kvstore_configs:
-                    measure_pair(c, servers["p"], servers[c])
+                    measure_pair(c, servers["p"], servers[c], {"daemon": daemon.proc.pid})
         finally:
             daemon.kill()
 
@@ -313,7 +356,9 @@ def main() -> None:
             servers = {"p": server("fleet-prefill", kv_config(daemons["a"], "kv_producer"), "p"),
                        "d": server("fleet-decode", kv_config(daemons["b"], "kv_consumer"), "d")}
             with serving(servers):
-                measure_pair("kvstore-fleet", servers["p"], servers["d"])
+                measure_pair("kvstore-fleet", servers["p"], servers["d"],
+                             {"daemon A": daemons["a"].proc.pid, "daemon B": daemons["b"].proc.pid,
+                              "redis": redis_pid(a.redis)})
             with daemons["b"].client() as c:   # how B got the hand-offs: direct fetch or the directory
                 fleet_b = c.stats()["fleet"]["counters"]
             report_extra["fleet_b_counters"] = {k: v for k, v in fleet_b.items()
@@ -341,7 +386,7 @@ def main() -> None:
         if "colocated" in configs:
             colo = server("colocated", None, "both")
             with serving({"colocated": colo}):
-                measure_at("colocated", colo.url, None)
+                measure_at("colocated", colo.url, None, cpu_pids={"server": colo.proc.pid})
 
     save(echo=True)
 
@@ -397,16 +442,34 @@ def markdown(r: dict) -> str:
     if pairs:
         lines += ["Where a P/D request's TTFT went (means over each run, from vLLM's own histograms): the prefill "
                   "engine's queue and prefill (a prompt prefilled in one batch with others takes their step's "
-                  "time); the decode engine's queue (the hand-off wait included) and its first step (the load and "
+                  "time) and, per request, its scheduler's kvstore lookup (a producer asks which prompt blocks its daemon "
+                  "holds already; the scheduler waits on it); the decode engine's queue (the hand-off wait included) and its first step (the load and "
                   "the prompt's tail). The rest is HTTP and the proxy.", "",
-                  "| config | rate /s | prefill queue ms | prefill ms | decode queue ms | hand-off wait ms | "
-                  "decode first step ms |", "|---|---|---|---|---|---|---|"]
+                  "| config | rate /s | prefill queue ms | prefill ms | prefill scheduler's lookup ms | "
+                  "decode queue ms | hand-off wait ms | decode first step ms |", "|---|---|---|---|---|---|---|---|"]
         for name, rate, row in pairs:
             lines.append(f"| {name} | {rate} | {_ms(row.get('prefill_queue_s_mean'))} | "
-                         f"{_ms(row.get('prefill_prefill_s_mean'))} | {_ms(row.get('decode_queue_s_mean'))} | "
+                         f"{_ms(row.get('prefill_prefill_s_mean'))} | {_lookup_ms(row.get('prefill_lookup_s_mean'))} | "
+                         f"{_ms(row.get('decode_queue_s_mean'))} | "
                          f"{_ms(row.get('decode_pd_wait_s_mean'))} | {_ms(row.get('decode_prefill_s_mean'))} |")
         lines.append("")
+    cpu = [(name, rate, row["cpu_ms_per_request"]) for name, rows in measured.items() for rate, row in rows.items()
+           if row.get("cpu_ms_per_request")]
+    if cpu:
+        lines += ["CPU time per request of each process (user + system, its child processes counted with it; "
+                  "`-` where the configuration has no such process):", ""]
+        roles = list(dict.fromkeys(role for _, _, c in cpu for role in c))
+        lines += ["| config | rate /s | " + " | ".join(f"{role} ms" for role in roles) + " |",
+                  "|---|---|" + "---|" * len(roles)]
+        for name, rate, c in cpu:
+            lines.append(f"| {name} | {rate} | " + " | ".join("-" if role not in c else f"{c[role]:.0f}"
+                                                            for role in roles) + " |")
+        lines.append("")
     return "\n".join(lines)
+
+
+def _lookup_ms(x) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
 
 
 def _placement(r: dict) -> str:
