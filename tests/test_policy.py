@@ -4,7 +4,9 @@ a real daemon, and a bad per-tier key refused naming it."""
 
 from __future__ import annotations
 
+import random
 import subprocess
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -70,6 +72,42 @@ def test_lru_recovered_keys_go_first_oldest_first_and_victims_named_at_once_matc
     assert p.pick_victims({b"r3"}.__contains__, 2) == [b"r2", b"n0"]
     assert p.pick_victims({b"r3"}.__contains__, 10) == one_by_one
     assert drain(p) == [b"r2", b"r3", b"n0", b"r1"]
+
+
+def test_lru_names_victims_as_a_linked_recency_list_would_through_many_rounds():
+    """Random inserts, reads, removals, pins and victim searches against an ``OrderedDict``
+    (least recently used first, ``move_to_end`` on a read): every search names the same keys."""
+    rng = random.Random(39)
+    p, ref, pinned = LRUPolicy(), OrderedDict(), set()
+    p.insert_many([b"r%d" % i for i in range(8)])   # dormant first
+    ref.update(dict.fromkeys(b"r%d" % i for i in range(8)))
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.3:
+            keys = [b"k%d-%d" % (step, i) for i in range(rng.randrange(1, 4))]
+            p.insert_run(keys)
+            ref.update(dict.fromkeys(keys))
+        elif op < 0.5 and ref:
+            keys = rng.sample(list(ref), min(len(ref), 3))
+            p.touch_many(keys)
+            for key in keys:
+                ref.move_to_end(key)
+        elif op < 0.6 and ref:
+            key = rng.choice(list(ref))
+            p.remove(key)
+            del ref[key]
+        elif op < 0.7:
+            pinned = set(rng.sample(list(ref), len(ref) // 3))
+        else:
+            n = rng.randrange(1, 6)
+            victims = p.pick_victims(pinned.__contains__, n)
+            assert victims == [k for k in ref if k not in pinned][:n], step
+            assert p.pick_victim(pinned.__contains__) == (victims[0] if victims else None)
+            for key in victims[:rng.randrange(0, n + 1)]:
+                p.remove(key)
+                del ref[key]
+        assert len(p) == len(ref)
+    assert drain(p) == list(ref)
 
 
 def chain_policy(n: int) -> PrefixAwarePolicy:

@@ -135,60 +135,98 @@ class DormantKeys:
 class LRUPolicy(EvictionPolicy):
     """Least recently used first.
 
+    One plain dict holds every key but the dormant ones, least recently used first: a key
+    touched is taken out and put back at its end, as in ``PrefixAwarePolicy``. A dict has no
+    cheap way to its first key once many have left its front, so victims are named from
+    ``_queue``, a list of the dict's keys made at the start of a round (8 bytes a key, where an
+    ``OrderedDict``'s links take about 50 more), walked from ``_head``. The dict's value for a
+    key is the round it was last inserted or touched in (an int shared by the round's keys): a
+    key of the queue still held and of an earlier round than the queue's is where the queue
+    says, and the keys of the queue's round follow all of them, in the dict's order. A walk that
+    passes the queue's end starts the next round with the dict's keys at that moment; walks
+    trim the queue's front (keys gone or used since) as they go, so each key costs a constant
+    share of the rounds.
+
     Keys handed over in bulk into an empty policy (``insert_many``: a warm restart's recovered
     blocks) are older than any inserted since: they wait dormant (``DormantKeys``), oldest first.
-    Touching one moves it into ``_order``, which holds everything else, oldest first. As the store
-    uses a policy, a key is inserted only while not held, and touched only while held.
+    Touching one moves it into ``_order``. As the store uses a policy, a key is inserted only
+    while not held, and touched only while held.
     """
 
     name = "lru"
     picks_ahead = True
 
     def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: dict[bytes, int] = {}   # key -> round it was last used in; least recently used first
+        self._round = 0
+        self._queue: list[bytes] = []        # ``_order``'s keys when ``_round`` began
+        self._head = 0                       # ``_queue``'s keys before it left or were used since
         self._dormant = DormantKeys()
 
     def insert(self, key: bytes, children: int = 0, orphan: bool = False) -> None:
-        self._order[key] = None
+        self._order.setdefault(key, self._round)
 
     def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         if self._order or self._dormant:
-            self._order.update(dict.fromkeys(keys))
+            self.insert_run(keys)
         else:
             self._dormant = DormantKeys(keys)
 
-    def touch(self, key: bytes) -> None:
-        try:
-            self._order.move_to_end(key)
-        except KeyError:
-            if not self._dormant.holds(key):
-                raise   # not held
-            self._dormant.leave(key)
-            self._order[key] = None
-
     def insert_run(self, keys: Iterable[bytes]) -> None:
-        self._order.update(dict.fromkeys(keys))
+        add, now = self._order.setdefault, self._round
+        for key in keys:
+            add(key, now)
+
+    def touch(self, key: bytes) -> None:
+        order = self._order
+        if order.pop(key, None) is None:
+            if not self._dormant.holds(key):
+                raise KeyError(key)   # not held
+            self._dormant.leave(key)
+        order[key] = self._round
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
-        move = self._order.move_to_end
+        order, now = self._order, self._round
         for key in keys:
-            try:
-                move(key)
-            except KeyError:
+            if order.pop(key, None) is None:
                 self.touch(key)   # dormant (or not held: raises)
+            else:
+                order[key] = now
 
     def remove(self, key: bytes) -> None:
-        if self._order.pop(key, 0) is not None and self._dormant.holds(key):   # not in _order: dormant (or not held)
+        if self._order.pop(key, None) is None and self._dormant.holds(key):   # not in _order: dormant (or not held)
             self._dormant.leave(key)
 
+    def _least_recent_first(self) -> Iterator[bytes]:
+        """``_order``'s keys, least recently used first (see the class docstring). Only read
+        while the caller walks it, but for the queue's front and a new round."""
+        order, queue, now = self._order, self._queue, self._round
+        head = self._head
+        while head < len(queue) and order.get(queue[head], now) >= now:   # left, or used since
+            head += 1
+        if head > 1024 and head > len(queue) // 2:
+            del queue[:head]
+            head = 0
+        self._head = head
+        for i in range(head, len(queue)):
+            key = queue[i]
+            if order.get(key, now) < now:
+                yield key
+        # every key of an earlier round is yielded: a new round; its queue starts with them again
+        self._queue, self._head, self._round = list(order), 0, now + 1
+        for key in self._queue:
+            if order[key] >= now:
+                yield key
+
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        return next((key for key in itertools.chain(self._dormant.oldest_first(), self._order)
+        return next((key for key in itertools.chain(self._dormant.oldest_first(), self._least_recent_first())
                      if not is_pinned(key)), None)
 
     def pick_victims(self, is_pinned: IsPinned, n: int) -> list[bytes]:
         """In one pass: naming them one by one would walk past those already named (pinned) each
         time."""
-        return list(itertools.islice((key for key in itertools.chain(self._dormant.oldest_first(), self._order)
+        return list(itertools.islice((key for key in itertools.chain(self._dormant.oldest_first(),
+                                                                     self._least_recent_first())
                                       if not is_pinned(key)), n))
 
     def __len__(self) -> int:
