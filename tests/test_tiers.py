@@ -73,6 +73,40 @@ def test_slot_table_accounting_and_errors():
     assert st.release(b"a") == 3 * 4096 and st.release(b"a") == 0
 
 
+class Holder:
+    """A ``SlotHolder``: what a store's index entry is to its CPU tier's slot table."""
+    slot = None
+
+
+def test_slot_table_keeps_slots_in_the_holders_it_is_given_and_in_its_own_dict_for_other_keys():
+    st = SlotTable(10 * 4096, 4096, "t")
+    st.allocate(b"x", 10)   # before any holders: the table's own dict
+    holders = {b"a": Holder(), b"big": Holder()}
+    st.keep_slots_in(holders)
+    assert st.allocate(b"a", 100) == [(4096, 100)] and holders[b"a"].slot == 1
+    assert st.allocate(b"big", 2 * 4096) == [(2 * 4096, 2 * 4096)] and holders[b"big"].slot is not None
+    assert st.allocate_run([b"y"], 10) == 1 and b"y" not in holders   # no holder: the own dict
+    assert len(st) == 4 and all(k in st for k in (b"a", b"big", b"x", b"y")) and b"zz" not in st
+    assert st.lookup(b"a") == ([(4096, 100)], 100) and st.span(b"x") == (0, 10) and st.span(b"big") is None
+    spans = st.spans([b"a", b"big", b"zz"])
+    assert spans[:2] == [(4096, 100), None] and isinstance(spans[2], KeyError)
+    with pytest.raises(KeyError):
+        st.allocate(b"a", 1)
+    with pytest.raises(KeyError):
+        st.allocate_run([b"a"], 1)
+    assert st.release(b"a") == 4096 and holders[b"a"].slot is None and b"a" not in st and len(st) == 3
+    assert st.allocate(b"a", 7) == [(4096, 7)] and holders[b"a"].slot == 1   # the freed slot, again
+    holders[b"y2"] = gone = Holder()
+    st.allocate(b"y2", 5)
+    del holders[b"y2"]
+    st.let_go(b"y2", gone)   # its holder leaves the mapping: the table keeps it by key
+    assert gone.slot is None and b"y2" in st and st.release(b"y2") == 4096
+    st.keep_slots_in({})   # a new mapping: blocks held in the old holders move into the own dict
+    assert holders[b"big"].slot is None and holders[b"a"].slot is None
+    assert st.lookup(b"big") == ([(2 * 4096, 2 * 4096)], 2 * 4096) and st.lookup(b"a") == ([(4096, 7)], 7)
+    assert len(st) == 4 and st.release(b"big") == 2 * 4096 and len(st) == 3
+
+
 # -- CPU tier --------------------------------------------------------------------------------------
 
 @pytest.fixture

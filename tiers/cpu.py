@@ -167,6 +167,14 @@ class CpuTier(Tier):
     def footprint(self, nbytes: int) -> int:
         return self.slots.footprint(nbytes)
 
+    def keep_slots_in(self, holders) -> None:
+        """Keep each block's slot in its holder in ``holders`` (``SlotTable.keep_slots_in``)."""
+        self.slots.keep_slots_in(holders)
+
+    def let_go(self, key: bytes, holder) -> None:
+        """``holder`` leaves the mapping ``keep_slots_in`` gave (``SlotTable.let_go``)."""
+        self.slots.let_go(key, holder)
+
     def allocate(self, record: BlockRecord) -> None:
         owner = self._owner_of(record.namespace_id) if self.segmented else None
         self.slots.allocate(record.key, record.stored_size, owner)

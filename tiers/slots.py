@@ -18,13 +18,34 @@ from __future__ import annotations
 
 import array
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from kvstore.buffers import Extent
 from kvstore.errors import BlockTooLarge, TierFull
 
 
+class SlotHolder(Protocol):
+    """What ``SlotTable.keep_slots_in`` keeps a block's slot in: one object per key, found in a
+    mapping the table is given (the store's index entries)."""
+
+    slot: object   # None: not held here
+
+
 class SlotTable:
+    """Which slots each block holds, and the free slots.
+
+    A block's slot (a one-slot block's: the free list's own int object, so it costs nothing
+    more; a larger block's: ``(extents, nbytes, slots)``) is kept in the table's own dict, or,
+    once ``keep_slots_in`` gave it a mapping of key -> ``SlotHolder`` (the store's index), in
+    the ``slot`` of the key's holder where the mapping has one when the room is taken: one dict
+    slot per block then serves the index and this table. A block held in a holder is found
+    through the mapping, so the mapping's owner keeps a key's holder in it for as long as the
+    block is held here, or hands it back (``let_go``): the store indexes an entry before taking
+    its room, and forgets it after dropping its copies, handing back the room of a copy still
+    being written."""
+
+
     def __init__(self, arena_bytes: int, slot_bytes: int, tier_name: str, segment_bytes: int | None = None,
                  on_reassign: Callable[[int], None] | None = None) -> None:
         if slot_bytes <= 0:
@@ -42,14 +63,61 @@ class SlotTable:
         self._last_owner: list[str | None] = [None] * n_segments
         self.generations = [1] * n_segments
         self._on_reassign = on_reassign
-        #: key -> a one-slot block's slot number (most blocks: the free list's own int object, so a
-        #: block costs its dict slot and nothing else; its bytes are in ``_nbytes``), or a larger
-        #: block's ``(extents, nbytes, slots)``
+        #: key -> a one-slot block's slot number (its bytes are in ``_nbytes``), or a larger
+        #: block's ``(extents, nbytes, slots)``, for blocks without a holder
         self._blocks: dict[bytes, int | tuple[list[Extent], int, list[int]]] = {}
+        #: key -> the holder whose ``slot`` keeps the same (``keep_slots_in``); None: none given
+        self._holders: Mapping[bytes, SlotHolder] | None = None
+        self._in_holders = 0   # blocks held in holders
         #: the bytes of the one-slot block in each slot (4 B a slot, made with the table)
         self._nbytes = array.array("I" if slot_bytes < 1 << 32 else "Q", [0]) * self.num_slots
         self.payload_bytes = 0   # the blocks' own bytes; the rest of their slots is slack
         self._lock = threading.Lock()
+
+    def keep_slots_in(self, holders: Mapping[bytes, SlotHolder]) -> None:
+        """From now on keep the slot of each block whose key ``holders`` maps when its room is
+        taken in that holder's ``slot`` (see the class docstring); blocks held in an earlier
+        mapping's holders move into the table's own dict."""
+        with self._lock:
+            if self._holders is not None and self._in_holders:
+                for key, holder in list(self._holders.items()):
+                    if holder.slot is not None:
+                        self._blocks[key], holder.slot = holder.slot, None
+            self._holders, self._in_holders = holders, 0
+
+    def let_go(self, key: bytes, holder: SlotHolder) -> None:
+        """``holder`` leaves the mapping while the table still holds ``key`` in it: the table
+        keeps it in its own dict from now on."""
+        with self._lock:
+            if holder.slot is not None:
+                self._blocks[key], holder.slot = holder.slot, None
+                self._in_holders -= 1
+
+    def _held(self, key: bytes):
+        """What the table keeps for ``key``, or None."""
+        if self._holders is not None:
+            holder = self._holders.get(key)
+            if holder is not None and holder.slot is not None:
+                return holder.slot
+        return self._blocks.get(key)
+
+    def _keep(self, key: bytes, held) -> None:
+        holder = None if self._holders is None else self._holders.get(key)
+        if holder is None:
+            self._blocks[key] = held
+        else:
+            holder.slot = held
+            self._in_holders += 1
+
+    def _forget(self, key: bytes):
+        """Stop keeping ``key``: what was kept for it, or None."""
+        if self._holders is not None:
+            holder = self._holders.get(key)
+            if holder is not None and holder.slot is not None:
+                held, holder.slot = holder.slot, None
+                self._in_holders -= 1
+                return held
+        return self._blocks.pop(key, None)
 
     @property
     def capacity_bytes(self) -> int:
@@ -87,7 +155,7 @@ class SlotTable:
     def allocate(self, key: bytes, nbytes: int, owner: str | None = None) -> list[Extent]:
         n = self.slots_for(nbytes)
         with self._lock:
-            if key in self._blocks:
+            if self._held(key) is not None:
                 raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
             if not self.owned:   # one pool: the next ``n`` slots off its free list (ascending pops)
                 free = self._free[0]
@@ -112,10 +180,11 @@ class SlotTable:
                     take = min(n - len(slots), len(self._free[s]))
                     slots += [self._free[s].pop() for _ in range(take)]
             if len(slots) == 1:
-                held = self._blocks[key] = slots[0]
+                held = slots[0]
                 self._nbytes[held] = nbytes
             else:
-                held = self._blocks[key] = _held(slots, self.slot_bytes, nbytes, self.segment_slots)
+                held = _extents_held(slots, self.slot_bytes, nbytes, self.segment_slots)
+            self._keep(key, held)
             self.payload_bytes += nbytes
             return self._unpack(held)[0]
 
@@ -129,18 +198,17 @@ class SlotTable:
         allocated. One lock acquisition and one slice of the free list for the run."""
         if not self.takes_runs(nbytes):
             raise ValueError(f"allocate_run takes blocks of one slot in one pool, not {nbytes} bytes here")
-        blocks = self._blocks
         with self._lock:
             free = self._free[0]
             n = min(len(keys), len(free))
             for key in keys[:n]:
-                if key in blocks:
+                if self._held(key) is not None:
                     raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
             taken = free[len(free) - n:]
             del free[len(free) - n:]
-            sizes = self._nbytes
+            sizes, keep = self._nbytes, self._keep
             for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
-                blocks[key] = slot
+                keep(key, slot)
                 sizes[slot] = nbytes
             self.payload_bytes += n * nbytes
             return n
@@ -154,7 +222,10 @@ class SlotTable:
 
     def lookup(self, key: bytes) -> tuple[list[Extent], int]:
         """A held block's extents and bytes (``KeyError`` if none)."""
-        return self._unpack(self._blocks[key])
+        held = self._held(key)
+        if held is None:
+            raise KeyError(key)
+        return self._unpack(held)
 
     def _unpack(self, held) -> tuple[list[Extent], int]:
         if type(held) is int:
@@ -165,17 +236,19 @@ class SlotTable:
     def span(self, key: bytes) -> tuple[int, int] | None:
         """``(offset, nbytes)`` of a block held in one slot, None for a larger one (``lookup``
         has its extents): one dict lookup and no list, for the copy loops of whole batches."""
-        held = self._blocks[key]
+        held = self._held(key)
         if type(held) is int:
             return held * self.slot_bytes, self._nbytes[held]
+        if held is None:
+            raise KeyError(key)
         return None
 
     def spans(self, keys) -> list:
         """``span`` of each key, in one call (a batch's copy loop); in place of a key not held,
         its ``KeyError``."""
-        blocks, sizes, slot_bytes, out = self._blocks, self._nbytes, self.slot_bytes, []
+        held_by, sizes, slot_bytes, out = self._held, self._nbytes, self.slot_bytes, []
         for key in keys:
-            held = blocks.get(key)
+            held = held_by(key)
             if type(held) is int:
                 out.append((held * slot_bytes, sizes[held]))
             else:
@@ -185,7 +258,7 @@ class SlotTable:
     def release(self, key: bytes) -> int:
         """Free a block's slots; returns the bytes it accounted (0 if absent)."""
         with self._lock:
-            held = self._blocks.pop(key, None)
+            held = self._forget(key)
             if held is None:
                 return 0
             self.payload_bytes -= self._unpack(held)[1]   # (a slot's ``_nbytes`` is rewritten when next taken)
@@ -207,8 +280,8 @@ class SlotTable:
     def segments_of(self, keys) -> set[int]:
         """The segments holding a slot of any of the blocks ``keys`` held here."""
         with self._lock:
-            return {slot // self.segment_slots for key in keys if key in self._blocks
-                    for slot in _slots_of(self._blocks[key])}
+            return {slot // self.segment_slots for held in map(self._held, keys) if held is not None
+                    for slot in _slots_of(held)}
 
     def if_owned_by(self, s: int, owner: str, action: Callable[[], object]) -> object | None:
         """``action()`` if segment ``s`` belongs to ``owner``, atomically with respect to the
@@ -219,14 +292,13 @@ class SlotTable:
             return action()
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+        return self._held(key) is not None
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + self._in_holders
 
 
-#: a one-slot block's entry: its slot above these bits, its bytes (at most a slot) in them
-def _held(slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int):
+def _extents_held(slots: list[int], slot_bytes: int, nbytes: int, segment_slots: int):
     """What the table keeps for a block in more than one slot: its extents, bytes and slots."""
     return _coalesce(sorted(slots), slot_bytes, nbytes, segment_slots), nbytes, slots
 

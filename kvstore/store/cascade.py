@@ -74,6 +74,8 @@ class Cascade:
         self.transcoder = Transcoder(self.tiers, config, namespaces, self.count)
         self.durable_index = next((i for i, t in enumerate(self.tiers) if t.durable), None)
         self.cpu_index = next((i for i, t in enumerate(self.tiers) if isinstance(t, CpuTier)), None)
+        if self.cpu_index is not None:   # its slots kept in the index's entries: one dict slot per block
+            self.tiers[self.cpu_index].keep_slots_in(self.index.entries)
         self.quotas = TenantQuotas(config.tenant_quotas)
         self._plain = PlainCopies()   # the shared stand-in records of runs of new raw blocks (reserve_run)
         self._doomed_waiters = threading.BoundedSemaphore(DOOMED_WAITERS)
@@ -181,28 +183,35 @@ class Cascade:
         there is none, a slower one. ``RoomNotReady`` when a victim must be written down first,
         except on the ``last_try``, which then goes on to the next tier. Caller holds the lock."""
         record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
-        while True:
-            if staged is not None:
-                record = staged.placement(t).record.replace()
-            try:
-                self.make_room(t, record.stored_size, namespace_id)
-                self.tiers[t].allocate(record)
-                break
-            except RoomNotReady:
-                if not last_try:
-                    raise
-                e: Exception = TierFull(f"{self.tiers[t].name} tier has no room without a write down")
-            except (TierFull, BlockTooLarge) as err:
-                e = err
-            if t + 1 < len(self.tiers) and not only_this_tier:
-                t += 1
-                continue
-            self.quotas.release(tenant, nbytes)
-            self.counters["put_rejected_full"] += 1
-            raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
-        entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged_to=tenant)
+        entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged=True)
+        entries = self.index.entries
+        entries[entry.key] = entry   # (invisible) before its room is taken: a slot tier keeps its slot in it
+        try:
+            while True:
+                if staged is not None:
+                    record = staged.placement(t).record.replace()
+                try:
+                    self.make_room(t, record.stored_size, namespace_id)
+                    self.tiers[t].allocate(record)
+                    break
+                except RoomNotReady:
+                    if not last_try:
+                        raise
+                    e: Exception = TierFull(f"{self.tiers[t].name} tier has no room without a write down")
+                except (TierFull, BlockTooLarge) as err:
+                    e = err
+                if t + 1 < len(self.tiers) and not only_this_tier:
+                    t += 1
+                    continue
+                self.quotas.release(tenant, nbytes)
+                self.counters["put_rejected_full"] += 1
+                raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
+        except BaseException:
+            del entries[entry.key]
+            raise
+        self.quotas.charges(namespace_id, tenant)
+        record.parent_key = entry.parent_key   # one object for both
         entry.copies[t] = record
-        self.index.entries[entry.key] = entry
         return entry
 
     def reserve_run(self, ns, hashes: Sequence[bytes], parents: Sequence, start: int, t: int,
@@ -245,19 +254,26 @@ class Cascade:
                 block = fresh[key] = (key, parent_key)
                 plan.append(block)
             keys = list(fresh)
-            allocated = tier.allocate_keys(keys, nbytes)
-            if allocated < len(keys):   # the tier refused one: the run ends before it
+            for key, parent_key in fresh.values():   # (invisible) before their room: a slot tier keeps slots in them
+                entries[key] = Entry(key, parent_key, nbytes, charged=True)
+            allocated = 0
+            try:
+                allocated = tier.allocate_keys(keys, nbytes)
+            finally:
+                for key in keys[allocated:]:   # the tier refused one: the run ends before it
+                    del entries[key]
+            if allocated < len(keys):
                 plan = plan[:plan.index(fresh[keys[allocated]])]
             quotas.charge(tenant, allocated * nbytes)
+            quotas.charges(nsid, tenant)
             copy = self._plain(t, nbytes, 0)   # each new copy: raw, in tier ``t``, no record of its own
             run: list[Entry | None] = []
             for block in plan:
                 if block is None:
                     run.append(None)
                     continue
-                entry = Entry(block[0], block[1], nbytes, charged_to=tenant)
+                entry = entries[block[0]]
                 entry.hold_plain(copy)
-                entries[entry.key] = entry
                 run.append(entry)
         return run
 
@@ -516,14 +532,16 @@ class Cascade:
         self._uncharge(entry)
 
     def _uncharge(self, entry: Entry) -> None:
-        if entry.charged_to is not None:
-            self.quotas.release(entry.charged_to, entry.raw_size)
-            entry.charged_to = None
+        if entry.charged:
+            self.quotas.release_block(entry.namespace_id, entry.raw_size)
+            entry.charged = False
 
     def _forget(self, entry: Entry) -> None:
         index = self.index
         if index.entries.get(entry.key) is entry:
             index.unlink(entry)
+            if entry.slot is not None:   # CPU room taken for a copy still being written: kept by key
+                self.tiers[self.cpu_index].let_go(entry.key, entry)
             del index.entries[entry.key]
             if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by doom)
                 self.listeners.removed(entry.namespace_id, entry.block_hash)

@@ -236,9 +236,9 @@ class Copies:
         return f"Copies({self._shown()!r})"
 
 
-_READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN = 1, 2, 4, 8, 16
+_READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN, _CHARGED = 1, 2, 4, 8, 16, 32
 #: an entry's pins count in its ``_flags`` above the flag bits, in units of ``_PIN``
-_PIN = 32
+_PIN = 64
 
 
 def _flag(bit: int, doc: str) -> property:
@@ -251,17 +251,19 @@ def _flag(bit: int, doc: str) -> property:
 
 
 class Entry(Copies, NamedByKey):
-    """The index's view of one block: where its copies are and who holds it. Slotted, its five
+    """The index's view of one block: where its copies are and who holds it. Slotted, its six
     flags and its pins in one int, its names held as keys (``key``; its parent's, ``parent_key``:
     the parent entry's ``key`` itself where the parent was indexed first, see
     ``BlockIndex.shared_parent_key``), ``namespace_id`` and ``block_hash`` cut from ``key`` when
     asked, and its copies held in itself (``copies`` is the entry, as a ``Copies``): an index of
-    millions holds one per block. An entry is always true; ``len(entry.copies)`` counts its copies."""
+    millions holds one per block. ``slot`` is where the store's slot tier keeps this block
+    (``SlotTable.keep_slots_in``: the index's dict slot serves that table too), None where it
+    does not. An entry is always true; ``len(entry.copies)`` counts its copies."""
 
-    __slots__ = ("key", "parent_key", "raw_size", "pinned_until", "children", "charged_to", "_flags")
+    __slots__ = ("key", "parent_key", "raw_size", "pinned_until", "children", "slot", "_flags")
 
     def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, *, ready: bool = False,
-                 charged_to: str | None = None) -> None:
+                 charged: bool = False) -> None:
         assert len(key) > NAMESPACE_ID_BYTES, "a key is a namespace id and a block hash (block_key)"
         self.key = key
         self.parent_key = parent_key
@@ -270,8 +272,8 @@ class Entry(Copies, NamedByKey):
         self.pinned_until = 0.0       # lookup lease
         #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
-        self.charged_to = charged_to  # the tenant whose quota counts this block (see quotas.py)
-        self._flags = _READY if ready else 0
+        self.slot = None              # kept by the slot tier (``SlotTable``)
+        self._flags = (_READY if ready else 0) | (_CHARGED if charged else 0)
 
     @property
     def copies(self) -> Copies:
@@ -307,6 +309,7 @@ class Entry(Copies, NamedByKey):
     linked = _flag(_LINKED, "listed in its parent's ``children``")
     held = _flag(_HELD, "in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted")
     writing_down = _flag(_WRITING_DOWN, "its demotion's disk write runs outside the lock (``Transfers.clear_room``)")
+    charged = _flag(_CHARGED, "its raw bytes count against its tenant's quota (``TenantQuotas.release_block``)")
 
     @property
     def fastest(self) -> int:

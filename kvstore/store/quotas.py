@@ -29,6 +29,18 @@ class TenantQuotas:
         self.limits = dict(limits)
         self.charged: dict[str, int] = defaultdict(int)
         self._held: dict[str, int] = defaultdict(int)
+        #: the tenant of each namespace whose blocks were charged (a namespace's tenant is part of
+        #: its id, so it never changes): a block keeps only a flag (``Entry.charged``), and its
+        #: charge is released here even after its namespace was dropped
+        self._tenant_of: dict[bytes, str] = {}
+
+    def charges(self, namespace_id: bytes, tenant: str) -> None:
+        """Blocks of ``namespace_id`` are charged to ``tenant`` (``release_block`` finds it here)."""
+        self._tenant_of[namespace_id] = tenant
+
+    def release_block(self, namespace_id: bytes, nbytes: int) -> None:
+        """Release a charged block's ``nbytes`` from the tenant ``charges`` named for its namespace."""
+        self.charged[self._tenant_of[namespace_id]] -= nbytes
 
     def charge(self, tenant: str, nbytes: int) -> None:
         """Count ``nbytes`` more against ``tenant``, or raise ``QuotaExceeded`` and count nothing."""

@@ -85,11 +85,15 @@ def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
                             ns = cascade.namespaces.find(nsid)
                             tenants[nsid] = None if ns is None else ns.tenant
                         tenant = tenants[nsid]
-                        entry = entries[key] = Entry(key, parent_key, raw_size, ready=True, charged_to=tenant)
+                        entry = entries[key] = Entry(key, parent_key, raw_size, ready=True,
+                                                     charged=tenant is not None)
                         namespace_bytes[nsid] += raw_size
                         if tenant is not None:  # whatever the quota now: these bytes are already stored
                             restored[tenant] += raw_size
                     entry.hold_plain(copy_of(t, stored_size, codec))
+        for nsid, tenant in tenants.items():
+            if tenant is not None:
+                cascade.quotas.charges(nsid, tenant)
         for tenant, nbytes in restored.items():
             cascade.quotas.restore(tenant, nbytes)
         recovered = sum(len(batch) for batches in found for batch in batches)
