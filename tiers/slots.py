@@ -201,15 +201,22 @@ class SlotTable:
         with self._lock:
             free = self._free[0]
             n = min(len(keys), len(free))
-            for key in keys[:n]:
-                if self._held(key) is not None:
+            keys = keys[:n]
+            blocks, get = self._blocks, (self._holders or {}).get
+            holders = [get(key) for key in keys]   # (``_held`` and ``_keep``, inline: once per block of a run)
+            for key, holder in zip(keys, holders):
+                if key in blocks or (holder is not None and holder.slot is not None):
                     raise KeyError(f"{key.hex()} already allocated in {self.tier_name}")
             taken = free[len(free) - n:]
             del free[len(free) - n:]
-            sizes, keep = self._nbytes, self._keep
-            for key, slot in zip(keys[:n], reversed(taken)):   # the order n pops would take them in
-                keep(key, slot)
+            sizes = self._nbytes
+            for key, holder, slot in zip(keys, holders, reversed(taken)):   # the order n pops would take them in
+                if holder is None:
+                    blocks[key] = slot
+                else:
+                    holder.slot = slot
                 sizes[slot] = nbytes
+            self._in_holders += n - holders.count(None)
             self.payload_bytes += n * nbytes
             return n
 
@@ -246,9 +253,12 @@ class SlotTable:
     def spans(self, keys) -> list:
         """``span`` of each key, in one call (a batch's copy loop); in place of a key not held,
         its ``KeyError``."""
-        held_by, sizes, slot_bytes, out = self._held, self._nbytes, self.slot_bytes, []
+        holders, blocks, sizes, slot_bytes, out = self._holders or {}, self._blocks, self._nbytes, self.slot_bytes, []
         for key in keys:
-            held = held_by(key)
+            holder = holders.get(key)   # (``_held``, inline: once per block of a batch)
+            held = None if holder is None else holder.slot
+            if held is None:
+                held = blocks.get(key)
             if type(held) is int:
                 out.append((held * slot_bytes, sizes[held]))
             else:
