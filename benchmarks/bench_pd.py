@@ -144,6 +144,11 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def _busy(times) -> float:
+    """Seconds a core was not idle (``psutil.cpu_times(percpu=True)`` entry)."""
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
 def redis_pid(url: str) -> int:
     """The process id of the Redis server at ``url`` (this host's: the benchmark runs beside it)."""
     client = redis.Redis.from_url(url)
@@ -165,12 +170,17 @@ def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for
         before = metrics(decode_url, "vllm:") if decode_url else {}
         p_before = metrics(prefill_url, "vllm:") if prefill_url else {}
         cpu_before = {role: cpu_seconds(pid) for role, pid in cpu_pids.items()}
+        cores_before = psutil.cpu_times(percpu=True)
         t0 = time.perf_counter()
         results = asyncio.run(_run_rate(url, model, prompts, max_tokens, rate, seed=i))
         wall = time.perf_counter() - t0
         time.sleep(1.5)   # the engine records its last step's stats after answering
         cpu_ms = {role: 1e3 * (cpu_seconds(pid) - cpu_before[role]) / max(1, len(prompts))
                   for role, pid in cpu_pids.items()}
+        # every core's busy time (interrupts and the kernel's loopback TCP work included, which no
+        # process is charged for), per request
+        cpu_ms.update({f"core {i} busy": 1e3 * (_busy(after_core) - _busy(before_core)) / max(1, len(prompts))
+                       for i, (before_core, after_core) in enumerate(zip(cores_before, psutil.cpu_times(percpu=True)))})
         after = metrics(decode_url, "vllm:") if decode_url else {}
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         p_after = metrics(prefill_url, "vllm:") if prefill_url else {}
@@ -457,7 +467,8 @@ def markdown(r: dict) -> str:
            if row.get("cpu_ms_per_request")]
     if cpu:
         lines += ["CPU time per request of each process (user + system, its child processes counted with it; "
-                  "`-` where the configuration has no such process):", ""]
+                  "`-` where the configuration has no such process), and each core's busy time per request (the "
+                  "kernel's interrupt and loopback network work included, and whatever else ran on the host):", ""]
         roles = list(dict.fromkeys(role for _, _, c in cpu for role in c))
         lines += ["| config | rate /s | " + " | ".join(f"{role} ms" for role in roles) + " |",
                   "|---|---|" + "---|" * len(roles)]

@@ -131,16 +131,18 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "hashes", "no_lease", "producer")
+    __slots__ = ("namespace_id", "hashes", "no_lease", "producer", "local_only")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_LEASE_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_lease: bool
     producer: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_lease: _Optional[bool] = ..., producer: _Optional[str] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_lease: _Optional[bool] = ..., producer: _Optional[str] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hit", "tiers")

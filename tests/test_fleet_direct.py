@@ -23,7 +23,9 @@ import redis
 from fleet_util import NS, SECRET, chain, wait_for, write_fleet_config
 from redis_util import free_port
 
+from kvstore.client import Client
 from kvstore.fleet import Directory
+from kvstore.proto import kvstore_pb2 as pb
 
 
 def _fleet_daemon(daemon_factory, tmp_path, redis_url: str, prefix: str, node_id: str, *, port: int = 0,
@@ -226,3 +228,30 @@ def test_a_block_that_fails_its_signed_checksum_in_transit_is_not_stored(daemon_
         cb.close()
     finally:
         proxy.close()
+
+
+def test_a_local_only_lookup_answers_from_the_daemon_s_own_blocks_and_fetches_nothing(fleet):
+    """What a P/D producer asks (which prompt blocks it need not save): a fleet daemon answers it
+    from its own blocks, over the same-host lookup socket its handshake offers in fleet mode too,
+    and calls no peer and no directory; a plain lookup of the same blocks still fetches them."""
+    ca, cb, directory = fleet
+    hashes, blocks = chain(5, seed=97)
+    ca.put(NS.id, hashes, blocks)
+    wait_for(lambda: directory.entries(NS.id, "a") == 6, what="A to publish")
+    offered = cb.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
+    assert offered.lookup_socket and offered.lookup_ticket
+    before = _counters(cb)
+    with Client(cb.address, transport="grpc") as over_grpc:    # the Lookup RPC's local_only
+        over_grpc.register_namespace(NS)
+        for client in (cb, over_grpc):
+            for producer in ("", "a"):
+                assert client.lookup(NS.id, hashes, lease=False, producer=producer, local_only=True).num_hit == 0
+    after = _counters(cb)
+    moved = ("fetches", "fetched_blocks", "direct_fetches", "direct_misses", "fetch_directory_errors")
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in moved} == dict.fromkeys(moved, 0)
+    assert _counters(ca)["checksums_served"] == 0
+    # the same lookup without local_only completes the run from A, after which local_only finds it
+    assert cb.lookup(NS.id, hashes).num_hit == 5
+    assert _counters(cb)["fetched_blocks"] - before.get("fetched_blocks", 0) == 5
+    assert cb.lookup(NS.id, hashes, lease=False, local_only=True).num_hit == 5
+    assert cb.get(NS.id, hashes) == [b.tobytes() for b in blocks]

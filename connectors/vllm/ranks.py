@@ -39,14 +39,15 @@ def lookup_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     return list(out.values())
 
 
-def hits_on_every_rank(handles: Sequence[NamespaceHandle], hashes: Sequence[bytes], lease: bool = True) -> int:
+def hits_on_every_rank(handles: Sequence[NamespaceHandle], hashes: Sequence[bytes], lease: bool = True,
+                       local_only: bool = False) -> int:
     """Leading blocks that every handle's namespace holds (with ``lease``, each lookup pins what
-    it found until the blocks are loaded)."""
+    it found until the blocks are loaded; ``local_only``: on each daemon itself, no fleet peer)."""
     num_hit = len(hashes)
     for handle in handles:
         if num_hit == 0:
             break
-        num_hit = min(num_hit, handle.lookup(hashes[:num_hit], lease).num_hit)
+        num_hit = min(num_hit, handle.lookup(hashes[:num_hit], lease, local_only).num_hit)
     return num_hit if handles else 0
 
 

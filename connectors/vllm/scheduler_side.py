@@ -394,9 +394,12 @@ class SchedulerSide:
         return held
 
     def _timed_lookup(self, hashes: list[bytes], lease: bool) -> int:
-        """Leading chunks every rank's namespace holds, counted in ``lookups`` and ``lookup_seconds``."""
+        """Leading chunks every rank's namespace holds, counted in ``lookups`` and ``lookup_seconds``.
+        A role that never loads asks for its daemon's own blocks only: a fleet daemon would
+        otherwise copy blocks from its peers that this engine never reads, while its scheduler
+        waits."""
         t0 = time.perf_counter()
-        found = hits_on_every_rank(self._lookup_links, hashes, lease=lease)
+        found = hits_on_every_rank(self._lookup_links, hashes, lease=lease, local_only=not self.kv_role.loads)
         self._add_stat("lookups")
         self._add_stat("lookup_seconds", time.perf_counter() - t0)
         return found

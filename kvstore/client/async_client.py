@@ -32,8 +32,8 @@ class AsyncClient:
     async def register_namespace(self, ns: Namespace) -> bytes:
         return await self._run(self._client.register_namespace, ns)
 
-    async def lookup(self, ns_id, hashes, lease: bool = True) -> Lookup:
-        return await self._run(self._client.lookup, ns_id, hashes, lease)
+    async def lookup(self, ns_id, hashes, lease: bool = True, producer: str = "", local_only: bool = False) -> Lookup:
+        return await self._run(self._client.lookup, ns_id, hashes, lease, producer, local_only)
 
     async def lookup_many(self, ns_id, chains, lease: bool = True) -> list[Lookup]:
         return await self._run(self._client.lookup_many, ns_id, chains, lease)

@@ -142,9 +142,11 @@ class NamespaceHandle:
     def reset_counters(self) -> None:
         self.failures = self.skipped = 0
 
-    def lookup(self, hashes: Sequence[bytes], lease: bool = True) -> Lookup:
-        """Leading blocks present (pinned for the lease time); no hits when the daemon fails."""
-        return self.call(lambda c, ns: c.lookup(ns, hashes, lease), "lookup", default=Lookup(0, []))
+    def lookup(self, hashes: Sequence[bytes], lease: bool = True, local_only: bool = False) -> Lookup:
+        """Leading blocks present (pinned for the lease time; ``local_only``: the daemon's own, no
+        fleet peer's); no hits when the daemon fails."""
+        return self.call(lambda c, ns: c.lookup(ns, hashes, lease, local_only=local_only), "lookup",
+                         default=Lookup(0, []))
 
     def exists(self, hashes: Sequence[bytes]) -> list[bool]:
         return self.call(lambda c, ns: c.exists(ns, hashes), "exists", default=[False] * len(hashes))

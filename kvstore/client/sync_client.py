@@ -159,14 +159,18 @@ class Client:
             self._layouts[ns_id] = ns.layout
         return ns_id
 
-    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True, producer: str = "") -> Lookup:
-        """Leading blocks of the chain present in the daemon (pinned for the lease time). On the
-        daemon's host this goes over its Unix socket (``transport.local_lookup``), else gRPC.
-        ``producer``: the fleet node id a P/D hand-off names as the blocks' producer; a fleet
-        daemon fetches what it misses from that member directly (``LookupRequest.producer``)."""
+    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], lease: bool = True, producer: str = "",
+               local_only: bool = False) -> Lookup:
+        """Leading blocks of the chain present in the daemon (pinned for the lease time). A fleet
+        daemon completes a short local run from its peers, unless ``local_only``; ``producer``:
+        the fleet node id a P/D hand-off names as the blocks' producer, which a fleet daemon
+        fetches what it misses from directly (``LookupRequest.producer``). On the daemon's host a
+        lookup the daemon answers from its own blocks goes over its Unix socket
+        (``transport.local_lookup``), else gRPC."""
         self._negotiation.ensure()
+        from_own_blocks = local_only or not self._negotiation.fleet_node
         for _ in range(2):   # a connection the daemon let go is connected again, once, at once
-            local = self._negotiation.local_lookups()   # (not offered in fleet mode: no producer to name)
+            local = self._negotiation.local_lookups() if from_own_blocks else None
             if local is None or not hashes:
                 break
             try:
@@ -178,7 +182,7 @@ class Client:
 
         def rpc(h):
             r = self._rpc.call("Lookup", pb.LookupRequest(namespace_id=ns_id, hashes=h, no_lease=not lease,
-                                                          producer=producer))
+                                                          producer=producer, local_only=local_only))
             return r.num_hit, list(r.tiers)
         return self._lookup_with(rpc, hashes)
 

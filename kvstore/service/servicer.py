@@ -81,9 +81,8 @@ class KVStoreServicer(ServiceState):
             resp.bulk_port = self.bulk.port
             resp.bulk_ticket = self.bulk.ticket_for(tenant, token)  # opens sessions of this tenant only
         if self.local_lookups is not None and request.nonce:
-            if self.fleet is None:
-                resp.lookup_socket = self.local_lookups.path
-                resp.lookup_ticket = self.local_lookups.ticket_for(tenant, token)
+            resp.lookup_socket = self.local_lookups.path
+            resp.lookup_ticket = self.local_lookups.ticket_for(tenant, token)
             if arena is not None and self.local_lookups.takes_calls:
                 resp.lease_socket = self.local_lookups.path
                 resp.lease_ticket = self.local_lookups.ticket_for(tenant, token)
@@ -91,7 +90,8 @@ class KVStoreServicer(ServiceState):
 
     def local_lookup(self, tenant: str, namespace_id: bytes, hashes: list[bytes], lease: bool) -> tuple[int, list[str]]:
         """Lookup for a same-host client over the Unix socket (``transport.local_lookup``): the
-        same checks and answer as the RPC, local blocks only (not offered in fleet mode)."""
+        same checks and answer as the RPC, this daemon's own blocks only (in fleet mode a client
+        asks here only for a ``local_only`` lookup: completing a run from peers is the RPC's)."""
         return self._look_up(self.store, self.tenant_namespace(tenant, namespace_id), hashes, lease)
 
     def _look_up(self, source, ns: Namespace, hashes, lease: bool, **hints) -> tuple[int, list[str]]:
@@ -126,8 +126,9 @@ class KVStoreServicer(ServiceState):
     def Lookup(self, request, context) -> pb.LookupResponse:
         ns = self.caller_namespace(context, request.namespace_id)
         # in fleet mode a short local run is completed from peers (only Lookup fetches: no loops),
-        # first from the member a P/D hand-off names (an untrusted hint: ``fleet.direct``)
-        if self.fleet is None:
+        # first from the member a P/D hand-off names (an untrusted hint: ``fleet.direct``), unless
+        # the caller asks for this daemon's own blocks only
+        if self.fleet is None or request.local_only:
             hits, tiers = self._look_up(self.store, ns, request.hashes, not request.no_lease)
         else:
             hits, tiers = self._look_up(self.fleet, ns, request.hashes, not request.no_lease,
