@@ -36,11 +36,15 @@ HELD_COPY_BYTES = 256 << 10
 SCRATCH_KEEP_BYTES = 8 << 20
 
 
+#: the dtype of a plain byte array (numpy's own object: compared by identity, much cheaper than ``==``)
+_BYTE = np.dtype(np.uint8)
+
+
 def as_bytes(buf, field: str = "blocks") -> np.ndarray:
     """A flat uint8 numpy view (no copy) of bytes, bytearray, memoryview, mmap, a numpy array or
     a CPU torch tensor. A device tensor is refused (naming ``field``): it must be staged by a
     connector, never silently copied here."""
-    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous:
+    if type(buf) is np.ndarray and buf.dtype is _BYTE and buf.ndim == 1 and buf.flags.c_contiguous:
         return buf   # already one (what the store hands itself per block): returned as it is
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
@@ -59,9 +63,9 @@ def writable_bytes(buf, field: str) -> np.ndarray:
     ``as_bytes`` makes a contiguous copy of a strided array or tensor, and bytes written there
     would never reach the caller, who would read what the buffer held before as if it were the
     block; so a strided or read-only destination is refused instead, naming ``field``."""
-    if (type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
-            and buf.flags.writeable):   # the usual destination, taken as it is (a get checks one per block)
-        return buf
+    if (type(buf) is np.ndarray and buf.dtype is _BYTE and buf.ndim == 1
+            and (flags := buf.flags).c_contiguous and flags.writeable):
+        return buf   # the usual destination, taken as it is (a get checks one per block)
     if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
         raise InvalidArgument(field, "buffer is not contiguous (a copy would not reach it)")
     if type(buf).__module__.startswith("torch") and not buf.is_contiguous():

@@ -205,7 +205,7 @@ def test_a_copy_failing_inside_a_run_publishes_the_blocks_before_and_frees_the_r
     ev = Events()
     store.subscribe(ev)
     writes = []
-    real = CpuTier.write_key   # what the store's runs call
+    real = CpuTier.write_key   # what a run calls for a block of several slots (``CpuTier.write_keys``)
 
     def failing(self, key, payload):
         writes.append(key)

@@ -55,7 +55,7 @@ Primitive by primitive:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvstore.errors import BlockCorrupt, BlockTooLarge, TierFull, TierIOError
 from kvstore.keys import NAMESPACE_ID_BYTES, NamedByKey, block_key
@@ -201,6 +201,16 @@ class Tier(ABC):
     def write_key(self, key: bytes, data) -> None:
         """Fill the room ``allocate_keys`` took for ``key``: a memory tier's write (nothing to sync)."""
         raise NotImplementedError(f"the {self.name} tier takes no writes by key")
+
+    def write_keys(self, keys: Sequence[bytes], datas: Sequence) -> tuple[int, Exception | None]:
+        """``write_key`` for each key in order (a run of ``allocate_keys``), stopping at the first
+        that fails: how many were written, and that failure (None: all were)."""
+        for k, (key, data) in enumerate(zip(keys, datas)):
+            try:
+                self.write_key(key, data)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, which publishes the blocks before it
+                return k, e
+        return len(keys), None
 
     @abstractmethod
     def write(self, record: BlockRecord, data: memoryview) -> None: ...

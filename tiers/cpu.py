@@ -215,6 +215,25 @@ class CpuTier(Tier):
         else:
             scatter(self.arena, self.slots.lookup(key)[0], data)
 
+    def write_keys(self, keys, datas) -> tuple[int, Exception | None]:
+        """``write_key`` for each key in order, in one loop: a block in one slot (most), given
+        as exactly its bytes (a flat byte array), is one copy."""
+        held = self._bytes
+        limit = HELD_COPY_BYTES if held is not None else -1
+        for k, (key, data, at) in enumerate(zip(keys, datas, self.slots.spans(keys))):
+            try:
+                if type(at) is tuple and at[1] <= limit:
+                    off, n = at
+                    try:
+                        held[off:off + n] = data
+                        continue
+                    except (TypeError, ValueError):   # not ``n`` flat bytes: ``write_key`` takes it
+                        pass
+                self.write_key(key, data)
+            except Exception as e:  # noqa: BLE001 - handed to the caller (``Tier.write_keys``)
+                return k, e
+        return len(keys), None
+
     def write_unsynced(self, record: BlockRecord, data, durable: bool = True) -> None:
         """``write``: nothing to sync in memory."""
         self.write_key(record.key, data)
@@ -235,20 +254,25 @@ class CpuTier(Tier):
         return nbytes
 
     def read_many_into(self, keys, outs) -> list:
-        """``read_into`` for each key, in one loop: a one-slot block (most) is one copy."""
+        """``read_into`` for each key, in one loop: a block in one slot (most), read into a flat
+        byte array, is one copy."""
         got: list = []
         arena, held = self.arena, self._bytes
+        limit = HELD_COPY_BYTES if held is not None else -1
         for key, out, at in zip(keys, outs, self.slots.spans(keys)):
             if type(at) is not tuple:   # several extents, or not held (its KeyError)
                 got.append(at if at is not None else self.read_into(key, out))
                 continue
             off, n = at
-            if type(out) is not np.ndarray or out.dtype is not _BYTE or out.ndim != 1:
-                out = as_bytes(out)
-            if n <= HELD_COPY_BYTES and held is not None:
-                memoryview(out)[:n] = held[off:off + n]
-            else:
-                np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
+            if n <= limit:
+                try:
+                    memoryview(out)[:n] = held[off:off + n]
+                    got.append(n)
+                    continue
+                except (TypeError, ValueError):   # not a flat byte array: through its byte view
+                    pass
+            out = as_bytes(out)
+            np.copyto(out if out.nbytes == n else out[:n], arena[off:off + n])
             got.append(n)
         return got
 

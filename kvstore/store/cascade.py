@@ -108,11 +108,15 @@ class Cascade:
         if entry.drop_pin():
             self.drop_entry(entry)
 
+    def pin_visible(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """Per key, its block pinned (``pin_entry``) where it is visible, else None: the index
+        looked up here, for a batch at once. Caller holds the lock."""
+        return self.index.pin_visible(keys)
+
     def unpin_all(self, entries) -> None:
         """``unpin`` each of ``entries`` (caller holds the lock)."""
-        for entry in entries:
-            if entry.drop_pin():
-                self.drop_entry(entry)
+        for entry in self.index.drop_pins(entries):
+            self.drop_entry(entry)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of the store's counters (takes the lock itself: increments are never lost)."""

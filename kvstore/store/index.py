@@ -400,6 +400,33 @@ class BlockIndex:
             _add_child(parent, entry.key)
             self.refresh_policies(parent)
 
+    def pin_visible(self, keys) -> list[Entry | None]:
+        """Per key, its entry with one pin more where it is visible, else None (``Cascade.pin_visible``):
+        ``visible`` and ``add_pin`` inlined, one loop for a whole batch."""
+        get = self.entries.get
+        out: list[Entry | None] = []
+        for key in keys:
+            entry = get(key)
+            if entry is not None and entry._flags & (_READY | _DOOMED) == _READY:
+                entry._flags += _PIN
+                out.append(entry)
+            else:
+                out.append(None)
+        return out
+
+    @staticmethod
+    def drop_pins(entries) -> list[Entry]:
+        """``drop_pin`` on each of ``entries``, inlined (``Cascade.unpin_all``); returns those now
+        unpinned and doomed (to be freed)."""
+        freed = []
+        for entry in entries:
+            flags = entry._flags - _PIN
+            assert flags >= 0, "a negative pin count"
+            entry._flags = flags
+            if flags < _PIN and flags & _DOOMED:
+                freed.append(entry)
+        return freed
+
     def show_run(self, entries) -> int:
         """Make written entries visible, in order, each in its fastest tier: its policy learns of
         it and it is linked into its parent, a block's parent before it (``track_copy``,

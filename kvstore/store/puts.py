@@ -256,31 +256,38 @@ class DiskWrites:
 
 
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: PutResults) -> None:
-    """Copy a reserved run's payloads into the first tier outside the lock, then publish them in
-    order under one acquisition. A failed copy publishes the blocks before it, drops the rest."""
-    write = cascade.tiers[0].write_key
-    written = 0
+    """Copy a reserved run's payloads into the first tier outside the lock (``Tier.write_keys``),
+    then publish them in order under one acquisition. A failed copy publishes the blocks before
+    it, drops the rest."""
+    new = [k for k, entry in enumerate(run) if entry is not None]   # the run's blocks to write (None: present)
+    upto, error = 0, None   # the run's positions before ``upto`` are written (or present)
     try:
-        for entry, data in zip(run, arrays[start:start + len(run)]):
-            if entry is not None:
-                write(entry.key, data)
-            written += 1
+        written, error = cascade.tiers[0].write_keys([run[k].key for k in new],
+                                                     [arrays[start + k] for k in new])
+        upto = len(run) if error is None else new[written]
     finally:
-        done, payloads, at = [], [], []   # the entries to publish, their payloads, their result indices
         results = out.results
-        with cascade.lock:
-            for k, entry in enumerate(run):
-                if entry is None:
-                    if k < written:
-                        results.append("exists")
-                elif k >= written:
-                    cascade.drop_entry(entry)
-                else:
-                    at.append(len(results))
-                    results.append("stored")
-                    done.append(entry)
-                    payloads.append(arrays[start + k])
+        if upto == len(run) and len(new) == len(run):   # every block new and written (the usual run)
+            at = list(range(len(results), len(results) + len(run)))
+            results.extend(["stored"] * len(run))
+            done, payloads = run, arrays[start:start + len(run)]
+        else:
+            done, payloads, at = [], [], []   # the entries to publish, their payloads, their result indices
+            with cascade.lock:
+                for k, entry in enumerate(run):
+                    if entry is None:
+                        if k < upto:
+                            results.append("exists")
+                    elif k >= upto:
+                        cascade.drop_entry(entry)
+                    else:
+                        at.append(len(results))
+                        results.append("stored")
+                        done.append(entry)
+                        payloads.append(arrays[start + k])
         out.publish(done, payloads, at)
+    if error is not None:
+        raise error
 
 
 def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, codec: int,

@@ -20,7 +20,6 @@ else into a buffer of its own, never the cascade's scratch, which a promotion's 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,20 +42,33 @@ _readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
 _own_payloads = Scratch(trim_above=0, aligned=True)
 
 
-@dataclasses.dataclass(slots=True)
-class BlockRead:
-    """One pinned copy of a batch, on its way into the caller's buffer ``at``."""
+class Round:
+    """The copies one round of a get reads, pinned by ``_plan``, as parallel lists by position
+    ``k`` in the round: no object per block (small blocks are bound by per-block Python).
 
-    at: int            # position in the call
-    entry: Entry       # pinned until ``_complete``
-    tier: int          # where its copy is read from
-    codec: int         # the copy's codec; 0 once decoded here
-    decode: bool       # encoded with a codec the reader does not take: decoded here
-    n: int = 0                 # bytes delivered
-    payload: object = None     # the copy's stored bytes (what a promotion copies)
-    decoded: object = None     # its raw bytes, when decoded here
-    failed: Exception | None = None   # BlockCorrupt / CodecError: dropped, planned again
-    promote: bool = False      # copied up into a memory tier under the lock (``Cascade.promote``)
+    ``at[k]``: the block's position in the call; ``entries[k]``: pinned until ``_complete``;
+    ``tiers[k]``: where its copy is read from; ``codecs[k]``: the copy's codec (0 once decoded
+    here); ``n[k]``: the bytes delivered. What holds for a few positions only is kept by position:
+    ``decode`` (encoded with a codec the reader does not take: decoded here), ``payloads`` (the
+    copy's stored bytes, kept for copies below the first tier: what a promotion copies),
+    ``decoded`` (its raw bytes, when decoded here), ``failed`` (``BlockCorrupt`` /
+    ``CodecError``: dropped, planned again) and ``promote`` (copied up into a memory tier under
+    the lock, ``Cascade.promote``)."""
+
+    __slots__ = ("at", "entries", "tiers", "codecs", "n", "decode", "payloads", "decoded", "failed", "promote")
+
+    def __init__(self, at: list[int], entries: list[Entry], tiers: list[int], codecs: list[int],
+                 decode: Collection[int] = ()) -> None:
+        self.at, self.entries, self.tiers, self.codecs = at, entries, tiers, codecs
+        self.n = [0] * len(at)
+        self.decode = set(decode)
+        self.payloads: dict[int, object] = {}
+        self.decoded: dict[int, object] = {}
+        self.failed: dict[int, Exception] = {}
+        self.promote: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.at)
 
 
 def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], dsts: Sequence[np.ndarray],
@@ -64,31 +76,30 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
     """Copy each block's fastest copy into ``dsts[i]`` (at least a block long): per block
     ``(bytes, codec id)`` (codec 0: the block itself), or None for a miss."""
     out: list[tuple[int, int] | None] = [None] * len(hashes)
-    todo = range(len(hashes))
+    todo: Sequence[int] = range(len(hashes))
     while todo:
-        reads = _plan(cascade, namespace_id, hashes, todo, accept)
+        rnd = _plan(cascade, namespace_id, hashes, todo, accept)
         try:
-            _execute(cascade, reads, dsts)
+            _execute(cascade, rnd, dsts)
         except BaseException:
             with cascade.lock:   # nothing is delivered: every block stays stored, none pinned for good
-                for r in reads:
-                    cascade.unpin(r.entry)
+                cascade.unpin_all(rnd.entries)
             raise
-        up = [r for r in reads if r.tier > 0 and r.failed is None and not r.entry.doomed] \
-            if cascade.config.promote_on_hit else []
-        if any(r.tier >= slow_from(cascade) for r in up):
+        up = [k for k, t in enumerate(rnd.tiers) if t > 0 and k not in rnd.failed and not rnd.entries[k].doomed] \
+            if cascade.config.promote_on_hit and max(rnd.tiers, default=0) > 0 else []
+        if any(rnd.tiers[k] >= slow_from(cascade) for k in up):
             # hits below the CPU tier are promoted one by one, in the callers' order, each after
             # the room it needs is made (victims written down, lock released): the next block's
             # room is then chosen knowing where this one went, as prefix-aware eviction wants
             todo = []
-            for r in reads:
-                if r in up:
-                    r.promote = cascade.prepare_promotions([(r.entry, r.tier, r.payload, r.decoded)])[0]
-                todo += _complete(cascade, [r], out)
+            for k in range(len(rnd)):
+                if k in up and cascade.prepare_promotions(
+                        [(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k), rnd.decoded.get(k))])[0]:
+                    rnd.promote.add(k)
+                todo += _complete(cascade, rnd, out, range(k, k + 1))
         else:   # in RAM already: promoted (GPU) under the one lock acquisition
-            for r in up:
-                r.promote = True
-            todo = _complete(cascade, reads, out)
+            rnd.promote.update(up)
+            todo = _complete(cascade, rnd, out, range(len(rnd)))
     return out
 
 
@@ -98,52 +109,56 @@ def slow_from(cascade: Cascade) -> int:
 
 
 def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int],
-          accept: Collection[int]) -> list[BlockRead]:
+          accept: Collection[int]) -> Round:
     """Pin the fastest copy of each present block of ``todo`` and count the rest as misses (lock held here)."""
-    entries = cascade.index.entries
-    reads, misses = [], 0
+    keys = [namespace_id + hashes[i] for i in todo]
     with cascade.lock:
-        for i in todo:
-            entry = entries.get(namespace_id + hashes[i])   # index.visible, inlined: hot
-            if entry is None or not entry.visible:
-                misses += 1
-                continue
-            t, codec = entry.copies.first_codec()
-            reads.append(BlockRead(i, entry, t, codec, codec != 0 and codec not in accept))
-        cascade.pin_all([r.entry for r in reads])
-        if misses:
-            cascade.count("misses", misses)
-    return reads
+        found = cascade.pin_visible(keys)
+        pinned = [e for e in found if e is not None]
+        fastest = [e.copies.first_codec() for e in pinned]   # (tier, codec) of each one's fastest copy
+        if len(pinned) < len(found):
+            cascade.count("misses", len(found) - len(pinned))
+    at = list(todo) if len(pinned) == len(found) else [i for i, e in zip(todo, found) if e is not None]
+    tiers = [t for t, _ in fastest]
+    codecs = [c for _, c in fastest]
+    decode = [k for k, c in enumerate(codecs) if c != 0 and c not in accept] if any(codecs) else ()
+    return Round(at, pinned, tiers, codecs, decode)
 
 
-def _execute(cascade: Cascade, reads: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
+def _execute(cascade: Cascade, rnd: Round, dsts: Sequence[np.ndarray]) -> None:
     """Read every planned copy into its buffer, the lock released: below the CPU tier several at
-    once (runs where the tier reads runs), the rest on this thread. A damaged copy sets ``failed``;
-    any other failure raises (the caller unpins)."""
+    once (runs where the tier reads runs), the rest on this thread. A damaged copy is set in
+    ``failed``; any other failure raises (the caller unpins)."""
+    tiers, decode = rnd.tiers, rnd.decode
+    if not tiers:
+        return
     slow_tiers = slow_from(cascade)
-    slow = [r for r in reads if r.tier >= slow_tiers and not r.decode]
+    if not decode and tiers[0] < slow_tiers and tiers.count(tiers[0]) == len(tiers):
+        _read_run(cascade, rnd, range(len(tiers)), dsts)   # the usual get: one run, one tier, nothing to decode
+        return
+    slow = [k for k, t in enumerate(tiers) if t >= slow_tiers and k not in decode]
     if len(slow) < 2:
         slow = []
     in_flight = []
     if slow:
         pool = _readers.get()
-        for ks in _runs(cascade, [r.tier for r in slow], [dsts[r.at].nbytes for r in slow]):
-            in_flight.append(pool.submit(_read_run, cascade, [slow[k] for k in ks], dsts))
-    taken = {id(r) for r in slow} if slow else ()
+        for ks in _runs(cascade, [tiers[k] for k in slow], [dsts[rnd.at[k]].nbytes for k in slow]):
+            in_flight.append(pool.submit(_read_run, cascade, rnd, [slow[j] for j in ks], dsts))
+    taken = set(slow)
     try:
-        run: list[BlockRead] = []   # neighbours in the call of one tier, none to decode: one read_many_into
-        for r in reads:
-            if taken and id(r) in taken:
+        run: list[int] = []   # neighbours in the call of one tier, none to decode: one read_many_into
+        for k, t in enumerate(tiers):
+            if k in taken:
                 continue
-            if run and (r.decode or r.tier != run[0].tier):
-                _read_run(cascade, run, dsts)
+            if run and (k in decode or t != tiers[run[0]]):
+                _read_run(cascade, rnd, run, dsts)
                 run = []
-            if r.decode:
-                _read_run(cascade, [r], dsts)
+            if k in decode:
+                _read_run(cascade, rnd, [k], dsts)
             else:
-                run.append(r)
+                run.append(k)
         if run:
-            _read_run(cascade, run, dsts)
+            _read_run(cascade, rnd, run, dsts)
     finally:
         errors = [f.exception() for f in in_flight]   # waits for every read: none may outlive the pins
     for e in errors:
@@ -166,84 +181,110 @@ def _runs(cascade: Cascade, tiers: Sequence[int], sizes: Sequence[int]) -> Itera
         k += len(run)
 
 
-def _read_run(cascade: Cascade, run: list[BlockRead], dsts: Sequence[np.ndarray]) -> None:
-    """Read ``run`` (copies of one tier, none to decode when more than one) into their buffers;
-    ``payload`` is kept only for copies below the first tier (what a promotion copies)."""
-    tier = cascade.tiers[run[0].tier]
-    if len(run) == 1 and run[0].decode:
-        r = run[0]
-        record = r.entry.copies[r.tier]
+def _read_run(cascade: Cascade, rnd: Round, ks: Sequence[int], dsts: Sequence[np.ndarray]) -> None:
+    """Read the copies at positions ``ks`` of ``rnd`` (of one tier, none to decode when more than
+    one) into their buffers; ``payloads`` are kept only for copies below the first tier (what a
+    promotion copies)."""
+    t = rnd.tiers[ks[0]]
+    tier, at, entries = cascade.tiers[t], rnd.at, rnd.entries
+    if len(ks) == 1 and ks[0] in rnd.decode:
+        k = ks[0]
+        entry = entries[k]
         try:
-            r.payload = cascade.read_copy(r.entry, r.tier, _own_payloads)
-            r.decoded = cascade.transcoder.decode(r.entry.namespace_id, r.entry.raw_size, record, r.payload,
-                                                  out=dsts[r.at])
-            r.n, r.codec = r.decoded.nbytes, 0
+            payload = rnd.payloads[k] = cascade.read_copy(entry, t, _own_payloads)
+            decoded = rnd.decoded[k] = cascade.transcoder.decode(entry.namespace_id, entry.raw_size,
+                                                                 entry.copies[t], payload, out=dsts[at[k]])
+            rnd.n[k], rnd.codecs[k] = decoded.nbytes, 0
         except (BlockCorrupt, CodecError) as e:
-            r.failed = e
+            rnd.failed[k] = e
         return
-    if len(run) == 1:
-        r = run[0]
+    if len(ks) == 1:
+        k = ks[0]
+        dst = dsts[at[k]]
         try:
-            r.n = tier.read_into(r.entry.key, dsts[r.at])
-            r.payload = dsts[r.at][:r.n]
+            n = rnd.n[k] = tier.read_into(entries[k].key, dst)
+            rnd.payloads[k] = dst[:n]
         except BlockCorrupt as e:
-            r.failed = e
+            rnd.failed[k] = e
         return
-    sizes = tier.read_many_into([r.entry.key for r in run], [dsts[r.at] for r in run])
-    below = run[0].tier > 0
-    for r, n in zip(run, sizes):
-        if type(n) is int:
-            r.n = n
+    if len(ks) == len(at) and len(at) == len(dsts):   # the whole call, in order: no lists to pick
+        sizes = tier.read_many_into([e.key for e in entries], dsts)
+    else:
+        sizes = tier.read_many_into([entries[k].key for k in ks], [dsts[at[k]] for k in ks])
+    n, below = rnd.n, t > 0
+    for k, got in zip(ks, sizes):
+        if type(got) is int:
+            n[k] = got
             if below:
-                r.payload = dsts[r.at][:n]
-        elif isinstance(n, BlockCorrupt):
-            r.failed = n
+                rnd.payloads[k] = dsts[at[k]][:got]
+        elif isinstance(got, BlockCorrupt):
+            rnd.failed[k] = got
         else:
-            raise n
+            raise got
 
 
-def _complete(cascade: Cascade, reads: list[BlockRead], out: list) -> list[int]:
-    """Under one lock acquisition, in the callers' order: count, touch and promote each read
-    (``out[at]``: its size and codec), then unpin them all (a block read stays pinned while the
-    batch's promotions make room); drop each damaged copy (counted) and unpin its block. The
-    touches go to each policy a run at a time (``touch_many``), in the same order. Returns the
-    positions to plan again (their next copy, or a miss)."""
+def _complete(cascade: Cascade, rnd: Round, out: list, ks: range) -> list[int]:
+    """Under one lock acquisition, in the callers' order: count, touch and promote the reads at
+    positions ``ks`` of ``rnd`` (``out[at]``: each one's size and codec), then unpin them all (a
+    block read stays pinned while the batch's promotions make room); drop each damaged copy
+    (counted) and unpin its block. The touches go to each policy a run at a time
+    (``touch_many``), in the same order. Returns the positions to plan again (their next copy,
+    or a miss)."""
     again: list[int] = []
-    policies, tiers = cascade.index.policies, cascade.tiers
-    hits, nbytes = [0] * len(tiers), [0] * len(tiers)
-    touched: list[list[bytes]] = [[] for _ in tiers]   # per tier, the keys read, in order: one touch_many each
+    policies = cascade.index.policies
+    at, entries, tiers, n = rnd.at, rnd.entries, rnd.tiers, rnd.n
+    hits, nbytes = [0] * len(cascade.tiers), [0] * len(cascade.tiers)
+    # the reads that are not plain hits, in order: each ends a stretch of plain ones, touched first
+    marked = sorted(k for k in (*rnd.failed, *rnd.promote) if k in ks)
     with cascade.lock:
-        for r in reads:
-            entry = r.entry
-            if r.failed is not None:
-                for t, keys in enumerate(touched):   # the reads before it touched first, as they came
-                    if keys:
-                        policies[t].touch_many(keys)
-                        touched[t] = []
-                if r.tier in entry.copies:
-                    cascade.discard_corrupt_copy(entry, r.tier)
+        start = ks.start
+        for k in marked + [ks.stop]:
+            _plain_hits(cascade, rnd, out, range(start, k), hits, nbytes)
+            start = k + 1
+            if k == ks.stop:
+                break
+            entry, t = entries[k], tiers[k]
+            if k in rnd.failed:
+                if t in entry.copies:
+                    cascade.discard_corrupt_copy(entry, t)
                 cascade.unpin(entry)
-                again.append(r.at)
+                again.append(at[k])
                 continue
-            t = r.tier
             hits[t] += 1
-            nbytes[t] += r.n
-            if r.promote and not entry.doomed:   # (touched first: as it was read, before it moved)
-                policies[t].touch_many(touched[t])
-                touched[t] = []
-                policies[t].touch(entry.key)
-                cascade.promote(entry, t, r.payload, r.decoded)
-            else:
-                touched[t].append(entry.key)
-            out[r.at] = (r.n, r.codec)
-        for t, keys in enumerate(touched):
-            if keys:
-                policies[t].touch_many(keys)
-        cascade.unpin_all([r.entry for r in reads if r.failed is None])
+            nbytes[t] += n[k]
+            policies[t].touch(entry.key)
+            if not entry.doomed:   # (touched first: as it was read, before it moved)
+                cascade.promote(entry, t, rnd.payloads.get(k), rnd.decoded.get(k))
+            out[at[k]] = (n[k], rnd.codecs[k])
+        failed = rnd.failed
+        cascade.unpin_all(entries[ks.start:ks.stop] if not failed else
+                          [entries[k] for k in ks if k not in failed])
         for t, k in enumerate(hits):   # counted once per batch: the same totals, under the same lock
             if k:
                 cascade.served(t, k, nbytes[t])
     return again
+
+
+def _plain_hits(cascade: Cascade, rnd: Round, out: list, ks: range, hits: list[int], nbytes: list[int]) -> None:
+    """Count and touch the plain hits at positions ``ks`` of ``rnd`` (each tier's policy told its
+    keys in one ``touch_many``, in order), and give each its ``out[at]``. Caller holds the lock."""
+    if not ks:
+        return
+    a, b = ks.start, ks.stop
+    tiers, entries, n = rnd.tiers[a:b], rnd.entries[a:b], rnd.n[a:b]
+    policies = cascade.index.policies
+    if tiers.count(tiers[0]) == len(tiers):   # one tier (the usual get)
+        t = tiers[0]
+        policies[t].touch_many([e.key for e in entries])
+        hits[t] += len(tiers)
+        nbytes[t] += sum(n)
+    else:
+        for t in sorted(set(tiers)):
+            policies[t].touch_many([e.key for e, et in zip(entries, tiers) if et == t])
+            hits[t] += tiers.count(t)
+            nbytes[t] += sum(nk for nk, et in zip(n, tiers) if et == t)
+    for i, nk, codec in zip(rnd.at[a:b], n, rnd.codecs[a:b]):
+        out[i] = (nk, codec)
 
 
 #: where staged copies land, one kept buffer per calling thread: touched once and reused, so
@@ -255,17 +296,18 @@ def read_staged(cascade: Cascade, copies: Sequence[tuple[Entry, int]]) -> list:
     """The stored bytes of each pinned ``(entry, tier)`` copy, read as a get reads (``_execute``)
     into page-aligned parts of this thread's staging buffer (valid until its next call); in place
     of a copy that could not be read, the exception (``BlockCorrupt`` for a damaged one)."""
-    reads = [BlockRead(k, e, t, e.copies[t].codec, False) for k, (e, t) in enumerate(copies)]
+    rnd = Round(list(range(len(copies))), [e for e, _ in copies], [t for _, t in copies],
+                [e.copies[t].codec for e, t in copies])
     spans = [-(-e.copies[t].stored_size // 4096) * 4096 for e, t in copies]   # O_DIRECT reads land in place
     buf, at, dsts = _staging.get(sum(spans)), 0, []
     for span in spans:
         dsts.append(buf[at:at + span])
         at += span
     try:
-        _execute(cascade, reads, dsts)
+        _execute(cascade, rnd, dsts)
     except Exception as e:  # noqa: BLE001 - a failed read stands in for each copy it left unread
-        for r in reads:
-            if r.payload is None and r.failed is None:
-                r.failed = e
-    return [r.failed if r.failed is not None else r.payload if r.payload is not None else dsts[r.at][:r.n]
-            for r in reads]
+        for k in range(len(rnd)):
+            if k not in rnd.payloads and k not in rnd.failed:
+                rnd.failed[k] = e
+    return [rnd.failed[k] if k in rnd.failed else rnd.payloads[k] if k in rnd.payloads else dsts[k][:rnd.n[k]]
+            for k in range(len(rnd))]

@@ -266,8 +266,8 @@ class Store:
             dsts = [writable_bytes(out, "outs") for out in outs]
         except InvalidArgument:   # again, one by one, to name the one refused
             dsts = [writable_bytes(out, f"outs[{i}]") for i, out in enumerate(outs)]
-        if dsts and min(dst.nbytes for dst in dsts) < ns.block_bytes:
-            short = min(dst.nbytes for dst in dsts)
+        if dsts and min(map(len, dsts)) < ns.block_bytes:   # (flat byte arrays: a length is its bytes)
+            short = min(map(len, dsts))
             raise InvalidArgument("outs", f"buffer of {short} bytes; blocks are {ns.block_bytes}")
         return read_blocks(self._cascade, namespace_id, hashes, dsts, accept)
 
