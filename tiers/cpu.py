@@ -283,6 +283,10 @@ class CpuTier(Tier):
     def extents(self, key: bytes) -> list[Extent]:
         return self.slots.lookup(key)[0]
 
+    def extents_many(self, keys) -> list[list[Extent]]:
+        """``extents`` of each key, in one loop (a lease's blocks)."""
+        return [[at] if type(at) is tuple else self.extents(key) for key, at in zip(keys, self.slots.spans(keys))]
+
     def drop(self, key: bytes) -> None:
         self.used_bytes -= self.slots.release(key)
 

@@ -154,10 +154,11 @@ def _fill_table(table, extents, codecs, sizes, present_none: bool, generation_at
     table.SetInParent()
     flat = [piece for ext in extents if ext for piece in ext]
     table.extent_counts.extend([len(ext) if ext else 0 for ext in extents])
-    table.offsets.extend([off for off, _ in flat])
-    table.lengths.extend([length for _, length in flat])
+    offsets, lengths = zip(*flat) if flat else ((), ())
+    table.offsets.extend(offsets)
+    table.lengths.extend(lengths)
     if generation_at is not None:
-        table.generations.extend([generation_at(off) for off, _ in flat])
+        table.generations.extend([generation_at(off) for off in offsets])
     if any(codecs):
         table.codecs.extend(codecs)
     table.sizes.extend(sizes)

@@ -60,6 +60,13 @@ class Lease:
         self.sizes.append(stored[0])
         self.codecs.append(stored[1])
 
+    def add_many(self, keys: list[bytes], extents: list, stored: list[tuple[int, int]]) -> None:
+        """``add`` for each of a run of blocks, in order."""
+        self.keys += keys
+        self.extents += extents
+        self.sizes += [size for size, _ in stored]
+        self.codecs += [codec for _, codec in stored]
+
 
 class Leases:
     """The open leases of one store and the two-phase operations that open and close them."""
@@ -219,7 +226,7 @@ class Leases:
         cascade.namespaces.check_batch(namespace_id, hashes)
         c, cpu = self._cpu_tier()
         lease = Lease(0, "load", [], float("inf"), [])
-        touch = cascade.index.policies[c].touch
+        policy = cascade.index.policies[c]
         entries = cascade.index.entries
         i, stopped = 0, False
         try:
@@ -227,7 +234,8 @@ class Leases:
                 staging: list = []   # pinned entries whose copies are read from tier ``src``
                 staged_bytes = src = 0
                 with cascade.lock:
-                    hits = nbytes = 0
+                    leased: list = []   # blocks with a CPU copy, leased below at once (pins, touches, counts)
+                    held: list[tuple[int, int]] = []   # (stored size, codec) of each one's CPU copy
                     while i < len(hashes):
                         entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
                         if entry is None or not entry.visible:
@@ -235,7 +243,8 @@ class Leases:
                                 cascade.count("misses")  # a zero-copy reader's miss counts like get's
                                 stopped = True
                             break
-                        if c not in entry.copies:
+                        stored = entry.copies.stored(c)   # (size, codec) of its CPU copy; no record made
+                        if stored is None:
                             t, record = entry.copies.first_item()
                             size = record.stored_size
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES
@@ -248,20 +257,20 @@ class Leases:
                             continue
                         if staging:
                             break   # the run to stage ends here; this block is leased after it
-                        stored = entry.copies.stored(c)   # (size, codec); no record made
                         if stored[1] != 0 and stored[1] not in accept:
                             # an encoded arena copy is not the block's bytes to a reader that cannot decode
                             # it; the server reads such blocks for it through get_into instead
                             stopped = True
                             break
-                        cascade.pin_entry(entry)
+                        leased.append(entry)
+                        held.append(stored)
                         i += 1
-                        touch(entry.key)
-                        hits += 1
-                        nbytes += stored[0]
-                        lease.add(entry.key, cpu.extents(entry.key), stored)
-                    if hits:
-                        cascade.served(c, hits, nbytes)
+                    if leased:
+                        keys = [e.key for e in leased]
+                        cascade.pin_all(leased)
+                        policy.touch_many(keys)
+                        cascade.served(c, len(leased), sum(size for size, _ in held))
+                        lease.add_many(keys, cpu.extents_many(keys), held)
                 if staging:
                     stopped = not self._stage_run(staging, src, c, cpu, accept, lease)
         except BaseException:
