@@ -110,9 +110,9 @@ class Leases:
                 if not run:
                     run = [self._cascade.reserve(namespace_id, hashes[i], parents[i], ns.block_bytes, c,
                                                  only_this_tier=True)]
-                for h, entry in zip(hashes[i:i + len(run)], run):
-                    lease.keys.append(block_key(namespace_id, h))
-                    lease.extents.append(None if entry is None else cpu.extents(entry.key))
+                lease.keys += [block_key(namespace_id, h) for h in hashes[i:i + len(run)]]
+                extents = iter(cpu.extents_many([entry.key for entry in run if entry is not None]))
+                lease.extents += [None if entry is None else next(extents) for entry in run]
                 i += len(run)
         except Exception:
             self.cancel_store(lease)
@@ -136,20 +136,26 @@ class Leases:
             self.cancel_store(lease)
             raise
         out = PutResults(cascade)
-        ready: list[tuple[int, object, object]] = []   # (result position, entry, payload), not yet published
+        results = out.results
+        at: list[int] = []   # the result positions, entries and payloads of blocks not yet published
+        ready: list = []
+        payloads: list = []
 
         def publish_ready() -> None:   # in order, up to RUN_BLOCKS per lock acquisition
-            out.publish([e for _, e, _ in ready], [p for _, _, p in ready], [a for a, _, _ in ready])
+            out.publish(ready, payloads, at)
+            at.clear()
             ready.clear()
+            payloads.clear()
 
         c = cascade.cpu_index
         raw_tier = cascade.transcoder.configured(c) == RAW  # type: ignore[arg-type]
         needs = None   # whether completing reads the blocks' bytes (one namespace per lease: decided once)
+        entries = cascade.index.entries
         try:
             for i, (key, ext) in enumerate(zip(lease.keys, lease.extents)):
-                entry = cascade.index.entries.get(key) if ext is not None else None
+                entry = entries.get(key) if ext is not None else None
                 if entry is None or entry.ready:
-                    out.add("exists")
+                    results.append("exists")
                     continue
                 if i in encoded:
                     like, payload = encoded[i]
@@ -162,7 +168,10 @@ class Leases:
                         payload = views[0] if len(views) == 1 else np.concatenate(views)
                     if not raw_tier:   # encode for the CPU tier's codec (and tally it)
                         payload = cascade.encode_reserved(entry, c, payload)  # type: ignore[arg-type]
-                ready.append((out.add("stored"), entry, payload))
+                at.append(len(results))
+                results.append("stored")
+                ready.append(entry)
+                payloads.append(payload)
                 if len(ready) >= RUN_BLOCKS:
                     publish_ready()
         finally:   # a block that failed to encode was dropped; those before it are published
