@@ -67,6 +67,8 @@ def checked_payloads(ns: Namespace, payloads: Sequence, codecs: Sequence[int] | 
     if codecs is not None and len(codecs) != len(payloads):
         raise InvalidArgument("codecs", f"{len(codecs)} codec ids for {len(payloads)} payloads")
     arrays = [as_bytes(p) for p in payloads]
+    if codecs is None and arrays and min(map(len, arrays)) == max(map(len, arrays)) == ns.block_bytes:
+        return arrays   # all raw, each a block long (flat byte arrays: a length is its bytes)
     for i, a in enumerate(arrays):
         encoded = codecs is not None and codecs[i] != 0
         if not encoded and a.nbytes != ns.block_bytes:
@@ -259,11 +261,15 @@ def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: P
     """Copy a reserved run's payloads into the first tier outside the lock (``Tier.write_keys``),
     then publish them in order under one acquisition. A failed copy publishes the blocks before
     it, drops the rest."""
-    new = [k for k, entry in enumerate(run) if entry is not None]   # the run's blocks to write (None: present)
     upto, error = 0, None   # the run's positions before ``upto`` are written (or present)
+    if None not in run:   # every block new (the usual run)
+        new: Sequence[int] = range(len(run))
+        keys, datas = [entry.key for entry in run], arrays[start:start + len(run)]
+    else:   # the run's blocks to write (None: present)
+        new = [k for k, entry in enumerate(run) if entry is not None]
+        keys, datas = [run[k].key for k in new], [arrays[start + k] for k in new]
     try:
-        written, error = cascade.tiers[0].write_keys([run[k].key for k in new],
-                                                     [arrays[start + k] for k in new])
+        written, error = cascade.tiers[0].write_keys(keys, datas)
         upto = len(run) if error is None else new[written]
     finally:
         results = out.results
