@@ -139,7 +139,7 @@ class Cascade:
 
     def is_pinned(self, key: bytes) -> bool:
         e = self.index.entries.get(key)
-        return e is not None and e.stays(self.clock)
+        return e is not None and (e.stays() or e.leased and self.index.leased(e, self.clock()))
 
     # -- writing a new block ---------------------------------------------------------------------
 
@@ -546,6 +546,7 @@ class Cascade:
             index.unlink(entry)
             if entry.slot is not None:   # CPU room taken for a copy still being written: kept by key
                 self.tiers[self.cpu_index].let_go(entry.key, entry)
+            index.forget_lease(entry)
             del index.entries[entry.key]
             if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by doom)
                 self.listeners.removed(entry.namespace_id, entry.block_hash)

@@ -236,9 +236,9 @@ class Copies:
         return f"Copies({self._shown()!r})"
 
 
-_READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN, _CHARGED = 1, 2, 4, 8, 16, 32
+_READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN, _CHARGED, _LEASED = 1, 2, 4, 8, 16, 32, 64
 #: an entry's pins count in its ``_flags`` above the flag bits, in units of ``_PIN``
-_PIN = 64
+_PIN = 128
 
 
 def _flag(bit: int, doc: str) -> property:
@@ -251,16 +251,17 @@ def _flag(bit: int, doc: str) -> property:
 
 
 class Entry(Copies, NamedByKey):
-    """The index's view of one block: where its copies are and who holds it. Slotted, its six
+    """The index's view of one block: where its copies are and who holds it. Slotted, its seven
     flags and its pins in one int, its names held as keys (``key``; its parent's, ``parent_key``:
     the parent entry's ``key`` itself where the parent was indexed first, see
     ``BlockIndex.shared_parent_key``), ``namespace_id`` and ``block_hash`` cut from ``key`` when
     asked, and its copies held in itself (``copies`` is the entry, as a ``Copies``): an index of
     millions holds one per block. ``slot`` is where the store's slot tier keeps this block
     (``SlotTable.keep_slots_in``: the index's dict slot serves that table too), None where it
-    does not. An entry is always true; ``len(entry.copies)`` counts its copies."""
+    does not. The end of a lookup lease is kept beside the index (``BlockIndex.lease``), the entry
+    flagged ``leased``. An entry is always true; ``len(entry.copies)`` counts its copies."""
 
-    __slots__ = ("key", "parent_key", "raw_size", "pinned_until", "children", "slot", "_flags")
+    __slots__ = ("key", "parent_key", "raw_size", "children", "slot", "_flags")
 
     def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, *, ready: bool = False,
                  charged: bool = False) -> None:
@@ -269,7 +270,6 @@ class Entry(Copies, NamedByKey):
         self.parent_key = parent_key
         self.raw_size = raw_size
         self._flat = None             # its copies: tier index -> record (``Copies``)
-        self.pinned_until = 0.0       # lookup lease
         #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
         self.slot = None              # kept by the slot tier (``SlotTable``)
@@ -310,16 +310,17 @@ class Entry(Copies, NamedByKey):
     held = _flag(_HELD, "in a pinned prefix (``kvstore pin``, pinned_prefixes.py): never evicted")
     writing_down = _flag(_WRITING_DOWN, "its demotion's disk write runs outside the lock (``Transfers.clear_room``)")
     charged = _flag(_CHARGED, "its raw bytes count against its tenant's quota (``TenantQuotas.release_block``)")
+    leased = _flag(_LEASED, "given a lookup lease (``BlockIndex.lease``), maybe ended since")
 
     @property
     def fastest(self) -> int:
         return self.first()
 
-    def stays(self, clock) -> bool:
-        """No policy may evict it now: pinned, in a pinned prefix, not yet written, or under a
-        lookup lease (``clock()``: now, asked only for that last one)."""
+    def stays(self) -> bool:
+        """No policy may evict it whatever the time: pinned, in a pinned prefix, or not yet
+        written (a lookup lease also keeps it while it lasts: ``BlockIndex.leased``)."""
         flags = self._flags
-        return flags >= _PIN or (flags & _HELD) != 0 or not flags & _READY or self.pinned_until > clock()
+        return flags >= _PIN or (flags & _HELD) != 0 or not flags & _READY
 
     @property
     def visible(self) -> bool:
@@ -356,13 +357,63 @@ def _add_child(parent: Entry, key: bytes) -> None:
 
 
 class BlockIndex:
-    """Entries by key, the bytes of visible blocks per namespace, and one policy per tier."""
+    """Entries by key, the bytes of visible blocks per namespace, one policy per tier, and the
+    lookup leases.
+
+    A lookup lease keeps a block from eviction for seconds after a lookup reported it, so the get
+    that follows finds it. Few blocks hold one at a time (a lookup's, for ``lease_seconds``)
+    where the index holds every block, so the ends of leases are kept in a dict beside the entries
+    (``_lease_ends``), an entry holding only a flag (``Entry.leased``). Ended leases leave the
+    dict in a sweep once it has doubled since the last one (each costs a constant share of the
+    sweeps), or with their entry."""
+
+    #: ``_lease_ends`` is swept once it holds this many more than twice what the last sweep left
+    LEASE_SWEEP_MIN = 1024
 
     def __init__(self, policies: list[EvictionPolicy]) -> None:
         self.entries: dict[bytes, Entry] = {}
         self.policies = policies
         self._chains = any(p.uses_chains for p in policies)   # else no policy is told chain states
         self.namespace_bytes: dict[bytes, int] = defaultdict(int)
+        self._lease_ends: dict[bytes, float] = {}   # key -> the end of its lookup lease
+        self._leases_swept = 0                      # leases left by the last sweep
+
+    # -- lookup leases ---------------------------------------------------------------------------
+
+    def lease(self, entries, until: float, now: float) -> None:
+        """Keep each of ``entries`` from eviction until ``until`` (or a later end it has already)."""
+        ends = self._lease_ends
+        get = ends.get
+        for entry in entries:
+            if get(entry.key, 0.0) < until:
+                ends[entry.key] = until
+            entry._flags |= _LEASED
+        if len(ends) > 2 * self._leases_swept + self.LEASE_SWEEP_MIN:
+            self._sweep_leases(now)
+
+    def _sweep_leases(self, now: float) -> None:
+        ends, entries = self._lease_ends, self.entries
+        for key, until in list(ends.items()):
+            if until <= now:
+                del ends[key]
+                entry = entries.get(key)
+                if entry is not None:
+                    entry.leased = False
+        self._leases_swept = len(ends)
+
+    def leased(self, entry: Entry, now: float) -> bool:
+        """Whether ``entry``'s lookup lease lasts at ``now``."""
+        return entry._flags & _LEASED != 0 and self._lease_ends.get(entry.key, 0.0) > now
+
+    def lease_count(self) -> int:
+        """Leases kept (those ended since the last sweep among them)."""
+        return len(self._lease_ends)
+
+    def forget_lease(self, entry: Entry) -> None:
+        """``entry`` leaves the index: its lease with it."""
+        if entry.leased:
+            self._lease_ends.pop(entry.key, None)
+            entry.leased = False
 
     def find(self, namespace_id: bytes, block_hash: bytes) -> Entry | None:
         return self.entries.get(block_key(namespace_id, block_hash))

@@ -232,15 +232,19 @@ class Store:
         """How many leading blocks of the chain are present, and in which tier; pins them."""
         self._namespaces.check_batch(namespace_id, hashes)
         tiers = []
-        until = self._cascade.clock() + self.config.lease_seconds
+        now = self._cascade.clock()
+        until = now + self.config.lease_seconds
+        index = self._cascade.index
         with self._lock:
+            hits = []
             for h in hashes:
-                entry = self._cascade.index.visible(namespace_id, h)
+                entry = index.visible(namespace_id, h)
                 if entry is None:
                     break
-                if lease:
-                    entry.pinned_until = max(entry.pinned_until, until)
+                hits.append(entry)
                 tiers.append(self.tiers[entry.fastest].name)
+            if lease:
+                index.lease(hits, until, now)
             self._cascade.count("lookups")
         return Lookup(len(tiers), tiers)
 
