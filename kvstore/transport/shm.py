@@ -6,7 +6,7 @@ path. The client uses shm only if it can read its own nonce back from the probe 
 arena file it opens has the announced device/inode — a remote client that happens to have a file
 at the same path never passes both, so it never reads a stranger's memory.
 
-Bytes then move by one ``np.copyto`` per extent (memcpy speed) while the daemon holds a lease
+Bytes then move by one copy per extent (``buffers.copy_each``: a memcpy) while the daemon holds a lease
 (``PrepareLoad`` pins the blocks, ``PrepareStore`` reserves slots). Leases expire server-side, so
 a client killed between prepare and complete leaks nothing.
 """
