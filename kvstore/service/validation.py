@@ -49,7 +49,9 @@ def check_hashes(hashes, field: str = "hashes", allow_empty: bool = False) -> li
         raise InvalidArgument(field, f"{len(hashes)} hashes in one call; at most {MAX_BATCH}")
     if not hashes and not allow_empty:
         raise InvalidArgument(field, "at least one block hash is required")
-    out = [h if type(h) is bytes else bytes(h) for h in hashes]
+    out = list(hashes)   # (a request's repeated bytes field: bytes already; anything else converted)
+    if set(map(type, out)) - {bytes}:
+        out = [h if type(h) is bytes else bytes(h) for h in out]
     widths = set(map(len, out))   # one pass in C over a batch's hashes; the culprit named below
     if widths and not (min(widths) >= 1 and max(widths) <= MAX_HASH_BYTES):
         i, h = next((i, h) for i, h in enumerate(out) if not 1 <= len(h) <= MAX_HASH_BYTES)
