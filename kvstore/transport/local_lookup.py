@@ -177,6 +177,7 @@ class LocalLookupServer(SocketServer):
     def received(self, fd: int, conn: Connection) -> None:
         if conn.tenant is None and not self._greet(fd, conn):
             return
+        call_taken = False   # a lease call started from this buffer: a frame after it came before its answer
         while len(conn.buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(conn.buf)
             if n > MAX_FRAME:
@@ -185,9 +186,12 @@ class LocalLookupServer(SocketServer):
             if len(conn.buf) < _LEN.size + n:
                 return
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
-            if conn.busy or conn.unsent is not None:   # a frame before its call's answer was taken
+            # a frame before its call's answer was taken (``busy`` alone would miss one read with
+            # the call's own frame when the call's thread answered first)
+            if conn.busy or conn.unsent is not None or call_taken:
                 self.end(fd, "pipelined")
                 return
+            call_taken = bool(body) and body[0] == CALL and self._calls is not None
             conn.deadline = time.monotonic() + IDLE_S
             try:
                 self._serve(fd, conn, body)
