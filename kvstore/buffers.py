@@ -160,11 +160,8 @@ def copy_each_in(arena, offsets: Sequence[int], srcs: Sequence[np.ndarray], befo
 def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, threads: int | None = None) -> None:
     total = sum(lengths)
     threads = min(COPY_THREADS if threads is None else threads, total // COPY_PART_BYTES)
-    # on one thread, blocks of at most HELD_COPY_BYTES go through memoryviews (the GIL held: no
-    # other copy thread waits on it); on several, numpy's copies, which let the others run
-    held = memoryview(arena) if threads < 2 and type(arena) is np.ndarray and arena.dtype is _BYTE else None
     if threads < 2 and before_part is None:   # a small get: one loop, no parts to cut
-        _copy_run(arena, offsets, lengths, bufs, 0, len(bufs), into_arena, held)
+        _copy_run(arena, offsets, lengths, bufs, 0, len(bufs), into_arena)
         return
     parts = max(1, -(-total // COPY_PART_BYTES))
     ends = list(accumulate(lengths))
@@ -180,7 +177,7 @@ def _copy_parts(arena, offsets, lengths, bufs, into_arena: bool, before_part, th
                     return
                 if before_part is not None:
                     before_part()
-                _copy_run(arena, offsets, lengths, bufs, *spans[k], into_arena, held)
+                _copy_run(arena, offsets, lengths, bufs, *spans[k], into_arena)
         except BaseException as e:   # the others stop at their next part
             failed.append(e)
 
@@ -202,32 +199,16 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
-def _copy_run(arena, offsets, lengths, bufs, start: int, stop: int, into_arena: bool = False,
-              held: memoryview | None = None) -> None:
-    """Copy blocks ``start``..``stop`` between ``arena`` and ``bufs``; with ``held`` (the arena as a
-    memoryview), those of at most ``HELD_COPY_BYTES`` held as flat byte arrays through it."""
+def _copy_run(arena, offsets, lengths, bufs, start: int, stop: int, into_arena: bool = False) -> None:
     copyto = np.copyto
-    limit = HELD_COPY_BYTES if held is not None else -1
     if into_arena:
         for k in range(start, stop):
-            off, n = offsets[k], lengths[k]
-            if n <= limit:
-                try:
-                    held[off:off + n] = bufs[k]
-                    continue
-                except (TypeError, ValueError):   # not a flat byte array: numpy copies it
-                    pass
-            copyto(arena[off:off + n], bufs[k])
+            off = offsets[k]
+            copyto(arena[off:off + lengths[k]], bufs[k])
         return
     for k in range(start, stop):
-        off, n = offsets[k], lengths[k]
-        if n <= limit:
-            try:
-                memoryview(bufs[k])[:] = held[off:off + n]
-                continue
-            except (TypeError, ValueError):
-                pass
-        copyto(bufs[k], arena[off:off + n])
+        off = offsets[k]
+        copyto(bufs[k], arena[off:off + lengths[k]])
 
 
 def _copy_pool() -> ThreadPoolExecutor:
