@@ -25,26 +25,20 @@ from kvstore.threads import BUDGET
 
 Extent = tuple[int, int]  # (byte offset in an arena, length)
 
-#: copies of at most this many bytes run through memoryviews (a plain memcpy, the GIL held);
-#: larger ones through numpy's copyto, which releases the GIL around the copy so that other
-#: threads run meanwhile, but copies a byte range slower and costs more per call: small blocks
-#: are bound by those costs, large ones should not hold the GIL for the whole copy
-HELD_COPY_BYTES = 256 << 10
-
 #: the largest scratch buffer a thread keeps between requests (``Scratch.trim_above``): typical
 #: blocks reuse one buffer, a larger one is freed after its request
 SCRATCH_KEEP_BYTES = 8 << 20
 
 
 #: the dtype of a plain byte array (numpy's own object: compared by identity, much cheaper than ``==``)
-_BYTE = np.dtype(np.uint8)
+BYTE_DTYPE = np.dtype(np.uint8)
 
 
 def as_bytes(buf, field: str = "blocks") -> np.ndarray:
     """A flat uint8 numpy view (no copy) of bytes, bytearray, memoryview, mmap, a numpy array or
     a CPU torch tensor. A device tensor is refused (naming ``field``): it must be staged by a
     connector, never silently copied here."""
-    if type(buf) is np.ndarray and buf.dtype is _BYTE and buf.ndim == 1 and buf.flags.c_contiguous:
+    if type(buf) is np.ndarray and buf.dtype is BYTE_DTYPE and buf.ndim == 1 and buf.flags.c_contiguous:
         return buf   # already one (what the store hands itself per block): returned as it is
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
@@ -63,7 +57,7 @@ def writable_bytes(buf, field: str) -> np.ndarray:
     ``as_bytes`` makes a contiguous copy of a strided array or tensor, and bytes written there
     would never reach the caller, who would read what the buffer held before as if it were the
     block; so a strided or read-only destination is refused instead, naming ``field``."""
-    if (type(buf) is np.ndarray and buf.dtype is _BYTE and buf.ndim == 1
+    if (type(buf) is np.ndarray and buf.dtype is BYTE_DTYPE and buf.ndim == 1
             and (flags := buf.flags).c_contiguous and flags.writeable):
         return buf   # the usual destination, taken as it is (a get checks one per block)
     if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:

@@ -39,15 +39,20 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore import dead_owners
-from kvstore.buffers import HELD_COPY_BYTES, Extent, as_bytes, gather, scatter
+from kvstore.buffers import BYTE_DTYPE, Extent, as_bytes, gather, scatter
 from kvstore.errors import QuotaExceeded, TierIOError
 from kvstore.tiers.base import BlockRecord, Tier
 from kvstore.tiers.replaced_segments import Replaced, ReplacedSegments
 from kvstore.tiers.slots import SlotTable
 
 
-#: the dtype of a plain byte array (numpy's own object: compared by identity)
-_BYTE = np.dtype(np.uint8)
+#: the arena's copies of one slot of at most this many bytes run through memoryviews (a plain
+#: memcpy, the GIL held); larger ones through numpy's copyto, which releases the GIL around the
+#: copy so that other threads run meanwhile, but copies a byte range slower and costs more per
+#: call: small blocks are bound by those costs, large ones should not hold the GIL for the whole
+#: copy. (A same-host client's copies stay numpy's at every size: its other threads wait on the
+#: lease socket while it copies a put window.)
+HELD_COPY_BYTES = 256 << 10
 
 
 class CpuTier(Tier):
@@ -203,7 +208,7 @@ class CpuTier(Tier):
         return done
 
     def write_key(self, key: bytes, data) -> None:
-        if type(data) is not np.ndarray or data.dtype is not _BYTE or data.ndim != 1:
+        if type(data) is not np.ndarray or data.dtype is not BYTE_DTYPE or data.ndim != 1:
             data = as_bytes(data)
         at = self.slots.span(key)
         if at is not None:   # most blocks: one slot, one copy
