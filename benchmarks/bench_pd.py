@@ -179,8 +179,8 @@ def measure(name: str, url: str, decode_url: str | None, model: str, prompts_for
                   for role, pid in cpu_pids.items()}
         # every core's busy time (interrupts and the kernel's loopback TCP work included, which no
         # process is charged for), per request
-        cpu_ms.update({f"core {i} busy": 1e3 * (_busy(after_core) - _busy(before_core)) / max(1, len(prompts))
-                       for i, (before_core, after_core) in enumerate(zip(cores_before, psutil.cpu_times(percpu=True)))})
+        cpu_ms.update({f"core {core} busy": 1e3 * (_busy(end) - _busy(start)) / max(1, len(prompts))
+                       for core, (start, end) in enumerate(zip(cores_before, psutil.cpu_times(percpu=True)))})
         after = metrics(decode_url, "vllm:") if decode_url else {}
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         p_after = metrics(prefill_url, "vllm:") if prefill_url else {}
