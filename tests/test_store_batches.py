@@ -266,25 +266,30 @@ def test_a_failed_read_in_a_batched_get_leaves_nothing_pinned(tmp_path, monkeypa
 
 
 def test_a_put_onto_a_disk_first_tier_keeps_few_blocks_invisible_and_publishes_in_order(tmp_path, monkeypatch):
-    """Runs are for memory tiers only: on NVMe a run would leave its first blocks invisible for as
-    long as the rest take to write. Disk writes go a few at once (``puts.WRITES_IN_FLIGHT``), each
-    block published in order once its write is over: when block i's write starts, every block
-    before the last few queued is visible, and none from i on."""
+    """Disk writes go in groups of up to ``puts.WRITE_GROUP_BYTES`` (one ``pwritev`` and one
+    record write each), a few groups at once (``puts.WRITES_IN_FLIGHT``), each block published in
+    order once its group's write is over: when a group's write starts, every block before the
+    last few groups queued is visible, and none from that group on."""
     store = Store([NvmeTier(str(tmp_path / "only"), 16 * (HEADER_BYTES + BLOCK))], StoreConfig())
     ns = store.register_namespace(Namespace(layout(), tenant="t"))
     hashes = chain(12)
-    seen = {}
-    real = NvmeTier.write_unsynced
+    monkeypatch.setattr(puts, "WRITE_GROUP_BYTES", 2 * BLOCK)
+    groups, seen = [], {}
+    real = NvmeTier.write_many_unsynced
 
-    def write(self, record, payload, durable=True):
-        seen[hashes.index(record.block_hash)] = store.contains(ns, hashes)
-        real(self, record, payload, durable)
+    def write(self, records, payloads, durable=True):
+        first = hashes.index(records[0].block_hash)
+        assert [hashes.index(r.block_hash) for r in records] == list(range(first, first + len(records)))
+        groups.append(first)
+        seen[first] = store.contains(ns, hashes)
+        return real(self, records, payloads, durable)
 
-    monkeypatch.setattr(NvmeTier, "write_unsynced", write)
+    monkeypatch.setattr(NvmeTier, "write_many_unsynced", write)
     assert store.put(ns, hashes, [data(h) for h in hashes]) == ["persisted"] * 12
-    assert sorted(seen) == list(range(12))
-    for i, present in seen.items():
-        assert all(present[:max(0, i - puts.WRITES_IN_FLIGHT + 1)]) and not any(present[i:])
+    assert sorted(groups) == list(range(0, 12, 2))
+    for j, first in enumerate(sorted(groups)):
+        visible_before = sorted(groups)[max(0, j - puts.WRITES_IN_FLIGHT + 1)]
+        assert all(seen[first][:visible_before]) and not any(seen[first][first:])
     assert store.tiers[0].stats()["file_fsyncs"] == 0
     store.close()
 

@@ -196,13 +196,16 @@ class NvmeTier(Tier):
         """Write one reserved block into its slot; ``durable``: flushed before returning (the slab's
         new directory entry, if any, waits for ``sync()``). ``durable=False``: ``sync()`` flushes it."""
         _, slab, slot = self._where(record.key)
-        self._write_run(slab, slot, [record], [data], durable)
+        _, error = self._write_run(slab, slot, [record], [data], durable)
+        if error is not None:
+            raise error
 
     def write_many_unsynced(self, records: list[BlockRecord], datas: list, durable: bool = True) -> list:
         """``write_unsynced`` for each reserved block; blocks in neighbouring slots of one slab (a
         batch of demotions reserved together) go to disk with one ``pwritev`` of up to
         ``WRITE_RUN_BYTES`` and one write of their records. Per block None, or the ``TierIOError``
-        its write raised (the block dropped)."""
+        its write raised (the block dropped; a run that fails part way keeps the blocks that landed
+        whole before the failure, as writing them one by one would)."""
         with self._lock:
             where = [self._where(r.key) for r in records]
         got: list = [None] * len(records)
@@ -213,40 +216,54 @@ class NvmeTier(Tier):
             while (j < len(records) and where[j][1] is slab and where[j][2] == slot + (j - i)
                    and (j - i + 1) * slab.slot_bytes <= WRITE_RUN_BYTES and j - i < WRITE_RUN_BLOCKS):
                 j += 1
-            try:
-                self._write_run(slab, slot, records[i:j], datas[i:j], durable)
-            except TierIOError as e:
-                got[i:j] = [e] * (j - i)
+            landed, error = self._write_run(slab, slot, records[i:j], datas[i:j], durable)
+            got[i + landed:j] = [error] * (j - i - landed)
             i = j
         return got
 
-    def _write_run(self, slab: Slab, first: int, records: list[BlockRecord], datas: list, durable: bool) -> None:
+    def _write_run(self, slab: Slab, first: int, records: list[BlockRecord], datas: list,
+                   durable: bool) -> tuple[int, TierIOError | None]:
         """Blocks reserved in consecutive slots from ``first``: headers and payloads in one
-        ``pwritev``, then their records. On failure every one of them is dropped."""
+        ``pwritev``, then their records. How many landed (the leading blocks written whole before
+        a failure, kept), and the failure (the blocks after them dropped), if any."""
+        landed, failure = 0, None
         try:
             if os.fstat(self._open(slab)).st_nlink == 0:
                 raise OSError(errno.ENOENT, "its slab file was removed")
             pieces, headers = self._slot_pieces(records, datas)
             fd = slab.writer()
             try:
-                _pwritev_all(fd, pieces, slab.offset(first))
-                if durable:
+                try:
+                    _pwritev_all(fd, pieces, slab.offset(first))
+                    landed = len(records)
+                except _ShortWrite as e:
+                    landed, failure = _whole_blocks(records, e.written), e.error
+                    for record in records[landed:]:   # their space back first: the records of
+                        self.drop(record.key)         # the blocks that landed may need a page
+                    self.finish_drops()
+                if durable and landed:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
-            slab.write_records_at(first, headers, durable)
-            with self._lock:   # writers run on several threads (a put's disk writes in flight)
-                slab.set_checksums(range(first, first + len(records)), [r.checksum for r in records])
-                self._written.add(slab)
-                if durable:
-                    self.file_fsyncs += len(records)
-                else:
-                    self._unflushed.add(slab)
+            if landed:
+                slab.write_records_at(first, headers[:landed], durable)
+                with self._lock:   # writers run on several threads (a put's disk writes in flight)
+                    slab.set_checksums(range(first, first + landed), [r.checksum for r in records[:landed]])
+                    self._written.add(slab)
+                    if durable:
+                        self.file_fsyncs += landed
+                    else:
+                        self._unflushed.add(slab)
         except OSError as e:
-            for record in records:
-                self.drop(record.key)
-            cause = "disk full" if e.errno == errno.ENOSPC else e.strerror
-            raise TierIOError(f"nvme tier: writing to {self.path} failed: {cause}") from e
+            landed, failure = 0, e
+        if failure is None:
+            return landed, None
+        for record in records[landed:]:
+            self.drop(record.key)
+        cause = "disk full" if failure.errno == errno.ENOSPC else failure.strerror
+        error = TierIOError(f"nvme tier: writing to {self.path} failed: {cause}")
+        error.__cause__ = failure
+        return landed, error
 
     def _open(self, slab: Slab) -> int:
         if slab.fd >= 0:
@@ -548,19 +565,43 @@ def _page_aligned(a: np.ndarray) -> bool:
     return a.flags.c_contiguous and a.ctypes.data % ALIGN == 0
 
 
+class _ShortWrite(Exception):
+    """A ``pwritev`` that failed with ``written`` bytes landed before ``error``."""
+
+    def __init__(self, written: int, error: OSError) -> None:
+        super().__init__(written, error)
+        self.written, self.error = written, error
+
+
 def _pwritev_all(fd: int, pieces: list[memoryview], offset: int) -> None:
-    """pwritev until every byte is written (a short write happens on a nearly full disk)."""
-    total = sum(p.nbytes for p in pieces)
-    done = os.pwritev(fd, pieces, offset)
-    while done < total:
-        skip, rest = done, []
-        for p in pieces:
-            if skip >= p.nbytes:
-                skip -= p.nbytes
-                continue
-            rest.append(p[skip:])
-            skip = 0
-        n = os.pwritev(fd, rest, offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
+    """pwritev until every byte is written (a short write happens on a nearly full disk); a
+    failure raises ``_ShortWrite`` saying how far it got."""
+    total, done = sum(p.nbytes for p in pieces), 0
+    try:
+        done = os.pwritev(fd, pieces, offset)
+        while done < total:
+            skip, rest = done, []
+            for p in pieces:
+                if skip >= p.nbytes:
+                    skip -= p.nbytes
+                    continue
+                rest.append(p[skip:])
+                skip = 0
+            n = os.pwritev(fd, rest, offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+    except OSError as e:
+        raise _ShortWrite(done, e) from e
+
+
+def _whole_blocks(records: list[BlockRecord], written: int) -> int:
+    """How many of a run's leading blocks (header and padded payload each) lie whole in its
+    first ``written`` bytes."""
+    whole = 0
+    for record in records:
+        written -= HEADER_BYTES + _round_up(record.stored_size)
+        if written < 0:
+            break
+        whole += 1
+    return whole

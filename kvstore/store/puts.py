@@ -200,61 +200,85 @@ class PutResults:
 
 
 WRITES_IN_FLIGHT = BUDGET.disk_writes   # disk-tier writes of one put at once (queue depth, as reads.READS_IN_FLIGHT)
+WRITE_GROUP_BYTES = 4 << 20   # a put's blocks handed to one of those writes together
 _writers = LazyPool(WRITES_IN_FLIGHT, "kvstore-disk-write")
 
 
 class DiskWrites:
-    """A put's blocks whose copy goes to a disk tier, written up to ``WRITES_IN_FLIGHT`` at once
-    (each write waits on the disk with the GIL released, so their waits overlap instead of adding
-    up) and published in the put's order. Blocks for memory tiers are written inline, after the
-    disk writes queued before them are published."""
+    """A put's blocks whose copy goes to a disk tier, handed to the tier in groups of up to
+    ``WRITE_GROUP_BYTES`` (``Tier.write_many_unsynced``: a chain's neighbouring slots take one
+    write and one record write per group, not one each per block), up to ``WRITES_IN_FLIGHT``
+    groups at once (each waits on the disk with the GIL released, so their waits overlap), and
+    published in the put's order. Blocks for memory tiers are written inline, after the disk
+    writes queued before them are published."""
 
     def __init__(self, cascade: Cascade, out: PutResults) -> None:
         self.cascade, self.out = cascade, out
-        self._pending: list[tuple[int, object, object, Future]] = []   # (result index, entry, placement, write)
+        self._group: list[tuple[int, object, object]] = []   # (result index, entry, placement), not yet handed over
+        self._group_bytes = 0
+        self._pending: list[tuple[list, Future]] = []   # groups handed to the writers, oldest first
         self._failed = False   # a write failed: the blocks queued after it are not published
 
     def add(self, entry, placed) -> None:
-        tier = self.cascade.tiers[entry.fastest]
-        write = _writers.get().submit(tier.write_unsynced, entry.copies[entry.fastest], placed.payload, False)
-        self._pending.append((self.out.add("stored"), entry, placed, write))
+        if self._group and self._group[0][1].fastest != entry.fastest:
+            self._hand_over()
+        self._group.append((self.out.add("stored"), entry, placed))
+        self._group_bytes += placed.payload.nbytes
+        if self._group_bytes >= WRITE_GROUP_BYTES:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        self._submit()
         if len(self._pending) >= WRITES_IN_FLIGHT:
             self._publish_first()
 
+    def _submit(self) -> None:
+        group, self._group, self._group_bytes = self._group, [], 0
+        tier = self.cascade.tiers[group[0][1].fastest]
+        records = [entry.copies[entry.fastest] for _, entry, _ in group]
+        write = _writers.get().submit(tier.write_many_unsynced, records, [p.payload for _, _, p in group], False)
+        self._pending.append((group, write))
+
     def finish(self) -> None:
+        if self._group:
+            self._hand_over()
         while self._pending:
             self._publish_first()
 
     def _publish_first(self) -> None:
-        at, entry, placed, write = self._pending[0]
+        group, write = self._pending.pop(0)
+        error = self._settle(group, write)
+        if error is not None:
+            raise error
+
+    def _settle(self, group: list, write: Future) -> BaseException | None:
+        """Wait for one group's write; publish its blocks in order up to the first that failed
+        (none after a failure elsewhere), drop that one and the rest. The first failure, if any."""
         try:
-            write.result()
-        except BaseException:
+            errors = write.result()
+        except BaseException as e:  # noqa: BLE001 - the whole group failed; raised by the caller
+            errors = [e] * len(group)
+        first = next((k for k, e in enumerate(errors) if e is not None), len(group))
+        keep = 0 if self._failed else first
+        self._failed = self._failed or first < len(group)
+        if keep:
+            _publish_written(self.cascade, group[:keep], self.out)
+        if keep < len(group):
             with self.cascade.lock:
-                self.cascade.drop_entry(entry)
-            self._pending.pop(0)
-            self._failed = True
-            raise
-        self._pending.pop(0)
-        _publish_written(self.cascade, entry, placed, self.out, at)
+                for _, entry, _ in group[keep:]:
+                    self.cascade.drop_entry(entry)
+        return errors[first] if first < len(group) else None
 
     def settle(self) -> None:
         """After the put failed elsewhere: the blocks before the failure stay, as if written one by
         one — queued writes are waited for and published in order up to the first that failed;
         that one and the rest are dropped (each once its write is over: nothing may still be
         writing a dropped block's file)."""
+        if self._group:
+            self._submit()
         pending, self._pending = self._pending, []
-        failed = self._failed
-        for at, entry, placed, write in pending:
-            try:
-                write.result()
-            except BaseException:  # noqa: BLE001 - the put already raises
-                failed = True
-            if failed:
-                with self.cascade.lock:
-                    self.cascade.drop_entry(entry)
-            else:
-                _publish_written(self.cascade, entry, placed, self.out, at)
+        for group, write in pending:
+            self._settle(group, write)
 
 
 def _write_run(cascade: Cascade, run: list, arrays: Sequence, start: int, out: PutResults) -> None:
@@ -325,11 +349,14 @@ def _put_one(cascade: Cascade, ns: Namespace, h: bytes, p: bytes | None, data, c
         with cascade.lock:
             cascade.drop_entry(entry)
         raise
-    _publish_written(cascade, entry, placed, disk.out, disk.out.add("stored"))
+    _publish_written(cascade, [(disk.out.add("stored"), entry, placed)], disk.out)
 
 
-def _publish_written(cascade: Cascade, entry, placed, out: PutResults, at: int) -> None:
-    """Count a written block's placement and make it visible (its result at ``at``)."""
+def _publish_written(cascade: Cascade, written: Sequence[tuple[int, object, object]], out: PutResults) -> None:
+    """Count written blocks' placements and make them visible, in order; ``written``: each one's
+    (result index, entry, placement)."""
     with cascade.lock:
-        cascade.transcoder.count(entry.fastest, placed, entry.raw_size)
-    out.publish([entry], [placed.payload], [at])
+        for _, entry, placed in written:
+            cascade.transcoder.count(entry.fastest, placed, entry.raw_size)
+    out.publish([entry for _, entry, _ in written], [placed.payload for _, _, placed in written],
+                [at for at, _, _ in written])
