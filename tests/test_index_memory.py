@@ -106,10 +106,10 @@ def test_an_entry_holds_its_copies_and_pins_in_itself():
     entry.copies[0] = cpu
     assert list(entry.copies) == [0, 1] and entry.copies.first_item() == (0, cpu) and entry.copies[1] is nvme
     for _ in range(300):   # pins count above the flag bits: each independent of the other
-        entry.pins += 1
+        entry.add_pin()
     entry.doomed = True
     assert entry.pins == 300 and entry.doomed and entry.ready and not entry.visible
-    entry.pins -= 300
+    assert BlockIndex.drop_pins([entry] * 300) == [entry]   # unpinned and doomed: to be freed
     assert entry.pins == 0 and entry.doomed and entry.ready
     del entry.copies[0]
     assert entry.copies.first() == 1 and len(entry.copies) == 1

@@ -209,6 +209,50 @@ def test_prefix_policy_heap_stays_bounded_under_many_touches():
     assert p.pick_victim(never_pinned) == bytes([1])
 
 
+def test_prefix_policy_touch_many_names_the_victims_touch_by_touch_would():
+    """``touch_many`` (one loop for a batch of reads) against ``touch`` key by key, through random
+    inserts, updates, reads of awake and dormant keys, removals and victim searches with pins,
+    and past ``PENDING_MAX`` pending keys: every search names the same victim."""
+    rng = random.Random(39)
+    batch, one_by_one = PrefixAwarePolicy(), PrefixAwarePolicy()
+    batch.PENDING_MAX = one_by_one.PENDING_MAX = 7
+    recovered = [b"r%d" % i for i in range(40)]
+    chains = [(int(i % 5 != 4), False) for i in range(40)]   # chains of five, recovered dormant
+    held = list(recovered)
+    for p in (batch, one_by_one):
+        p.insert_many(recovered, chains)
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.25:
+            key, state = b"k%d" % step, (rng.randrange(3), rng.random() < 0.2)
+            held.append(key)
+            for p in (batch, one_by_one):
+                p.insert(key, *state)
+        elif op < 0.55 and held:
+            keys = rng.sample(held, min(len(held), rng.randrange(1, 12)))
+            batch.touch_many(keys)
+            for key in keys:
+                one_by_one.touch(key)
+        elif op < 0.65 and held:
+            key, state = rng.choice(held), (rng.randrange(3), rng.random() < 0.2)
+            for p in (batch, one_by_one):
+                p.update(key, *state)
+        elif op < 0.75 and held:
+            key = held.pop(rng.randrange(len(held)))
+            for p in (batch, one_by_one):
+                p.remove(key)
+        else:
+            pinned = set(rng.sample(held, len(held) // 3)).__contains__
+            victim = one_by_one.pick_victim(pinned)
+            assert batch.pick_victim(pinned) == victim, step
+            if victim is not None and rng.random() < 0.5:
+                held.remove(victim)
+                for p in (batch, one_by_one):
+                    p.remove(victim)
+        assert len(batch) == len(one_by_one) == len(held)
+    assert drain(batch) == drain(one_by_one)
+
+
 def test_make_policy():
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
@@ -421,3 +465,48 @@ def test_serve_refuses_a_bad_per_tier_policy_naming_the_key(tmp_path, policy, ke
                                      str(tmp_path / "nvme")), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert key + ":" in r.stderr
+
+
+class RecordingPrefixPolicy(PrefixAwarePolicy):
+    """Remembers the (children, orphan) each key was last given by ``insert_run``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: dict[bytes, tuple[int, bool]] = {}
+
+    def insert_run(self, keys, chains=None) -> None:
+        keys, chains = list(keys), list(chains)
+        self.told.update(zip(keys, chains))
+        super().insert_run(keys, chains)
+
+
+def test_a_published_run_tells_each_block_the_chain_state_it_has():
+    """``BlockIndex.show_run`` tells the policies what ``chain_state`` says of each block of a run
+    once the run is linked: a chain into one tier (parent before, one child after), its first
+    block an orphan, a block given a child before it was published, a block in a slower tier, a
+    run continuing a visible chain."""
+    from kvstore.store.index import BlockIndex, Entry, PlainCopy
+
+    index = BlockIndex([RecordingPrefixPolicy(), RecordingPrefixPolicy()])
+    ns = b"n" * 16
+
+    def entry(i: int, parent: int | None, tier: int = 0) -> Entry:
+        e = Entry(ns + b"%016d" % i, None if parent is None else index.entries[ns + b"%016d" % parent].key
+                  if ns + b"%016d" % parent in index.entries else ns + b"%016d" % parent, 4096)
+        e.hold_plain(PlainCopy(tier, 4096, 0))
+        index.entries[e.key] = e
+        return e
+
+    def check(run: list[Entry]) -> None:
+        index.show_run(run)
+        for e in run:
+            t = e.first()
+            assert index.policies[t].told[e.key] == index.chain_state(e, t), e
+            assert e.visible
+
+    check([entry(i, None if i == 0 else i - 1) for i in range(6)])   # 0 has no parent
+    check([entry(10 + i, 99 if i == 0 else 10 + i - 1) for i in range(6)])   # 10: an orphan
+    early = entry(23, 22)   # published before its parent: 22 has a child already when its run is
+    check([early])
+    check([entry(20, 5), entry(21, 20), entry(22, 21), entry(24, 22, tier=1), entry(25, 24), entry(26, 25)])
+    check([entry(30 + i, 26 if i == 0 else 30 + i - 1) for i in range(4)])   # continues a visible chain

@@ -7,14 +7,14 @@ and the leaves ``keys``, ``errors``, ``buffers``, ``wire``) and must not import 
 ``kvstore.client``, ``kvstore.fleet``, ``kvstore.ops``, ``kvstore.transport`` or ``kvstore.proto``.
 
 Modules: ``store`` (the Store and its seams), ``cascade`` (placing, demoting, promoting and dropping
-copies), ``index`` (entries and prefix-chain links), ``leases`` (two-phase operations),
-``puts`` / ``reads`` (blocks by value, as stored or decoded), ``transcoding`` (the form a copy
-takes in each tier: codecs where configured) with ``codec_stats`` (its per-tier tally), ``namespaces`` (the registry and its per-tenant cap),
-``namespace_files`` (one file per namespace on disk), ``quotas`` (per-tenant byte accounting),
-``recovery`` (warm restart), ``views`` (pinned blocks and the shared arena), ``listeners``,
-``config`` and ``policy``; ``admin`` (operator commands: footprints, drop, evict, prewarm, limits;
-``Store.admin``) with ``pinned_prefixes`` (``kvstore pin``); both warm blocks into the CPU tier
-with ``Transfers.warm``.
+copies), ``index`` (entries and prefix-chain links), ``leases`` (two-phase operations), ``puts`` /
+``reads`` (blocks by value, as stored or decoded), ``transcoding`` (the form a copy takes in each
+tier: codecs where configured, and its per-tier tally), ``namespaces`` (the registry and its
+per-tenant cap), ``namespace_files`` (one file per namespace on disk), ``quotas`` (per-tenant byte
+accounting), ``recovery`` (warm restart), ``views`` (pinned blocks and the shared arena),
+``listeners``, ``config`` and ``policy``; ``admin`` (operator commands: footprints, drop, evict,
+prewarm, limits; ``Store.admin``) with ``pinned_prefixes`` (``kvstore pin``); both warm blocks into
+the CPU tier with ``Transfers.warm``.
 """
 
 from kvstore.store.config import StoreConfig

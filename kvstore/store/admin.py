@@ -11,7 +11,6 @@ the lock, outside it, so listing a large store does not stall reads.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvstore.store.cascade import Cascade
@@ -77,25 +76,21 @@ class StoreAdmin:
     # -- where the space goes ---------------------------------------------------------------------
 
     def footprints(self, namespace_ids: Iterable[bytes]) -> dict[bytes, Footprint]:
-        wanted = set(namespace_ids)
         cascade = self.cascade
         with cascade.lock:
             entries = list(cascade.index.entries.values())
-        out = {ns_id: Footprint() for ns_id in wanted}
         names = [t.name for t in cascade.tiers]
-        per_tier: dict[bytes, dict[str, list[int]]] = defaultdict(lambda: {n: [0, 0] for n in names})
+        out = {ns_id: Footprint(tiers={n: {"blocks": 0, "bytes": 0} for n in names}) for ns_id in namespace_ids}
         for entry in entries:
             fp = out.get(entry.namespace_id)
             if fp is None or not entry.visible:
                 continue
             fp.blocks += 1
             fp.bytes += entry.raw_size
-            tiers = per_tier[entry.namespace_id]
             for t, stored_size, _ in entry.copies.sizes_and_codecs():
-                tiers[names[t]][0] += 1
-                tiers[names[t]][1] += stored_size
+                fp.tiers[names[t]]["blocks"] += 1
+                fp.tiers[names[t]]["bytes"] += stored_size
         for ns_id, fp in out.items():
-            fp.tiers = {n: {"blocks": b, "bytes": nb} for n, (b, nb) in per_tier[ns_id].items()}
             fp.pinned_blocks, fp.pinned_bytes = self.pins.of_namespace(ns_id)
         return out
 
@@ -127,15 +122,10 @@ class StoreAdmin:
     def _drop(self, entries: list[Entry]) -> Freed:
         """Caller holds the lock. A block a reader has pinned right now is doomed (invisible at
         once, freed on its last unpin), as a client's Delete does."""
-        freed = Freed()
+        freed = Freed(blocks=len(entries), bytes=sum(e.raw_size for e in entries))
         for entry in entries:
-            freed.blocks += 1
-            freed.bytes += entry.raw_size
             entry.held = False
-            if entry.pins:
-                self.cascade.doom(entry)
-            else:
-                self.cascade.drop_entry(entry)
+            self.cascade.delete(entry)
         self.cascade.count("admin_dropped_blocks", freed.blocks)
         return freed
 

@@ -92,8 +92,7 @@ class Cascade:
     def pin_entry(self, entry: Entry) -> Entry:
         """Hold a visible block the caller found in the index in place (no eviction, freed only on
         the last unpin). Caller holds the lock."""
-        assert entry.visible and self.index.entries.get(entry.key) is entry, "pinned a block the index does not serve"
-        entry.add_pin()
+        self.pin_all((entry,))
         return entry
 
     def pin_all(self, entries) -> None:
@@ -105,8 +104,7 @@ class Cascade:
 
     def unpin(self, entry: Entry) -> None:
         """Let go of one pin (caller holds the lock); a deleted block is freed on its last."""
-        if entry.drop_pin():
-            self.drop_entry(entry)
+        self.unpin_all((entry,))
 
     def pin_visible(self, keys: Sequence[bytes]) -> list[Entry | None]:
         """Per key, its block pinned (``pin_entry``) where it is visible, else None: the index
@@ -131,11 +129,8 @@ class Cascade:
 
     def unpin_keys(self, keys: Sequence[bytes]) -> None:
         """Unpin blocks by key (takes the lock itself)."""
-        with self.lock:
-            for key in keys:
-                entry = self.index.entries.get(key)
-                if entry is not None and entry.pins > 0:
-                    self.unpin(entry)
+        with self.lock:   # (each occurrence of a key in a lease holds a pin of its own)
+            self.unpin_all([e for e in map(self.index.entries.get, keys) if e is not None and e.pins > 0])
 
     def is_pinned(self, key: bytes) -> bool:
         e = self.index.entries.get(key)
@@ -177,15 +172,15 @@ class Cascade:
                     return self._new_entry(namespace_id, h, parent, nbytes, tenant, t, only_this_tier, staged,
                                            last_try=attempt + 1 == ROOM_ATTEMPTS)
                 except RoomNotReady as e:
-                    self.quotas.release(tenant, nbytes)
                     clear = e.tier
         raise AssertionError("unreachable: the last try falls through to slower tiers")
 
     def _new_entry(self, namespace_id: bytes, h: bytes, parent: bytes | None, nbytes: int, tenant: str, t: int,
                    only_this_tier: bool, staged: StagedBlock | None, last_try: bool) -> Entry:
-        """``reserve``'s allocation under the lock, its quota charged: room in tier ``t`` or, where
-        there is none, a slower one. ``RoomNotReady`` when a victim must be written down first,
-        except on the ``last_try``, which then goes on to the next tier. Caller holds the lock."""
+        """``reserve``'s allocation under the lock, its quota charged (released again if it fails):
+        room in tier ``t`` or, where there is none, a slower one. ``RoomNotReady`` when a victim
+        must be written down first, except on the ``last_try``, which then goes on to the next
+        tier. Caller holds the lock."""
         record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
         entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged=True)
         entries = self.index.entries
@@ -207,11 +202,11 @@ class Cascade:
                 if t + 1 < len(self.tiers) and not only_this_tier:
                     t += 1
                     continue
-                self.quotas.release(tenant, nbytes)
                 self.counters["put_rejected_full"] += 1
                 raise StoreFull(f"no tier can take a {nbytes}-byte block: {e}") from e
-        except BaseException:
+        except BaseException:   # no room taken: neither entry nor charge stays
             del entries[entry.key]
+            self.quotas.release(tenant, nbytes)
             raise
         self.quotas.charges(namespace_id, tenant)
         record.parent_key = entry.parent_key   # one object for both
@@ -235,51 +230,43 @@ class Cascade:
             room = tier.free_bytes_for(nsid) // need   # blocks that fit without evicting
             if quota is not None:
                 room = min(room, max(0, quota - quotas.charged[tenant]) // nbytes)
-            plan: list[tuple[bytes, bytes | None] | None] = []   # per block: (key, parent key), or None (present)
-            fresh: dict[bytes, tuple[bytes, bytes | None]] = {}
-            for k in range(start, min(len(hashes), start + limit)):
-                key = nsid + hashes[k]
-                present = entries.get(key)
-                if present is not None and present.doomed:
-                    break   # ``reserve`` waits for its last reader
-                if present is not None or key in fresh:   # stored, or earlier in this run
-                    plan.append(None)
-                    continue
-                if len(fresh) == room:
-                    break
-                parent_key = parents[k]
-                if parent_key is not None:   # the parent's own key object where it is held (shared_parent_key)
-                    parent_key = nsid + parent_key
-                    parent = entries.get(parent_key)
-                    if parent is not None:
-                        parent_key = parent.key
-                    elif parent_key in fresh:
-                        parent_key = fresh[parent_key][0]
-                block = fresh[key] = (key, parent_key)
-                plan.append(block)
-            keys = list(fresh)
-            for key, parent_key in fresh.values():   # (invisible) before their room: a slot tier keeps slots in them
-                entries[key] = Entry(key, parent_key, nbytes, charged=True)
+            plan: list[Entry | None] = []   # per block: its new entry, or None (present)
+            new: list[Entry] = []   # indexed (invisible) as made, before their room: a slot tier keeps slots in them
+            copy = self._plain(t, nbytes, 0)   # each new copy: raw, in tier ``t``, no record of its own
+            before = None   # the block before this one, where it is new in this run
             allocated = 0
             try:
-                allocated = tier.allocate_keys(keys, nbytes)
+                for k in range(start, min(len(hashes), start + limit)):
+                    key = nsid + hashes[k]
+                    present = entries.get(key)
+                    if present is not None:   # stored, or earlier in this run
+                        if present.doomed:
+                            break   # ``reserve`` waits for its last reader
+                        plan.append(None)
+                        before = None
+                        continue
+                    if len(new) == room:
+                        break
+                    parent_key = parents[k]
+                    if before is not None and parent_key is hashes[k - 1]:   # a chain: the parent is that block
+                        parent_key = before.key
+                    elif parent_key is not None:   # the parent's own key object where it is held (shared_parent_key)
+                        parent_key = nsid + parent_key
+                        parent = entries.get(parent_key)
+                        if parent is not None:
+                            parent_key = parent.key
+                    entry = before = entries[key] = Entry(key, parent_key, nbytes, charged=True, copy=copy)
+                    new.append(entry)
+                    plan.append(entry)
+                allocated = tier.allocate_keys([entry.key for entry in new], nbytes)
             finally:
-                for key in keys[allocated:]:   # the tier refused one: the run ends before it
-                    del entries[key]
-            if allocated < len(keys):
-                plan = plan[:plan.index(fresh[keys[allocated]])]
+                for entry in new[allocated:]:   # the tier refused one: the run ends before it
+                    del entries[entry.key]
+            if allocated < len(new):
+                plan = plan[:plan.index(new[allocated])]
             quotas.charge(tenant, allocated * nbytes)
             quotas.charges(nsid, tenant)
-            copy = self._plain(t, nbytes, 0)   # each new copy: raw, in tier ``t``, no record of its own
-            run: list[Entry | None] = []
-            for block in plan:
-                if block is None:
-                    run.append(None)
-                    continue
-                entry = entries[block[0]]
-                entry.hold_plain(copy)
-                run.append(entry)
-        return run
+        return plan
 
     def wait_out_doomed(self, key: bytes) -> None:
         """A put of a block deleted while a reader still pins it must not be answered "exists":
@@ -293,8 +280,7 @@ class Cascade:
             if entry is None or not entry.doomed:
                 return
         if not self._doomed_waiters.acquire(blocking=False):
-            with self.lock:
-                self.counters["put_rejected_busy"] += 1
+            self.count("put_rejected_busy")
             raise BlockBusy(key)
         try:
             deadline = time.monotonic() + min(self.config.lease_seconds + 1.0, DOOMED_WAIT_MAX_S)
@@ -310,12 +296,13 @@ class Cascade:
             self._doomed_waiters.release()
 
     def publish_run(self, entries: Sequence[Entry], payloads: Sequence) -> list[int]:
-        """Make written entries visible, in order, under one lock acquisition (``_show_run``),
-        after writing those of one tier through to the durable tier together if configured
-        (``write_through``: ``copy_out_many`` of ``payloads``, outside the lock, as nobody else
-        touches an invisible entry; not synced, the caller's ``sync_durable`` commits the batch).
-        Returns the positions of those with a durable copy, which the caller reports as
-        "persisted" after ``sync_durable``. Takes the lock itself."""
+        """Make written entries visible, in order, each in its fastest tier, under one lock
+        acquisition (``BlockIndex.show_run``, ``Listeners.added_run``), after writing those of one
+        tier through to the durable tier together if configured (``write_through``:
+        ``copy_out_many`` of ``payloads``, outside the lock, as nobody else touches an invisible
+        entry; not synced, the caller's ``sync_durable`` commits the batch). Returns the positions
+        of those with a durable copy, which the caller reports as "persisted" after
+        ``sync_durable``. Takes the lock itself."""
         d = self.durable_index
         if d is None:
             durable = []
@@ -327,18 +314,12 @@ class Cascade:
                 if done.count(COPIED) < len(ks):
                     self.count("write_through_failures", len(ks) - done.count(COPIED))
             durable = [k for k, e in enumerate(entries) if d in e.copies]
-        with self.lock:
-            self._show_run(entries)
+        with self.lock:   # the policies and chains learn of each in turn, then the listeners
+            nbytes = self.index.show_run(entries)
+            self.listeners.added_run(entries)
+            self.counters["puts"] += len(entries)
+            self.counters["bytes_in"] += nbytes
         return durable
-
-    def _show_run(self, entries: Sequence[Entry]) -> None:
-        """Make written entries visible, in order, each in its fastest tier: the policies and the
-        chains learn of each in turn (a block's parent is linked before it), then the listeners
-        hear of each in turn (``Listeners.added_run``); the counts once per run. Caller holds the lock."""
-        nbytes = self.index.show_run(entries)
-        self.listeners.added_run(entries)
-        self.counters["puts"] += len(entries)
-        self.counters["bytes_in"] += nbytes
 
     def sync_durable(self) -> bool:
         """Make a batch of durable writes durable: the payloads were written without an fsync
@@ -373,8 +354,9 @@ class Cascade:
         if not lower and t + 1 < len(self.tiers):
             if self.transfers.writes_down_slowly(t):
                 raise RoomNotReady(t, f"{self.tiers[t].name} tier: its victim must be written down first")
-            try:
-                self._demote(entry, t, t + 1)
+            try:   # a memory-to-memory copy (GPU into CPU): room first, as it may reuse the scratch buffer
+                self.make_room(t + 1, entry.copies[t].stored_size, entry.namespace_id)
+                self.store_copy(entry, t + 1, self.read_copy(entry, t), entry.copies[t], downward=True)
                 self.counters["demotions"] += 1
             except RoomNotReady:
                 raise
@@ -384,45 +366,31 @@ class Cascade:
         if not len(entry.copies):
             self.counters["evictions"] += 1
 
-    def _demote(self, entry: Entry, src: int, dst: int) -> None:
-        """A copy from memory tier ``src`` into memory tier ``dst`` (GPU into CPU), under the lock."""
-        record = entry.copies[src]
-        self.make_room(dst, record.stored_size, entry.namespace_id)  # first: making room may reuse the scratch buffer
-        data = self.read_copy(entry, src)
-        self.store_copy(entry, dst, data, record, downward=True)
-
     def promotion_target(self, t: int) -> int:
         """The tier a hit on tier ``t`` is copied up to: the CPU tier when it is faster, else the first."""
         return self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
 
-    def prepare_promotions(self, hits: Sequence[tuple[Entry, int, object, object]]) -> list[bool]:
-        """Before hits ``(entry, tier, payload, decoded)`` on slower tiers are delivered, outside
-        the lock: room in the memory tier each is copied up to, for all of them at once
-        (``clear_room``), and True, leaving the copy to ``promote`` under the lock; or, where that
-        tier is not memory (a store without one), the whole copy (``copy_out``) and False."""
-        room: dict[tuple[int, bytes], int] = {}   # (target tier, namespace) -> bytes to clear
-        out = []
-        for entry, t, payload, decoded in hits:
-            target = self.promotion_target(t)
-            if self.tiers[target].in_memory:
-                try:
-                    need = self.tiers[target].footprint(entry.raw_size)
-                except BlockTooLarge:
-                    need = 0
-                room[target, entry.namespace_id] = room.get((target, entry.namespace_id), 0) + need
-                out.append(True)
-                continue
-            if target not in entry.copies:
-                done = self.copy_out(entry, t, target, payload, decoded)
-                self.count("promotions" if done == COPIED else "promotion_failures")
-            out.append(False)
-        for (target, namespace_id), nbytes in room.items():
-            self.clear_room(target, nbytes, namespace_id)
-        return out
+    def prepare_promotion(self, entry: Entry, t: int, payload, decoded) -> bool:
+        """Before a hit on a slower tier ``t`` is delivered, outside the lock: room in the memory
+        tier it is copied up to (``clear_room``), and True, leaving the copy to ``promote`` under
+        the lock; or, where that tier is not memory (a store without one), the whole copy
+        (``copy_out``) and False."""
+        target = self.promotion_target(t)
+        if self.tiers[target].in_memory:
+            try:
+                need = self.tiers[target].footprint(entry.raw_size)
+            except BlockTooLarge:
+                need = 0
+            self.clear_room(target, need, entry.namespace_id)
+            return True
+        if target not in entry.copies:
+            done = self.copy_out(entry, t, target, payload, decoded)
+            self.count("promotions" if done == COPIED else "promotion_failures")
+        return False
 
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster memory tier (see
-        ``prepare_promotions``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes
+        ``prepare_promotion``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes
         when the reader decoded them already. Caller holds the lock."""
         target = self.promotion_target(t)
         if target in entry.copies:
@@ -525,9 +493,12 @@ class Cascade:
             self.drop_copy(entry, t)
         self._forget(entry)
 
-    def doom(self, entry: Entry) -> None:
-        """Delete a pinned block: invisible, uncounted and announced as removed now, freed on its
-        last unpin."""
+    def delete(self, entry: Entry) -> None:
+        """Delete a block: dropped now, or, while a reader pins it, *doomed*: invisible, uncounted
+        and announced as removed now, freed on its last unpin."""
+        if not entry.pins:
+            self.drop_entry(entry)
+            return
         entry.doomed = True
         self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
         if entry.ready:
@@ -548,7 +519,7 @@ class Cascade:
                 self.tiers[self.cpu_index].let_go(entry.key, entry)
             index.forget_lease(entry)
             del index.entries[entry.key]
-            if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by doom)
+            if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by delete)
                 self.listeners.removed(entry.namespace_id, entry.block_hash)
                 index.namespace_bytes[entry.namespace_id] -= entry.raw_size
             self._uncharge(entry)

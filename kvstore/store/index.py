@@ -55,7 +55,7 @@ _MAKING_RECORDS = threading.Lock()
 
 class Copies:
     """An entry's copies: tier index -> ``BlockRecord``, with the part of a dict's interface the
-    store uses (``[t]``, ``in``, ``get``, ``pop``, ``del``, ``items``, ``len``, iteration in tier
+    store uses (``[t]``, ``in``, ``get``, ``del``, ``items``, ``len``, iteration in tier
     order). Why not a dict: an index of millions of blocks holds one per block, and a dict with
     one item takes 224 bytes; this is one slot of the entry itself (``Entry`` is a ``Copies``:
     a separate object would take 40 bytes more per block). The copies are one value, replaced
@@ -92,14 +92,6 @@ class Copies:
         else:   # found in a second tier: records for both
             self[copy.tier] = BlockRecord.of_keys(self.key, self.parent_key, copy.stored_size, self.raw_size,
                                                   copy.codec)
-
-    def _pairs(self) -> tuple:
-        flat = self._flat
-        if flat is None:
-            return ()
-        if type(flat) is PlainCopy:
-            return flat.tier, self._record(flat)
-        return flat if type(flat) is tuple else (flat.tier, flat)
 
     def sizes_and_codecs(self) -> list[tuple[int, int, int]]:
         """(tier, stored size, codec) of each copy, in tier order, no record made (a whole
@@ -172,25 +164,20 @@ class Copies:
             return
         self._set([p for p in self.items() if p[0] != t] + [(t, record)])
 
-    def pop(self, t: int, *default):
-        record = self.get(t)
-        if record is None:
-            if default:
-                return default[0]
-            raise KeyError(t)
-        self._set([p for p in self.items() if p[0] != t])
-        return record
-
     def __delitem__(self, t: int) -> None:
         flat = self._flat
         if type(flat) is PlainCopy and flat.tier == t:
             self._flat = None   # no record made for a copy that leaves
+        elif t in self:
+            self._set([p for p in self.items() if p[0] != t])
         else:
-            self.pop(t)
+            raise KeyError(t)
 
     def items(self) -> list[tuple[int, BlockRecord]]:
-        flat = self._pairs()
-        return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        flat = self._flat
+        if type(flat) is tuple:
+            return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        return [] if flat is None else [(flat.tier, self._record(flat) if type(flat) is PlainCopy else flat)]
 
     def __iter__(self):
         flat = self._flat
@@ -264,13 +251,14 @@ class Entry(Copies, NamedByKey):
     __slots__ = ("key", "parent_key", "raw_size", "children", "slot", "_flags")
 
     def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, *, ready: bool = False,
-                 charged: bool = False) -> None:
+                 charged: bool = False, copy: PlainCopy | None = None) -> None:
+        """``copy``: its one copy, where a ``PlainCopy`` describes it (``hold_plain``)."""
         assert len(key) > NAMESPACE_ID_BYTES, "a key is a namespace id and a block hash (block_key)"
         self.key = key
         self.parent_key = parent_key
         self.raw_size = raw_size
-        self._flat = None             # its copies: tier index -> record (``Copies``)
-        #: visible children (see BlockIndex.link): () none, one's key, a tuple of keys, or a set of many
+        self._flat = copy             # its copies: tier index -> record (``Copies``)
+        #: visible children (see BlockIndex.show_run): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
         self.slot = None              # kept by the slot tier (``SlotTable``)
         self._flags = (_READY if ready else 0) | (_CHARGED if charged else 0)
@@ -288,21 +276,9 @@ class Entry(Copies, NamedByKey):
         """Explicit pins (in-flight reads, leases): changed only by ``Cascade.pin_entry`` / ``unpin``."""
         return self._flags // _PIN
 
-    @pins.setter
-    def pins(self, n: int) -> None:
-        assert n >= 0, "a negative pin count"
-        self._flags = n * _PIN | self._flags % _PIN
-
     def add_pin(self) -> None:
         """One more pin (``Cascade.pin_entry``): the count above the flag bits, one addition."""
         self._flags += _PIN
-
-    def drop_pin(self) -> bool:
-        """One pin fewer (``Cascade.unpin``); whether the entry is now unpinned and doomed (to be freed)."""
-        flags = self._flags - _PIN
-        assert flags >= 0, "a negative pin count"
-        self._flags = flags
-        return flags < _PIN and flags & _DOOMED != 0
 
     ready = _flag(_READY, "visible to lookups and gets")
     doomed = _flag(_DOOMED, "deleted while pinned: freed on last unpin")
@@ -443,14 +419,6 @@ class BlockIndex:
             record.parent_key = parent.key
         return record.parent_key
 
-    def link(self, entry: Entry) -> None:
-        """List a newly visible block in its parent (a parent with children is not a leaf)."""
-        parent = self.parent(entry)
-        if parent is not None and not entry.linked:
-            entry.linked = True
-            _add_child(parent, entry.key)
-            self.refresh_policies(parent)
-
     def pin_visible(self, keys) -> list[Entry | None]:
         """Per key, its entry with one pin more where it is visible, else None (``Cascade.pin_visible``):
         ``visible`` and ``add_pin`` inlined, one loop for a whole batch."""
@@ -467,8 +435,8 @@ class BlockIndex:
 
     @staticmethod
     def drop_pins(entries) -> list[Entry]:
-        """``drop_pin`` on each of ``entries``, inlined (``Cascade.unpin_all``); returns those now
-        unpinned and doomed (to be freed)."""
+        """One pin fewer on each of ``entries`` (``Cascade.unpin_all``); returns those now unpinned
+        and doomed (to be freed)."""
         freed = []
         for entry in entries:
             flags = entry._flags - _PIN
@@ -479,40 +447,94 @@ class BlockIndex:
         return freed
 
     def show_run(self, entries) -> int:
-        """Make written entries visible, in order, each in its fastest tier: its policy learns of
-        it and it is linked into its parent, a block's parent before it (``track_copy``,
-        ``link``). Where no policy uses chains, each tier's policy is told its run at once
-        (``insert_run``). Returns the entries' raw bytes; the namespaces' bytes are counted."""
-        namespace_bytes = self.namespace_bytes
+        """Make written entries visible, in order, each in its fastest tier: each is listed in its
+        parent's ``children`` (a parent with children is not a leaf), then each tier's policy
+        learns of its run at once (``insert_run``), with each entry's chain state where it uses
+        chains. Linking the whole run first tells a parent in the run its final chain state once,
+        not a leaf's and then a parent's; a parent already visible is told its new one after.
+        Returns the entries' raw bytes; the namespaces' bytes are counted. A put's usual run (a
+        chain into one tier) is shown by ``_show_chain``, to the same effect."""
+        shown = self._show_chain(entries)
+        if shown is not None:
+            return shown
+        index, namespace_bytes, chains = self.entries, self.namespace_bytes, self._chains
+        visible_parents = []
         nbytes = 0
-        if self._chains:
-            for entry in entries:
-                self.track_copy(entry, entry.first())
-                entry.ready = True
-                self.link(entry)
-                namespace_bytes[entry.namespace_id] += entry.raw_size
-                nbytes += entry.raw_size
-            return nbytes
-        index = self.entries
-        new: list[list[bytes]] = [[] for _ in self.policies]
         for entry in entries:
-            new[entry.first()].append(entry.key)
-            flags = entry._flags | _READY
+            flags = entry._flags
             parent = None if entry.parent_key is None else index.get(entry.parent_key)
-            if parent is not None and not flags & _LINKED:   # ``link``; no policy to refresh
-                flags |= _LINKED
+            if parent is not None and not flags & _LINKED:
+                entry._flags = flags | _LINKED
                 _add_child(parent, entry.key)
-            entry._flags = flags
+                if chains and parent._flags & _READY:   # (an entry of the run is not, yet)
+                    visible_parents.append(parent)
+        tiers = [entry.first() for entry in entries]
+        states = [self.chain_state(entry, t) for entry, t in zip(entries, tiers)] if chains else None
+        new_keys: list[list[bytes]] = [[] for _ in self.policies]
+        new_states: list[list[tuple[int, bool]]] = [[] for _ in self.policies]
+        for k, entry in enumerate(entries):
+            t = tiers[k]
+            new_keys[t].append(entry.key)
+            if states is not None:
+                new_states[t].append(states[k])
+            entry._flags |= _READY
             namespace_bytes[entry.key[:NAMESPACE_ID_BYTES]] += entry.raw_size
             nbytes += entry.raw_size
-        for t, keys in enumerate(new):
+        for t, keys in enumerate(new_keys):
             if keys:
-                self.policies[t].insert_run(keys)
+                policy = self.policies[t]
+                policy.insert_run(keys, new_states[t] if policy.uses_chains else None)
+        for parent in visible_parents:
+            self.refresh_policies(parent)
+        return nbytes
+
+    def _show_chain(self, entries) -> int | None:
+        """``show_run`` for a put's usual run, in one pass, where it applies: at least three entries,
+        each in the index, none linked or with a child yet, each but the first the child of the one
+        before it, and all holding their one copy as the same ``PlainCopy`` (``Cascade.reserve_run``:
+        raw, in one tier). Linked, each but the last then has one child in that tier (the next) and
+        each but the first its prefix there: (1, False) without a walk; the first and the last go
+        through ``chain_state``. A block's parent is of its namespace, so the run is of one. None
+        where it does not apply (nothing changed: ``show_run`` shows the run)."""
+        if len(entries) < 3:
+            return None
+        index, first = self.entries, entries[0]
+        copy = first._flat
+        before = None
+        for entry in entries:
+            if (entry._flat is not copy or entry._flags & _LINKED or entry.children
+                    or index.get(entry.key) is not entry or before is not None and entry.parent_key is not before.key):
+                return None
+            before = entry
+        if type(copy) is not PlainCopy:
+            return None
+        parent = None if first.parent_key is None else index.get(first.parent_key)
+        refresh = parent is not None and parent._flags & _READY   # a visible parent: told its new state after
+        if parent is not None:
+            first._flags |= _LINKED
+            _add_child(parent, first.key)
+        first._flags |= _READY
+        nbytes = first.raw_size
+        for before, entry in zip(entries, entries[1:]):
+            before.children = entry.key
+            entry._flags |= _LINKED | _READY
+            nbytes += entry.raw_size
+        t, last = copy.tier, entries[-1]
+        policy = self.policies[t]
+        if policy.uses_chains:
+            states = [(1, False)] * len(entries)
+            states[0], states[-1] = self.chain_state(first, t), self.chain_state(last, t)
+            policy.insert_run([entry.key for entry in entries], states)
+        else:
+            policy.insert_run([entry.key for entry in entries])
+        self.namespace_bytes[first.key[:NAMESPACE_ID_BYTES]] += nbytes
+        if refresh:
+            self.refresh_policies(parent)
         return nbytes
 
     def link_recovered(self) -> None:
-        """``link`` every entry into its parent at once, before any policy knows of them (warm
-        restart: ``track_recovered`` then tells the policies each final chain state)."""
+        """List every entry in its parent's ``children`` at once, before any policy knows of them
+        (warm restart: ``track_recovered`` then tells the policies each final chain state)."""
         entries = self.entries
         for entry in entries.values():
             if entry.parent_key is None or entry.linked:

@@ -52,21 +52,6 @@ class Lease:
     codecs: list[int] = dataclasses.field(default_factory=list)   # load: each block's codec id
     sizes: list[int] = dataclasses.field(default_factory=list)    # load: each block's stored bytes
 
-    def add(self, key: bytes, extents, stored: tuple[int, int]) -> None:
-        """A load lease's next block: its key, arena extents, and what its copy holds
-        (``(stored size, codec)``, ``Copies.stored``)."""
-        self.keys.append(key)
-        self.extents.append(extents)
-        self.sizes.append(stored[0])
-        self.codecs.append(stored[1])
-
-    def add_many(self, keys: list[bytes], extents: list, stored: list[tuple[int, int]]) -> None:
-        """``add`` for each of a run of blocks, in order."""
-        self.keys += keys
-        self.extents += extents
-        self.sizes += [size for size, _ in stored]
-        self.codecs += [codec for _, codec in stored]
-
 
 class Leases:
     """The open leases of one store and the two-phase operations that open and close them."""
@@ -161,7 +146,9 @@ class Leases:
                     like, payload = encoded[i]
                     payload = cascade.encode_reserved(entry, c, payload, like)  # type: ignore[arg-type]
                 else:
-                    needs = self._needs_bytes(entry) if needs is None else needs
+                    if needs is None:   # to encode them for a CPU-tier codec, or to write them through
+                        needs = (cascade.transcoder.codec_for(c, entry.namespace_id) != RAW  # type: ignore[arg-type]
+                                 or (cascade.config.write_through and cascade.durable_index is not None))
                     payload = None   # a raw CPU tier keeps the slots as written: nothing reads them unless needed
                     if needs:
                         views = cascade.tiers[c].view(key)  # type: ignore[attr-defined,index]
@@ -177,13 +164,6 @@ class Leases:
         finally:   # a block that failed to encode was dropped; those before it are published
             publish_ready()
         return out.synced()
-
-    def _needs_bytes(self, entry) -> bool:
-        """Whether completing ``entry`` reads its bytes: to encode them for a CPU-tier codec, or to
-        write them through to the durable tier."""
-        cascade = self._cascade
-        return (cascade.transcoder.codec_for(cascade.cpu_index, entry.namespace_id) != RAW
-                or (cascade.config.write_through and cascade.durable_index is not None))
 
     def _client_payloads(self, lease: Lease, codec: int, sizes: Sequence[int]) -> dict[int, tuple]:
         """Block index -> (record, payload) of each reserved block the writer encoded itself, its
@@ -233,9 +213,8 @@ class Leases:
         read several at once, no other caller waiting on this one's disk), then leased in order."""
         cascade = self._cascade
         cascade.namespaces.check_batch(namespace_id, hashes)
-        c, cpu = self._cpu_tier()
+        c, _ = self._cpu_tier()
         lease = Lease(0, "load", [], float("inf"), [])
-        policy = cascade.index.policies[c]
         entries = cascade.index.entries
         i, stopped = 0, False
         try:
@@ -274,28 +253,23 @@ class Leases:
                         leased.append(entry)
                         held.append(stored)
                         i += 1
-                    if leased:
-                        keys = [e.key for e in leased]
-                        cascade.pin_all(leased)
-                        policy.touch_many(keys)
-                        cascade.served(c, len(leased), sum(size for size, _ in held))
-                        lease.add_many(keys, cpu.extents_many(keys), held)
+                    cascade.pin_all(leased)
+                    self._lease_held(lease, leased, held, c, c)
                 if staging:
-                    stopped = not self._stage_run(staging, src, c, cpu, accept, lease)
+                    stopped = not self._stage_run(staging, src, c, accept, lease)
         except BaseException:
             cascade.unpin_keys(lease.keys)
             raise
         return self._register(lease)
 
-    def _stage_run(self, staging: list, src: int, c: int, cpu: CpuTier, accept: Collection[int],
-                   lease: Lease) -> bool:
+    def _stage_run(self, staging: list, src: int, c: int, accept: Collection[int], lease: Lease) -> bool:
         """Give each pinned entry of ``staging`` a copy in the CPU tier ``c`` from its copy in tier
         ``src`` (``Cascade.copy_out_many``) and lease it, in order; False at the first that cannot
         be (a damaged copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with
         a codec the reader does not take): it and the rest are unpinned (on any exit, so no pin
         outlives a failure), and the reader is told it was not staged (it fetches it over a stream)."""
         cascade = self._cascade
-        leased = 0
+        held: list[tuple[int, int]] = []
         try:
             outcomes = cascade.copy_out_many(staging, src, c)
             with cascade.lock:
@@ -303,16 +277,28 @@ class Leases:
                     stored = entry.copies.stored(c)
                     if outcome != COPIED or stored is None or not entry.visible or stored[1] not in (0, *accept):
                         break
-                    cascade.index.policies[c].touch(entry.key)
-                    cascade.served(src, 1, stored[0])
-                    lease.add(entry.key, cpu.extents(entry.key), stored)
-                    leased += 1
+                    held.append(stored)
+                self._lease_held(lease, staging[:len(held)], held, c, src)
         finally:
-            if leased < len(staging):
+            if len(held) < len(staging):
                 with cascade.lock:
-                    for entry in staging[leased:]:
-                        cascade.unpin(entry)
-        return leased == len(staging)
+                    cascade.unpin_all(staging[len(held):])
+        return len(held) == len(staging)
+
+    def _lease_held(self, lease: Lease, entries: list, held: list[tuple[int, int]], c: int, src: int) -> None:
+        """Add pinned ``entries``, whose CPU copies hold ``held`` (stored size, codec) each, to a
+        load lease, in order (their keys, arena extents, sizes and codecs): touched in the CPU
+        tier's policy, and counted as hits on tier ``src``, where their bytes came from. Caller
+        holds the lock."""
+        if not entries:
+            return
+        keys = [e.key for e in entries]
+        self._cascade.index.policies[c].touch_many(keys)
+        self._cascade.served(src, len(entries), sum(size for size, _ in held))
+        lease.keys += keys
+        lease.extents += self._cascade.tiers[c].extents_many(keys)  # type: ignore[attr-defined]
+        lease.sizes += [size for size, _ in held]
+        lease.codecs += [codec for _, codec in held]
 
     def complete_load(self, lease_id: int) -> None:
         lease = self._take(lease_id, "load")

@@ -50,9 +50,9 @@ class PinnedPrefixes(StoreListener):
     """Pinned hashes per namespace, and what each tenant's pins hold. Takes the store lock itself,
     except in the listener callbacks, which the cascade calls with it held."""
 
-    def __init__(self, cascade: Cascade, limit_bytes: int | None = None) -> None:
+    def __init__(self, cascade: Cascade) -> None:
         self.cascade = cascade
-        self.limit_bytes = limit_bytes
+        self.limit_bytes: int | None = None   # set by ``StoreAdmin.set_limits``
         self._hashes: dict[bytes, dict[bytes, None]] = {}   # namespace id -> pinned hashes (ordered)
         self._namespaces: dict[bytes, Namespace] = {}
 
@@ -82,27 +82,26 @@ class PinnedPrefixes(StoreListener):
         """Take back the pins of ``new`` and raise ``QuotaExceeded`` if the tenant's pins now hold
         more than ``limit_bytes`` (naming the setting), or all tenants' more than ``PINNED_SHARE``
         of the CPU tier. Caller holds the lock."""
-        cost = self._cost(ns.tenant)
+        cost, cpu = self._cost(ns.tenant), self._cpu()
+        share = int(cpu.capacity_bytes * PINNED_SHARE) if cpu is not None else None
+        total = sum(self._cost(t) for t in {self._namespaces[nsid].tenant for nsid in self._hashes})
         if self.limit_bytes is not None and cost > self.limit_bytes:
-            self._release(ns.id, new)
-            self.cascade.counters["pins_refused_limit"] += 1
-            raise QuotaExceeded(
+            refused = QuotaExceeded(
                 f"{LIMIT_SETTING}: with {len(new)} more blocks pinned, tenant {ns.tenant!r}'s pins would hold "
                 f"{cost} bytes of the CPU tier (slot footprints"
                 f"{', and the segments they keep' if self._segment_bytes() else ''}), which would exceed its limit "
                 f"of {self.limit_bytes} bytes; nothing was pinned (unpin something, or raise {LIMIT_SETTING})",
                 field=LIMIT_SETTING)
-        cpu = self._cpu()
-        if cpu is not None:
-            share = int(cpu.capacity_bytes * PINNED_SHARE)
-            total = sum(self._cost(t) for t in {self._namespaces[nsid].tenant for nsid in self._hashes})
-            if total > share:
-                self._release(ns.id, new)
-                self.cascade.counters["pins_refused_limit"] += 1
-                raise QuotaExceeded(
-                    f"pins: with {len(new)} more blocks pinned, all tenants' pins would hold {total} bytes of the "
-                    f"CPU tier, more than the {share} bytes ({PINNED_SHARE:.0%} of it) pins may hold together, so that "
-                    "every tenant keeps room; nothing was pinned (unpin something)", field="hashes")
+        elif share is not None and total > share:
+            refused = QuotaExceeded(
+                f"pins: with {len(new)} more blocks pinned, all tenants' pins would hold {total} bytes of the "
+                f"CPU tier, more than the {share} bytes ({PINNED_SHARE:.0%} of it) pins may hold together, so that "
+                "every tenant keeps room; nothing was pinned (unpin something)", field="hashes")
+        else:
+            return
+        self._release(ns.id, new)
+        self.cascade.counters["pins_refused_limit"] += 1
+        raise refused
 
     def _cpu(self):
         c = self.cascade.cpu_index

@@ -43,18 +43,21 @@ class EvictionPolicy(ABC):
     def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         """``insert`` each key, in order, with its (children, orphan) from ``chains`` (None: without
         a chain state, for policies that ignore it)."""
+        self._insert_each(keys, chains)
+
+    def insert_run(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
+        """``insert`` each key, in order, with its (children, orphan) from ``chains`` (None: without
+        a chain state): a run of new blocks, as new as any insert, unlike ``insert_many``'s bulk
+        (which a policy may keep apart: a warm restart's keys)."""
+        self._insert_each(keys, chains)
+
+    def _insert_each(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None) -> None:
         if chains is None:
             for key in keys:
                 self.insert(key)
         else:
             for key, (children, orphan) in zip(keys, chains):
                 self.insert(key, children, orphan)
-
-    def insert_run(self, keys: Iterable[bytes]) -> None:
-        """``insert`` each key, in order, without a chain state (a run of new blocks, for a
-        policy that ignores chains): as new as any insert, unlike ``insert_many``'s bulk."""
-        for key in keys:
-            self.insert(key)
 
     @abstractmethod
     def touch(self, key: bytes) -> None: ...
@@ -172,7 +175,7 @@ class LRUPolicy(EvictionPolicy):
         else:
             self._dormant = DormantKeys(keys)
 
-    def insert_run(self, keys: Iterable[bytes]) -> None:
+    def insert_run(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         add, now = self._order.setdefault, self._round
         for key in keys:
             add(key, now)
@@ -219,8 +222,7 @@ class LRUPolicy(EvictionPolicy):
                 yield key
 
     def pick_victim(self, is_pinned: IsPinned) -> bytes | None:
-        return next((key for key in itertools.chain(self._dormant.oldest_first(), self._least_recent_first())
-                     if not is_pinned(key)), None)
+        return next(iter(self.pick_victims(is_pinned, 1)), None)
 
     def pick_victims(self, is_pinned: IsPinned, n: int) -> list[bytes]:
         """In one pass: naming them one by one would walk past those already named (pinned) each
@@ -299,28 +301,37 @@ class PrefixAwarePolicy(EvictionPolicy):
         state = self._state[key] = next(self._clock) << 2 | (children == 0) << 1 | bool(orphan)
         self._push(key, state)
 
+    def insert_run(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
+        """``insert`` each key in order (``insert``'s lines, in one loop: a put's run of blocks)."""
+        if chains is None:
+            chains = itertools.repeat((0, False))
+        states, tick = self._state, next(self._clock)
+        for key, (children, orphan) in zip(keys, chains):
+            state = states[key] = tick << 2 | (children == 0) << 1 | bool(orphan)
+            tick += 1
+            if state & _LEAF:
+                self._push(key, state)
+        self._clock = itertools.count(tick)   # the run's ticks taken at once
+
     def insert_many(self, keys: Iterable[bytes], chains: Iterable[tuple[int, bool]] | None = None) -> None:
         keys = list(keys)
         if chains is None:
             chains = [(0, False)] * len(keys)
-        fresh = not self._state and not self._dormant
-        states, clock = self._state, self._clock
+        if self._state or self._dormant:   # not empty: each one as new as any insert
+            self.insert_run(keys, chains)
+            return
+        clock = self._clock
         leaves: list[tuple[int, bytes]] = []
         orphans: list[tuple[int, bytes]] = []
         for key, (children, orphan) in zip(keys, chains):
             tick = next(clock)
-            if not fresh:
-                states[key] = tick << 2 | (children == 0) << 1 | bool(orphan)
             if children == 0:
                 (orphans if orphan else leaves).append((tick, key))
-        if fresh:   # dormant, in tick order: each list is a heap already
-            self._dormant = DormantKeys(keys)
-            self._bulk_leaves = {key: _LEAF | _ORPHAN for _, key in orphans} | {key: _LEAF for _, key in leaves}
-            self._leaves, self._orphans = leaves, orphans
-            self._bulk_end = next(clock)
-        else:
-            for tick, key in leaves + orphans:
-                self._push(key, states[key])
+        # dormant, in tick order: each list is a heap already
+        self._dormant = DormantKeys(keys)
+        self._bulk_leaves = {key: _LEAF | _ORPHAN for _, key in orphans} | {key: _LEAF for _, key in leaves}
+        self._leaves, self._orphans = leaves, orphans
+        self._bulk_end = next(clock)
 
     def _wake(self, key: bytes) -> int | None:
         """Take ``key`` out of the dormant ones: its class, or None where it is not one."""
@@ -334,6 +345,22 @@ class PrefixAwarePolicy(EvictionPolicy):
         state = self._state.pop(key) if woken is None else woken   # KeyError for a key not held
         state = self._state[key] = next(self._clock) << 2 | state & _CLASS   # at the recent end
         self._push(key, state)
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """``touch`` each key, in order, in one loop (a batch of reads: small blocks are bound by
+        per-block Python): a key awake is moved to the recent end here, a dormant one by ``touch``."""
+        states, clock, pending = self._state, self._clock, self._pending
+        for key in keys:
+            state = states.pop(key, None)
+            if state is None:
+                self.touch(key)
+                pending = self._pending   # (a flush there starts a new list)
+                continue
+            state = states[key] = next(clock) << 2 | state & _CLASS
+            if state & _LEAF:
+                pending.append(key)
+        if len(pending) >= self.PENDING_MAX:
+            self._flush()
 
     def remove(self, key: bytes) -> None:
         if self._state.pop(key, None) is None:
@@ -437,15 +464,12 @@ class S3FIFOPolicy(EvictionPolicy):
             self._named = None
         if key in self._small:
             del self._small[key]
-            if evicted:
-                self._remember(key)
+            if evicted:   # a ghost now, the oldest ghosts forgotten past the tier's key count
+                self._ghost[key] = None
+                while len(self._ghost) > max(len(self._freq), self.MIN_GHOSTS):
+                    self._ghost.popitem(last=False)
         else:
             del self._main[key]
-
-    def _remember(self, key: bytes) -> None:
-        self._ghost[key] = None
-        while len(self._ghost) > max(len(self._freq), self.MIN_GHOSTS):
-            self._ghost.popitem(last=False)
 
     def queue_of(self, key: bytes) -> str | None:
         """``"small"``, ``"main"``, ``"ghost"`` or None: where the policy holds ``key`` (for tests
@@ -522,7 +546,6 @@ def make_tier_policies(spec: str | Mapping[str, str], tier_names: Sequence[str])
         raise ValueError(f"eviction_policy: a policy name or a mapping of tier -> policy, not {spec!r}")
     if isinstance(spec, Mapping):
         for tier, name in spec.items():
-            if name not in POLICIES:
-                raise ValueError(f"eviction_policy.{tier}: unknown {name!r}; one of {sorted(POLICIES)}")
+            make_policy(name, f"eviction_policy.{tier}")   # refuses an unknown one, named by its key
     return [make_policy(policy_name_for(spec, t), "eviction_policy" if isinstance(spec, str)
                         else f"eviction_policy.{t}") for t in tier_names]

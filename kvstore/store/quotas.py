@@ -55,14 +55,13 @@ class TenantQuotas:
         self.charged[tenant] -= nbytes
 
     def hold(self, tenant: str, nbytes: int) -> None:
-        """Reserve ``nbytes`` for a batch about to arrive (see the module docstring)."""
-        if tenant in self.limits:
-            self._check(tenant, self.charged[tenant] + self._held[tenant], nbytes)
-            self._held[tenant] += nbytes
+        """Reserve ``nbytes`` for a batch about to arrive (see the module docstring); ``unhold``
+        gives them back, whatever the limits are by then."""
+        self._check(tenant, self.charged[tenant] + self._held[tenant], nbytes)
+        self._held[tenant] += nbytes
 
     def unhold(self, tenant: str, nbytes: int) -> None:
-        if tenant in self.limits:
-            self._held[tenant] -= nbytes
+        self._held[tenant] -= nbytes
 
     def _check(self, tenant: str, used: int, incoming: int) -> None:
         limit = self.limits.get(tenant)

@@ -93,8 +93,8 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
             # room is then chosen knowing where this one went, as prefix-aware eviction wants
             todo = []
             for k in range(len(rnd)):
-                if k in up and cascade.prepare_promotions(
-                        [(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k), rnd.decoded.get(k))])[0]:
+                if k in up and cascade.prepare_promotion(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k),
+                                                         rnd.decoded.get(k)):
                     rnd.promote.add(k)
                 todo += _complete(cascade, rnd, out, range(k, k + 1))
         else:   # in RAM already: promoted (GPU) under the one lock acquisition
@@ -119,8 +119,7 @@ def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: 
         if len(pinned) < len(found):
             cascade.count("misses", len(found) - len(pinned))
     at = list(todo) if len(pinned) == len(found) else [i for i, e in zip(todo, found) if e is not None]
-    tiers = [t for t, _ in fastest]
-    codecs = [c for _, c in fastest]
+    tiers, codecs = (list(column) for column in zip(*fastest)) if fastest else ([], [])
     decode = [k for k, c in enumerate(codecs) if c != 0 and c not in accept] if any(codecs) else ()
     return Round(at, pinned, tiers, codecs, decode)
 
@@ -196,15 +195,6 @@ def _read_run(cascade: Cascade, rnd: Round, ks: Sequence[int], dsts: Sequence[np
                                                                  entry.copies[t], payload, out=dsts[at[k]])
             rnd.n[k], rnd.codecs[k] = decoded.nbytes, 0
         except (BlockCorrupt, CodecError) as e:
-            rnd.failed[k] = e
-        return
-    if len(ks) == 1:
-        k = ks[0]
-        dst = dsts[at[k]]
-        try:
-            n = rnd.n[k] = tier.read_into(entries[k].key, dst)
-            rnd.payloads[k] = dst[:n]
-        except BlockCorrupt as e:
             rnd.failed[k] = e
         return
     if len(ks) == len(at) and len(at) == len(dsts):   # the whole call, in order: no lists to pick

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
@@ -341,10 +342,7 @@ class Store:
                 if entry is None:
                     continue
                 n += 1
-                if entry.pins:
-                    self._cascade.doom(entry)
-                else:
-                    self._cascade.drop_entry(entry)
+                self._cascade.delete(entry)
         return n
 
     def flush(self) -> int:
@@ -366,20 +364,17 @@ class Store:
                     demoting.append(entry)
                     continue
                 todo.append((cascade.pin_entry(entry), entry.fastest))
-        try:
-            for k, (entry, src) in enumerate(todo):
-                if cascade.copy_out(entry, src, d) == COPIED:
-                    written += 1
-                else:
-                    self._cascade.count("flush_failures")
-                with self._lock:
-                    cascade.unpin(entry)
-                todo[k] = None
-        finally:
-            with self._lock:   # after a failure: the rest let go
-                for left in todo:
-                    if left is not None:
-                        cascade.unpin(left[0])
+        for k, (entry, src) in enumerate(todo):
+            done = None
+            try:
+                done = cascade.copy_out(entry, src, d)
+            finally:
+                with self._lock:   # after a failure, the rest let go too
+                    cascade.unpin_all((entry,) if done is not None else [e for e, _ in todo[k:]])
+            if done == COPIED:
+                written += 1
+            else:
+                cascade.count("flush_failures")
         deadline = time.monotonic() + FLUSH_WAITS_S
         while any(e.writing_down for e in demoting) and time.monotonic() < deadline:
             time.sleep(0.001)   # a write takes milliseconds; its end needs the lock this loop let go
@@ -390,9 +385,7 @@ class Store:
         """Store-wide figures, every tenant's included (the daemon shows them to admins only
         when auth is on; a tenant gets ``tenant_stats``)."""
         quotas = self._cascade.quotas
-        per_tenant: dict[str, int] = {}
-        for ns in self._namespaces.all():
-            per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
+        per_tenant = Counter(ns.tenant for ns in self._namespaces.all())   # namespaces of each
         with self._lock:
             codecs = self._cascade.transcoder.tier_stats(self._index.values())
             return {

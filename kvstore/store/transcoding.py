@@ -10,8 +10,11 @@ when it enters a tier.
 
 A tier's codec applies only to namespaces whose layout it understands (decided once per tier and
 namespace); a block the codec refuses (NaN/Inf) or whose encoding would not be smaller stays raw.
-Every placement is tallied per tier (``codec_stats``). ``kvstore.codecs`` is imported lazily: it
-pulls in torch, which a daemon without codecs never needs.
+Every placement is tallied per tier (``Transcoder.count``, shown by ``tier_stats``), so an operator
+can see whether ``codecs.<tier>`` is doing anything and, when it is not, why: ``layout`` (the codec
+does not understand the namespace's layout), ``nonfinite`` (the block holds NaN/Inf),
+``codec_error`` (any other refusal) or ``no_gain`` (the encoding was not smaller).
+``kvstore.codecs`` is imported lazily: it pulls in torch, which a daemon without codecs never needs.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import numpy as np
 
 from kvstore.buffers import as_bytes
 from kvstore.errors import CodecError
-from kvstore.store.codec_stats import CodecTally
 from kvstore.store.config import StoreConfig
 from kvstore.store.index import Entry
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.tiers.base import BlockRecord, Tier
 
 RAW = "raw"
+#: why a block entering a tier with a codec was kept raw (part of the Stats surface: never rename)
+RAW_KEPT_REASONS = ("layout", "nonfinite", "codec_error", "no_gain")
 
 
 @dataclasses.dataclass
@@ -49,8 +53,11 @@ class Transcoder:
         self.config = config
         self.namespaces = namespaces
         self._count = count
-        self.tally = CodecTally({t.name: config.tier_codecs.get(t.name, RAW) for t in tiers})
         self._choice: dict[tuple[int, bytes], str] = {}
+        # per tier, what entered it since start: encoded (blocks, raw bytes, stored bytes), and kept
+        # raw by reason (blocks, raw bytes)
+        self._encoded = [[0, 0, 0] for _ in tiers]
+        self._raw_kept = [{reason: [0, 0] for reason in RAW_KEPT_REASONS} for _ in tiers]
 
     def configured(self, t: int) -> str:
         return self.config.tier_codecs.get(self.tiers[t].name, RAW)
@@ -122,20 +129,38 @@ class Transcoder:
                          payload, "encoded")
 
     def tier_stats(self, entries: Iterable[Entry]) -> dict[str, dict]:
-        """Per tier: the copies it holds encoded and raw now, and the tally of placements."""
+        """Per tier: the copies it holds encoded and raw now, and what entered it since start."""
         held = [[0, 0] for _ in self.tiers]
         for entry in entries:
             for t, _, codec in entry.copies.sizes_and_codecs():
                 held[t][codec == 0] += 1
-        return {tier.name: self.tally.tier_stats(tier.name, *held[t]) for t, tier in enumerate(self.tiers)}
+        out = {}
+        for t, tier in enumerate(self.tiers):
+            (blocks, raw_bytes, stored_bytes), kept = self._encoded[t], self._raw_kept[t]
+            out[tier.name] = {
+                "configured": self.configured(t),
+                "held_encoded_blocks": held[t][0],
+                "held_raw_blocks": held[t][1],
+                "encoded_blocks": blocks,
+                "encoded_raw_bytes": raw_bytes,
+                "encoded_stored_bytes": stored_bytes,
+                "raw_kept_blocks": sum(c[0] for c in kept.values()),
+                "raw_kept_bytes": sum(c[1] for c in kept.values()),
+                "raw_kept": {reason: {"blocks": c[0], "bytes": c[1]} for reason, c in kept.items() if c[0]},
+            }
+        return out
 
     def count(self, t: int, placement: Placement, raw_size: int) -> None:
         """Tally a placement made in tier ``t`` (caller holds the store lock)."""
-        tier = self.tiers[t].name
         if placement.record.codec != 0:
-            self.tally.encoded(tier, raw_size, placement.record.stored_size)
+            counts = self._encoded[t]
+            counts[0] += 1
+            counts[1] += raw_size
+            counts[2] += placement.record.stored_size
         elif placement.outcome != RAW:
-            self.tally.raw_kept(tier, placement.outcome, raw_size)
+            counts = self._raw_kept[t][placement.outcome]
+            counts[0] += 1
+            counts[1] += raw_size
 
 
 class StagedBlock:

@@ -58,11 +58,9 @@ class Transfers:
         """Make room as ``make_room`` does, for ``blocks`` blocks of ``nbytes``, for a caller that
         does not hold the lock, where tier ``t``'s victims go down by a disk or network write (or
         are read from disk): the victims' copies below are written with the lock released, so other
-        requests (a get of hot blocks) never wait on the I/O, only this caller does. Room for a run
-        (``blocks`` > 1) in a CPU tier is made by picking up to ``WRITE_DOWN_BATCH`` victims at a
-        time and writing them down together (``write_down_many``); otherwise one at a time. Each is
-        pinned meanwhile (nobody else evicts it; a delete dooms it)
-        and marked ``writing_down`` (nobody else writes it down). Best effort: it returns once there
+        requests (a get of hot blocks) never wait on the I/O, only this caller does. Each victim is
+        pinned meanwhile (nobody else evicts it; a delete dooms it) and marked ``writing_down``
+        (nobody else writes it down). Best effort: it returns once there
         is room, or leaves what it could not do (every block pinned, a race lost to another put, a
         tier split by tenant) to the caller's ``make_room``. It stops where the policy names a key
         of ``keep`` (a put's parents: one by one, they would not be victims). Takes the lock itself."""
@@ -75,9 +73,10 @@ class Transfers:
             return
         if tier.free_bytes_for(namespace_id) >= need:   # the common case, without the lock (make_room rechecks)
             return
-        # victims go down together only where copy_out_many writes them with one call (a run of
-        # puts making room in a CPU tier); elsewhere one at a time, as a victim stays pinned until
-        # its batch is written, and a pinned victim is room nobody else can make meanwhile
+        # victims go down together (``write_down_many``, up to ``WRITE_DOWN_BATCH``) only where
+        # copy_out_many writes them with one call (a run of puts making room in a CPU tier);
+        # elsewhere one at a time, as a victim stays pinned until its batch is written, and a
+        # pinned victim is room nobody else can make meanwhile
         batch = WRITE_DOWN_BATCH if blocks > 1 and isinstance(tier, CpuTier) else 1
         left = CLEAR_ROOM_MAX_VICTIMS * blocks
         while left > 0:
@@ -173,8 +172,8 @@ class Transfers:
             todo = [k for k in todo if records[k] is not None]
             if not todo:
                 break
-            self.clear_room(dst, max(r.stored_size for r in records.values() if r is not None),
-                            entries[todo[0]].namespace_id, blocks=len(todo))
+            self.clear_room(dst, max(records[k].stored_size for k in todo), entries[todo[0]].namespace_id,
+                            blocks=len(todo))
             if given is not None:
                 payloads = [given[k] for k in todo]
             else:   # read after the room is made: writing victims down reads through the same buffer
@@ -193,7 +192,10 @@ class Transfers:
                     placed = cascade.transcoder.place(entry.namespace_id, entry.raw_size, dst, records[k], payload,
                                                       downward=dst > src, decoded=decoded)
                 except (BlockCorrupt, CodecError, KeyError):
-                    outcomes[k] = self._damaged(entry, src, records[k])
+                    with cascade.lock:   # dropped (counted) unless it changed meanwhile
+                        if entry.copies.get(src) is records[k]:
+                            cascade.discard_corrupt_copy(entry, src)
+                    outcomes[k] = CORRUPT
                     continue
                 placed_all.append((k, entry, placed))
             writing, todo = [], []
@@ -253,11 +255,3 @@ class Transfers:
         if done == NO_ROOM:
             cascade.count("prewarm_no_room")
         return done
-
-    def _damaged(self, entry: Entry, src: int, record) -> str:
-        """A copy in ``src`` failed its checksum or decode: dropped (counted) unless it changed
-        meanwhile; ``CORRUPT``. Takes the lock itself."""
-        with self.cascade.lock:
-            if entry.copies.get(src) is record:
-                self.cascade.discard_corrupt_copy(entry, src)
-        return CORRUPT
