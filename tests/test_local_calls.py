@@ -65,12 +65,13 @@ ROGUE = textwrap.dedent("""
     import json, socket, struct, sys
     from kvstore.proto import kvstore_pb2 as pb
     from kvstore.transport import local_calls as C, local_lookup as L
+    from kvstore.transport.socket_server import greeting
     path, ticket, tenant, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
     def connect():
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
         s.connect(path)
-        s.sendall(L._HEAD.pack(L.MAGIC, ticket, len(tenant.encode())) + tenant.encode())
+        s.sendall(greeting(L.MAGIC, ticket, tenant))
         return s
     def recv(s, n):
         buf = b""
@@ -216,6 +217,7 @@ STALLER = textwrap.dedent("""
     import fcntl, socket, struct, sys, termios, threading, time
     from kvstore.proto import kvstore_pb2 as pb
     from kvstore.transport import local_calls as C, local_lookup as L
+    from kvstore.transport.socket_server import greeting
     path, ticket, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
     hashes = [bytes.fromhex(h) for h in open(sys.argv[4]).read().split()]
     request = C.encode_call("PrepareLoad", pb.PrepareLoadRequest(namespace_id=ns, hashes=hashes)
@@ -242,7 +244,7 @@ STALLER = textwrap.dedent("""
     for _ in range(C.CALL_WORKERS + 2):   # more than the daemon has call threads
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
-        s.sendall(L._HEAD.pack(L.MAGIC, ticket, 5) + b"alice")
+        s.sendall(greeting(L.MAGIC, ticket, "alice"))
         conns.append(s)
     full = []
     threads = [threading.Thread(target=stall, args=(s, full)) for s in conns]

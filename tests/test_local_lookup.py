@@ -70,12 +70,12 @@ def test_another_tenant_s_namespace_looks_missing_over_the_socket_too(daemon):
 ROGUE = textwrap.dedent("""
     import socket, struct, sys
     from kvstore.transport import local_lookup as L
+    from kvstore.transport.socket_server import greeting
     path, ticket, tenant, ns = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
     s.connect(path)
-    name = tenant.encode()
-    s.sendall(L._HEAD.pack(L.MAGIC, ticket, len(name)) + name + L.encode_lookup(ns, [b"x" * 16], True))
+    s.sendall(greeting(L.MAGIC, ticket, tenant) + L.encode_lookup(ns, [b"x" * 16], True))
     print("answered" if s.recv(64) else "closed")
 """)
 

@@ -279,12 +279,12 @@ def test_a_dead_daemon_s_index_is_not_trusted(daemon):
 ROGUE_TELLER = """
 import socket, struct, sys
 from kvstore.transport import local_lookup as L
+from kvstore.transport.socket_server import greeting
 path, ticket, tenant, ns, h = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4]), bytes.fromhex(sys.argv[5])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(5)
 s.connect(path)
-name = tenant.encode()
-s.sendall(L._HEAD.pack(L.MAGIC, ticket, len(name)) + name)
+s.sendall(greeting(L.MAGIC, ticket, tenant))
 def frame(body): return struct.pack("!I", len(body)) + body
 junk = [frame(bytes([L.TOLD_LEASE, 16]) + ns + struct.pack("!HB", 500, 16) + h),    # claims 500 hashes, has 1
         frame(bytes([L.TOLD_LEASE, 16]) + b"\\0" * 16 + struct.pack("!HB", 1, 16) + h + b"\\0\\1"),  # unknown namespace

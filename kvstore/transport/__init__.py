@@ -8,7 +8,7 @@
 * ``lookup_index`` — same host: the daemon's read-only table of served blocks, mapped by clients,
   which answer lookups from it without a round trip (and tell the socket service afterwards).
 * ``socket_server`` — the daemon end every socket service above builds on (one epoll thread each:
-  accept, deadlines, per-tenant caps, tickets).
+  accept, deadlines, per-tenant caps, tickets), and the greeting its Unix-socket clients send.
 * ``bulk``   — remote: a raw TCP side channel negotiated over gRPC (control stays on gRPC).
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
 

@@ -27,6 +27,7 @@ connect (firewall, TLS-only deployment) keeps using the gRPC streams.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -95,8 +96,8 @@ def byte_view(buf):
 def send_all(sock: socket.socket, views: list, on_bytes=None) -> None:
     """Send every byte of ``views`` (flat byte buffers, as ``byte_view`` makes them) in order,
     small ones a run of up to ``SEND_RUN_BYTES`` per ``sendmsg``: small blocks then cost a
-    syscall per run, not per block (64 KiB sends cost about 2.5x what 1 MiB ones do per byte on
-    loopback). A larger buffer goes alone. ``on_bytes()`` after each run is sent."""
+    syscall per run, not per block. A larger buffer goes alone. ``on_bytes()`` after each run is
+    sent."""
     lengths = [len(v) for v in views]
     at, n = 0, len(views)
     while at < n:
@@ -125,12 +126,13 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def readable_within(sock: socket.socket, timeout_s: float) -> bool:
+def readable_within(sock: socket.socket, timeout_s: float = 0.0) -> bool:
     """Whether ``sock`` has bytes (or EOF) to read within ``timeout_s``; ``poll``, not ``select``,
-    so a process holding more than 1,024 descriptors can use it."""
+    so a process holding more than 1,024 descriptors can use it. A poll object of its own: it
+    sends nothing, wakes nobody and may be called from several threads at once."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLPRI)
-    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    return bool(poller.poll(int(timeout_s * 1000)))
 
 
 class BulkChannel:
@@ -153,7 +155,7 @@ class BulkChannel:
         """False once the daemon has closed this session (idle past its bound, evicted for a new
         client, daemon restarted): idle, the socket has nothing to read unless it is gone."""
         try:
-            return self.sock.fileno() >= 0 and not readable_within(self.sock, 0)
+            return self.sock.fileno() >= 0 and not readable_within(self.sock)
         except (OSError, ValueError):
             return False
 
@@ -186,18 +188,13 @@ class BulkChannel:
         (size,) = _U64.unpack(self._head)
         return None if size == ERROR_SIZE else size
 
-    def send(self, src: np.ndarray) -> None:
-        self.sock.sendall(memoryview(src).cast("B"))
-
     def send_each(self, srcs) -> None:
         """Every array of ``srcs``, in order, a run of them per syscall (``send_all``)."""
         send_all(self.sock, [byte_view(a) for a in srcs])
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 def send_blocks(sock: socket.socket, blocks, on_bytes=None) -> list[int]:

@@ -1,12 +1,10 @@
 """Daemon end of the bulk side channel: greeted connections become sessions that RPC handlers borrow.
 
-Greetings run on ``socket_server.SocketServer``: a connection must send ``MAGIC + ticket`` (see
-``kvstore.transport.bulk``) within ``GREETING_DEADLINE_S``, at most ``MAX_PENDING_GREETINGS``
-wait at once (a new one pushes out the least recently active, so a flood of silent connections
-delays a real client's greeting by no more than its round trip), and a ticket the current tokens
-do not admit opens nothing. Tickets bind sessions to tenants: Handshake hands a caller
-``ticket_for(its tenant, its token's digest)``, and a session answers only RPCs of the tenant whose
-ticket opened it; another tenant's session id is answered like an unknown one.
+Greetings run on ``socket_server.SocketServer`` (and under its bounds on connections not greeted
+yet): a connection sends ``MAGIC + ticket`` (see ``kvstore.transport.bulk``), and a ticket the
+current tokens do not admit opens nothing. Tickets bind sessions to tenants: Handshake hands a
+caller ``ticket_for(its tenant, its token's digest)``, and a session answers only RPCs of the
+tenant whose ticket opened it; another tenant's session id is answered like an unknown one.
 
 A greeted connection leaves the base's connections for the session table (``_sessions``, guarded
 by ``_lock``, which RPC handlers' threads and the server's thread share). Handlers borrow a
@@ -37,8 +35,6 @@ from kvstore.transport.bulk import GREETING_BYTES, MAGIC, SESSION_ID_BYTES, TICK
 from kvstore.transport.socket_server import Connection, SocketServer
 from kvstore.transport.tickets import TokenBook
 
-GREETING_DEADLINE_S = 2.0      # a connection must send its greeting within this long of being accepted
-MAX_PENDING_GREETINGS = 64     # connections accepted and not yet greeted, at most
 SESSION_IDLE_S = 300.0         # a session unused this long is closed (its client reconnects on next use)
 MAX_SESSIONS = 1024            # open sessions; the least recently used idle one makes room for a new one
 MAX_TICKET_TENANTS = 4096      # tickets remembered (bounded by the configured tokens)
@@ -61,13 +57,10 @@ class Session:
 class BulkServer(SocketServer):
     """Daemon side: accepts side-channel connections and lends their sockets to RPC handlers."""
 
-    def __init__(self, host: str, *, idle_s: float = SESSION_IDLE_S, greeting_deadline_s: float = GREETING_DEADLINE_S,
-                 max_pending_greetings: int = MAX_PENDING_GREETINGS, max_sessions: int = MAX_SESSIONS,
-                 tokens: TokenBook | None = None) -> None:
-        super().__init__("side-channel", host=host, first_deadline_s=greeting_deadline_s,
-                         max_pending=max_pending_greetings, max_read=GREETING_BYTES, tokens=tokens,
+    def __init__(self, host: str, *, idle_s: float = SESSION_IDLE_S, tokens: TokenBook | None = None) -> None:
+        super().__init__("side-channel", host=host, max_read=GREETING_BYTES, tokens=tokens,
                          ticket_bytes=TICKET_BYTES, remember_tickets=MAX_TICKET_TENANTS)
-        self.max_sessions, self.idle_s = max_sessions, idle_s
+        self.idle_s = idle_s
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()   # least recently used first
         self._by_fd: dict[int, Session] = {}
         self._lock = threading.Lock()
@@ -144,7 +137,7 @@ class BulkServer(SocketServer):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(True)   # handlers use blocking I/O; the stall watchdog bounds it
         with self._lock:
-            if len(self._sessions) >= self.max_sessions and not self._evict_one_idle():
+            if len(self._sessions) >= MAX_SESSIONS and not self._evict_one_idle():
                 self.session_counts["refused_full"] += 1
                 sock.close()
                 return

@@ -37,13 +37,14 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
     Encoded here, not by protobuf: the header goes through protobuf, the data is appended as
     field 2 in one copy out of the caller's arrays (building and serializing a message would copy
     the bytes three times)."""
-    prefix = [_length_delimited(_PUT_CHUNK_HEADER, header.SerializeToString())]   # consumed by the first
+    encoded_header = header.SerializeToString()
+    prefix = [_field_head(_PUT_CHUNK_HEADER, len(encoded_header)) + encoded_header]   # consumed by the first
     parts: list[memoryview] = []
     size = 0
 
     def message() -> bytes:
         nonlocal parts, size
-        out = b"".join((*prefix, _varint(_PUT_CHUNK_DATA << 3 | 2), _varint(size), *parts))
+        out = b"".join((*prefix, _field_head(_PUT_CHUNK_DATA, size), *parts))
         prefix.clear()
         parts, size = [], 0
         return out
@@ -162,8 +163,9 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("a varint longer than 10 bytes")
 
 
-def _length_delimited(field: int, payload: bytes) -> bytes:
-    return b"".join((_varint(field << 3 | 2), _varint(len(payload)), payload))
+def _field_head(field: int, size: int) -> bytes:
+    """The key and length that go before the ``size`` bytes of length-delimited ``field``."""
+    return _varint(field << 3 | 2) + _varint(size)
 
 
 def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
@@ -183,7 +185,7 @@ def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
     for off in range(0, size, chunk_bytes):
         data = flat[off:off + chunk_bytes]
         head = pb.GetChunk(index=index, hit=True, codec=codec, size=size, offset=off).SerializeToString()
-        yield b"".join((head, _varint(_GET_CHUNK_DATA << 3 | 2), _varint(len(data)), data))
+        yield b"".join((head, _field_head(_GET_CHUNK_DATA, len(data)), data))
 
 
 def run_messages(first: int, blocks, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
@@ -201,7 +203,7 @@ def run_messages(first: int, blocks, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
         head = pb.GetChunk(index=pack[0][0], hit=True, sizes=[n for _, _, n, _ in pack],
                            codecs=codecs if any(codecs) else []).SerializeToString()
         data = [v for _, views, _, _ in pack for v in views]
-        out = b"".join((head, _varint(_GET_CHUNK_DATA << 3 | 2), _varint(packed), *data))
+        out = b"".join((head, _field_head(_GET_CHUNK_DATA, packed), *data))
         pack, packed = [], 0
         return out
 

@@ -2,11 +2,11 @@
 
 A same-host get is a PrepareLoad, a memcpy and a CompleteLoad; a put a PrepareStore, a memcpy and
 a CompleteStore. Over gRPC in Python each of those calls costs about a millisecond of the two
-processes' time here, more than copying a few MiB, so for the small loads a scheduler step makes
-the round trips, not the copies, were the get. The lookup service's socket
-(``local_lookup``) carries them instead: the same request and response messages, framed as its
-lookups are, answered by the same servicer methods on a small pool of the daemon's threads (a
-lease call does store work; the socket's one thread must stay free for lookups).
+processes' time, more than copying a few MiB, so for the small loads a scheduler step makes the
+round trips, not the copies, would be the get. The lookup service's socket (``local_lookup``)
+carries them instead: the same request and response messages, framed as its lookups are, answered
+by the same servicer methods on a small pool of the daemon's threads (a lease call does store work;
+the socket's one thread must stay free for lookups).
 
 Frames (integers big-endian): request ``u32 length``, then ``u8 CALL, u8 method`` (its index in
 ``LEASE_METHODS``) and the serialized request message; answer ``u32 length``, then ``u8 status``:
@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.threads import BUDGET
-from kvstore.transport.local_lookup import CALL, MAX_FRAME, connect, frame, peer_closed, recv_frame
+from kvstore.transport.bulk import readable_within
+from kvstore.transport.local_lookup import CALL, MAX_FRAME, CallFailed, connect, frame, recv_frame
 from kvstore.transport.socket_server import Connection
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
@@ -59,24 +60,15 @@ def _refused(kind: str, field: str, message: str) -> bytes:
     return frame(b"\1" + f"{kind}\0{field}\0{message}".encode("utf-8", "replace")[:4096])
 
 
-class CallFailed(Exception):
-    """What a lease call raised in the daemon, to be raised again by the client: ``kind`` is the
-    class name (empty for an unexpected error), ``field`` the field it names."""
-
-    def __init__(self, kind: str, field: str, message: str) -> None:
-        super().__init__(message)
-        self.kind, self.field, self.message = kind, field, message
-
-
 class CallServer:
     """Daemon side, plugged into ``LocalLookupServer`` (``calls=``). ``handler(tenant, method,
     request)`` returns ``(response bytes, trailing metadata pairs)`` or raises ``CallFailed``; it
     runs on this server's own pool of ``CALL_WORKERS`` threads. ``send(fd, conn, data)`` sends an
     answer without waiting for the caller to read it (``SocketServer.send_soon``)."""
 
-    def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]], workers: int = CALL_WORKERS) -> None:
+    def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]]) -> None:
         self._handler = handler
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-local-call")
+        self._pool = ThreadPoolExecutor(CALL_WORKERS, thread_name_prefix="kvstore-local-call")
         self.send: Callable[[int, Connection, bytes], None] | None = None   # set by the server it plugs into
         self.counts: Counter[str] = Counter()
 
@@ -153,7 +145,7 @@ class LocalCalls:
                 self._idle, self._pid = [], os.getpid()
             while self._idle:
                 sock = self._idle.pop()
-                if not peer_closed(sock):
+                if not readable_within(sock):   # nothing is owed between calls: readable is a hangup
                     return sock
                 sock.close()   # the daemon closed it while it idled (its bound, or pushed out)
         return self._connect()

@@ -15,45 +15,44 @@ milliseconds: ``Teller``) so the blocks are pinned under a lease and the lookup 
 asks over the socket when the index cannot say, and the first time it names a namespace (so an
 unknown one is refused by name, not answered "0 hits").
 
-Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``;
-request ``u32 length`` then ``u8 op, u8 namespace length, namespace, u16 count, u8 hash length,
-hashes``; answer ``u32 length`` then ``u8 status, u32 hits``, then the hits' tier names joined by
-commas. Ops: ``LOOKUP`` / ``LOOKUP_LEASE`` are answered; ``CALL`` (the shm path's lease calls, framed
-in ``local_calls``) is answered from other threads, one per connection at a time; ``TOLD`` / ``TOLD_LEASE`` (a lookup the
-client answered from the index: the hashes it found, then ``u16`` how many it asked about) are not; ``INDEX`` (no namespace, no hashes) is answered with the
-index's descriptor attached (``SCM_RIGHTS``), status 1 when there is none. Status 0 is an answer;
-any other is the error the handler raised, by name, after it (the client raises the same class).
-Nothing grows with idle or hostile connections: a greeting must
-arrive within ``GREETING_DEADLINE_S``, at most ``MAX_PENDING`` connections wait for theirs, a
-tenant keeps at most ``MAX_CONNECTIONS`` open (its least recently used goes first), a frame over
-``MAX_FRAME`` closes its connection.
+Frames (all integers big-endian): greeting ``MAGIC + ticket(32) + u16 tenant length + tenant``
+(``socket_server.greeting``); request ``u32 length`` then ``u8 op, u8 namespace length, namespace,
+u16 count, u8 hash length, hashes``; answer ``u32 length`` then ``u8 status, u32 hits``, then the
+hits' tier names joined by commas. Ops: ``LOOKUP`` / ``LOOKUP_LEASE`` are answered; ``CALL`` (the
+shm path's lease calls, framed in ``local_calls``) is answered from other threads, one per
+connection at a time; ``TOLD`` / ``TOLD_LEASE`` (a lookup the client answered from the index: the
+hashes it found, then ``u16`` how many it asked about) are not; ``INDEX`` (no namespace, no
+hashes) is answered with the index's descriptor attached (``SCM_RIGHTS``), status 1 when there is
+none. Status 0 is an answer; any other is the error the handler raised, by name, after it (the
+client raises the same class).
+Bounds beside the base's (``socket_server``): a tenant keeps at most ``MAX_CONNECTIONS`` open (its
+least recently used goes first), a frame over ``MAX_FRAME`` closes its connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvstore.transport.bulk import recv_exact
+from kvstore.transport.bulk import readable_within, recv_exact
 from kvstore.transport.lookup_index import IndexReader
+from kvstore.transport.socket_server import Connection, SocketServer, greeting
 from kvstore.transport.tickets import TokenBook
-from kvstore.transport.socket_server import Connection, SocketServer
+
+if TYPE_CHECKING:
+    from kvstore.transport.local_calls import CallServer
 
 MAGIC = b"KVLK"
-GREETING_DEADLINE_S = 2.0
 IDLE_S = 300.0
-MAX_PENDING = 64             # connections not yet greeted
 MAX_CONNECTIONS = 256        # greeted connections of one tenant
 MAX_FRAME = 1 << 20          # 8192 hashes of 64 bytes and then some
 _LEN = struct.Struct("!I")
-_HEAD = struct.Struct("!4s32sH")
 _ANSWER = struct.Struct("!BI")
 LOOKUP, LOOKUP_LEASE, TOLD, TOLD_LEASE, INDEX, CALL = range(6)
 
@@ -68,14 +67,13 @@ class IndexProvider(Protocol):
     def close(self) -> None: ...
 
 
-class CallTaker(Protocol):
-    """What the server needs of the lease calls it carries (``local_calls.CallServer``)."""
+class CallFailed(Exception):
+    """What a lookup or lease call raised in the daemon, to be raised again by the client: ``kind``
+    is the class name (empty for an unexpected error), ``field`` the field it names (lease calls)."""
 
-    send: Callable | None
-
-    def take(self, fd: int, conn: Connection, body: bytes) -> None: ...
-
-    def close(self) -> None: ...
+    def __init__(self, kind: str, field: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.field, self.message = kind, field, message
 
 
 class Unframeable(ValueError):
@@ -83,29 +81,16 @@ class Unframeable(ValueError):
     the caller asks over gRPC, which answers or refuses it by name; the connection is fine."""
 
 
-def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int) -> bytes:
+def encode_lookup(namespace_id: bytes, hashes: Sequence[bytes], op: int, asked: int | None = None) -> bytes:
+    """A request frame; for ``TOLD``/``TOLD_LEASE`` (a lookup the client answered from the index)
+    ``hashes`` are those it found and ``asked`` how many it asked about (for the daemon's counts)."""
     widths = set(map(len, hashes))
     width = widths.pop() if len(widths) == 1 else 0 if not widths else 256
     if width > 255 or len(namespace_id) > 255 or len(hashes) > 0xFFFF:
         raise Unframeable("hashes of one width (at most 255 bytes), at most 65535 of them")
+    told = b"" if asked is None else struct.pack("!H", min(asked, 0xFFFF))
     return frame(bytes([op, len(namespace_id)]) + namespace_id + struct.pack("!HB", len(hashes), width)
-                 + b"".join(hashes))
-
-
-def encode_told(namespace_id: bytes, hit: Sequence[bytes], asked: int, lease: bool) -> bytes:
-    """A lookup the client answered from the index: the hashes it found (pinned with ``lease``)
-    and how many it asked about (for the daemon's counts)."""
-    lookup = encode_lookup(namespace_id, hit, TOLD_LEASE if lease else TOLD)
-    return frame(lookup[_LEN.size:] + struct.pack("!H", min(asked, 0xFFFF)))
-
-
-def peer_closed(sock: socket.socket) -> bool:
-    """True when the daemon's end of a client connection is gone: nothing is owed to a client
-    between calls, so a readable socket can only be a hangup. A poll that sends nothing and
-    wakes nobody (one poll object per call: it is not for several threads at once)."""
-    readable = select.poll()
-    readable.register(sock, select.POLLIN)
-    return bool(readable.poll(0))
+                 + b"".join(hashes) + told)
 
 
 def frame(body: bytes) -> bytes:
@@ -119,19 +104,13 @@ def recv_frame(sock: socket.socket) -> bytes:
     return recv_exact(sock, n)
 
 
-def greeting(ticket: bytes, tenant: str) -> bytes:
-    """What a client sends first on a connection: the magic, its ticket and its tenant's name."""
-    name = tenant.encode("utf-8")
-    return _HEAD.pack(MAGIC, ticket, len(name)) + name
-
-
 def connect(path: str, ticket: bytes, tenant: str, timeout_s: float) -> socket.socket:
     """A client's connection to the socket at ``path``, greeted; ``timeout_s`` bounds each wait on it."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)
         sock.connect(path)
-        sock.sendall(greeting(ticket, tenant))
+        sock.sendall(greeting(MAGIC, ticket, tenant))
     except OSError:
         sock.close()
         raise
@@ -153,20 +132,16 @@ class LocalLookupServer(SocketServer):
     raises; ``told(tenant, namespace_id, hit_hashes, asked, lease)`` takes note of a lookup the
     client answered itself (pins ``hit_hashes`` with ``lease``, counts it). Both run on this
     server's one thread, so they must be quick (an index lookup). ``indexes`` hands out
-    lookup-index descriptors (None: no index is offered); ``calls`` takes ``CALL`` frames (the
-    shm path's lease calls, ``local_calls``; None: refused). This server closes both."""
+    lookup-index descriptors (None: none is offered that tenant); ``calls`` takes ``CALL`` frames
+    (the shm path's lease calls, ``local_calls``; None: refused). This server closes both."""
 
     def __init__(self, shm_dir: str, handler: Callable[[str, bytes, list[bytes], bool], tuple[int, list[str]]],
-                 told: Callable[[str, bytes, list[bytes], int, bool], None] | None = None,
-                 indexes: IndexProvider | None = None, calls: CallTaker | None = None,
-                 tokens: TokenBook | None = None) -> None:
-        self._handler, self._told = handler, told
-        self._indexes = indexes if told is not None else None
-        self._calls = calls
+                 told: Callable[[str, bytes, list[bytes], int, bool], None], indexes: IndexProvider,
+                 calls: CallServer | None = None, tokens: TokenBook | None = None) -> None:
+        self._handler, self._told, self._indexes, self._calls = handler, told, indexes, calls
         if calls is not None:
             calls.send = self.send_soon
-        super().__init__("local-lookup", shm_dir=shm_dir, first_deadline_s=GREETING_DEADLINE_S,
-                         max_pending=MAX_PENDING, max_per_tenant=MAX_CONNECTIONS, tokens=tokens)
+        super().__init__("local-lookup", shm_dir=shm_dir, max_per_tenant=MAX_CONNECTIONS, tokens=tokens)
         self.start()
 
     @property
@@ -175,8 +150,11 @@ class LocalLookupServer(SocketServer):
         return self._calls is not None
 
     def received(self, fd: int, conn: Connection) -> None:
-        if conn.tenant is None and not self._greet(fd, conn):
-            return
+        if conn.tenant is None:
+            if not self.greet(fd, conn, MAGIC):
+                return
+            conn.deadline = time.monotonic() + IDLE_S
+            self.counts["sessions"] += 1
         call_taken = False   # a lease call started from this buffer: a frame after it came before its answer
         while len(conn.buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(conn.buf)
@@ -199,31 +177,13 @@ class LocalLookupServer(SocketServer):
                 self.end(fd, "stalled")   # a client that does not read its answers is dropped
                 return
 
-    def _greet(self, fd: int, conn: Connection) -> bool:
-        if len(conn.buf) < _HEAD.size:
-            return False
-        magic, ticket, name_len = _HEAD.unpack_from(conn.buf)
-        if magic != MAGIC or name_len > 256:
-            self.end(fd, "refused")
-            return False
-        if len(conn.buf) < _HEAD.size + name_len:
-            return False
-        tenant = bytes(conn.buf[_HEAD.size:_HEAD.size + name_len]).decode("utf-8", "replace")
-        if not self.admit(conn, ticket, tenant):
-            self.end(fd, "refused")
-            return False
-        conn.buf = conn.buf[_HEAD.size + name_len:]
-        conn.deadline = time.monotonic() + IDLE_S
-        self.counts["sessions"] += 1
-        return True
-
     def _serve(self, fd: int, conn: Connection, body: bytes) -> None:
         op = body[0] if body else LOOKUP
         if op == CALL and self._calls is not None:
             self._calls.take(fd, conn, body)   # answered from the calls' own threads
             return
         if op == INDEX:
-            index_fd = self._indexes.descriptor_for(conn.tenant) if self._indexes is not None else None
+            index_fd = self._indexes.descriptor_for(conn.tenant)
             if index_fd is None:
                 conn.sock.sendall(frame(_ANSWER.pack(1, 0)))
                 return
@@ -259,23 +219,13 @@ class LocalLookupServer(SocketServer):
     def revoke(self, tenants: set[str]) -> None:
         """Stop keeping ``tenants``' mapped indexes (a reload took a token from each): a client
         still mapping one finds it closed and asks here, where its revoked ticket is refused."""
-        if self._indexes is not None:
-            self._indexes.revoke(tenants)
+        self._indexes.revoke(tenants)
 
     def close(self) -> None:
         super().close()
-        if self._indexes is not None:
-            self._indexes.close()
+        self._indexes.close()
         if self._calls is not None:
             self._calls.close()
-
-
-class LocalLookupError(Exception):
-    """The daemon answered with an error: ``kind`` is the class name it raised, ``message`` its text."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind, self.message = kind, message
 
 
 TELL_EVERY_S = 0.002   # an index-answered lookup reaches the daemon this late at most (plus a send)
@@ -324,14 +274,14 @@ class Teller:
                 return
             time.sleep(TELL_EVERY_S)
 
-    def close(self, timeout_s: float = 1.0) -> None:
+    def close(self) -> None:
         """Tell what is pending, then stop."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+            thread.join(1.0)
 
 
 class LocalLookup:
@@ -365,12 +315,15 @@ class LocalLookup:
                 os.close(fd)
 
     def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease: bool = True) -> tuple[int, list[str]]:
-        """``(hits, tiers)``; ``LocalLookupError`` for the daemon's refusal, OSError when the
+        """``(hits, tiers)``; ``CallFailed`` for the daemon's refusal, OSError when the
         connection is gone (the caller falls back to gRPC)."""
         if self.index is not None and namespace_id in self._known:
             got = self.index.leading_hits(namespace_id, hashes)
             if got is not None:
-                self._check_alive()
+                # the daemon died if it closed this connection: its table's answer is not trusted
+                # either (a hung one is caught by the table's heartbeat instead)
+                if readable_within(self._sock):
+                    raise OSError("the daemon closed the lookup connection")
                 self._teller.tell((namespace_id, hashes[:got[0]], len(hashes), lease))
                 return got
         request = encode_lookup(namespace_id, hashes, LOOKUP_LEASE if lease else LOOKUP)
@@ -381,25 +334,18 @@ class LocalLookup:
         rest = body[_ANSWER.size:].decode("utf-8", "replace")
         if status != 0:
             kind, _, message = rest.partition(":")
-            raise LocalLookupError(kind, message)
+            raise CallFailed(kind, "", message)
         self._known.add(bytes(namespace_id))
         return hits, rest.split(",") if rest else []
 
-    def _check_alive(self) -> None:
-        """OSError once the daemon's end of the connection is gone (it died: the index answer at
-        hand is not trusted either, and the caller falls back); a hung daemon is caught by the
-        table's heartbeat instead."""
-        if peer_closed(self._sock):
-            raise OSError("the daemon closed the lookup connection")
-
     def _send_told(self, notes: list[tuple]) -> None:
-        """The teller's send: ``encode_told`` frames nobody answers, without waiting on a busy
-        daemon; a partial write is finished (the stream must stay framed). A lost connection is
-        left for the next lookup to find (``_check_alive``)."""
+        """The teller's send: ``TOLD`` frames nobody answers, without waiting on a busy daemon; a
+        partial write is finished (the stream must stay framed). A lost connection is left for
+        the next lookup to find."""
         frames = []
-        for note in notes:
+        for namespace_id, hit, asked, lease in notes:
             try:
-                frames.append(encode_told(*note))
+                frames.append(encode_lookup(namespace_id, hit, TOLD_LEASE if lease else TOLD, asked))
             except ValueError:   # hashes the frame cannot carry (over 255 bytes): not told
                 self.told_dropped += 1
         data = b"".join(frames)

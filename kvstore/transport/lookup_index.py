@@ -26,6 +26,7 @@ The seqlock relies on x86-64's ordering of stores (TSO); the daemon offers the i
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -51,10 +52,23 @@ STALE_NS = 1_000_000_000            # ... and readers stop trusting a table not 
 _NAMES_AT = 512
 _F_SEAL_FUTURE_WRITE = 0x0010       # Linux 5.1; not in Python's fcntl module yet
 _RETRIES = 16
-#: ``put_many`` writes an array of at least this many keys in one numpy pass (CPU time a key,
-#: inserted into a 2^18-slot table, against one key at a time: 1.45 vs 0.80 us at 16 keys, 0.82 vs
-#: 0.85 at 32, 0.51 vs 0.74 at 64, 0.23 vs 0.71 at 512: the pass has a fixed cost)
+#: ``put_many`` writes an array of at least this many keys in one numpy pass: the pass has a fixed
+#: cost, so a shorter batch goes faster one key at a time
 VECTOR_KEYS = 64
+
+
+def _slot_of(words, mask: int, lo: int, hi: int) -> int | None:
+    """The slot holding key ``(lo, hi)`` in a table's words, or None: a probe ends at the first
+    empty slot, and nothing is placed farther than ``MAX_PROBE`` slots from home."""
+    i, base = lo & mask, HEADER_BYTES // 8
+    for _ in range(MAX_PROBE):
+        at = base + i * SLOT_WORDS
+        if words[at + 2] == 0:
+            return None
+        if words[at] == lo and words[at + 1] == hi:
+            return i
+        i = (i + 1) & mask
+    return None
 
 
 def supported() -> bool:
@@ -210,23 +224,16 @@ class IndexTable:
 
     def remove(self, key: tuple[int, int]) -> None:
         """Forget a block that is no longer served (absent: nothing to do)."""
-        w, base, mask = self._w, HEADER_BYTES // 8, self.mask
-        lo, hi = key
-        i = lo & mask
-        for _ in range(MAX_PROBE):
-            at = base + i * SLOT_WORDS
-            if w[at + 2] == 0:
-                break
-            if w[at] == lo and w[at + 1] == hi:
-                self._begin()
-                self._shift_back(i)
-                self.live -= 1
-                w[_LIVE] = self.live
-                self._end()
-                self._refill()
-                return
-            i = (i + 1) & mask
-        self._unlist(key)
+        slot = _slot_of(self._w, self.mask, *key)
+        if slot is None:
+            self._unlist(key)
+            return
+        self._begin()
+        self._shift_back(slot)
+        self.live -= 1
+        self._w[_LIVE] = self.live
+        self._end()
+        self._refill()
 
     def _shift_back(self, hole: int) -> None:
         """Empty slot ``hole`` and pull later entries of its run back, so probes still end at the
@@ -274,10 +281,8 @@ class IndexTable:
         self.set_flag(CLOSED, True)
         self._rows = None
         self._w.release()
-        try:
+        with contextlib.suppress(BufferError):   # a view is still alive somewhere: the mapping goes with it
             self._map.close()
-        except BufferError:   # a view is still alive somewhere: the mapping goes with it
-            pass
         os.close(self.fd)
 
 
@@ -295,7 +300,7 @@ class IndexReader:
         slots = int(head[_SLOTS])
         if int(head[_MAGIC]) != MAGIC or slots & (slots - 1) or HEADER_BYTES + slots * SLOT_WORDS * 8 > size:
             raise OSError("not a lookup index this client understands")
-        self._mask, self._probe = np.uint64(slots - 1), min(int(head[_PROBE]), MAX_PROBE)
+        self._mask = np.uint64(slots - 1)
         self._slots = words[HEADER_BYTES // 8:HEADER_BYTES // 8 + slots * SLOT_WORDS].reshape(slots, SLOT_WORDS)
         self._words = memoryview(self._map).cast("Q")   # scalar reads as Python ints, for the probe's tail
         raw = bytes(self._map[_NAMES_AT:_NAMES_AT + MAX_TIERS * TIER_NAME_BYTES])
@@ -338,31 +343,14 @@ class IndexReader:
             return len(lo), meta
         for k in range(int(home.argmin()), len(lo)):
             if not home[k]:
-                found = self._probe_on(int(lo[k]), int(hi[k]))
-                if not found:
+                slot = _slot_of(self._words, int(self._mask), int(lo[k]), int(hi[k]))
+                if slot is None:
                     return k, meta
-                meta[k] = found
+                meta[k] = self._words[HEADER_BYTES // 8 + slot * SLOT_WORDS + 2]
         return len(lo), meta
-
-    def _probe_on(self, lo: int, hi: int) -> int:
-        """One key's meta (0: absent) past its home slot; a probe ends at the first empty slot, and
-        nothing is placed farther than the probe bound."""
-        words, mask = self._words, int(self._mask)
-        i = lo & mask
-        for _ in range(self._probe):
-            at = HEADER_BYTES // 8 + i * SLOT_WORDS
-            meta = words[at + 2]
-            if meta == 0:
-                return 0
-            if words[at] == lo and words[at + 1] == hi:
-                return meta
-            i = (i + 1) & mask
-        return 0
 
     def close(self) -> None:
         self._slots = None
         self._words.release()
-        try:
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            pass

@@ -19,8 +19,8 @@ refuses a request that would take the tenant past ``max_held_segment_bytes_per_t
 (status ``LIMIT``); the client then lets go of what the refusal named and asks once more.
 
 Both ends live here. The daemon's end (``SegmentBroker``) is a ``socket_server.SocketServer`` on
-a Unix socket: a request must arrive within ``REQUEST_DEADLINE_S`` of connecting, at most
-``MAX_PENDING`` wait, so idle or hostile connections hold no thread and cannot grow anything.
+a Unix socket, whose bounds on unproven connections a request is under (it must arrive within
+``socket_server.FIRST_DEADLINE_S``).
 """
 
 from __future__ import annotations
@@ -37,39 +37,33 @@ import numpy as np
 
 from kvstore.errors import QuotaExceeded
 from kvstore.transport.shm import MappedArena
-from kvstore.transport.socket_server import Connection, SocketServer
+from kvstore.transport.socket_server import (GREETING, MAX_TENANT_BYTES, Connection, SocketServer, greeting,
+                                            read_greeting)
 from kvstore.transport.tickets import TokenBook
 
 MAGIC = b"KVSG"
-MAX_TENANT_BYTES = 256
 MAX_SEGMENTS_PER_REQUEST = 64
-REQUEST_DEADLINE_S = 2.0
-MAX_PENDING = 64
 MAX_REPLACED_LISTED = 1024
 LIMIT_SETTING = "max_held_segment_bytes_per_tenant"
 OK, REFUSED, LIMIT = 0, 1, 2   # answer statuses
-_HEAD = struct.Struct("!4s32sH")      # magic, ticket, tenant length; then tenant, count (H), segments (I each)
 _REPLY = struct.Struct("!BHH")         # status, count, replaced count; then (segment I, generation Q) each, handed
 _ENTRY = struct.Struct("!IQ")          # first, then replaced
-_MAX_REQUEST = _HEAD.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
+_MAX_REQUEST = GREETING.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUEST
 _MAX_REPLY = _REPLY.size + _ENTRY.size * (MAX_SEGMENTS_PER_REQUEST + MAX_REPLACED_LISTED)
 
 
 def encode_request(ticket: bytes, tenant: str, segments: Sequence[int]) -> bytes:
-    name = tenant.encode("utf-8")
-    return (_HEAD.pack(MAGIC, ticket, len(name)) + name + struct.pack("!H", len(segments))
-            + b"".join(struct.pack("!I", s) for s in segments))
+    """A request: the greeting (``socket_server.greeting``), ``u16`` count, ``u32`` segments."""
+    return greeting(MAGIC, ticket, tenant) + struct.pack(f"!H{len(segments)}I", len(segments), *segments)
 
 
 def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
     """``(ticket, tenant, segments)`` once ``data`` is a whole request; None while incomplete.
     Raises ``ValueError`` for a malformed one."""
-    if len(data) < _HEAD.size:
+    greeted = read_greeting(data, MAGIC)
+    if greeted is None:
         return None
-    magic, ticket, name_len = _HEAD.unpack_from(data)
-    if magic != MAGIC or name_len > MAX_TENANT_BYTES:
-        raise ValueError("bad request head")
-    at = _HEAD.size + name_len
+    ticket, tenant, at = greeted
     if len(data) < at + 2:
         return None
     (count,) = struct.unpack_from("!H", data, at)
@@ -80,8 +74,7 @@ def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
         return None
     if len(data) > end:
         raise ValueError("trailing bytes")
-    segments = list(struct.unpack_from(f"!{count}I", data, at + 2))
-    return ticket, data[_HEAD.size:at].decode("utf-8", "replace"), segments
+    return ticket, tenant, list(struct.unpack_from(f"!{count}I", data, at + 2))
 
 
 class SegmentBroker(SocketServer):
@@ -93,12 +86,11 @@ class SegmentBroker(SocketServer):
     segments still held. One request per connection, answered and closed."""
 
     def __init__(self, shm_dir: str, descriptor_for: Callable[[int, str], tuple[int, int] | None],
-                 replaced_for: Callable[[str], list[tuple[int, int]]] = lambda _tenant: [],
+                 replaced_for: Callable[[str], list[tuple[int, int]]],
                  tokens: TokenBook | None = None) -> None:
         self._descriptor_for = descriptor_for
         self._replaced_for = replaced_for
-        super().__init__("segment-broker", shm_dir=shm_dir, first_deadline_s=REQUEST_DEADLINE_S,
-                         max_pending=MAX_PENDING, max_read=_MAX_REQUEST + 1, tokens=tokens)
+        super().__init__("segment-broker", shm_dir=shm_dir, max_read=_MAX_REQUEST + 1, tokens=tokens)
         self.start()
 
     def received(self, fd: int, conn: Connection) -> None:

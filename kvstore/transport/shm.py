@@ -13,6 +13,7 @@ a client killed between prepare and complete leaks nothing.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import mmap
 import os
@@ -62,10 +63,8 @@ def nonce_is_local(probe_path: str, nonce: bytes) -> bool:
     except OSError:
         return False
     if ok:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(probe_path)
-        except OSError:
-            pass
     return ok
 
 
@@ -112,7 +111,5 @@ class ArenaMap(MappedArena):
 
     def close(self) -> None:
         self.arena = self.memory = None
-        try:
+        with contextlib.suppress(BufferError):   # a caller still holds a view; the mapping goes with it
             self._mmap.close()
-        except BufferError:  # a caller still holds a view; the mapping goes with it
-            pass

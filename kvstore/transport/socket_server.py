@@ -11,20 +11,21 @@ elsewhere: what the socket does not take at once this thread writes later), the 
 ``watched``, ``tick`` and ``revoked`` run on this thread too, and that table needs its own lock.
 
 Caps: nothing grows with idle or hostile connections.
-* A connection that has not yet proved a tenant with a ticket must do so within
-  ``first_deadline_s``; at most ``max_pending`` of those are open, and a new one pushes the least
-  recently active of them out, so unproven connections push out only each other.
+* A connection that has not yet proved a tenant with a ticket (its greeting, or its one request)
+  must do so within ``FIRST_DEADLINE_S``; at most ``MAX_PENDING`` of those are open, and a new one
+  pushes the least recently active of them out, so unproven connections push out only each other
+  and a flood of silent ones delays a real client by no more than its round trip.
 * A tenant has at most ``max_per_tenant`` admitted connections (a new one pushes out that tenant's
-  least recently active), and all tenants together at most ``max_per_tenant * max_tenants``
+  least recently active), and all tenants together at most ``max_per_tenant * MAX_TENANTS``
   (beyond that a ticket is refused): one tenant never pushes out another's connections.
 * When ``accept`` fails (out of descriptors or memory) the listener is left unwatched until the
   next tick instead of spinning on it; connections already open are served meanwhile.
 
 Tickets (``transport.tickets``): Handshake hands a caller ``ticket_for(its tenant, its token's
-digest)``. A connection admitted with one is checked again before its next frame is read once
-the tokens have changed, and every connection whose ticket they no longer admit is ended
-(``revoked``) within a tick (``TICK_S``) of the change. Deadlines and send bounds are checked
-every tick too.
+digest)``; a Unix-socket client presents it in its ``greeting``, which ``greet`` admits by. A
+connection admitted with one is checked again before its next frame is read once the tokens have
+changed, and every connection whose ticket they no longer admit is ended (``revoked``) within a
+tick (``TICK_S``) of the change. Deadlines and send bounds are checked every tick too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import re
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -47,6 +49,11 @@ log = logging.getLogger("kvstore.transport.socket_server")
 
 TICK_S = 0.25            # deadlines, send bounds and revocations are checked at least this often
 SEND_WITHIN_S = 2.0      # an answer still not taken this long after it was ready ends its connection
+FIRST_DEADLINE_S = 2.0   # a connection must prove a tenant within this long of being accepted
+MAX_PENDING = 64         # connections that have not proved one yet, at most
+MAX_TENANTS = 16         # tenants' worth of admitted connections, at most
+MAX_TENANT_BYTES = 256   # a tenant's name in a greeting, at most
+GREETING = struct.Struct("!4s32sH")   # a Unix-socket greeting: magic, ticket, tenant length; then the tenant
 _READ = select.EPOLLIN | select.EPOLLRDHUP   # what a connection is watched for (and EPOLLOUT while it has unsent bytes)
 _SOCKET_NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{8}\.sock$")
 
@@ -71,20 +78,17 @@ class SocketServer:
     ``conn.buf`` grown by new bytes; it consumes what it can, answers on ``conn.sock``, and may
     ``admit``, ``end`` or ``hand_off`` the connection. They call ``start()`` once built."""
 
-    def __init__(self, name: str, *, host: str | None = None, shm_dir: str | None = None,
-                 first_deadline_s: float, max_pending: int, max_per_tenant: int = 0, max_tenants: int = 16,
+    def __init__(self, name: str, *, host: str | None = None, shm_dir: str | None = None, max_per_tenant: int = 0,
                  max_read: int = 1 << 16, tokens: TokenBook | None = None, ticket_bytes: int = 32,
                  remember_tickets: int = 0) -> None:
         self.name = name
         self.tickets = Tickets(name, tokens, size=ticket_bytes, remember=remember_tickets)
         self._swept = self.tickets.generation
-        self.first_deadline_s, self.max_read = first_deadline_s, max_read
-        self.max_pending, self.max_per_tenant = max_pending, max_per_tenant
-        self.max_total = max_per_tenant * max_tenants
+        self.max_read, self.max_per_tenant = max_read, max_per_tenant
         self._per_tenant: Counter[str] = Counter()   # admitted connections by tenant
         self.port, self.path = 0, None
         if shm_dir is not None:   # beside the arena, where same-host clients (other containers too) reach it
-            sweep_stale_sockets(shm_dir)
+            dead_owners.sweep(shm_dir, _SOCKET_NAME)   # sockets of daemons that died without closing (kill -9)
             self.path = os.path.join(shm_dir, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}.sock")
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(self.path)
@@ -132,12 +136,29 @@ class SocketServer:
         """Admit ``conn`` as ``tenant`` if ``ticket`` is good now (checked again whenever the
         tokens change); a tenant at its cap loses its least recently active connection."""
         generation = self.tickets.generation
-        if not self.tickets.admits(ticket, tenant) or len(self.conns) > self.max_total:
+        if not self.tickets.admits(ticket, tenant) or len(self.conns) > self.max_per_tenant * MAX_TENANTS:
             return False
         if self._per_tenant[tenant] >= self.max_per_tenant:
             self.end(next(fd for fd, c in self.conns.items() if c.tenant == tenant), "pushed_out")
         conn.tenant, conn.ticket, conn.checked = tenant, ticket, generation
         self._per_tenant[tenant] += 1
+        return True
+
+    def greet(self, fd: int, conn: Connection, magic: bytes) -> bool:
+        """Admit ``conn`` by the greeting at the start of ``conn.buf`` (``greeting``), taken off the
+        buffer; False while it is incomplete, and once it ended the connection (``refused``)."""
+        try:
+            greeted = read_greeting(conn.buf, magic)
+            if greeted is None:
+                return False
+            ticket, tenant, size = greeted
+            admitted = self.admit(conn, ticket, tenant)
+        except ValueError:
+            admitted = False
+        if not admitted:
+            self.end(fd, "refused")
+            return False
+        del conn.buf[:size]
         return True
 
     def _still_admitted(self, conn: Connection) -> bool:
@@ -210,10 +231,10 @@ class SocketServer:
                 return
             self._accept_failing = False
             sock.setblocking(False)
-            if len(self.conns) - self._per_tenant.total() >= self.max_pending:
+            if self.pending >= MAX_PENDING:
                 self.end(next(fd for fd, c in self.conns.items() if c.tenant is None), "pushed_out")
             self.poller.register(sock.fileno(), _READ)
-            self.conns[sock.fileno()] = Connection(sock, time.monotonic() + self.first_deadline_s)
+            self.conns[sock.fileno()] = Connection(sock, time.monotonic() + FIRST_DEADLINE_S)
 
     def _readable(self, fd: int) -> None:
         conn = self.conns[fd]
@@ -310,6 +331,20 @@ class SocketServer:
                 os.unlink(self.path)
 
 
-def sweep_stale_sockets(shm_dir: str) -> None:
-    """Unlink service sockets left by daemons that died without closing (kill -9)."""
-    dead_owners.sweep(shm_dir, _SOCKET_NAME)
+def greeting(magic: bytes, ticket: bytes, tenant: str) -> bytes:
+    """What a client of a Unix-socket service sends first: the service's magic, the ticket
+    Handshake gave it and its tenant's name."""
+    name = tenant.encode("utf-8")
+    return GREETING.pack(magic, ticket, len(name)) + name
+
+
+def read_greeting(buf, magic: bytes) -> tuple[bytes, str, int] | None:
+    """``(ticket, tenant, its length)`` of the greeting ``buf`` starts with; None while it is
+    incomplete. ``ValueError`` for another service's magic or a name over ``MAX_TENANT_BYTES``."""
+    if len(buf) < GREETING.size:
+        return None
+    got, ticket, name_len = GREETING.unpack_from(buf)
+    if got != magic or name_len > MAX_TENANT_BYTES:
+        raise ValueError("not a greeting of this service")
+    end = GREETING.size + name_len
+    return (ticket, bytes(buf[GREETING.size:end]).decode("utf-8", "replace"), end) if len(buf) >= end else None

@@ -54,7 +54,7 @@ class Tickets:
     def generation(self) -> int:
         return self.book.generation
 
-    def issue(self, tenant: str, token_digest: bytes = b"") -> bytes:
+    def issue(self, tenant: str, token_digest: bytes) -> bytes:
         ticket = self._mac(tenant, token_digest)
         if self.remember:
             with self._issued_lock:
