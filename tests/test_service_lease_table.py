@@ -37,11 +37,21 @@ def answer(store: Store, lease: Lease, present_none: bool) -> pb.LeaseResponse:
     return pb.LeaseResponse.FromString(resp.SerializeToString())   # as the client receives it
 
 
-def make(segment_bytes: int | None = None) -> tuple[Store, bytes]:
-    store = Store([CpuTier(64 * BLOCK, slot_bytes=SLOT, segment_bytes=segment_bytes)], StoreConfig())
-    layout = KVLayout(model="test/table", num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16",
-                      block_tokens=16, block_bytes=BLOCK)
-    return store, store.register_namespace(Namespace(layout, tenant="a"))
+@pytest.fixture
+def make():
+    """``make(segment_bytes)`` -> (store, namespace id); every store made is closed after the test."""
+    stores = []
+
+    def make_store(segment_bytes: int | None = None) -> tuple[Store, bytes]:
+        store = Store([CpuTier(64 * BLOCK, slot_bytes=SLOT, segment_bytes=segment_bytes)], StoreConfig())
+        stores.append(store)
+        layout = KVLayout(model="test/table", num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                          block_tokens=16, block_bytes=BLOCK)
+        return store, store.register_namespace(Namespace(layout, tenant="a"))
+
+    yield make_store
+    for store in stores:
+        store.close()
 
 
 def churned(store: Store, ns: bytes) -> list[bytes]:
@@ -76,39 +86,33 @@ def read(resp: pb.LeaseResponse) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("segment_bytes", [None, 8 * SLOT])
-def test_store_and_load_leases_read_back_exactly_from_their_table(segment_bytes):
+def test_store_and_load_leases_read_back_exactly_from_their_table(make, segment_bytes):
     store, ns = make(segment_bytes)
-    try:
-        old = churned(store, ns)
-        fresh = ChainHasher(seed=9).chain(list(range(16 * 6)), 16)
-        hashes = [old[1], old[3]] + fresh + [old[5]]     # some present already
-        lease = store.leases.prepare_store(ns, hashes)
-        assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
-        got = read(answer(store, lease, True))
-        assert got == expected(store, lease, True)
-        assert [b[3] for b in got[0]] == [e is None for e in lease.extents]
-        if segment_bytes:
-            assert {p[2] for p in got[1]} >= {1}
-        store.leases.complete_store(lease.id)
+    old = churned(store, ns)
+    fresh = ChainHasher(seed=9).chain(list(range(16 * 6)), 16)
+    hashes = [old[1], old[3]] + fresh + [old[5]]     # some present already
+    lease = store.leases.prepare_store(ns, hashes)
+    assert any(e is None for e in lease.extents) and any(e and len(e) > 1 for e in lease.extents)
+    got = read(answer(store, lease, True))
+    assert got == expected(store, lease, True)
+    assert [b[3] for b in got[0]] == [e is None for e in lease.extents]
+    if segment_bytes:
+        assert {p[2] for p in got[1]} >= {1}
+    store.leases.complete_store(lease.id)
 
-        load = store.leases.prepare_load(ns, hashes)
-        load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
-        load.sizes = [BLOCK, 1234] + load.sizes[2:]
-        got = read(answer(store, load, False))
-        assert got == expected(store, load, False)
-        assert [(b[2], b[1]) for b in got[0][:2]] == [(0, BLOCK), (3, 1234)]
-        store.leases.complete_load(load.id)
-    finally:
-        store.close()
+    load = store.leases.prepare_load(ns, hashes)
+    load.codecs = [0, 3] + [0] * (len(load.codecs) - 2)   # what an encoded copy would say
+    load.sizes = [BLOCK, 1234] + load.sizes[2:]
+    got = read(answer(store, load, False))
+    assert got == expected(store, load, False)
+    assert [(b[2], b[1]) for b in got[0][:2]] == [(0, BLOCK), (3, 1234)]
+    store.leases.complete_load(load.id)
 
 
-def test_an_empty_load_lease_is_no_blocks():
+def test_an_empty_load_lease_is_no_blocks(make):
     store, ns = make()
-    try:
-        lease = store.leases.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
-        assert slots(answer(store, lease, False)) == ([], [])
-    finally:
-        store.close()
+    lease = store.leases.prepare_load(ns, ChainHasher().chain(list(range(16)), 16))
+    assert slots(answer(store, lease, False)) == ([], [])
 
 
 def test_an_inconsistent_table_is_refused_like_a_lost_daemon():
@@ -117,29 +121,23 @@ def test_an_inconsistent_table_is_refused_like_a_lost_daemon():
         lease_slots(resp)
 
 
-def test_a_lease_of_one_extent_blocks_reads_back_exactly():
+def test_a_lease_of_one_extent_blocks_reads_back_exactly(make):
     store, ns = make()
-    try:
-        hashes = ChainHasher().chain(list(range(16 * 5)), 16)
-        store.put(ns, hashes[:2], [np.ones(BLOCK, dtype=np.uint8)] * 2)
-        lease = store.leases.prepare_store(ns, hashes)
-        assert all(e is None or len(e) == 1 for e in lease.extents)
-        assert read(answer(store, lease, True)) == expected(store, lease, True)
-        store.leases.abort_store(lease.id)
-    finally:
-        store.close()
+    hashes = ChainHasher().chain(list(range(16 * 5)), 16)
+    store.put(ns, hashes[:2], [np.ones(BLOCK, dtype=np.uint8)] * 2)
+    lease = store.leases.prepare_store(ns, hashes)
+    assert all(e is None or len(e) == 1 for e in lease.extents)
+    assert read(answer(store, lease, True)) == expected(store, lease, True)
+    store.leases.abort_store(lease.id)
 
 
-def test_present_blocks_beside_a_two_extent_block_read_back_exactly():
+def test_present_blocks_beside_a_two_extent_block_read_back_exactly(make):
     """Extent counts 0 and 2 add up to one per block: not the one-extent-each case."""
     store, ns = make()
-    try:
-        churned(store, ns)
-        hashes = ChainHasher(seed=11).chain(list(range(16 * 2)), 16)
-        store.put(ns, hashes[:1], [np.ones(BLOCK, dtype=np.uint8)])
-        lease = store.leases.prepare_store(ns, hashes)
-        assert [0 if e is None else len(e) for e in lease.extents] == [0, 2]
-        assert read(answer(store, lease, True)) == expected(store, lease, True)
-        store.leases.abort_store(lease.id)
-    finally:
-        store.close()
+    churned(store, ns)
+    hashes = ChainHasher(seed=11).chain(list(range(16 * 2)), 16)
+    store.put(ns, hashes[:1], [np.ones(BLOCK, dtype=np.uint8)])
+    lease = store.leases.prepare_store(ns, hashes)
+    assert [0 if e is None else len(e) for e in lease.extents] == [0, 2]
+    assert read(answer(store, lease, True)) == expected(store, lease, True)
+    store.leases.abort_store(lease.id)

@@ -30,7 +30,7 @@ from kvstore.client.stream_paths import BulkPath, GrpcPath
 from kvstore.errors import InvalidArgument, WrongBlockSize
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport.local_lookup import LocalLookupError, Unframeable
+from kvstore.transport.local_lookup import CallFailed, Unframeable
 from kvstore.wire import MAX_BATCH, MAX_LOOKUP_BATCH, MAX_LOOKUP_HASHES, Lookup
 
 
@@ -175,7 +175,7 @@ class Client:
                 break
             try:
                 return self._lookup_with(lambda h: local.lookup(ns_id, h, lease), hashes)
-            except (LocalLookupError, Unframeable):
+            except (CallFailed, Unframeable):
                 break   # refused, or not for the socket: the RPC below answers, or raises the same error
             except (OSError, ValueError):
                 self._negotiation.drop_local_lookups()

@@ -17,7 +17,7 @@ shares), delegating to one object per role: ``stream_rpcs`` (Put, Get), ``lease_
 zero copy, over gRPC or the lookup socket), ``bulk_rpcs`` (the side channel), with ``block_reads``,
 and ``admin_rpcs`` (operator commands) with ``usage`` (lookup counts per namespace);
 ``lookup_indexes`` (the per-tenant lookup tables same-host clients map, kept in step with the store);
-``validation`` (request checks), ``metrics`` with ``metrics_breakdown`` (per tenant / namespace /
+``validation`` (request checks), ``metrics`` (the store's, the server's, and per tenant / namespace /
 fleet, bounded), ``http_endpoint`` (``/metrics`` and ``/v1/route``) and ``reload`` (SIGHUP, ``kvstore
 reload``).
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.rpc_base import ServiceState
@@ -71,13 +71,13 @@ class AdminRpcs:
 
     def top_namespaces(self, context, limit: int = TOP_NAMESPACES) -> list[dict]:
         """The caller's largest namespaces, cheaply (no walk over blocks): Stats' ``namespace_usage``."""
-        rows = []
+        rows, usage = [], self.usage.snapshot()
         for ns in self.visible_namespaces(context):
             held = self.store.namespace_bytes(ns.id)
-            used = self.usage.of(ns.id)
+            used = usage.get(ns.id)
             rows.append({"id": ns.id.hex(), "model": ns.layout.model, "tenant": ns.tenant, "bytes": held,
                          "blocks": held // max(ns.block_bytes, 1),
-                         "hit_ratio": used.lookup_hits / used.lookup_blocks if used.lookup_blocks else None})
+                         "hit_ratio": used.lookup_hits / used.lookup_blocks if used and used.lookup_blocks else None})
         return sorted(rows, key=lambda r: r["bytes"], reverse=True)[:limit]
 
     # -- changing what is stored ------------------------------------------------------------------
@@ -134,7 +134,5 @@ class AdminRpcs:
     def Reload(self, request, context):
         if not self._is_admin(context)[1]:
             raise PermissionDenied("reload: only tokens of admin_tenants may reload the daemon's configuration")
-        if self.service.reloader is None:
-            raise InvalidArgument("request", "this daemon has no configuration to reload (it runs in-process)")
         applied, ignored = self.service.reloader()
         return pb.ReloadResponse(applied=applied, ignored=ignored)

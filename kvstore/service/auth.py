@@ -43,7 +43,6 @@ class _Credentials:
     """One immutable set of tokens (as digests) and admins: what ``replace`` swaps whole."""
 
     def __init__(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> None:
-        self.tenants = frozenset(tokens.values())
         self.admin_tenants = frozenset(admin_tenants)
         self.digests = [(hashlib.sha256(t.encode()).digest(), tenant) for t, tenant in tokens.items()]
         self.by_tenant: dict[str, tuple[bytes, ...]] = {}
@@ -86,11 +85,6 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self._credentials.digests)
-
-    @property
-    def tenants(self) -> frozenset[str]:
-        """The tenants some token maps to (empty without auth)."""
-        return self._credentials.tenants
 
     def tenant(self, metadata, requested: str = "") -> str:
         """The caller's tenant from its metadata (``requested`` counts only without auth)."""

@@ -45,10 +45,9 @@ class RecoveryProgress:
         if progress is None:
             progress = self._tiers[tier] = Progress(f"{tier} tier: recovering", unit="blocks", say=log.info)
             progress.__enter__()
-        if not done:
-            progress.update(found)
-            return
         progress.update(found)
+        if not done:
+            return
         progress.__exit__(None, None, None)
         log.info("%s tier: recovered %d blocks in %.2fs (%s)", tier, found, progress.elapsed_s, progress.rate())
 
@@ -65,15 +64,8 @@ def redacted_url(url: str) -> str:
 
 
 def tier_place(settings: Settings, tier: str, arena_path: str | None) -> str:
-    if tier == "cpu":
-        return arena_path or f"{settings.shm_dir} (one segment per tenant)"
-    if tier == "nvme":
-        return settings.nvme_path
-    if tier == "gpu":
-        return settings.gpu_device
-    if tier == "redis":
-        return redacted_url(settings.redis_tier.connect_url)
-    return "-"
+    return {"cpu": arena_path or f"{settings.shm_dir} (one segment per tenant)", "nvme": settings.nvme_path,
+            "gpu": settings.gpu_device, "redis": redacted_url(settings.redis_tier.connect_url)}.get(tier, "-")
 
 
 def size_text(n: int) -> str:

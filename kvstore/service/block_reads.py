@@ -81,7 +81,9 @@ def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray
             if lease.extents:
                 yield Run([(arena.views(extents if byte_range is None else window(extents, *byte_range)), codec)
                            for extents, codec in zip(lease.extents, lease.codecs)], lease.expires)
-                _check_pin(lease.expires)
+                if time.monotonic() >= lease.expires:
+                    raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short for "
+                                       "this link); retry")
         finally:
             try:
                 store.leases.complete_load(lease.id)
@@ -97,12 +99,6 @@ def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray
             yield Run([_copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None],
                       math.inf)
             start += 1
-
-
-def _check_pin(expires: float) -> None:
-    if time.monotonic() >= expires:
-        raise LeaseExpired("lease_id: sending a block outlived its pin (lease_seconds too short for this link); "
-                           "retry")
 
 
 def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:

@@ -27,8 +27,7 @@ from kvstore.wire import MAX_BATCH
 #: otherwise into a scratch buffer, then one Store.put per run. Either way the run's per-call work
 #: and lock rounds are shared among its blocks, and a transfer cut short keeps the runs that arrived
 #: whole. The client's sends fill the socket's buffer while a run is published (a larger block is a
-#: run of its own). 64 KiB puts took 17-19 us of the daemon's CPU a block in 4 MiB runs against
-#: 21-31 us in 1 MiB ones (three alternated pairs); 8 MiB runs gained nothing more.
+#: run of its own); past 4 MiB a run saves no more CPU a block.
 RUN_BYTES = 4 << 20
 
 

@@ -30,6 +30,7 @@ from concurrent.futures import Executor
 import grpc
 
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.service.metrics import Metrics
 from kvstore.service.stalls import Progress, StallWatch
 from kvstore.service.validation import well_formed
 
@@ -155,7 +156,7 @@ def _encoded_or(serialize: Callable) -> Callable:
 
 
 class CallBridge:
-    def __init__(self, pool: Executor, stalls: StallWatch, metrics=None) -> None:
+    def __init__(self, pool: Executor, stalls: StallWatch, metrics: Metrics) -> None:
         self.pool = pool
         self.stalls = stalls
         self.metrics = metrics
@@ -196,8 +197,7 @@ class CallBridge:
             code, details, meta = status_of(err)
         finally:
             call.end()
-            if self.metrics is not None:
-                self.metrics.observe(name, time.perf_counter() - started, code.name if code else None)
+            self.metrics.observe(name, time.perf_counter() - started, code.name if code else None)
         context.set_trailing_metadata(meta)
         try:
             await context.abort(code, details)   # a cut Get's status waits behind the responses not yet taken

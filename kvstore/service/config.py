@@ -232,9 +232,8 @@ class Settings(BaseSettings):
     @property
     def pinned_bytes_limit(self) -> int:
         """What one tenant may pin: ``max_pinned_bytes_per_tenant``, or a quarter of the CPU tier."""
-        if self.max_pinned_bytes_per_tenant is not None:
-            return self.max_pinned_bytes_per_tenant
-        return self.cpu_bytes // 4
+        pinned = self.max_pinned_bytes_per_tenant
+        return self.cpu_bytes // 4 if pinned is None else pinned
 
     @property
     def tier_codecs(self) -> dict[str, str]:

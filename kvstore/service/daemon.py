@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 from kvstore.service.heap import HeapTrimmer, limit_heap_arenas
-from kvstore.service import preflight
 from kvstore.service.auth import Authenticator
 from kvstore.service.banner import RecoveryProgress, announced, banner_lines, redacted_url
 from kvstore.service.config import ConfigError, Settings
@@ -29,10 +28,9 @@ from kvstore import dead_owners
 from kvstore.errors import KVStoreError
 from kvstore.keys import determinism_self_check
 from kvstore.progress import Progress
-from kvstore.service.gc_pauses import GcPauseCollector, GcPauses
-from kvstore.service.http_endpoint import RouteOverHttp
-from kvstore.service.metrics import Metrics
-from kvstore.service.metrics_breakdown import FleetCollector, TenantCollector
+from kvstore.service.gc_pauses import GcPauseCollector
+from kvstore.service.http_endpoint import HttpEndpoint, RouteOverHttp
+from kvstore.service.metrics import FleetCollector, Metrics, TenantCollector
 from kvstore.service.reload import Reloader
 from kvstore.service.grpc_server import build_server
 from kvstore.store import Store, StoreConfig
@@ -43,39 +41,10 @@ from kvstore.units import format_size
 log = logging.getLogger("kvstore.service.daemon")
 
 
+#: the same-host probe files of a daemon, by its pid: those of daemons that died without closing
+#: (SIGKILL, OOM) are swept at start; their arenas and sockets are swept by the CPU tier and the
+#: socket servers as they start
 _PROBE_NAME = re.compile(rf"^{re.escape(shm.PROBE_PREFIX)}(\d+)-")
-
-
-def clean_stale_probes(shm_dir: str) -> int:
-    """Remove the same-host probe files of daemons that died without closing (SIGKILL, OOM); their
-    arenas and sockets are swept by the CPU tier and the socket servers as they start."""
-    return dead_owners.sweep(shm_dir, _PROBE_NAME)
-
-
-def memory_available() -> int:
-    """Bytes this process can still fill: RAM available now, capped by a cgroup (container) limit."""
-    import psutil
-
-    available = psutil.virtual_memory().available
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            available = min(available, int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def check_memory(cpu_bytes: int) -> None:
-    """Refuse to start rather than be OOM-killed later: the arena is allocated and touched up
-    front, so an arena larger than the memory left would take the host (or the daemon) down."""
-    available = memory_available()
-    if cpu_bytes > available:
-        raise ValueError(f"cpu_bytes: {cpu_bytes} bytes requested for the CPU tier but only {available} bytes of "
-                         "memory are available on this host (or in its cgroup); lower --cpu-bytes")
 
 
 def build_tiers(settings: Settings) -> list:
@@ -83,32 +52,28 @@ def build_tiers(settings: Settings) -> list:
     arena is a file in RAM-backed ``shm_dir``: left behind, it would hold that memory)."""
     tiers: list = []
     try:
-        _add_tiers(settings, tiers)
+        if settings.gpu_bytes:
+            from kvstore.tiers.gpu import GpuTier
+            tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
+        with announced(f"cpu tier: allocating and touching its {format_size(settings.cpu_bytes, 'readable')} "
+                       f"arena in {settings.shm_dir}"), \
+                Progress("cpu tier: filling its arena", unit="bytes", say=log.info) as filling:   # seconds for GiBs
+            tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
+                                 segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
+                                 page_lock=bool(settings.gpu_bytes),   # no CUDA context without a GPU tier
+                                 held_limit=settings.max_held_segment_bytes_per_tenant,
+                                 on_filled=lambda done, total: filling.update(done, total=total)))
+        if settings.nvme_bytes:
+            from kvstore.tiers.nvme import NvmeTier
+            tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
+        if settings.redis_tier.enabled:
+            tiers.append(build_redis_tier(settings))
     except BaseException:
         for tier in reversed(tiers):
             with contextlib.suppress(Exception):
                 tier.close()
         raise
     return tiers
-
-
-def _add_tiers(settings: Settings, tiers: list) -> None:
-    if settings.gpu_bytes:
-        from kvstore.tiers.gpu import GpuTier
-        tiers.append(GpuTier(settings.gpu_bytes, settings.cpu_slot_bytes, device=settings.gpu_device))
-    with announced(f"cpu tier: allocating and touching its {format_size(settings.cpu_bytes, 'readable')} arena "
-                   f"in {settings.shm_dir}"), \
-            Progress("cpu tier: filling its arena", unit="bytes", say=log.info) as filling:   # seconds for GiBs
-        tiers.append(CpuTier(settings.cpu_bytes, settings.cpu_slot_bytes, shm_dir=settings.shm_dir,
-                             segment_bytes=tenant_segment_bytes(settings) if settings.tokens else None,
-                             page_lock=bool(settings.gpu_bytes),   # no CUDA context without a GPU tier
-                             held_limit=settings.max_held_segment_bytes_per_tenant,
-                             on_filled=lambda done, total: filling.update(done, total=total)))
-    if settings.nvme_bytes:
-        from kvstore.tiers.nvme import NvmeTier
-        tiers.append(NvmeTier(os.path.expanduser(settings.nvme_path), settings.nvme_bytes))
-    if settings.redis_tier.enabled:
-        tiers.append(build_redis_tier(settings))
 
 
 def tenant_segment_bytes(settings: Settings) -> int:
@@ -137,11 +102,10 @@ def build_redis_tier(settings: Settings):
 
 
 class Daemon:
-    """Everything one ``kvstore serve`` runs; usable in-process (tests, ``kvstore bench``)."""
+    """Everything one ``kvstore serve`` runs."""
 
-    def __init__(self, settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:
-        """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``); None:
-        this daemon cannot reload."""
+    def __init__(self, settings: Settings, reload_settings: Callable[[], Settings]) -> None:
+        """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``)."""
         determinism_self_check()
         # Codecs run where a tier stores them and where a client's encoded put meets a tier that
         # keeps another form. With tier codecs, torch is imported and the kernels compiled (in a
@@ -153,22 +117,20 @@ class Daemon:
         # same bytes), so none waits for the compiler.
         self._warm = threading.Event()
         self._warm_up = threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True)
-        preflight.check_codecs(settings)    # fp8/int4 without torch: refused now, naming the extra
         if not settings.tier_codecs:
             self._warm.set()
         self.settings = settings
         self._stop = threading.Event()
         self._tiers: list = []
-        self.store = self.metrics = self.server = self.servicer = self.fleet = self.gc_pauses = None
+        self.store = self.metrics = self.server = self.servicer = self.fleet = self.gc_pauses = self.http = None
         try:
             self._assemble(settings, reload_settings)
         except BaseException:
             self.abandon()
             raise
 
-    def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings] | None) -> None:
-        check_memory(settings.cpu_bytes)
-        clean_stale_probes(settings.shm_dir)
+    def _assemble(self, settings: Settings, reload_settings: Callable[[], Settings]) -> None:
+        dead_owners.sweep(settings.shm_dir, _PROBE_NAME)
         self._tiers = build_tiers(settings)
         opened = time.monotonic()
         log.info("opening the store: blocks a previous run left in the durable tiers are found again now")
@@ -187,26 +149,19 @@ class Daemon:
         self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
-        self.server, self.servicer, self.health, self.port = build_server(
-            self.store, listen=settings.listen, workers=settings.workers,
-            max_message_bytes=settings.max_message_bytes, chunk_bytes=settings.chunk_bytes, auth=auth,
-            metrics=self.metrics, shm_dir=settings.shm_dir, bulk_channel=settings.bulk_channel, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-            stream_idle_s=max(2 * settings.lease_seconds, 1.0), lookup_index_slots=settings.lookup_index_slots)
-        self.metrics.watch(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
-        self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in stats and metrics
+        self.server, self.servicer, self.port = build_server(self.store, settings, auth, self.metrics)
+        self.http = HttpEndpoint(self.metrics.registry, RouteOverHttp(self.servicer))   # served with metrics_port
+        self.metrics.registry.register(TenantCollector(self.store, self.servicer.usage, settings.metrics_top_n))
+        self.gc_pauses = self.servicer.gc_pauses
         self.gc_pauses.install()
-        self.servicer.gc_pauses = self.gc_pauses
-        self.metrics.watch(GcPauseCollector(self.gc_pauses))
-        self.reloader = None
-        if reload_settings is not None:
-            self.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics,
-                                     revoke=self.servicer.local_lookups.revoke)
-            self.servicer.reloader = self.reloader
+        self.metrics.registry.register(GcPauseCollector(self.gc_pauses))
+        self.reloader = self.servicer.reloader = Reloader(settings, reload_settings, auth, self.store, self.metrics,
+                                                          self.servicer.local_lookups.revoke)
         if settings.fleet.enabled:
             self.fleet = self._build_fleet(settings)   # refuses to start without fleet.secret
             self.servicer.fleet = self.fleet
             auth.peers = self.fleet.peer_verifier      # peers prove themselves, never send a token
-            self.metrics.watch(FleetCollector(self.fleet))
+            self.metrics.registry.register(FleetCollector(self.fleet))
         self.metrics_port: int | None = None
         self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
 
@@ -237,7 +192,7 @@ class Daemon:
             if not self._warm.is_set():   # (tier codecs: health said NOT_SERVING until now)
                 self._warm.set()
                 if not self._stop.is_set():
-                    self.health.set(serving=True)
+                    self.server.set_serving(True)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """True once the daemon is ready: with tier codecs, once their kernels are compiled (every
@@ -248,24 +203,20 @@ class Daemon:
     def start(self) -> None:
         """Serve. A step that fails undoes every one before it (``abandon``) and raises."""
         try:
-            self._start()
+            if not self._warm.is_set():
+                self.server.set_serving(False)
+                self._warm_up.start()
+            else:
+                log.info("no tier codecs: torch and the codec kernels are loaded at the first lossy codec call")
+            self.server.start()
+            if self.fleet is not None:
+                self.fleet.start()
+            if self.settings.metrics_port is not None:
+                self.metrics_port = self.http.serve(self.settings.metrics_host, self.settings.metrics_port)
+            self._reaper.start()
         except BaseException:
             self.abandon()
             raise
-
-    def _start(self) -> None:
-        if not self._warm.is_set():
-            self.health.set(serving=False)
-            self._warm_up.start()
-        else:
-            log.info("no tier codecs: torch and the codec kernels are loaded at the first lossy codec call")
-        self.server.start()
-        if self.fleet is not None:
-            self.fleet.start()
-        if self.settings.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port,
-                                                   route=RouteOverHttp(self.servicer))
-        self._reaper.start()
         log.info("kvstore serving on %s (tiers: %s)", self.address, ", ".join(t.name for t in self.store.tiers))
 
     def _reap(self) -> None:
@@ -286,7 +237,7 @@ class Daemon:
         """Graceful: refuse new work, finish in-flight RPCs, flush to NVMe. Returns blocks flushed."""
         if self._stop.is_set():
             return 0
-        self.health.set(serving=False)
+        self.server.set_serving(False)
         if self.fleet is not None:
             self.fleet.close()  # withdraw first: peers stop routing here before we go
         self.server.stop(grace_s).wait()
@@ -294,7 +245,7 @@ class Daemon:
         self.servicer.close_transports()
         flushed = self.store.flush()
         self.store.leases.expire(now=float("inf"))
-        self.metrics.close()
+        self.http.close()
         self.store.close()
         self.gc_pauses.uninstall()
         log.info("kvstore stopped; %d blocks flushed to the durable tier", flushed)
@@ -305,9 +256,9 @@ class Daemon:
         made outlives it (the arena file in RAM-backed ``shm_dir``, the service sockets there,
         the ports, the fleet's entries). Safe at any step; each part is closed on its own."""
         self._stop.set()
-        parts = [self.metrics.close if self.metrics is not None else None,
+        parts = [self.http.close if self.http is not None else None,
                  self.fleet.close if self.fleet is not None else None,
-                 self._stop_server if self.server is not None else None,
+                 (lambda: self.server.stop(0).wait(5)) if self.server is not None else None,
                  self.servicer.close_transports if self.servicer is not None else None]
         parts.append(self.store.close if self.store is not None else
                      lambda: [tier.close() for tier in reversed(self._tiers)])
@@ -319,28 +270,11 @@ class Daemon:
                 except Exception:  # noqa: BLE001 - the rest must still be closed
                     log.exception("closing after a failed start")
 
-    def _stop_server(self) -> None:
-        if self.server.aio is None:
-            self.server.discard()
-        else:
-            self.server.stop(0).wait(5)
-
     def ready_info(self) -> dict:
         arena = self.store.shared_arena()
         return {"address": self.address, "port": self.port, "metrics_port": self.metrics_port,
                 "pid": os.getpid(), "arena_path": arena.path if arena else None,
                 "tiers": [t.name for t in self.store.tiers]}
-
-
-def reload_on_signal(daemon: Daemon) -> None:
-    """SIGHUP: reload, or say why not (the reloader logs the outcome either way)."""
-    if daemon.reloader is None:
-        log.warning("SIGHUP: this daemon has no configuration source to reload")
-        return
-    try:
-        daemon.reloader()
-    except ConfigError:
-        pass   # logged by the reloader; the running configuration stays
 
 
 def write_ready_file(path: str, info: dict) -> None:
@@ -357,8 +291,7 @@ def write_ready_file(path: str, info: dict) -> None:
         raise
 
 
-def run(settings: Settings, ready_file: str | None = None,
-        reload_settings: Callable[[], Settings] | None = None) -> int:
+def run(settings: Settings, ready_file: str | None, reload_settings: Callable[[], Settings]) -> int:
     """Serve until SIGTERM/SIGINT (SIGHUP: reload); exit code 0 after a clean shutdown."""
     limit_heap_arenas()  # before the server's threads exist: lets a burst's freed heap be trimmed
     daemon = Daemon(settings, reload_settings)
@@ -390,7 +323,8 @@ def run(settings: Settings, ready_file: str | None = None,
     while not stop.wait(0.2):
         if reload_asked.is_set():
             reload_asked.clear()
-            reload_on_signal(daemon)
+            with contextlib.suppress(ConfigError):   # logged by the reloader; the running configuration stays
+                daemon.reloader()
     t0 = time.monotonic()
     try:
         flushed = daemon.stop()

@@ -33,8 +33,10 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.auth import Authenticator
 from kvstore.service.calls import CallBridge
+from kvstore.service.config import Settings
 from kvstore.service.interceptors import AuthInterceptor
 from kvstore.service.lookup_indexes import LookupIndexes
+from kvstore.service.metrics import Metrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.validation import lenient
 from kvstore.store import Store
@@ -59,22 +61,9 @@ SERVER_OPTIONS = [
 ]
 
 
-class HealthStatus:
-    """Sets the standard health service's answers, for the server and the KVStore service alike,
-    from any thread (the health servicer lives on the loop)."""
-
-    def __init__(self, servicer: health_aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
-        self.servicer = servicer
-        self._loop = loop
-
-    def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            asyncio.run_coroutine_threadsafe(self.servicer.set(service, status), self._loop).result(10)
-
-
 class GrpcServer:
-    """A ``grpc.aio`` server whose event loop runs on a thread of its own."""
+    """A ``grpc.aio`` server whose event loop runs on a thread of its own, with the standard health
+    service, whose answers (for the server and the KVStore service alike) any thread may set."""
 
     def __init__(self, workers: int) -> None:
         self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc")
@@ -82,6 +71,12 @@ class GrpcServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvstore-grpc-loop", daemon=True)
         self._thread.start()
         self.aio: grpc.aio.Server | None = None
+        self.health: health_aio.HealthServicer | None = None
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(self.health.set(service, status), self.loop).result(10)
 
     def on_loop(self, coro: Coroutine):
         """Run ``coro`` on the server's loop and wait for its result."""
@@ -121,64 +116,58 @@ def add_kvstore_servicer(servicer: KVStoreServicer, server: grpc.aio.Server, bri
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def build_server(store: Store, *, listen: str, workers: int | None = None, max_message_bytes: int = 16 << 20,
-                 chunk_bytes: int = 1 << 20, auth: Authenticator | None = None, metrics=None,
-                 shm_dir: str = "/dev/shm", bulk_channel: bool = True,
-                 tls_cert: str | None = None, tls_key: str | None = None, stream_idle_s: float = 30.0,
-                 lookup_index_slots: int = 1 << 18):
-    """A ready-to-start gRPC server with the KVStore service, health and reflection.
-
-    Returns ``(server, servicer, health, port)``: a ``GrpcServer``, the ``KVStoreServicer``, a
-    ``HealthStatus``; the caller starts and stops the server."""
-    auth = auth or Authenticator()
-    host = listen.rpartition(":")[0].strip("[]")
-    bulk = BulkServer(host, tokens=auth) if bulk_channel and not tls_cert else None
+def build_server(store: Store, settings: Settings, auth: Authenticator, metrics: Metrics):
+    """A ready-to-start gRPC server with the KVStore service, health and reflection, for
+    ``settings``. Returns ``(server, servicer, port)``: a ``GrpcServer`` and the
+    ``KVStoreServicer``; the caller starts and stops the server."""
+    bulk = BulkServer(settings.host.strip("[]"), tokens=auth) if settings.bulk_channel and not settings.tls_cert \
+        else None
     arena = store.shared_arena()
-    segments = SegmentBroker(shm_dir, arena.descriptor_for, arena.replaced_for, tokens=auth) \
+    segments = SegmentBroker(settings.shm_dir, arena.descriptor_for, arena.replaced_for, tokens=auth) \
         if arena is not None and arena.segmented else None
-    servicer = KVStoreServicer(store, auth=auth, metrics=metrics, shm_dir=shm_dir, chunk_bytes=chunk_bytes,
-                               max_message_bytes=max_message_bytes, bulk=bulk, stream_idle_s=stream_idle_s,
-                               segments=segments, threads=BUDGET.with_rpc(workers))
+    threads = BUDGET.with_rpc(settings.workers)
+    servicer = KVStoreServicer(store, settings, auth=auth, metrics=metrics, bulk=bulk, segments=segments,
+                               threads=threads)
     # a same-host client's scheduler asks here instead of over gRPC
     servicer.local_lookups = LocalLookupServer(
-        shm_dir, servicer.local_lookup, servicer.local_lookup_told,
-        LookupIndexes(store, per_tenant=auth.enabled, slots=lookup_index_slots),
+        settings.shm_dir, servicer.local_lookup, servicer.local_lookup_told,
+        LookupIndexes(store, per_tenant=auth.enabled, slots=settings.lookup_index_slots),
         CallServer(servicer.leases.local_call) if arena is not None else None, tokens=auth)
     credentials = None
-    if tls_cert:
-        with open(tls_key, "rb") as f:
+    if settings.tls_cert:
+        with open(settings.tls_key, "rb") as f:
             key = f.read()
-        with open(tls_cert, "rb") as f:
+        with open(settings.tls_cert, "rb") as f:
             cert = f.read()
         credentials = grpc.ssl_server_credentials([(key, cert)])
-    server = GrpcServer(BUDGET.with_rpc(workers).rpc)
+    server = GrpcServer(threads.rpc)
 
     async def assemble():
         # created on the loop that will run it
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes), *SERVER_OPTIONS]
+        options = [("grpc.max_receive_message_length", settings.max_message_bytes),
+                   ("grpc.max_send_message_length", settings.max_message_bytes), *SERVER_OPTIONS]
         aio = grpc.aio.server(migration_thread_pool=server.pool,
                               interceptors=[AuthInterceptor(auth, SERVICE_NAME, METHOD_NAMES, metrics)],
                               options=options)
         add_kvstore_servicer(servicer, aio, CallBridge(server.pool, servicer.stalls, metrics))
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, aio)
-        for name in ("", SERVICE_NAME):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), aio)
         try:
-            port = aio.add_secure_port(listen, credentials) if credentials else aio.add_insecure_port(listen)
+            port = aio.add_secure_port(settings.listen, credentials) if credentials \
+                else aio.add_insecure_port(settings.listen)
         except RuntimeError:   # grpc's "failed to bind"
             port = 0
         return aio, health, port
 
     try:
-        server.aio, health, port = server.on_loop(assemble())
+        server.aio, server.health, port = server.on_loop(assemble())
         if not port:
-            raise OSError(f"listen: cannot bind {listen}")
+            raise OSError(f"listen: cannot bind {settings.listen}")
+        server.set_serving(True)
     except Exception:
         server.discard()
         servicer.close_transports()
         raise
-    return server, servicer, HealthStatus(health, server.loop), port
+    return server, servicer, port

@@ -25,7 +25,8 @@ class HeapTrimmer:
     def __init__(self, slack: int = 32 << 20, min_interval_s: float = 2.0) -> None:
         self.slack = slack
         self.min_interval_s = min_interval_s
-        self._malloc_trim = _find_malloc_trim()
+        libc = _find_libc()
+        self._malloc_trim = None if libc is None else libc.malloc_trim
         self._low = resident_bytes()
         self._last = float("-inf")
 
@@ -74,8 +75,3 @@ def _find_libc():
     except OSError:
         return None
     return libc if hasattr(libc, "malloc_trim") else None
-
-
-def _find_malloc_trim():
-    libc = _find_libc()
-    return None if libc is None else libc.malloc_trim

@@ -133,12 +133,11 @@ class _Conn:
 
 
 class HttpEndpoint:
-    """``/metrics`` from ``registry`` and, with ``route``, ``POST /v1/route`` (module docstring)."""
+    """``/metrics`` from ``registry`` and ``POST /v1/route`` answered by ``route`` (module docstring)."""
 
-    def __init__(self, registry, route: RouteOverHttp | None = None) -> None:
+    def __init__(self, registry, route: RouteOverHttp) -> None:
         self.registry = registry
         self.route = route
-        self.counts = {"pushed_out": 0, "timed_out": 0, "refused": 0, "busy": 0}
         self._conns: OrderedDict[_Conn, None] = OrderedDict()   # least recently waiting first
         self._per_client: dict[str, int] = {}
         self._answering = 0
@@ -185,9 +184,7 @@ class HttpEndpoint:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str((writer.get_extra_info("peername") or ("?",))[0])
         if not self._admit(peer):
-            self.counts["busy"] += 1
-            await self._refuse(writer, 503, "every connection is answering a request")
-            return
+            return await self._refuse(writer, 503, "every connection is answering a request")
         conn = _Conn(peer, writer)
         self._conns[conn] = None
         self._per_client[peer] = self._per_client.get(peer, 0) + 1
@@ -215,7 +212,6 @@ class HttpEndpoint:
                 return False
             self._conns.pop(victim)
             victim.writer.transport.abort()
-            self.counts["pushed_out"] += 1
         return True
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
@@ -228,17 +224,12 @@ class HttpEndpoint:
                 async with asyncio.timeout(REQUEST_DEADLINE_S):
                     request, body = await self._read_request(http, reader)
             except TimeoutError:
-                self.counts["timed_out"] += 1
-                await self._refuse(conn.writer, 408, f"the request did not arrive whole within {REQUEST_DEADLINE_S:g} s")
-                return
+                return await self._refuse(conn.writer, 408,
+                                          f"the request did not arrive whole within {REQUEST_DEADLINE_S:g} s")
             except _Refused as e:
-                self.counts["refused"] += 1
-                await self._refuse(conn.writer, e.status, str(e))
-                return
+                return await self._refuse(conn.writer, e.status, str(e))
             except h11.RemoteProtocolError as e:
-                self.counts["refused"] += 1
-                await self._refuse(conn.writer, e.error_status_hint, f"malformed request: {e}")
-                return
+                return await self._refuse(conn.writer, e.error_status_hint, f"malformed request: {e}")
             if request is None:
                 return   # the client closed between requests
             conn.waiting = False
@@ -289,7 +280,6 @@ class HttpEndpoint:
 
     async def _answer(self, request: h11.Request, body: bytes) -> tuple[int, str, bytes]:
         if self._answering >= MAX_CONCURRENT:
-            self.counts["busy"] += 1
             return _json(503, {"error": f"{MAX_CONCURRENT} requests are being answered; retry"})
         self._answering += 1
         try:
@@ -302,7 +292,7 @@ class HttpEndpoint:
         path = request.target.decode("latin-1").split("?", 1)[0]
         if request.method == b"GET" and path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        if request.method != b"POST" or path != ROUTE_PATH or self.route is None:
+        if request.method != b"POST" or path != ROUTE_PATH:
             return _json(404, {"error": f"no such path; GET /metrics or POST {ROUTE_PATH} (served when the daemon runs)"})
         if json_depth(body) > MAX_JSON_DEPTH:
             return _json(400, {"error": f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels"})

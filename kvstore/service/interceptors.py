@@ -23,6 +23,7 @@ import grpc
 from kvstore.errors import Unauthenticated
 from kvstore.service.auth import Authenticator, authorization
 from kvstore.service.calls import status_of
+from kvstore.service.metrics import Metrics
 from kvstore.service.validation import Malformed
 
 
@@ -37,7 +38,7 @@ class _OtherRequest(Malformed):
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: Authenticator, service_name: str, method_names, metrics=None) -> None:
+    def __init__(self, auth: Authenticator, service_name: str, method_names, metrics: Metrics) -> None:
         self.auth = auth
         # full method path -> name; an unknown method falls through to gRPC's UNIMPLEMENTED (and
         # never becomes a metrics label: callers must not be able to mint label values)
@@ -46,30 +47,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         name = self.methods.get(handler_call_details.method)
-        peers = self.auth.peers
-        if name is not None and peers is not None:
-            scheme, _, proof = authorization(handler_call_details.invocation_metadata).partition(" ")
-            if scheme == peers.scheme:
-                try:
-                    claim = peers.admit(proof, handler_call_details.method)
-                    if self.auth.enabled:
-                        self.auth.tenant(handler_call_details.invocation_metadata)
-                except Unauthenticated as err:
-                    return self._refusal(name, err)
-                handler = await continuation(handler_call_details)
-                return _answered(handler, bytes.fromhex(claim.digest),
-                                 peers.answer(claim, handler_call_details.method))
-        if name is not None and self.auth.enabled:
-            try:
-                self.auth.tenant(handler_call_details.invocation_metadata)
-            except Unauthenticated as err:
-                return self._refusal(name, err)
-        return await continuation(handler_call_details)
+        if name is None:
+            return await continuation(handler_call_details)
+        metadata, peers = handler_call_details.invocation_metadata, self.auth.peers
+        scheme, _, proof = authorization(metadata).partition(" ")
+        proven = peers is not None and scheme == peers.scheme
+        try:
+            claim = peers.admit(proof, handler_call_details.method) if proven else None
+            if self.auth.enabled:
+                self.auth.tenant(metadata)
+        except Unauthenticated as err:
+            return self._refusal(name, err)
+        handler = await continuation(handler_call_details)
+        if claim is None:
+            return handler
+        return _answered(handler, bytes.fromhex(claim.digest), peers.answer(claim, handler_call_details.method))
 
     def _refusal(self, name: str, err: Unauthenticated) -> grpc.RpcMethodHandler:
         code, details, meta = status_of(err)
-        if self.metrics is not None:
-            self.metrics.observe(name, 0.0, code.name)
+        self.metrics.observe(name, 0.0, code.name)
 
         async def refuse(requests, context):
             # request-streaming, so gRPC does not wait for (or read) a request message first

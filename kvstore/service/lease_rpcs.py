@@ -19,11 +19,11 @@ import time
 
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.service.calls import status_of
 from kvstore.service.block_reads import accepted_codecs
 from kvstore.service.rpc_base import PUT_RESULT, PlainContext, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
 from kvstore.transport.local_calls import LEASE_METHODS, REQUESTS, CallFailed
-from kvstore.wire import RAW_CODEC
 
 log = logging.getLogger("kvstore.service.lease_rpcs")
 _PARSE = {method: lenient(message) for method, message in REQUESTS.items()}
@@ -80,14 +80,25 @@ class LeaseRpcs:
         return self.client_leases.issue(store_lease_id, tenant, self.store.config.lease_seconds)
 
     def _lease_response(self, lease, public_id: int, present_none: bool, size: int) -> pb.LeaseResponse:
-        """Where each block's slots are, as parallel arrays (``BlockTable``, filled a field at a
-        time); a load lease also says what each holds (codec, bytes)."""
+        """Where each block's slots are, as the parallel arrays of a ``BlockTable``, each repeated
+        field extended once from a list (no message per block or extent); a load lease also says what
+        each block holds (codec, bytes). Segment generations only with tenant segments (else all 0)."""
         resp = pb.LeaseResponse(lease_id=public_id, expires_in=self.store.config.lease_seconds)
-        codecs = lease.codecs or [RAW_CODEC] * len(lease.extents)
-        sizes = lease.sizes or [size] * len(lease.extents)
+        table, extents = resp.table, lease.extents
+        table.SetInParent()
+        flat = [piece for ext in extents if ext for piece in ext]
+        table.extent_counts.extend([len(ext) if ext else 0 for ext in extents])
+        offsets, lengths = zip(*flat) if flat else ((), ())
+        table.offsets.extend(offsets)
+        table.lengths.extend(lengths)
         arena = self.store.shared_arena()
-        segmented = arena is not None and arena.segmented
-        _fill_table(resp.table, lease.extents, codecs, sizes, present_none, arena.generation_at if segmented else None)
+        if arena is not None and arena.segmented:
+            table.generations.extend([arena.generation_at(off) for off in offsets])
+        if any(lease.codecs):
+            table.codecs.extend(lease.codecs)
+        table.sizes.extend(lease.sizes or [size] * len(extents))
+        if present_none and any(ext is None for ext in extents):
+            table.present.extend([ext is None for ext in extents])
         return resp
 
     def PrepareStore(self, request, context):
@@ -136,31 +147,12 @@ class LeaseRpcs:
         try:
             response = getattr(self, method)(well_formed(_PARSE[method](request)), context)
             return response.SerializeToString(), context.trailing
-        except KVStoreError as e:
-            code = e.grpc_status
-            raise CallFailed(type(e).__name__, str(getattr(e, "field", "") or ""), str(e)[:2000]) from None
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer, never a lost call
-            code = "INTERNAL"
-            log.exception("unexpected error in %s over the Unix socket", method)
-            raise CallFailed("", "", f"internal error: {type(e).__name__}: {e}"[:2000]) from None
+            if not isinstance(e, KVStoreError):
+                log.exception("unexpected error in %s over the Unix socket", method)
+            status, details, trailing = status_of(e)
+            code, told = status.name, dict(trailing)
+            raise CallFailed(told.get("kvstore-error", ""), told.get("kvstore-field", ""), details) from None
         finally:
-            if self.service.metrics is not None:
-                self.service.metrics.observe(method, time.perf_counter() - started, code)
+            self.service.metrics.observe(method, time.perf_counter() - started, code)
 
-
-def _fill_table(table, extents, codecs, sizes, present_none: bool, generation_at) -> None:
-    """``pb.BlockTable`` of a lease: each repeated field extended once from a list (no message per
-    block or extent). ``generation_at``: None without tenant segments (every generation 0)."""
-    table.SetInParent()
-    flat = [piece for ext in extents if ext for piece in ext]
-    table.extent_counts.extend([len(ext) if ext else 0 for ext in extents])
-    offsets, lengths = zip(*flat) if flat else ((), ())
-    table.offsets.extend(offsets)
-    table.lengths.extend(lengths)
-    if generation_at is not None:
-        table.generations.extend([generation_at(off) for off in offsets])
-    if any(codecs):
-        table.codecs.extend(codecs)
-    table.sizes.extend(sizes)
-    if present_none and any(ext is None for ext in extents):
-        table.present.extend([ext is None for ext in extents])

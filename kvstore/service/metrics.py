@@ -4,12 +4,22 @@ Store-side numbers (hits and misses per tier, bytes in/out, evictions, demotions
 corrupt blocks dropped, leases) are read from ``Store.stats()`` at scrape time by a custom
 collector, so there is one source of truth and nothing to keep in sync on the hot path. Only what
 the store cannot know — RPC latency, RPC errors, bytes per transport, configuration reloads — is
-recorded by the server. Per-tenant, per-namespace and fleet series come from
-``metrics_breakdown`` (bounded: top N plus "other"). The HTTP side (``/metrics`` and the routers'
-JSON endpoint beside it) is ``http_endpoint``.
+recorded by the server. The HTTP side (``/metrics`` and the routers' JSON endpoint beside it) is
+``http_endpoint``.
+
+Per-tenant, per-namespace and fleet series have bounded cardinality. Tenant names and model ids
+come from callers (without auth a caller names its own tenant), so one series per value would let
+callers grow the scrape without bound. Each scrape therefore keeps the ``top_n`` tenants and the
+``top_n`` namespaces by bytes held, and sums the rest into one series labelled ``other``. A tenant
+or namespace that moves in or out of the top N moves its counts between its own series and
+``other``: Prometheus sees a counter reset there, which ``rate()`` absorbs. Everything is read at
+scrape time from the store, the lookup usage and the fleet: nothing here runs on a request path.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,12 +82,12 @@ class StoreCollector(Collector):
 
 
 class Metrics:
-    """The daemon's registry: the store collector plus what the server records per RPC."""
+    """The daemon's registry: the store collector plus what the server records per RPC (the daemon
+    registers the tenant, GC and fleet collectors on ``registry`` too)."""
 
-    def __init__(self, store=None) -> None:
+    def __init__(self, store) -> None:
         self.registry = CollectorRegistry()
-        if store is not None:
-            self.registry.register(StoreCollector(store))
+        self.registry.register(StoreCollector(store))
         self.latency = Histogram("kvstore_rpc_seconds", "RPC latency", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.errors = Counter("kvstore_rpc_errors", "RPCs answered with an error", ["method", "code"],
@@ -88,11 +98,6 @@ class Metrics:
                                ["result"], registry=self.registry)
         for result in ("applied", "refused"):
             self.reloads.labels(result)
-        self._http = None
-
-    def watch(self, collector) -> None:
-        """Export another collector's series (the daemon adds the tenant and fleet breakdowns)."""
-        self.registry.register(collector)
 
     def reloaded(self, ok: bool) -> None:
         self.reloads.labels("applied" if ok else "refused").inc()
@@ -106,15 +111,127 @@ class Metrics:
         if nbytes:
             self.wire_bytes.labels(direction, transport).inc(nbytes)
 
-    def serve(self, host: str, port: int, route=None) -> int:
-        """Start the HTTP endpoint (``/metrics``, and ``/v1/route`` when ``route`` is given: see
-        http_endpoint.py); returns the port (useful when ``port`` is 0)."""
-        from kvstore.service.http_endpoint import HttpEndpoint
 
-        self._http = HttpEndpoint(self.registry, route=route)
-        return self._http.serve(host, port)
+OTHER = "other"
+NAMESPACE_LABELS = ["namespace", "model", "tenant"]
+#: fleet events exported from the first scrape on, at 0 until they happen (dashboards plot them)
+KNOWN_EVENTS = ("fetches", "fetched_blocks", "peer_misses", "peer_errors", "pool_blocks", "pool_errors",
+                "redis_errors", "route_errors", "heartbeats", "published", "direct_fetches", "direct_blocks",
+                "direct_failures")
 
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+
+def top_and_other(rows: dict, n: int, key: Callable[[dict], float]) -> tuple[list, dict | None]:
+    """The ``n`` largest rows by ``key`` and the field-wise sum of the rest (None if none)."""
+    ordered = sorted(rows.items(), key=lambda kv: (-key(kv[1]), str(kv[0])))
+    rest = ordered[n:]
+    if not rest:
+        return ordered, None
+    other: dict[str, float] = defaultdict(float)
+    for _, row in rest:
+        for field, value in row.items():
+            if isinstance(value, (int, float)):
+                other[field] += value
+    return ordered[:n], dict(other)
+
+
+class TenantCollector(Collector):
+    """``kvstore_tenant_*`` and ``kvstore_namespace_*`` series, top N plus ``other``."""
+
+    def __init__(self, store, usage, top_n: int = 10) -> None:
+        self.store = store
+        self.usage = usage          # kvstore.service.usage.NamespaceUsage
+        self.top_n = top_n
+
+    def _rows(self) -> tuple[dict, dict]:
+        usage = self.usage.snapshot()
+        namespaces: dict[tuple[str, str, str], dict] = {}
+        tenants: dict[str, dict] = defaultdict(lambda: {"bytes": 0, "namespaces": 0, "lookup_blocks": 0,
+                                                        "lookup_hits": 0})
+        for ns in self.store.namespaces():
+            held = self.store.namespace_bytes(ns.id)
+            used = usage.get(ns.id)
+            asked, hits = (used.lookup_blocks, used.lookup_hits) if used else (0, 0)
+            namespaces[(ns.id.hex(), ns.layout.model, ns.tenant)] = {
+                "bytes": held, "blocks": held // max(ns.block_bytes, 1), "lookup_blocks": asked, "lookup_hits": hits}
+            t = tenants[ns.tenant]
+            t["bytes"] += held
+            t["namespaces"] += 1
+            t["lookup_blocks"] += asked
+            t["lookup_hits"] += hits
+        pinned = self.store.admin.pins.by_tenant()
+        for tenant, row in tenants.items():
+            row["charged_bytes"] = self.store.tenant_bytes(tenant)
+            row["pinned_bytes"] = pinned.get(tenant, 0)
+        return namespaces, dict(tenants)
+
+    def collect(self):
+        namespaces, tenants = self._rows()
+        yield from self._tenant_series(tenants)
+        yield from self._namespace_series(namespaces)
+
+    def _tenant_series(self, tenants: dict):
+        held = GaugeMetricFamily("kvstore_tenant_bytes", "Raw bytes of the blocks each tenant's namespaces hold "
+                                 "(top N tenants by bytes, the rest as tenant=\"other\")", labels=["tenant"])
+        charged = GaugeMetricFamily("kvstore_tenant_charged_bytes", "Bytes counted against each tenant's quota "
+                                    "(blocks plus reservations in flight)", labels=["tenant"])
+        quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "Each tenant's byte quota (tenants with one)",
+                                  labels=["tenant"])
+        pinned = GaugeMetricFamily("kvstore_tenant_pinned_bytes", "Bytes of the CPU tier each tenant's pinned "
+                                   "prefixes hold (slot footprints, segments kept)", labels=["tenant"])
+        count = GaugeMetricFamily("kvstore_tenant_namespaces", "Registered namespaces per tenant", labels=["tenant"])
+        lookups = CounterMetricFamily("kvstore_tenant_lookup_blocks", "Blocks asked by lookups, by tenant and "
+                                      "result (hit = found)", labels=["tenant", "result"])
+        limits = self.store.admin.quota_limits()
+        top, other = top_and_other(tenants, self.top_n, key=lambda r: r["bytes"])
+        rows = [(tenant, row) for tenant, row in top] + ([(OTHER, other)] if other else [])
+        for tenant, row in rows:
+            held.add_metric([tenant], row["bytes"])
+            charged.add_metric([tenant], row["charged_bytes"])
+            pinned.add_metric([tenant], row["pinned_bytes"])
+            count.add_metric([tenant], row["namespaces"])
+            lookups.add_metric([tenant, "hit"], row["lookup_hits"])
+            lookups.add_metric([tenant, "miss"], row["lookup_blocks"] - row["lookup_hits"])
+            if tenant in limits and row is not other:
+                quota.add_metric([tenant], limits[tenant])
+        yield from (held, charged, quota, pinned, count, lookups)
+
+    def _namespace_series(self, namespaces: dict):
+        held = GaugeMetricFamily("kvstore_namespace_bytes", "Raw bytes of each namespace's blocks (top N "
+                                 "namespaces by bytes, the rest as namespace=\"other\")", labels=NAMESPACE_LABELS)
+        blocks = GaugeMetricFamily("kvstore_namespace_blocks", "Blocks of each namespace", labels=NAMESPACE_LABELS)
+        lookups = CounterMetricFamily("kvstore_namespace_lookup_blocks", "Blocks asked by lookups, by namespace "
+                                      "and result (hit = found)", labels=NAMESPACE_LABELS + ["result"])
+        top, other = top_and_other(namespaces, self.top_n, key=lambda r: r["bytes"])
+        rows = [(list(labels), row) for labels, row in top] + ([([OTHER] * 3, other)] if other else [])
+        for labels, row in rows:
+            held.add_metric(labels, row["bytes"])
+            blocks.add_metric(labels, row["blocks"])
+            lookups.add_metric(labels + ["hit"], row["lookup_hits"])
+            lookups.add_metric(labels + ["miss"], row["lookup_blocks"] - row["lookup_hits"])
+        yield from (held, blocks, lookups)
+
+
+class FleetCollector(Collector):
+    """``kvstore_fleet_*``: membership, what this node publishes, and the fleet's event counters
+    (peer fetches, pool reads, directory errors, ...), whose names are fixed in kvstore.fleet."""
+
+    def __init__(self, fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self):
+        stats = self.fleet.stats()
+        yield GaugeMetricFamily("kvstore_fleet_connected", "1 while the fleet directory (Redis) answers",
+                                value=1 if stats.get("connected") else 0)
+        yield GaugeMetricFamily("kvstore_fleet_published_blocks", "Blocks this node has published to the directory",
+                                value=stats.get("published_blocks", 0))
+        yield GaugeMetricFamily("kvstore_fleet_namespaces", "Namespaces this node publishes",
+                                value=stats.get("namespaces", 0))
+        yield GaugeMetricFamily("kvstore_fleet_peer_clients", "Open connections to peers",
+                                value=stats.get("peer_clients", 0))
+        events = CounterMetricFamily("kvstore_fleet_events", "Fleet events by kind (fetched_blocks, peer_errors, "
+                                     "pool_blocks, redis_errors, ...)", labels=["event"])
+        counters = {name: 0 for name in KNOWN_EVENTS}
+        counters.update(stats.get("counters", {}))
+        for name, value in sorted(counters.items()):
+            events.add_metric([name], value)
+        yield events

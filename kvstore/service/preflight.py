@@ -1,6 +1,9 @@
 """Checks ``kvstore serve`` runs on its settings before it builds anything: what would otherwise
 fail late, or be silently wrong, is refused or warned of now, in one line naming the setting.
 
+* A CPU tier larger than the memory left (RAM available now, capped by a cgroup limit) is refused
+  naming ``cpu_bytes`` (``check_memory``): the arena is allocated and touched up front, so it would
+  take the host (or the daemon) down rather than fail later.
 * A tier codec this install cannot run (fp8 / int4 without torch) is refused, naming the extra to
   install (``check_codecs``); raw and zstd run in the core install.
 * A ``KVSTORE_*`` environment variable that is no setting is warned of, naming the nearest real
@@ -14,8 +17,8 @@ fail late, or be silently wrong, is refused or warned of now, in one line naming
 * An NVMe tier larger than the room its filesystem has now is warned of (``nvme_room_warning``):
   once the disk fills, puts are acknowledged ``stored`` instead of ``persisted`` and demotions drop
   their victims. It is not refused: a disk that fills degrades, it does not fail requests
-  (guarantee 3), and room may be freed while the daemon runs. The CPU arena's RAM and tmpfs room are
-  checked where it is allocated (``daemon.check_memory``, ``CpuTier``).
+  (guarantee 3), and room may be freed while the daemon runs. The CPU arena's tmpfs room is checked
+  where it is allocated (``CpuTier``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ OTHER_VARIABLES = {"KVSTORE_CONFIG", "KVSTORE_URL", "KVSTORE_TOKEN", "KVSTORE_NO
                    "KVSTORE_CODECS_REFERENCE", "KVSTORE_FLEET_REDIS_URL", "KVSTORE_FLEET_KEY_PREFIX",
                    "KVSTORE_DEPLOY_DIR", "KVSTORE_PROGRESS_EVERY_S"}
 OTHER_PREFIXES = ("KVSTORE_VENV_",)   # scripts/engine-venv.sh, scripts/test.sh
+
+
+def check_memory(settings: Settings) -> None:
+    """Raise ``ConfigError`` naming ``cpu_bytes`` if the CPU tier is larger than the memory left."""
+    available = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    if settings.cpu_bytes > available:
+        raise ConfigError(f"cpu_bytes: {settings.cpu_bytes} bytes requested for the CPU tier but only {available} "
+                          "bytes of memory are available on this host (or in its cgroup); lower --cpu-bytes")
 
 
 def check_codecs(settings: Settings) -> None:
@@ -66,9 +86,7 @@ def unknown_environment(environ: Mapping[str, str]) -> Iterator[str]:
     never shown: it may be a secret)."""
     known = setting_variables()
     for var in sorted(environ):
-        if not var.startswith("KVSTORE_") or var in known or var in OTHER_VARIABLES:
-            continue
-        if var.startswith(OTHER_PREFIXES):
+        if not var.startswith("KVSTORE_") or var in known or var in OTHER_VARIABLES or var.startswith(OTHER_PREFIXES):
             continue
         near = difflib.get_close_matches(var, sorted(known | OTHER_VARIABLES), n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]}?" if near else "; see docs/config.md for the settings"
@@ -174,6 +192,7 @@ def run_checks(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     """Refuse what cannot work (``ConfigError``); return warnings for what is only suspicious."""
     check_ports(settings)
     check_codecs(settings)
+    check_memory(settings)
     warnings = list(unknown_environment(environ))
     if room := nvme_room_warning(settings):
         warnings.append(room)

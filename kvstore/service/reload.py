@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from kvstore.service.auth import Authenticator
 from kvstore.service.config import ConfigError, Settings
+from kvstore.service.metrics import Metrics
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.service.reload")
@@ -31,7 +32,7 @@ class Reloader:
     """Call it to reload; returns ``(applied, ignored)`` setting names or raises ``ConfigError``."""
 
     def __init__(self, settings: Settings, load: Callable[[], Settings], auth: Authenticator, store: Store,
-                 metrics=None, revoke: Callable[[set[str]], None] | None = None) -> None:
+                 metrics: Metrics, revoke: Callable[[set[str]], None]) -> None:
         self.settings = settings     # what runs now
         self.load = load
         self.auth = auth
@@ -49,7 +50,7 @@ class Reloader:
                 new = self.load()
                 self._check(new)
             except ConfigError as e:
-                self._count(False)
+                self.metrics.reloaded(False)
                 log.error("reload refused; the running configuration is kept: %s", " ".join(str(e).split("\n  ")))
                 raise
             old = self.settings
@@ -59,7 +60,7 @@ class Reloader:
             ignored = [k for k in changed if k not in RELOADABLE]
             self.settings = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
             self._apply(self.settings)
-            self._count(True)
+            self.metrics.reloaded(True)
             log.info("reload: applied %s%s", ", ".join(applied) or "nothing (no change)",
                      f"; changed but need a restart, not applied: {', '.join(ignored)}" if ignored else "")
             return applied, ignored
@@ -72,11 +73,7 @@ class Reloader:
     def _apply(self, running: Settings) -> None:
         """``running``: the settings now in force (the old ones, with the reloadable keys new)."""
         revoked = self.auth.replace(running.tokens, running.admin_tenants)
-        if revoked and self.revoke is not None:
+        if revoked:
             self.revoke(revoked)
         self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit)
         logging.getLogger().setLevel(running.log_level)
-
-    def _count(self, ok: bool) -> None:
-        if self.metrics is not None:
-            self.metrics.reloaded(ok)

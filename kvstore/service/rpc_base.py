@@ -14,15 +14,17 @@ import time
 from collections.abc import Callable
 
 from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
-from kvstore.threads import BUDGET, ThreadBudget
+from kvstore.threads import ThreadBudget
 from kvstore.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.auth import Authenticator
+from kvstore.service.config import Settings
+from kvstore.service.gc_pauses import GcPauses
+from kvstore.service.metrics import Metrics
 from kvstore.service.stalls import StallWatch
 from kvstore.service.usage import NamespaceUsage
 from kvstore.store import Store
-from kvstore.transport import chunks
 from kvstore.transport.bulk_server import BulkServer
 from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
@@ -49,24 +51,21 @@ class PlainContext:
 
 
 class ServiceState:
-    def __init__(self, store: Store, *, auth: Authenticator | None = None, metrics=None,
-                 shm_dir: str = "/dev/shm", chunk_bytes: int = chunks.DEFAULT_CHUNK_BYTES,
-                 max_message_bytes: int = 16 << 20, bulk: BulkServer | None = None,
-                 stream_idle_s: float = 30.0, segments: SegmentBroker | None = None,
-                 local_lookups: LocalLookupServer | None = None, threads: ThreadBudget = BUDGET) -> None:
+    def __init__(self, store: Store, settings: Settings, *, auth: Authenticator, metrics: Metrics,
+                 bulk: BulkServer | None, segments: SegmentBroker | None, threads: ThreadBudget) -> None:
         self.store = store
         self.threads = threads   # what every pool of the process is sized to (``kvstore stats``)
-        self.auth = auth or Authenticator()
+        self.auth = auth
         self.metrics = metrics
-        self.shm_dir = shm_dir
-        self.chunk_bytes = chunk_bytes
-        self.max_message_bytes = max_message_bytes
+        self.shm_dir = settings.shm_dir
+        self.chunk_bytes = settings.chunk_bytes
+        self.max_message_bytes = settings.max_message_bytes
         self.bulk = bulk
         self.segments = segments   # hands tenant segments' descriptors out (auth on), else None
-        self.local_lookups = local_lookups   # same-host Lookup over a Unix socket, else None
+        self.local_lookups: LocalLookupServer | None = None   # same-host Lookup over a Unix socket (build_server)
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
-        self.gc_pauses = None  # kvstore.service.gc_pauses.GcPauses (set by the daemon)
+        self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in Stats and metrics
         #: set by the daemon: re-reads the configuration and applies what may change while serving;
         #: returns ``(applied, ignored)`` setting names or raises ``ConfigError`` naming the key
         self.reloader: Callable[[], tuple[list[str], list[str]]] | None = None
@@ -74,7 +73,7 @@ class ServiceState:
         # one pre-touched, page-aligned payload buffer per worker thread, for bodies that run on one
         # thread from start to end (a gRPC stream's steps may hop threads: they own their buffers)
         self.scratch = Scratch(trim_above=SCRATCH_KEEP_BYTES, aligned=True, min_bytes=1 << 20)
-        self.stalls = StallWatch(stream_idle_s)
+        self.stalls = StallWatch(max(2 * settings.lease_seconds, 1.0))   # a caller idle this long is cut
         self.usage = NamespaceUsage()   # lookups per namespace: Stats, ListNamespaces, metrics
 
     def close_transports(self) -> None:
@@ -126,5 +125,4 @@ class ServiceState:
         context.set_trailing_metadata(tuple(meta))
 
     def moved(self, direction: str, transport: str, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.moved(direction, transport, nbytes)
+        self.metrics.moved(direction, transport, nbytes)

@@ -26,6 +26,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.admin_rpcs import AdminRpcs
 from kvstore.service.auth import authorization
 from kvstore.service.bulk_rpcs import BulkRpcs
+from kvstore.service.config import Settings
 from kvstore.service.lease_rpcs import LeaseRpcs
 from kvstore.service.rpc_base import ServiceState
 from kvstore.service.stream_rpcs import StreamRpcs
@@ -41,8 +42,8 @@ class KVStoreServicer(ServiceState):
     RPCS = ("Handshake", "RegisterNamespace", "Lookup", "LookupBatch", "Exists", "Delete", "Stats", "Route",
             "PeerChecksums")
 
-    def __init__(self, store: Store, **settings) -> None:
-        super().__init__(store, **settings)
+    def __init__(self, store: Store, settings: Settings, **parts) -> None:
+        super().__init__(store, settings, **parts)
         self.streams = StreamRpcs(self)
         self.leases = LeaseRpcs(self)
         self.side_channel = BulkRpcs(self)
@@ -199,9 +200,8 @@ class KVStoreServicer(ServiceState):
         stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
                            "bulk_channel": self.bulk.stats() if self.bulk else {},
                            "client_leases": len(self.leases.client_leases), "open_streams": self.stalls.open_calls,
-                           "stalled_streams_cancelled": self.stalls.cancelled, "threads": self.threads.as_dict()}
-        if self.gc_pauses is not None:
-            stats["server"]["gc"] = self.gc_pauses.stats()
+                           "stalled_streams_cancelled": self.stalls.cancelled, "threads": self.threads.as_dict(),
+                           "gc": self.gc_pauses.stats()}
         if self.fleet is not None:
             stats["fleet"] = self.fleet.stats()
         return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))

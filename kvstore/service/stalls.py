@@ -86,10 +86,9 @@ class StallWatch:
     def open_calls(self) -> int:
         return len(self._calls)
 
-    def cancel_stalled(self, idle_s: float | None = None) -> int:
-        """End every watched call idle for longer than ``idle_s`` (default: the watch's bound)."""
-        idle_s = self.idle_s if idle_s is None else idle_s
-        now = time.monotonic()
+    def cancel_stalled(self) -> int:
+        """End every watched call idle for longer than the watch's bound."""
+        idle_s, now = self.idle_s, time.monotonic()
         with self._lock:
             stalled = [(p, cancel, on_stall) for p, cancel, on_stall in self._calls.values()
                        if p.idle_before(now - idle_s)]

@@ -37,10 +37,6 @@ class NamespaceUsage:
             usage.lookup_hits += found
             usage.last_used = time.time()
 
-    def of(self, namespace_id: bytes) -> Usage:
-        with self._lock:
-            return dataclasses.replace(self._usage.get(namespace_id) or Usage())
-
     def snapshot(self) -> dict[bytes, Usage]:
         with self._lock:
             return {ns: dataclasses.replace(u) for ns, u in self._usage.items()}
