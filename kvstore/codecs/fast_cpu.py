@@ -14,8 +14,9 @@ integer keys for min/max, no data-dependent branches. No fastmath: a / b stays a
 a * b + c is never contracted to an FMA, exactly as torch computes them on CPU and CUDA. Every
 rounding step mirrors the reference; tests/test_codecs.py checks payloads and decoded blocks are
 byte-identical. The rotated codecs' kernels are ``fast_rotated``'s, built on the steps here
-(``split_unit``, ``row_at``, ``abs_max16``, ``q4``, ``int8_code``). Used only when numba is
-importable, the block is bf16, the work is on the CPU and every kernel is compiled (``compiled``).
+(``split_unit``, ``row_at``, ``abs_max16``, ``row_scale``, ``int4_stats``, ``q4``, ``int8_code``).
+Used only when numba is importable, the block is bf16, the work is on the CPU and every kernel is
+compiled (``compiled``).
 """
 
 from __future__ import annotations
@@ -79,20 +80,27 @@ def row_at(off, l, t, h, sl, st, sh):
 # --- FP8 ----------------------------------------------------------------------------------------
 
 @njit(inline="always")
-def _fp8_scale(amax_bits):
-    """(stored bf16 scale, divisor): scale = amax / 448 rounded up, a zero scale divides by 1."""
-    s = bf16_round_up(bf16_to_f32(amax_bits) / E4M3_MAX)
+def row_scale(amax, qmax):
+    """(stored bf16 scale, divisor) of a row whose largest magnitude is ``amax`` (float32): the
+    scale is amax / qmax rounded up, so no code saturates; a zero scale divides by 1."""
+    s = bf16_round_up(amax / qmax)
     sf = bf16_to_f32(s)
     return s, (ONE if sf == ZERO else sf)
 
 
 @njit(inline="always")
-def _fp8_row(x, codes, sf, D):
-    """The reference clamps x / scale to +-448 first; for finite rows it never needs to (|x| <=
-    amax and scale >= amax / 448 up to one float32 rounding, so |x / scale| < 464, which e4m3
+def e4m3_code(v, safe):
+    """The reference clamps v / scale to +-448 first; for finite rows it never needs to (|v| <=
+    amax and scale >= amax / 448 up to one float32 rounding, so |v / scale| < 464, which e4m3
     rounds to 448), and a row with NaN/Inf is refused whatever its codes."""
+    return f32_to_e4m3(v / safe)
+
+
+@njit(inline="always")
+def code_row(x, codes, safe, D, code):
+    """``codes[d] = code(x[d], safe)`` over a bf16 row."""
     for d in range(D):
-        codes[d] = f32_to_e4m3(bf16_to_f32(x[d]) / sf)
+        codes[d] = code(bf16_to_f32(x[d]), safe)
 
 
 @njit(inline="always")
@@ -103,10 +111,11 @@ def abs_max16(x, D):
     return m
 
 
-@kernel
-def fp8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
-    """Units = (layer, token) rows u = l*T + t; one scale per (token, head). codes [U*H*D],
-    scales [U*H] of this tensor. Returns 1 if a NaN/Inf was met (then nothing is valid)."""
+@njit(inline="always")
+def scaled_rows_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales, qmax, code):
+    """Units = (layer, token) rows u = l*T + t; one scale ``row_scale(amax, qmax)`` per (token,
+    head), codes ``code(x, scale)``. codes [U*H*D], scales [U*H] of this tensor. Returns 1 if a
+    NaN/Inf was met (then nothing is valid)."""
     bad = 0
     for u in range(u0, u1):
         l, t = split_unit(u, T)
@@ -116,11 +125,17 @@ def fp8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
             m = abs_max16(x, D)
             if m >= BF16_NONFINITE:
                 bad = 1
-            s, sf = _fp8_scale(m)
+            s, safe = row_scale(bf16_to_f32(m), qmax)
             i = u * H + h
             scales[i] = s
-            _fp8_row(x, codes[i * D:(i + 1) * D], sf, D)
+            code_row(x, codes[i * D:(i + 1) * D], safe, D, code)
     return bad
+
+
+@kernel
+def fp8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
+    """e4m3 codes of ``x / scale``, scale = amax / 448 (``scaled_rows_encode``)."""
+    return scaled_rows_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales, E4M3_MAX, e4m3_code)
 
 
 @kernel
@@ -135,12 +150,12 @@ def fp8_head_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
                 m = max(m, abs_max16(src[row:row + D], D))
             if m >= BF16_NONFINITE:
                 bad = 1
-            s, sf = _fp8_scale(m)
+            s, sf = row_scale(bf16_to_f32(m), E4M3_MAX)
             scales[l * H + h] = s
             for t in range(T):
                 row = row_at(off, l, t, h, sl, st, sh)
                 i = (l * T + t) * H + h
-                _fp8_row(src[row:row + D], codes[i * D:(i + 1) * D], sf, D)
+                code_row(src[row:row + D], codes[i * D:(i + 1) * D], sf, D, e4m3_code)
     return bad
 
 
@@ -186,11 +201,12 @@ def fp8_decode(codes, scales, per_head, out, off, T, H, D2, sl, st, sh, u0, u1):
 # --- INT4 ---------------------------------------------------------------------------------------
 
 @njit(inline="always")
-def _int4_stats(lo_key, hi_key):
-    """(min bf16, scale bf16, min as float, divisor) of a group from its ordered-key extremes."""
-    m = bf16_round_down(plus_zero(key_to_f32(lo_key)))
+def int4_stats(lo, hi):
+    """(min bf16, scale bf16, min as float, divisor) of a group from its smallest and largest
+    value (float32)."""
+    m = bf16_round_down(plus_zero(lo))
     mf = bf16_to_f32(m)
-    s = bf16_round_up((plus_zero(key_to_f32(hi_key)) - mf) / LEVELS)
+    s = bf16_round_up((plus_zero(hi) - mf) / LEVELS)
     sf = bf16_to_f32(s)
     return m, s, mf, (ONE if sf == ZERO else sf)
 
@@ -242,7 +258,7 @@ def int4_encode_values(src16, src, off, T, H, D2, sl, st, sh, vg2, u0, u1, codes
                     lo = min16(lo, k)
                     hi = max16(hi, k)
                 bad |= _nonfinite(lo, hi)
-                m, s, mf, sf = _int4_stats(lo, hi)
+                m, s, mf, sf = int4_stats(key_to_f32(lo), key_to_f32(hi))
                 mn[i * groups + g] = m
                 scale[i * groups + g] = s
                 w = src[a:a + vg2]
@@ -267,9 +283,8 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
     for u in range(u0, u1):
         l, g = split_unit(u, groups)
         for h in range(H):
-            for d in range(D):
-                lo[d] = _KEY_MAX
-                hi[d] = _KEY_MIN
+            lo[:] = _KEY_MAX
+            hi[:] = _KEY_MIN
             for t in range(g * kg, (g + 1) * kg):
                 row = row_at(off, l, t, h, sl, st, sh)
                 x = src16[2 * row:2 * (row + D2)]
@@ -279,7 +294,7 @@ def int4_encode_keys(src16, src, off, T, H, D2, sl, st, sh, kg, u0, u1, codes, s
                     hi[d] = max16(hi[d], k)
             for d in range(D):
                 bad |= _nonfinite(lo[d], hi[d])
-                mq[d], sq[d], mf[d], sf[d] = _int4_stats(lo[d], hi[d])
+                mq[d], sq[d], mf[d], sf[d] = int4_stats(key_to_f32(lo[d]), key_to_f32(hi[d]))
             # Copied out after the loop: with both outputs in one payload buffer the loop above
             # stops vectorising (measured: 2x slower kernel).
             base = (u * H + h) * D
@@ -351,27 +366,8 @@ def int8_code(v, safe):
 
 @kernel
 def int8_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales):
-    """Units = (layer, token) rows; one scale ``amax / 127`` (rounded up to bf16) per (token,
-    head), codes ``rint(x / scale)`` as int8 bits. codes [U*H*D], scales [U*H]. Returns 1 if a
-    NaN/Inf was met (then nothing is valid)."""
-    bad = 0
-    for u in range(u0, u1):
-        l, t = split_unit(u, T)
-        for h in range(H):
-            row = row_at(off, l, t, h, sl, st, sh)
-            x = src[row:row + D]
-            m = abs_max16(x, D)
-            if m >= BF16_NONFINITE:
-                bad = 1
-            s = bf16_round_up(bf16_to_f32(m) / INT8_MAX)
-            sf = bf16_to_f32(s)
-            safe = ONE if sf == ZERO else sf
-            i = u * H + h
-            scales[i] = s
-            c = codes[i * D:(i + 1) * D]
-            for d in range(D):
-                c[d] = int8_code(bf16_to_f32(x[d]), safe)
-    return bad
+    """int8 codes ``rint(x / scale)`` as int8 bits, scale = amax / 127 (``scaled_rows_encode``)."""
+    return scaled_rows_encode(src, off, T, H, D, sl, st, sh, u0, u1, codes, scales, INT8_MAX, int8_code)
 
 
 @njit(inline="always")

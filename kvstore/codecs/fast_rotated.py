@@ -13,11 +13,10 @@ import numpy as np
 from numba import njit
 from numba.core import types
 
-from kvstore.codecs.bits import (BF16_NONFINITE, ONE, U32, ZERO, abs_bits32, and32, bf16_round_down, bf16_round_up,
-                                 bf16_to_f32, bits_f32, key32_to_f32, max32, min32, or32, order_key32, plus_zero,
-                                 shl32, shr32, umax32)
+from kvstore.codecs.bits import (BF16_NONFINITE, U32, abs_bits32, and32, bf16_to_f32, bits_f32, key32_to_f32, max32,
+                                 min32, or32, order_key32, shl32, shr32, umax32)
 from kvstore.codecs.compiled import Kernel
-from kvstore.codecs.fast_cpu import INT8_MAX, LEVELS, abs_max16, int8_code, q4, row_at, split_unit
+from kvstore.codecs.fast_cpu import INT8_MAX, abs_max16, int4_stats, int8_code, q4, row_at, row_scale, split_unit
 from kvstore.codecs.fast_rotation import (INV64, KEY32_MAX, KEY32_MIN, extremes, hadamard64_split_from_bf16,
                                             int4_hadamard64_to_bf16, int8_hadamard64_to_bf16, load_rotated,
                                             rotate64_from_bf16, rotate_to_bf16)
@@ -51,17 +50,6 @@ def _row_nonfinite(x, D):
     return 1 if abs_max16(x, D) >= BF16_NONFINITE else 0
 
 
-@njit(inline="always")
-def _int4_range(lo, hi):
-    """(min bf16, scale bf16, min as float, divisor) of a group from its float32 ordered-key
-    extremes (as ``fast_cpu``'s unrotated INT4 kernels from 16-bit ones)."""
-    m = bf16_round_down(plus_zero(key32_to_f32(lo)))
-    mf = bf16_to_f32(m)
-    s = bf16_round_up((plus_zero(key32_to_f32(hi)) - mf) / LEVELS)
-    sf = bf16_to_f32(s)
-    return m, s, mf, (ONE if sf == ZERO else sf)
-
-
 @kernel
 def int8_rot_encode(src, off, T, H, D, sl, st, sh, n, u0, u1, codes, scales):
     """``int8_encode`` of each (token, head) row after ``rotation.rotate_for_encode``: scale
@@ -80,9 +68,7 @@ def int8_rot_encode(src, off, T, H, D, sl, st, sh, n, u0, u1, codes, scales):
                 load_rotated(x, a, b, D, n)
                 lo, hi = extremes(a, D)
             m = umax32(abs_bits32(key32_to_f32(lo)), abs_bits32(key32_to_f32(hi)))   # (the largest |y|)
-            s = bf16_round_up(bits_f32(m) / INT8_MAX)
-            sf = bf16_to_f32(s)
-            safe = ONE if sf == ZERO else sf
+            s, safe = row_scale(bits_f32(m), INT8_MAX)
             i = u * H + h
             scales[i] = s
             c = codes[i * D:(i + 1) * D]
@@ -137,7 +123,7 @@ def int4_encode_values_rot(src, off, T, H, D, sl, st, sh, vg, n, u0, u1, codes, 
                     lo, hi = hadamard64_split_from_bf16(src, row + g * 64, INV64, a, g * 64)
                 else:
                     lo, hi = extremes(y, vg)
-                m, s, mf, safe = _int4_range(lo, hi)
+                m, s, mf, safe = int4_stats(key32_to_f32(lo), key32_to_f32(hi))
                 mn[i * groups + g] = m
                 scale[i * groups + g] = s
                 c = codes[i * D2 + g * vg2:i * D2 + (g + 1) * vg2]
@@ -194,9 +180,8 @@ def int4_encode_keys_rot(src, off, T, H, D, sl, st, sh, kg, n, u0, u1, codes, sc
     for u in range(u0, u1):
         l, g = split_unit(u, groups)
         for h in range(H):
-            for d in range(D):
-                lo[d] = KEY32_MAX
-                hi[d] = KEY32_MIN
+            lo[:] = KEY32_MAX
+            hi[:] = KEY32_MIN
             for k in range(kg):
                 row = row_at(off, l, g * kg + k, h, sl, st, sh)
                 x = src[row:row + D]
@@ -211,7 +196,7 @@ def int4_encode_keys_rot(src, off, T, H, D, sl, st, sh, kg, n, u0, u1, codes, sc
                     lo[d] = min32(lo[d], key)
                     hi[d] = max32(hi[d], key)
             for d in range(D):
-                mq[d], sq[d], mf[d], sf[d] = _int4_range(lo[d], hi[d])
+                mq[d], sq[d], mf[d], sf[d] = int4_stats(key32_to_f32(lo[d]), key32_to_f32(hi[d]))
             base = (u * H + h) * D
             mn[base:base + D] = mq
             scale[base:base + D] = sq

@@ -55,6 +55,12 @@ def words32_ok(shape: kvlayout.BlockShape) -> bool:
     return shape.dim % 2 == 0 and all(g is None or all(x % 2 == 0 for x in (g[0], *g[5:])) for g in geoms)
 
 
+def shares(section: np.ndarray, parts: int) -> list[np.ndarray]:
+    """A payload section laid out tensor after tensor, cut into each tensor's equal share."""
+    n = section.size // parts
+    return [section[i * n:(i + 1) * n] for i in range(parts)]
+
+
 def words16(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a writable numpy uint16 array sharing memory."""
     return t.view(torch.int16).numpy().view(np.uint16)

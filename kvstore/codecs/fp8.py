@@ -19,7 +19,7 @@ import torch
 
 from kvstore.codecs.base import Section, SectionCodec
 from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
-from kvstore.codecs.fast_runner import words32_ok
+from kvstore.codecs.fast_runner import shares, words32_ok
 from kvstore.codecs.layout import BlockShape, canonical_shape, kv_views
 
 E4M3_MAX = 448.0
@@ -60,11 +60,10 @@ class Fp8Codec(SectionCodec):
         return words32_ok(s)   # decode writes two bf16 per 32-bit word
 
     def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
-        codes, scales = sections["codes"], sections["scales"]
-        nc, ns = codes.size // s.parts, scales.size // s.parts
+        codes, scales = shares(sections["codes"], s.parts), shares(sections["scales"], s.parts)
         jobs = []
-        for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
-            c, sc, g = codes[i * nc:(i + 1) * nc], scales[i * ns:(i + 1) * ns], (off, T, H, D, sl, st, sh)
+        for (words, (off, L, T, H, D, sl, st, sh)), c, sc in zip(tensors, codes, scales):
+            g = (off, T, H, D, sl, st, sh)
             if not encode:   # decode: codes as 16-bit pairs, the block as 32-bit words
                 pairs, words32 = c.view("<u2"), words.view("<u4")
                 g = (off // 2, T, H, D // 2, sl // 2, st // 2, sh // 2)

@@ -26,7 +26,7 @@ import torch
 from kvstore.codecs import rotation
 from kvstore.codecs.base import Section, SectionCodec
 from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
-from kvstore.codecs.fast_runner import words32_ok
+from kvstore.codecs.fast_runner import shares, words32_ok
 from kvstore.codecs.layout import BlockShape, canonical_shape, kv_views
 
 INT8_MAX = 127.0
@@ -77,12 +77,10 @@ class Int8Codec(SectionCodec):
         return words32_ok(s)   # decode writes two bf16 per 32-bit word
 
     def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
-        codes, scales = sections["codes"], sections["scales"]
-        nc, ns = codes.size // s.parts, scales.size // s.parts
+        codes, scales = shares(sections["codes"], s.parts), shares(sections["scales"], s.parts)
         n = self.rotation_size(s)
         jobs = []
-        for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
-            c, sc = codes[i * nc:(i + 1) * nc], scales[i * ns:(i + 1) * ns]
+        for i, ((words, (off, L, T, H, D, sl, st, sh)), c, sc) in enumerate(zip(tensors, codes, scales)):
             if n > 1 and i == 0:
                 jobs.append(self._rotated_job(words, (off, L, T, H, D, sl, st, sh), c, sc, n, encode))
             elif encode:

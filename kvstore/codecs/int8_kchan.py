@@ -24,7 +24,7 @@ import torch
 
 from kvstore.codecs.base import Section, SectionCodec
 from kvstore.codecs.exact import div_exact, finiteness_check, max_abs, nonzero_or_one, round_up
-from kvstore.codecs.fast_runner import words32_ok
+from kvstore.codecs.fast_runner import shares, words32_ok
 from kvstore.codecs.layout import BlockShape, canonical_shape, kv_views
 
 INT8_MAX = 127.0
@@ -82,11 +82,9 @@ class Int8KchanCodec(SectionCodec):
 
     def fast_jobs(self, kernels, tensors: list, sections: dict, s: BlockShape, encode: bool) -> list:
         keys = _key_kernels()
-        codes = sections["codes"]
-        nc = codes.size // s.parts
+        codes = shares(sections["codes"], s.parts)
         jobs = []
-        for i, (words, (off, L, T, H, D, sl, st, sh)) in enumerate(tensors):
-            c = codes[i * nc:(i + 1) * nc]
+        for i, ((words, (off, L, T, H, D, sl, st, sh)), c) in enumerate(zip(tensors, codes)):
             sc = sections["k_scales" if i == 0 else "v_scales"]
             if i == 0:   # per channel over the tokens: encode a layer at a time
                 if encode:
