@@ -241,7 +241,7 @@ def send(c, transport: str, ns_id: bytes, hashes, payloads, codec: int, sizes) -
     with bulk.lock:
         fut = c._rpc.future("BulkPut", req, 10.0)
         try:
-            bulk.send(stream)
+            bulk.send_each([stream])
             fut.result()
         except grpc.RpcError as e:
             c._negotiation.reset()   # a refused request may have cut the channel

@@ -42,10 +42,13 @@ def make_node(tmp_path, redis_url, prefix):
     made = []
     peers: dict[str, StorePeer] = {}
 
-    def make(node_id: str, cpu_blocks: int = 64, **fleet_kw):
+    def make(node_id: str, cpu_blocks: int = 64, before_start=None, **fleet_kw):
+        """``before_start(store)`` runs before the fleet starts (blocks it holds from the outset)."""
         tier = CpuTier(cpu_blocks * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
         store = Store([tier], StoreConfig(lease_seconds=0.0))
         store.register_namespace(NS)
+        if before_start is not None:
+            before_start(store)
         addr = f"inproc-{node_id}:1"
         peers[addr] = StorePeer(store)
         kw = dict(key_prefix=prefix, heartbeat_s=0.2, ttl_s=1.5, client_factory=lambda a, _: peers[a], secret=SECRET)
@@ -97,20 +100,11 @@ def test_eviction_withdraws_entries(make_node, redis_url, prefix):
     assert sum(published) == 4
 
 
-def test_blocks_held_before_start_are_published(tmp_path, redis_url, prefix):
-    tier = CpuTier(16 * BLOCK, slot_bytes=BLOCK, shm_dir=str(tmp_path))
-    store = Store([tier])
-    store.register_namespace(NS)
+def test_blocks_held_before_start_are_published(make_node, redis_url, prefix):
     hashes, blocks = chain(3)
-    store.put(NS.id, hashes, blocks)
-    fleet = Fleet(store, redis_url, "late", "127.0.0.1:1", key_prefix=prefix, heartbeat_s=0.2, ttl_s=2,
-                  secret=SECRET).start()
-    try:
-        assert fleet.wait_published()
-        assert Directory(redis_url, prefix, secret=SECRET).entries(NS.id, "late") == 3
-    finally:
-        fleet.close()
-        store.close()
+    store, fleet = make_node("late", before_start=lambda store: store.put(NS.id, hashes, blocks))
+    assert fleet.wait_published()
+    assert Directory(redis_url, prefix, secret=SECRET).entries(NS.id, "late") == 3
 
 
 def test_close_withdraws_this_nodes_entries(make_node, redis_url, prefix):

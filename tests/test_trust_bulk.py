@@ -19,7 +19,8 @@ from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transport.bulk import MAGIC, BulkChannel, recv_exact
-from kvstore.transport.bulk_server import BulkServer, GREETING_DEADLINE_S, MAX_SESSIONS
+from kvstore.transport.bulk_server import BulkServer, MAX_SESSIONS
+from kvstore.transport.socket_server import FIRST_DEADLINE_S
 
 BLOCK = 16 << 10
 LAYOUT = KVLayout(model="test/trust-bulk", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
@@ -119,7 +120,7 @@ def test_idle_connections_cost_no_threads_and_are_closed_after_the_greeting_dead
             for s in idle:
                 sel.register(s, selectors.EVENT_READ)
             closed = 0
-            while closed < len(idle) and time.monotonic() < opened + GREETING_DEADLINE_S + 3:
+            while closed < len(idle) and time.monotonic() < opened + FIRST_DEADLINE_S + 3:
                 for key, _ in sel.select(0.2):
                     with contextlib.suppress(OSError):
                         assert key.fileobj.recv(64) == b""   # EOF, never a session id

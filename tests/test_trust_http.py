@@ -14,13 +14,13 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 
 import pytest
 
 from daemon_util import start_daemon
+from fleet_util import write_fleet_config
 from kvstore import KVLayout, Namespace
 from kvstore.ops.http_probe import timed_request
 
@@ -34,15 +34,8 @@ LAYOUT = KVLayout(model="test/http-trust", num_layers=1, num_kv_heads=1, head_di
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, redis_url):
     workdir = tmp_path_factory.mktemp("http-trust")
-    config = workdir / "kv.yaml"
-    config.write_text(textwrap.dedent(f"""
-        fleet:
-          enabled: true
-          redis_url: {redis_url}
-          key_prefix: kvstest-{uuid.uuid4().hex[:12]}
-          secret: test-fleet-secret-0123456789abcdef
-        """))
-    d = start_daemon(workdir, "--config", str(config), "--metrics-port", "0", cpu_bytes="16MiB", nvme_bytes="64MiB")
+    config = write_fleet_config(workdir, redis_url, f"kvstest-{uuid.uuid4().hex[:12]}", "http-trust")
+    d = start_daemon(workdir, "--config", config, "--metrics-port", "0", cpu_bytes="16MiB", nvme_bytes="64MiB")
     yield d
     assert d.stop() == 0
 

@@ -21,7 +21,7 @@ import pytest
 from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.client import negotiation
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport.local_lookup import peer_closed
+from kvstore.transport.bulk import readable_within
 
 LAYOUT = KVLayout(model="test/lookup-reconnect", num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
                   block_tokens=16, block_bytes=4096)
@@ -30,13 +30,14 @@ FLOOD = 300
 FLOODER = textwrap.dedent("""
     import socket, sys
     from kvstore.transport import local_lookup as L
+    from kvstore.transport.socket_server import greeting
     path, ticket, tenant, n = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     held = []
     for i in range(n):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         if ticket:   # greeted, and admitted as that tenant (a lookup on it is answered)
-            s.sendall(L.greeting(ticket, tenant) + L.encode_lookup(b"x" * 16, [b"y" * 16], L.LOOKUP))
+            s.sendall(greeting(L.MAGIC, ticket, tenant) + L.encode_lookup(b"x" * 16, [b"y" * 16], L.LOOKUP))
             L.recv_frame(s)
         held.append(s)
     print("ready", flush=True)
@@ -72,7 +73,7 @@ def pushed_out(bob, hashes) -> tuple:
     hs = bob.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
     p = flood(hs.lookup_socket, hs.lookup_ticket, "bob")
     deadline = time.monotonic() + 10   # the daemon admits the flood's greetings as it reads them
-    while not peer_closed(first._sock):
+    while not readable_within(first._sock):
         assert time.monotonic() < deadline, "the flood did not push the client's connection out"
         time.sleep(0.05)
     stop(p)
@@ -91,7 +92,7 @@ def test_another_tenant_s_connections_push_out_none_of_ours(daemon):
         floods = [flood(hs.lookup_socket, hs.lookup_ticket, "alice"), flood(hs.lookup_socket, b"", "")]
         try:
             assert bob.lookup(ns, hashes).num_hit == 8
-            assert bob._negotiation.lookups is kept and not peer_closed(kept._sock), \
+            assert bob._negotiation.lookups is kept and not readable_within(kept._sock), \
                 "another tenant's connections pushed this client's lookup connection out"
         finally:
             for p in floods:

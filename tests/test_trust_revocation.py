@@ -26,6 +26,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transport import local_lookup, lookup_index, segments
 from kvstore.transport.bulk import BulkChannel
+from kvstore.transport.socket_server import greeting
 
 LAYOUT = KVLayout(model="test/revocation", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16",
                   block_tokens=16)
@@ -84,7 +85,7 @@ def greeted(path: str, ticket: bytes, tenant: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
     sock.connect(path)
-    sock.sendall(local_lookup.greeting(ticket, tenant))
+    sock.sendall(greeting(local_lookup.MAGIC, ticket, tenant))
     return sock
 
 
@@ -151,7 +152,7 @@ def test_old_tickets_open_nothing_and_open_connections_close(daemon, change):
     # the tenant's mapped lookup index is closed: it answers nothing, and a lookup goes to the daemon
     if lookup_index.supported():
         assert mapped.index.leading_hits(ns, hashes) is None
-    with pytest.raises((OSError, local_lookup.LocalLookupError)):
+    with pytest.raises((OSError, local_lookup.CallFailed)):
         mapped.lookup(ns, hashes, lease=False)
     mapped.close()
     # a new connection with the old ticket is refused before any frame is answered

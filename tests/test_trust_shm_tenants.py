@@ -22,7 +22,7 @@ from kvstore import ChainHasher, KVLayout, Namespace
 from kvstore.client.shm_path import lease_slots
 from kvstore.ops.local_daemon import start_local_daemon
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.transport import segments
+from kvstore.transport.socket_server import MAX_PENDING
 
 LAYOUT = KVLayout(model="test/tenant-segments", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                   block_tokens=32, layout="kv,layer,token,head,dim")   # 32 KiB blocks
@@ -199,4 +199,4 @@ def test_idle_and_garbage_broker_connections_hold_up_no_client(auth_daemon):
     finally:
         for s in idle + [junk]:
             s.close()
-    assert segments.MAX_PENDING < 100   # the broker pushed the oldest idle ones out rather than grow
+    assert MAX_PENDING < 100   # the broker pushed the oldest idle ones out rather than grow

@@ -8,7 +8,6 @@ With the daemon down, every request is admitted as a miss and served.
 from __future__ import annotations
 
 import os
-import random
 import socket
 import sys
 
@@ -19,8 +18,7 @@ import vllm_runner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 32
-rng = random.Random(20261202)
-tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+tok = vllm_runner.prompt_tokens(20261202)
 PREFIX = tok(6 * BLOCK)
 SEED, COLD_A, COLD_B, HIT = PREFIX + tok(8), tok(200), tok(200), PREFIX + tok(8)
 
@@ -30,7 +28,7 @@ def runs(tmp_path_factory):
     from daemon_util import start_daemon
 
     d = start_daemon(tmp_path_factory.mktemp("kvd"))
-    model = {"out_dir": str(tmp_path_factory.mktemp("models") / "tiny"), "layers": 2, "seed": 0}
+    model = vllm_runner.tiny_model(tmp_path_factory)
     steps = [{"generate": [SEED], "max_tokens": 1}, {"drain": True},
              {"serve": [COLD_A, COLD_B, HIT], "max_tokens": 4}]
 

@@ -17,7 +17,6 @@ Two phases of two engines each, run in parallel within a phase (engine starts ar
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 import pytest
@@ -36,8 +35,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 def _prompts() -> dict[str, list[int]]:
-    rng = random.Random(20261201)
-    tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    tok = vllm_runner.prompt_tokens(20261201)
     a = tok(200)
     return {"A": a, "R": tok(170), "E": tok(130), "T1": tok(150), "Q": a[:BLOCK] + tok(100), "new": tok(20)}
 
@@ -64,7 +62,7 @@ def runs(tmp_path_factory):
 
     python = vllm_runner.vllm_python()
     work = str(tmp_path_factory.mktemp("vllm_chunks"))
-    model = {"out_dir": str(tmp_path_factory.mktemp("models") / "tiny"), "layers": 2, "seed": 0}
+    model = vllm_runner.tiny_model(tmp_path_factory)
     daemon = start_daemon(tmp_path_factory.mktemp("kvd"))
     try:
         baseline, first = vllm_runner.run_jobs(python, work, [

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 from types import SimpleNamespace
 
@@ -49,8 +48,7 @@ pytestmark = pytest.mark.timeout(1500)
 
 
 def _prompts() -> dict[str, list[int]]:
-    rng = random.Random(20261129)
-    tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    tok = vllm_runner.prompt_tokens(20261129)
     a = tok(200)                      # 6 full blocks
     return {"A": a,
             "B": a[:160] + tok(50),   # shares 5 blocks with A

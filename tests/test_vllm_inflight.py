@@ -9,7 +9,6 @@ prefix a second time, in the same step. Either way both get the same tokens as a
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 import pytest
@@ -19,8 +18,7 @@ import vllm_runner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 32
-rng = random.Random(20261205)
-tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+tok = vllm_runner.prompt_tokens(20261205)
 PREFIX = tok(6 * BLOCK)
 FIRST, SECOND = PREFIX + tok(8), PREFIX + tok(8)
 
@@ -30,7 +28,7 @@ def runs(tmp_path_factory):
     from daemon_util import start_daemon
 
     d = start_daemon(tmp_path_factory.mktemp("kvd"))
-    model = {"out_dir": str(tmp_path_factory.mktemp("models") / "tiny"), "layers": 2, "seed": 0}
+    model = vllm_runner.tiny_model(tmp_path_factory)
     steps = [{"serve": [FIRST, SECOND], "max_tokens": 4}]
 
     def job(name: str, connector: bool = True, **extra) -> tuple[str, dict]:

@@ -8,7 +8,6 @@ generates the same tokens, and decode blocks saved at a request's end arrive the
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 import numpy as np
@@ -21,8 +20,7 @@ import vllm_runner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 32
-rng = random.Random(20261203)
-tok = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+tok = vllm_runner.prompt_tokens(20261203)
 A, B = tok(200), tok(150)          # 6 and 4 full prompt blocks
 MAX_TOKENS = 50                    # B's answer fills blocks 4 and 5 (decode saves)
 
@@ -32,7 +30,7 @@ def runs(tmp_path_factory):
     from daemon_util import start_daemon
 
     d = start_daemon(tmp_path_factory.mktemp("kvd"))
-    model = {"out_dir": str(tmp_path_factory.mktemp("models") / "tiny"), "layers": 2, "seed": 0}
+    model = vllm_runner.tiny_model(tmp_path_factory)
     work = str(tmp_path_factory.mktemp("vllm"))
     gen = {"generate": [A, B], "max_tokens": MAX_TOKENS}
 

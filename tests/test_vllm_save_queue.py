@@ -44,6 +44,20 @@ def _expected(paged: PagedBlocks, block_ids: list[int]) -> list[bytes]:
     return [b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in paged.layers)
             for b in block_ids]
 
+
+def _assert_saved(paged: PagedBlocks, handle: NamespaceHandle, stats: dict, hashes: list[bytes],
+                  block_ids: list[int]) -> None:
+    """Once the saver drained, the daemon holds exactly the pages of ``block_ids`` under ``hashes``,
+    in order, every one counted saved and none failed."""
+    deadline = time.monotonic() + 10
+    while not all(handle.exists(hashes)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in hashes]
+    assert handle.get_into(hashes, outs) == [LAYOUT.block_bytes] * len(hashes)
+    assert [o.tobytes() for o in outs] == _expected(paged, block_ids)
+    assert stats.get("saved_blocks") == len(hashes) and not stats.get("save_failed_blocks"), stats
+
+
 def _saver(daemon_factory, salt: str):
     """A daemon, random paged KV, a handle on a namespace of its own and a ``SaveQueue`` over them,
     counting into ``stats``."""
@@ -83,13 +97,7 @@ def test_a_finished_request_is_copied_out_by_the_stepping_thread_when_the_gather
     assert reported_at == 0, f"still ungathered after 200 steps (step {reported_at})"
     # the copy went on to the daemon: exactly the pages of those blocks, in order
     saver.drain(10.0)
-    deadline = time.monotonic() + 10
-    while not all(handle.exists(hashes)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in hashes]
-    assert handle.get_into(hashes, outs) == [LAYOUT.block_bytes] * len(hashes)
-    assert [o.tobytes() for o in outs] == _expected(paged, block_ids)
-    assert stats.get("saved_blocks") == len(hashes) and not stats.get("save_failed_blocks"), stats
+    _assert_saved(paged, handle, stats, hashes, block_ids)
     saver.close()
     handle.close()
 
@@ -104,13 +112,7 @@ def test_the_gather_thread_still_copies_batches_nobody_finishes(daemon_factory):
     assert saver.finish("finished")
     assert saver.wait_gathered(10.0) and saver.ungathered("running") == 0
     saver.drain(10.0)
-    deadline = time.monotonic() + 10
-    while not all(handle.exists(chain)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    outs = [np.zeros(LAYOUT.block_bytes, dtype=np.uint8) for _ in chain]
-    assert handle.get_into(chain, outs) == [LAYOUT.block_bytes] * len(chain)
-    assert [o.tobytes() for o in outs] == _expected(paged, [1, 2, 3, 4, 5, 6])
-    assert stats.get("saved_blocks") == 6 and not stats.get("save_failed_blocks"), stats
+    _assert_saved(paged, handle, stats, chain, [1, 2, 3, 4, 5, 6])
     saver.close()
     handle.close()
 

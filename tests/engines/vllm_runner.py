@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
+from collections.abc import Callable
 
 from kvstore.ops.engines import run_engine_jobs, vllm_kv_transfer_config
 
@@ -27,6 +29,17 @@ def vllm_python() -> str:
 def kvstore_transfer_config(url: str, **extra) -> dict:
     """kv_transfer_config for KVStoreConnector against the daemon at ``url``."""
     return vllm_kv_transfer_config(url, **extra)
+
+
+def prompt_tokens(seed: int) -> Callable[[int], list[int]]:
+    """``tokens(n)``: ``n`` random token ids in [3, 1000), the same sequence for the same ``seed``."""
+    rng = random.Random(seed)
+    return lambda n: [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def tiny_model(tmp_path_factory) -> dict:
+    """The driver's build spec of the tiny random two-layer model (seed 0), in a directory of its own."""
+    return {"out_dir": str(tmp_path_factory.mktemp("models") / "tiny"), "layers": 2, "seed": 0}
 
 
 def run_jobs(python: str, workdir: str, jobs: list[tuple[str, dict]], timeout_s: float = 900) -> list[dict]:
