@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -128,40 +127,39 @@ def measured(paths: dict, remote: Client, ns: bytes, hashes: list[bytes], lookup
 
 
 def run(lookups: int, clients: int, interval_s: float) -> dict:
-    workdir = tempfile.mkdtemp(prefix="kvstore-lookup-")
-    d = start_local_daemon(workdir, "--log-level", "WARNING", cpu_bytes="256MiB", nvme_bytes="0")
-    report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128,
-              "interval_us": round(interval_s * 1e6)}
-    try:
-        local, remote = Client(d.address), Client(d.address, transport="grpc")
-        socket_only = Client(d.address, lookup_index=False)
-        ns = local.register_namespace(Namespace(LOOKUP))
-        remote.register_namespace(Namespace(LOOKUP))
-        socket_only.register_namespace(Namespace(LOOKUP))
-        hashes = ChainHasher(seed=1).chain(np.arange(128 * 16), 16)
-        local.put(ns, hashes, [np.zeros(4096, np.uint8)] * 128)
-        local.lookup(ns, hashes)
-        socket_only.lookup(ns, hashes)
-        time.sleep(0.5)   # the index fills in the background
-        paths = {"mapped index": local, "unix socket": socket_only, FLOOR: InProcessDict(hashes)}
-        report["idle"] = measured(paths, remote, ns, hashes, lookups, interval_s)
-        spin_s = report["idle"]["mapped index"]["p50_us"] / 1e6
-        report["spin_us"] = round(spin_s * 1e6, 1)
-        paths[SPIN] = Spin(spin_s, len(hashes))
-        load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "120"],
-                                stdout=subprocess.PIPE, text=True)
+    with tempfile.TemporaryDirectory(prefix="kvstore-lookup-", ignore_cleanup_errors=True) as workdir:
+        d = start_local_daemon(workdir, "--log-level", "WARNING", cpu_bytes="256MiB", nvme_bytes="0")
+        report = {"machine": machine_facts(), "lookups": lookups, "clients": clients, "chain_blocks": 128,
+                  "interval_us": round(interval_s * 1e6)}
         try:
-            assert load.stdout.readline().strip() == "ready"
-            time.sleep(3)   # every load client connected and copying
-            report["loaded"] = measured(paths, remote, ns, hashes, lookups, interval_s)
+            local, remote = Client(d.address), Client(d.address, transport="grpc")
+            socket_only = Client(d.address, lookup_index=False)
+            ns = local.register_namespace(Namespace(LOOKUP))
+            remote.register_namespace(Namespace(LOOKUP))
+            socket_only.register_namespace(Namespace(LOOKUP))
+            hashes = ChainHasher(seed=1).chain(np.arange(128 * 16), 16)
+            local.put(ns, hashes, [np.zeros(4096, np.uint8)] * 128)
+            local.lookup(ns, hashes)
+            socket_only.lookup(ns, hashes)
+            time.sleep(0.5)   # the index fills in the background
+            paths = {"mapped index": local, "unix socket": socket_only, FLOOR: InProcessDict(hashes)}
+            report["idle"] = measured(paths, remote, ns, hashes, lookups, interval_s)
+            spin_s = report["idle"]["mapped index"]["p50_us"] / 1e6
+            report["spin_us"] = round(spin_s * 1e6, 1)
+            paths[SPIN] = Spin(spin_s, len(hashes))
+            load = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, d.address, str(clients), "120"],
+                                    stdout=subprocess.PIPE, text=True)
+            try:
+                assert load.stdout.readline().strip() == "ready"
+                time.sleep(3)   # every load client connected and copying
+                report["loaded"] = measured(paths, remote, ns, hashes, lookups, interval_s)
+            finally:
+                load.terminate()
+                load.wait(30)
+            for c in (local, socket_only, remote):
+                c.close()
         finally:
-            load.terminate()
-            load.wait(30)
-        for c in (local, socket_only, remote):
-            c.close()
-    finally:
-        d.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+            d.stop()
     return report
 
 

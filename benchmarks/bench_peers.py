@@ -124,7 +124,8 @@ _INPROC = ("the Store's per-block bookkeeping in Python (reserve slots, index an
            "RPC in this row): {kv_us:.0f} us a block against {peer_us:.0f} us for Mooncake's C++ and {ceil_us:.0f} us "
            "for the memcpy alone.")
 _DISK_PUT = ("kvstore promises more for the same ceiling: its put returns `persisted`, each block written "
-             "with O_DIRECT into its slot of a slab file, up to 4 at once (puts.DiskWrites), then one fdatasync per "
+             "with O_DIRECT into its slot of a slab file, a chain's neighbouring slots up to 4 MiB with one pwritev, "
+             "up to 4 such writes at once (puts.DiskWrites), then one fdatasync per "
              "slab file for the batch (group commit), all inside the timed put; LMCache's disk backend writes "
              "with O_DIRECT from 4 I/O threads and never flushes (a finished write may still sit in the device's "
              "cache, and a crash can lose it). Both against raw O_DIRECT writes without fsync: kvstore at "

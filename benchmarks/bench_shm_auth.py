@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 
 from kvstore.client import Client
@@ -33,36 +32,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run(sizes: list[int], total: int, reps: int) -> dict:
     cpu = str(max(sizes) * 8 + 2 * total + (64 << 20))
-    workdir = tempfile.mkdtemp(prefix="kvstore-shm-auth-")
     common = ("--cpu-slot-bytes", "1MiB", "--log-level", "WARNING")
-    daemons = {
-        "auth off": (start_local_daemon(os.path.join(workdir, "open"), *common, nvme_bytes="0", cpu_bytes=cpu), None),
-        "auth on": (start_local_daemon(os.path.join(workdir, "auth"), *common, "--token", "alice-token=alice",
-                                       "--token", "bob-token=bob", nvme_bytes="0", cpu_bytes=cpu), "alice-token"),
-    }
     report = {"machine": machine_facts(), "total_bytes_per_measurement": total, "reps": reps, "cpu_bytes": int(cpu),
               "sizes": {}}
-    try:
-        clients = {name: Client(d.address, token=token, transport="shm", timeout_s=60)
-                   for name, (d, token) in daemons.items()}
-        for size in sizes:
-            count = max(2, total // size)
-            layout = KVLayout(model="bench/shm-auth", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
-                              block_tokens=16, block_bytes=size)
-            memcpy = MemcpyPass(size, working_set=size * count)
-            row = {}
-            for name, c in clients.items():
-                ns = c.register_namespace(Namespace(layout))
-                row[name] = service_gbps(c, ns, size, count, reps, tag=name, ceiling=memcpy)
-            row["on_vs_off_get"] = row["auth on"]["get_gbps"] / row["auth off"]["get_gbps"]
-            row["on_vs_off_put"] = row["auth on"]["put_gbps"] / row["auth off"]["put_gbps"]
-            report["sizes"][str(size)] = row
-        for c in clients.values():
-            c.close()
-    finally:
-        for d, _ in daemons.values():
-            d.stop(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kvstore-shm-auth-", ignore_cleanup_errors=True) as workdir:
+        daemons = {
+            "auth off": (start_local_daemon(os.path.join(workdir, "open"), *common, nvme_bytes="0", cpu_bytes=cpu),
+                         None),
+            "auth on": (start_local_daemon(os.path.join(workdir, "auth"), *common, "--token", "alice-token=alice",
+                                           "--token", "bob-token=bob", nvme_bytes="0", cpu_bytes=cpu), "alice-token"),
+        }
+        try:
+            clients = {name: Client(d.address, token=token, transport="shm", timeout_s=60)
+                       for name, (d, token) in daemons.items()}
+            for size in sizes:
+                count = max(2, total // size)
+                layout = KVLayout(model="bench/shm-auth", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                                  block_tokens=16, block_bytes=size)
+                memcpy = MemcpyPass(size, working_set=size * count)
+                row = {}
+                for name, c in clients.items():
+                    ns = c.register_namespace(Namespace(layout))
+                    row[name] = service_gbps(c, ns, size, count, reps, tag=name, ceiling=memcpy)
+                row["on_vs_off_get"] = row["auth on"]["get_gbps"] / row["auth off"]["get_gbps"]
+                row["on_vs_off_put"] = row["auth on"]["put_gbps"] / row["auth off"]["put_gbps"]
+                report["sizes"][str(size)] = row
+            for c in clients.values():
+                c.close()
+        finally:
+            for d, _ in daemons.values():
+                d.stop(timeout=30)
     return report
 
 

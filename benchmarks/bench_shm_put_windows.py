@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -37,44 +36,43 @@ WINDOWED = shm_path.FIRST_WINDOW_BLOCKS
 
 
 def run(sizes: list[int], total: int, reps: int) -> dict:
-    work = tempfile.mkdtemp(prefix="kvstore-put-windows-")
-    cpu = str(max(total // s * -(-s // (256 << 10)) * (256 << 10) for s in sizes) + (256 << 20))
-    daemon = start_local_daemon(os.path.join(work, "kvd"), "--log-level", "WARNING", cpu_bytes=cpu, nvme_bytes="0")
-    report = {"machine": machine_facts(), "total_bytes": total, "reps": reps, "sizes": {}}
-    try:
-        with daemon.client(transport="shm", timeout_s=120) as c:
-            for size in sizes:
-                count = min(MAX_BATCH, total // size)
-                ns = c.register_namespace(Namespace(KVLayout(
-                    model="bench/put-windows", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
-                    block_tokens=16, block_bytes=size), cache_salt="windows"))
-                src = np.frombuffer(touched_buffer(size * count), dtype=np.uint8)
-                blocks = [src[i * size:(i + 1) * size] for i in range(count)]
-                memcpy = MemcpyPass(size, working_set=size * count)
-                runs: dict[str, list] = {"windowed": [], "one lease": []}
-                ratios: dict[str, list] = {"windowed": [], "one lease": []}
-                order = ["windowed", "one lease", "one lease", "windowed"] * reps
-                for r, mode in enumerate(["windowed", "one lease"] + order):   # the first two warm up
-                    shm_path.FIRST_WINDOW_BLOCKS = WINDOWED if mode == "windowed" else MAX_BATCH
-                    hashes = ChainHasher(seed=r).chain(np.arange(16 * count) + (r + 1) * 7_000_003, 16)
-                    ceiling = memcpy.bytes / memcpy() / GB
-                    t = time.perf_counter()
-                    assert c.put(ns, hashes, blocks) == ["stored"] * count
-                    gbps = size * count / (time.perf_counter() - t) / GB
-                    c.delete(ns, hashes)
-                    if r >= 2:
-                        runs[mode].append(gbps)
-                        ratios[mode].append(gbps / ceiling)
-                shm_path.FIRST_WINDOW_BLOCKS = WINDOWED
-                row = {"count": count, "windows": len(shm_path.put_windows(count))}
-                for mode in runs:
-                    row[mode] = {"put_gbps": statistics.median(runs[mode]), "runs": runs[mode],
-                                 "put_vs_memcpy": statistics.median(ratios[mode])}
-                report["sizes"][format_size(size)] = row
-    finally:
-        shm_path.FIRST_WINDOW_BLOCKS = WINDOWED
-        daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kvstore-put-windows-", ignore_cleanup_errors=True) as work:
+        cpu = str(max(total // s * -(-s // (256 << 10)) * (256 << 10) for s in sizes) + (256 << 20))
+        daemon = start_local_daemon(os.path.join(work, "kvd"), "--log-level", "WARNING", cpu_bytes=cpu, nvme_bytes="0")
+        report = {"machine": machine_facts(), "total_bytes": total, "reps": reps, "sizes": {}}
+        try:
+            with daemon.client(transport="shm", timeout_s=120) as c:
+                for size in sizes:
+                    count = min(MAX_BATCH, total // size)
+                    ns = c.register_namespace(Namespace(KVLayout(
+                        model="bench/put-windows", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8",
+                        block_tokens=16, block_bytes=size), cache_salt="windows"))
+                    src = np.frombuffer(touched_buffer(size * count), dtype=np.uint8)
+                    blocks = [src[i * size:(i + 1) * size] for i in range(count)]
+                    memcpy = MemcpyPass(size, working_set=size * count)
+                    runs: dict[str, list] = {"windowed": [], "one lease": []}
+                    ratios: dict[str, list] = {"windowed": [], "one lease": []}
+                    order = ["windowed", "one lease", "one lease", "windowed"] * reps
+                    for r, mode in enumerate(["windowed", "one lease"] + order):   # the first two warm up
+                        shm_path.FIRST_WINDOW_BLOCKS = WINDOWED if mode == "windowed" else MAX_BATCH
+                        hashes = ChainHasher(seed=r).chain(np.arange(16 * count) + (r + 1) * 7_000_003, 16)
+                        ceiling = memcpy.bytes / memcpy() / GB
+                        t = time.perf_counter()
+                        assert c.put(ns, hashes, blocks) == ["stored"] * count
+                        gbps = size * count / (time.perf_counter() - t) / GB
+                        c.delete(ns, hashes)
+                        if r >= 2:
+                            runs[mode].append(gbps)
+                            ratios[mode].append(gbps / ceiling)
+                    shm_path.FIRST_WINDOW_BLOCKS = WINDOWED
+                    row = {"count": count, "windows": len(shm_path.put_windows(count))}
+                    for mode in runs:
+                        row[mode] = {"put_gbps": statistics.median(runs[mode]), "runs": runs[mode],
+                                     "put_vs_memcpy": statistics.median(ratios[mode])}
+                    report["sizes"][format_size(size)] = row
+        finally:
+            shm_path.FIRST_WINDOW_BLOCKS = WINDOWED
+            daemon.stop()
     report["load_average_end"] = os.getloadavg()[0]
     return report
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -70,40 +69,39 @@ def lookups(client, ns: bytes, chain: list[bytes], seconds: float) -> dict:
 
 
 def run(blocks: int, size: int, seconds: float, directory: str) -> dict:
-    work = tempfile.mkdtemp(prefix="kvstore-staging-", dir=directory)
-    layout = dict(model="bench/staging", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8", block_tokens=16,
-                  block_bytes=size)
-    report = {"machine": machine_facts(), "blocks": blocks, "block_bytes": size, "seconds": seconds,
-              "load_average_start": os.getloadavg()[0]}
-    daemon = start_local_daemon(os.path.join(work, "kvd"), "--log-level", "WARNING", cpu_bytes="64MiB",
-                                nvme_bytes=str(4 * blocks * (size + 8192)), nvme_path=os.path.join(work, "nvme"))
-    try:
-        with daemon.client(transport="shm", timeout_s=120) as c:
-            ns = c.register_namespace(Namespace(KVLayout(**layout), cache_salt="staging"))
-            rng = np.random.default_rng(0)
-            data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(blocks)]
-            chain = ChainHasher(seed=1).chain(np.arange(16 * blocks), 16)
-            small = ChainHasher(seed=2).chain(np.arange(16 * 8), 16)
-            c.put(ns, chain, data)
-            c.put(ns, small, data[:8])
-            report["tiers_after_put"] = {t: v["blocks"] for t, v in c.stats()["tiers"].items()}
-        with daemon.client(lookup_index=False) as lk:
-            ns = lk.register_namespace(Namespace(KVLayout(**layout), cache_salt="staging"))
-            report["idle"] = lookups(lk, ns, small, seconds)
-            for transport in ("shm", "bulk"):
-                loader = subprocess.Popen([sys.executable, "-c", LOADER.format(
-                    size=size, n=blocks, seconds=seconds + 2, address=daemon.address, layout=layout,
-                    transport=transport)], stdout=subprocess.PIPE, text=True)
-                time.sleep(1.0)   # the loader connected and reading
-                report[f"during_{transport}_loads"] = lookups(lk, ns, small, seconds)
-                out, _ = loader.communicate(timeout=120)
-                report[f"{transport}_loader_get_gbps"] = float(out.strip().splitlines()[-1])
-        with ODirectReadPass(work, size, min(blocks, 128)) as raw:
-            raw()
-            report["raw_odirect_read_gbps"] = statistics.median(raw.bytes / raw() / GB for _ in range(5))
-    finally:
-        daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kvstore-staging-", dir=directory, ignore_cleanup_errors=True) as work:
+        layout = dict(model="bench/staging", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8", block_tokens=16,
+                      block_bytes=size)
+        report = {"machine": machine_facts(), "blocks": blocks, "block_bytes": size, "seconds": seconds,
+                  "load_average_start": os.getloadavg()[0]}
+        daemon = start_local_daemon(os.path.join(work, "kvd"), "--log-level", "WARNING", cpu_bytes="64MiB",
+                                    nvme_bytes=str(4 * blocks * (size + 8192)), nvme_path=os.path.join(work, "nvme"))
+        try:
+            with daemon.client(transport="shm", timeout_s=120) as c:
+                ns = c.register_namespace(Namespace(KVLayout(**layout), cache_salt="staging"))
+                rng = np.random.default_rng(0)
+                data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(blocks)]
+                chain = ChainHasher(seed=1).chain(np.arange(16 * blocks), 16)
+                small = ChainHasher(seed=2).chain(np.arange(16 * 8), 16)
+                c.put(ns, chain, data)
+                c.put(ns, small, data[:8])
+                report["tiers_after_put"] = {t: v["blocks"] for t, v in c.stats()["tiers"].items()}
+            with daemon.client(lookup_index=False) as lk:
+                ns = lk.register_namespace(Namespace(KVLayout(**layout), cache_salt="staging"))
+                report["idle"] = lookups(lk, ns, small, seconds)
+                for transport in ("shm", "bulk"):
+                    loader = subprocess.Popen([sys.executable, "-c", LOADER.format(
+                        size=size, n=blocks, seconds=seconds + 2, address=daemon.address, layout=layout,
+                        transport=transport)], stdout=subprocess.PIPE, text=True)
+                    time.sleep(1.0)   # the loader connected and reading
+                    report[f"during_{transport}_loads"] = lookups(lk, ns, small, seconds)
+                    out, _ = loader.communicate(timeout=120)
+                    report[f"{transport}_loader_get_gbps"] = float(out.strip().splitlines()[-1])
+            with ODirectReadPass(work, size, min(blocks, 128)) as raw:
+                raw()
+                report["raw_odirect_read_gbps"] = statistics.median(raw.bytes / raw() / GB for _ in range(5))
+        finally:
+            daemon.stop()
     report["load_average_end"] = os.getloadavg()[0]
     return report
 

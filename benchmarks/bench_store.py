@@ -57,6 +57,24 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
+def thread_cpu(fn):
+    """``fn()`` and the CPU seconds this thread spent in it."""
+    c0 = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - c0
+
+
+def elapsed(fn) -> float:
+    """Wall seconds of one call of ``fn``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _no_ceiling() -> float:
+    return 0.0
+
+
 def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1, put_ceiling=None,
                get_ceiling=None, get_batch: int = 1, front=None, more_ceilings=None) -> dict[str, float]:
     """Put ``n`` blocks through a Store over one tier (``batch`` blocks per put call), read them
@@ -81,35 +99,30 @@ def bench_tier(make_tier, size: int, n: int, reps: int, batch: int = 1, put_ceil
     try:
         for r in range(reps + 1):
             hashes = hasher.chain(np.arange(16 * n) + r * 16 * n, 16)
+
+            def put_all() -> None:
+                for i in range(0, n, batch):
+                    store.put(ns, hashes[i:i + batch],
+                              [sources[j % len(sources)] for j in range(i, min(n, i + batch))],
+                              parent=hashes[i - 1] if i else None)
+                if front:
+                    tier.sync()   # the demotions' one flush (group commit), counted in the put time
+
+            def get_all() -> None:
+                for i in range(0, n, get_batch):
+                    part = hashes[i:i + get_batch]
+                    got = store.get_into(ns, part, [outs[(i + k) % len(outs)] for k in range(len(part))])
+                    if None in got:
+                        raise RuntimeError("benchmark block missing")
+
             for name, ceiling in more_ceilings.items():
-                c0 = time.thread_time()
-                ceiling()
+                _, c = thread_cpu(ceiling)
                 if r:
-                    cpu[name].append(time.thread_time() - c0)
-            c0 = time.thread_time()
-            t_put_ceiling = put_ceiling() if put_ceiling else 0.0
-            c_put_ceiling = time.thread_time() - c0
-            c0 = time.thread_time()
-            t0 = time.perf_counter()
-            for i in range(0, n, batch):
-                store.put(ns, hashes[i:i + batch], [sources[j % len(sources)] for j in range(i, min(n, i + batch))],
-                          parent=hashes[i - 1] if i else None)
-            if front:
-                tier.sync()   # the demotions' one flush (group commit), counted in the put time
-            t_put = time.perf_counter() - t0
-            c_put = time.thread_time() - c0
-            c0 = time.thread_time()
-            t_get_ceiling = get_ceiling() if get_ceiling else 0.0
-            c_get_ceiling = time.thread_time() - c0
-            c0 = time.thread_time()
-            t0 = time.perf_counter()
-            for i in range(0, n, get_batch):
-                part = hashes[i:i + get_batch]
-                got = store.get_into(ns, part, [outs[(i + k) % len(outs)] for k in range(len(part))])
-                if None in got:
-                    raise RuntimeError("benchmark block missing")
-            t_get = time.perf_counter() - t0
-            c_get = time.thread_time() - c0
+                    cpu[name].append(c)
+            t_put_ceiling, c_put_ceiling = thread_cpu(put_ceiling or _no_ceiling)
+            t_put, c_put = thread_cpu(lambda: elapsed(put_all))
+            t_get_ceiling, c_get_ceiling = thread_cpu(get_ceiling or _no_ceiling)
+            t_get, c_get = thread_cpu(lambda: elapsed(get_all))
             if not np.array_equal(outs[(n - 1) % len(outs)], sources[(n - 1) % len(sources)]):
                 raise RuntimeError("benchmark read back wrong bytes")
             store.delete(ns, hashes)

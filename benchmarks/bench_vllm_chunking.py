@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -103,71 +102,70 @@ def run_model(model: str, chunks: list[int], reps: int, paths: list[str], slots:
     block_ids = np.random.default_rng(2).permutation(nb).tolist()
     out: dict = {"layers": layers, "kv_heads": heads, "head_dim": dim, "vllm_block_bytes": block,
                  "prefix_bytes": prefix_bytes, "paths": {}}
-    workdir = tempfile.mkdtemp(prefix="kvstore-chunking-")
-    daemons = start_daemons(workdir, block, prefix_bytes, chunks, slots)
-    clients = connect(daemons, paths, report)
-    try:
-        for path, per in clients.items():
-            setup = {}
-            for n in chunks:
-                c = per[n]
-                lay = KVLayout(model=f"bench/{model}", num_layers=layers, num_kv_heads=heads, head_dim=dim,
-                               dtype="bfloat16", block_tokens=n * VLLM_BLOCK, layout="layer,kv,token,head,dim",
-                               block_bytes=n * block)
-                ns_id = c.register_namespace(Namespace(lay, cache_salt=f"chunking-{path}"))
-                hashes = ChainHasher(seed=0).chain(tokens, n * VLLM_BLOCK)
-                rows = [data[i * n * block:(i + 1) * n * block] for i in range(len(hashes))]
-                assert c.put(ns_id, hashes, rows) == ["stored"] * len(hashes)
-                outs = [staging[i * n * block:(i + 1) * n * block] for i in range(len(hashes))]
-                packing = ChunkPacking(lay, [page] * layers, [(2, VLLM_BLOCK, heads, dim)] * layers, n)
-                setup[n] = (ns_id, hashes, outs, packing)
-            ceiling = memcpy if path == "shm" else tcp
-            samples = {n: {"lookup": [], "get": [], "place": [], "ceiling": []} for n in chunks}
-            for r in range(reps + 1):          # repetition 0 warms connections and buffers
+    with tempfile.TemporaryDirectory(prefix="kvstore-chunking-", ignore_cleanup_errors=True) as workdir:
+        daemons = start_daemons(workdir, block, prefix_bytes, chunks, slots)
+        clients = connect(daemons, paths, report)
+        try:
+            for path, per in clients.items():
+                setup = {}
                 for n in chunks:
-                    ns_id, hashes, outs, packing = setup[n]
-                    c_s = ceiling() * prefix_bytes / ceiling.bytes
-                    lk, get = fetch_pass(per[n], ns_id, hashes, outs)
-                    t = time.perf_counter()
-                    rows = torch.from_numpy(staging).view(len(hashes), -1)
-                    if n == 1:
-                        paged.scatter(block_ids, rows)
-                    else:
-                        plan = packing.placement(block_ids, len(hashes), paged.device)
-                        for i in range(layers):
-                            packing.place_layer(paged, i, rows, plan)
-                    place = time.perf_counter() - t
-                    if r:
-                        for k, v in (("lookup", lk), ("get", get), ("place", place), ("ceiling", c_s)):
-                            samples[n][k].append(v)
-            assert np.array_equal(staging, data)
-            check = paged.host_buffer(nb)
-            paged.gather(block_ids, check)   # the last N placed the prefix's blocks where they belong
-            packing = setup[chunks[-1]][3]
-            assert torch.equal(check, packing.to_blocks(torch.from_numpy(data).view(nb // packing.n, -1)))
-            rows_out = {}
-            for n in chunks:
-                s = samples[n]
-                total = [a + b + u for a, b, u in zip(s["lookup"], s["get"], s["place"])]
-                rows_out[n] = {"kvstore_blocks": len(setup[n][1]), "chunk_bytes": n * block,
-                               **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in s.items()},
-                               "total_ms": statistics.median(total) * 1e3,
-                               "ceiling_vs_total": statistics.median(cs / t for cs, t in zip(s["ceiling"], total)),
-                               "ceiling_vs_get": statistics.median(cs / g for cs, g in zip(s["ceiling"], s["get"]))}
-            for n in chunks:
-                rows_out[n]["total_vs_1"] = rows_out[n]["total_ms"] / rows_out[chunks[0]]["total_ms"]
-                rows_out[n]["get_vs_1"] = rows_out[n]["get_ms"] / rows_out[chunks[0]]["get_ms"]
-            for n, (ns_id, hashes, _, _) in setup.items():
-                per[n].delete(ns_id, hashes)
-            out["paths"][path] = {"ceiling": "memcpy (cold)" if path == "shm" else "raw TCP", "chunks": rows_out}
-    finally:
-        tcp.close()
-        for per in clients.values():
-            for c in per.values():
-                c.close()
-        for d in daemons.values():
-            d.stop(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
+                    c = per[n]
+                    lay = KVLayout(model=f"bench/{model}", num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                                   dtype="bfloat16", block_tokens=n * VLLM_BLOCK, layout="layer,kv,token,head,dim",
+                                   block_bytes=n * block)
+                    ns_id = c.register_namespace(Namespace(lay, cache_salt=f"chunking-{path}"))
+                    hashes = ChainHasher(seed=0).chain(tokens, n * VLLM_BLOCK)
+                    rows = [data[i * n * block:(i + 1) * n * block] for i in range(len(hashes))]
+                    assert c.put(ns_id, hashes, rows) == ["stored"] * len(hashes)
+                    outs = [staging[i * n * block:(i + 1) * n * block] for i in range(len(hashes))]
+                    packing = ChunkPacking(lay, [page] * layers, [(2, VLLM_BLOCK, heads, dim)] * layers, n)
+                    setup[n] = (ns_id, hashes, outs, packing)
+                ceiling = memcpy if path == "shm" else tcp
+                samples = {n: {"lookup": [], "get": [], "place": [], "ceiling": []} for n in chunks}
+                for r in range(reps + 1):          # repetition 0 warms connections and buffers
+                    for n in chunks:
+                        ns_id, hashes, outs, packing = setup[n]
+                        c_s = ceiling() * prefix_bytes / ceiling.bytes
+                        lk, get = fetch_pass(per[n], ns_id, hashes, outs)
+                        t = time.perf_counter()
+                        rows = torch.from_numpy(staging).view(len(hashes), -1)
+                        if n == 1:
+                            paged.scatter(block_ids, rows)
+                        else:
+                            plan = packing.placement(block_ids, len(hashes), paged.device)
+                            for i in range(layers):
+                                packing.place_layer(paged, i, rows, plan)
+                        place = time.perf_counter() - t
+                        if r:
+                            for k, v in (("lookup", lk), ("get", get), ("place", place), ("ceiling", c_s)):
+                                samples[n][k].append(v)
+                assert np.array_equal(staging, data)
+                check = paged.host_buffer(nb)
+                paged.gather(block_ids, check)   # the last N placed the prefix's blocks where they belong
+                packing = setup[chunks[-1]][3]
+                assert torch.equal(check, packing.to_blocks(torch.from_numpy(data).view(nb // packing.n, -1)))
+                rows_out = {}
+                for n in chunks:
+                    s = samples[n]
+                    total = [a + b + u for a, b, u in zip(s["lookup"], s["get"], s["place"])]
+                    rows_out[n] = {"kvstore_blocks": len(setup[n][1]), "chunk_bytes": n * block,
+                                   **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in s.items()},
+                                   "total_ms": statistics.median(total) * 1e3,
+                                   "ceiling_vs_total": statistics.median(cs / t for cs, t in zip(s["ceiling"], total)),
+                                   "ceiling_vs_get": statistics.median(cs / g for cs, g in zip(s["ceiling"], s["get"]))}
+                for n in chunks:
+                    rows_out[n]["total_vs_1"] = rows_out[n]["total_ms"] / rows_out[chunks[0]]["total_ms"]
+                    rows_out[n]["get_vs_1"] = rows_out[n]["get_ms"] / rows_out[chunks[0]]["get_ms"]
+                for n, (ns_id, hashes, _, _) in setup.items():
+                    per[n].delete(ns_id, hashes)
+                out["paths"][path] = {"ceiling": "memcpy (cold)" if path == "shm" else "raw TCP", "chunks": rows_out}
+        finally:
+            tcp.close()
+            for per in clients.values():
+                for c in per.values():
+                    c.close()
+            for d in daemons.values():
+                d.stop(timeout=30)
     return out
 
 

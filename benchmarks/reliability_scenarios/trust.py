@@ -36,6 +36,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.transport import local_lookup, segments
 from kvstore.transport.bulk import BulkChannel
+from kvstore.transport.socket_server import greeting
 
 from reliability_scenarios.common import Unsupported
 
@@ -127,7 +128,7 @@ def _greeted_answer(path: str, ticket: bytes, tenant: str, ns: bytes, hashes) ->
         s.settimeout(5)
         s.connect(path)
         try:
-            s.sendall(local_lookup.greeting(ticket, tenant) + local_lookup.encode_lookup(ns, hashes, local_lookup.LOOKUP))
+            s.sendall(greeting(local_lookup.MAGIC, ticket, tenant) + local_lookup.encode_lookup(ns, hashes, local_lookup.LOOKUP))
             local_lookup.recv_frame(s)
             return True
         except OSError:
