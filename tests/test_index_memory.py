@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.keys import ChainHasher, KVLayout, Namespace
 from kvstore.store import Store, StoreConfig
-from kvstore.store.index import BlockIndex, Entry, PlainCopy
+from kvstore.store.index import READY, BlockIndex, Entry, PlainCopy
 from kvstore.store.policy import LRUPolicy
 from kvstore.tiers.base import BlockRecord
 from kvstore.tiers.cpu import CpuTier
@@ -99,7 +99,7 @@ def test_blocks_put_into_a_running_cpu_tier_take_a_bounded_number_of_bytes_each(
 
 
 def test_an_entry_holds_its_copies_and_pins_in_itself():
-    entry = Entry(b"n" * 16 + b"h" * 16, None, BLOCK, ready=True)
+    entry = Entry(b"n" * 16 + b"h" * 16, None, BLOCK, READY)
     assert entry.copies is entry and entry and len(entry.copies) == 0   # true with no copy, as any entry
     cpu, nvme = BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK), BlockRecord(b"n" * 16, b"h" * 16, None, BLOCK, BLOCK)
     entry.copies[1] = nvme
@@ -116,9 +116,9 @@ def test_an_entry_holds_its_copies_and_pins_in_itself():
 
 
 def test_a_recovered_copy_is_a_shared_stand_in_until_its_record_is_asked_for():
-    parent = Entry(b"n" * 16 + b"p" * 16, None, BLOCK, ready=True)
+    parent = Entry(b"n" * 16 + b"p" * 16, None, BLOCK, READY)
     stand_in = PlainCopy(1, 3000, 2)   # one per tier, size and codec, shared by every entry
-    entries = [Entry(b"n" * 16 + bytes([i]) * 16, parent.key, BLOCK, ready=True) for i in range(3)]
+    entries = [Entry(b"n" * 16 + bytes([i]) * 16, parent.key, BLOCK, READY) for i in range(3)]
     for entry in entries:
         entry.hold_plain(stand_in)
     first, second, third = entries
@@ -141,7 +141,7 @@ def test_a_recovered_copy_is_a_shared_stand_in_until_its_record_is_asked_for():
 
 def test_a_lookup_lease_is_kept_beside_the_index_with_its_later_end_and_leaves_once_ended():
     index = BlockIndex([LRUPolicy()])
-    entries = [Entry(b"n" * 16 + b"%016d" % i, None, BLOCK, ready=True) for i in range(3000)]
+    entries = [Entry(b"n" * 16 + b"%016d" % i, None, BLOCK, READY) for i in range(3000)]
     index.entries.update((e.key, e) for e in entries)
     first, second = entries[0], entries[1]
     index.lease([first], 10.0, 0.0)

@@ -41,7 +41,7 @@ from kvstore.buffers import SCRATCH_KEEP_BYTES, Scratch
 from kvstore.errors import BlockBusy, BlockTooLarge, QuotaExceeded, StoreFull, TierFull, TierIOError
 from kvstore.keys import block_key
 from kvstore.store.config import StoreConfig
-from kvstore.store.index import BlockIndex, Entry, PlainCopies
+from kvstore.store.index import CHARGED, BlockIndex, Entry, FastestCopies, PlainCopies
 from kvstore.store.listeners import Listeners
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.policy import make_tier_policies
@@ -106,10 +106,10 @@ class Cascade:
         """Let go of one pin (caller holds the lock); a deleted block is freed on its last."""
         self.unpin_all((entry,))
 
-    def pin_visible(self, keys: Sequence[bytes]) -> list[Entry | None]:
-        """Per key, its block pinned (``pin_entry``) where it is visible, else None: the index
-        looked up here, for a batch at once. Caller holds the lock."""
-        return self.index.pin_visible(keys)
+    def pin_fastest(self, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int]) -> FastestCopies:
+        """The visible blocks of ``hashes[i]`` for ``i`` in ``todo``, pinned (``pin_entry``), and
+        where each one's fastest copy is (``BlockIndex.pin_fastest``). Caller holds the lock."""
+        return self.index.pin_fastest(namespace_id, hashes, todo)
 
     def unpin_all(self, entries) -> None:
         """``unpin`` each of ``entries`` (caller holds the lock)."""
@@ -182,7 +182,7 @@ class Cascade:
         must be written down first, except on the ``last_try``, which then goes on to the next
         tier. Caller holds the lock."""
         record = BlockRecord(namespace_id, h, parent, nbytes, nbytes)
-        entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, charged=True)
+        entry = Entry(record.key, self.index.shared_parent_key(record), nbytes, CHARGED)
         entries = self.index.entries
         entries[entry.key] = entry   # (invisible) before its room is taken: a slot tier keeps its slot in it
         try:
@@ -255,7 +255,7 @@ class Cascade:
                         parent = entries.get(parent_key)
                         if parent is not None:
                             parent_key = parent.key
-                    entry = before = entries[key] = Entry(key, parent_key, nbytes, charged=True, copy=copy)
+                    entry = before = entries[key] = Entry(key, parent_key, nbytes, CHARGED, copy)
                     new.append(entry)
                     plan.append(entry)
                 allocated = tier.allocate_keys([entry.key for entry in new], nbytes)

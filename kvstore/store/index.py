@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvstore.keys import NAMESPACE_ID_BYTES, NamedByKey, block_key
 from kvstore.store.policy import EvictionPolicy
@@ -226,6 +228,8 @@ class Copies:
 _READY, _DOOMED, _LINKED, _HELD, _WRITING_DOWN, _CHARGED, _LEASED = 1, 2, 4, 8, 16, 32, 64
 #: an entry's pins count in its ``_flags`` above the flag bits, in units of ``_PIN``
 _PIN = 128
+#: an ``Entry``'s ``state`` when made: visible to lookups and gets; its bytes charged to its tenant
+READY, CHARGED = _READY, _CHARGED
 
 
 def _flag(bit: int, doc: str) -> property:
@@ -250,9 +254,11 @@ class Entry(Copies, NamedByKey):
 
     __slots__ = ("key", "parent_key", "raw_size", "children", "slot", "_flags")
 
-    def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, *, ready: bool = False,
-                 charged: bool = False, copy: PlainCopy | None = None) -> None:
-        """``copy``: its one copy, where a ``PlainCopy`` describes it (``hold_plain``)."""
+    def __init__(self, key: bytes, parent_key: bytes | None, raw_size: int, state: int = 0,
+                 copy: PlainCopy | None = None) -> None:
+        """``state``: ``READY`` and/or ``CHARGED``, or 0; ``copy``: its one copy, where a
+        ``PlainCopy`` describes it (``hold_plain``). Positional: a put makes one per block, and
+        keywords cost a call twice as much."""
         assert len(key) > NAMESPACE_ID_BYTES, "a key is a namespace id and a block hash (block_key)"
         self.key = key
         self.parent_key = parent_key
@@ -261,7 +267,7 @@ class Entry(Copies, NamedByKey):
         #: visible children (see BlockIndex.show_run): () none, one's key, a tuple of keys, or a set of many
         self.children: tuple[bytes, ...] | bytes | set[bytes] = ()
         self.slot = None              # kept by the slot tier (``SlotTable``)
-        self._flags = (_READY if ready else 0) | (_CHARGED if charged else 0)
+        self._flags = state
 
     @property
     def copies(self) -> Copies:
@@ -330,6 +336,16 @@ def _add_child(parent: Entry, key: bytes) -> None:
     else:
         kids = parent.child_keys() + (key,)
         parent.children = set(kids) if len(kids) > SMALL_FAMILY else kids
+
+
+class FastestCopies(NamedTuple):
+    """The blocks of a batch ``BlockIndex.pin_fastest`` pinned, as parallel lists (no object per
+    block): each one's position in the batch, its entry, and its fastest copy's tier and codec."""
+
+    at: list[int]
+    entries: list[Entry]
+    tiers: list[int]
+    codecs: list[int]
 
 
 class BlockIndex:
@@ -419,19 +435,25 @@ class BlockIndex:
             record.parent_key = parent.key
         return record.parent_key
 
-    def pin_visible(self, keys) -> list[Entry | None]:
-        """Per key, its entry with one pin more where it is visible, else None (``Cascade.pin_visible``):
-        ``visible`` and ``add_pin`` inlined, one loop for a whole batch."""
+    def pin_fastest(self, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int]) -> FastestCopies:
+        """Pin each visible block of ``hashes[i]`` for ``i`` in ``todo`` and say where its fastest
+        copy is (``Cascade.pin_fastest``): ``visible``, ``add_pin`` and ``first_codec`` inlined,
+        one loop for a whole batch (a get's plan). Caller holds the lock."""
         get = self.entries.get
-        out: list[Entry | None] = []
-        for key in keys:
-            entry = get(key)
-            if entry is not None and entry._flags & (_READY | _DOOMED) == _READY:
-                entry._flags += _PIN
-                out.append(entry)
-            else:
-                out.append(None)
-        return out
+        found = FastestCopies([], [], [], [])
+        at, pinned, tiers, codecs = found
+        for i in todo:
+            entry = get(namespace_id + hashes[i])
+            if entry is None or entry._flags & (_READY | _DOOMED) != _READY:
+                continue
+            flat = entry._flat
+            t, codec = (flat.tier, flat.codec) if type(flat) is PlainCopy else entry.first_codec()
+            entry._flags += _PIN
+            at.append(i)
+            pinned.append(entry)
+            tiers.append(t)
+            codecs.append(codec)
+        return found
 
     @staticmethod
     def drop_pins(entries) -> list[Entry]:

@@ -111,15 +111,10 @@ def slow_from(cascade: Cascade) -> int:
 def _plan(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], todo: Sequence[int],
           accept: Collection[int]) -> Round:
     """Pin the fastest copy of each present block of ``todo`` and count the rest as misses (lock held here)."""
-    keys = [namespace_id + hashes[i] for i in todo]
     with cascade.lock:
-        found = cascade.pin_visible(keys)
-        pinned = [e for e in found if e is not None]
-        fastest = [e.copies.first_codec() for e in pinned]   # (tier, codec) of each one's fastest copy
-        if len(pinned) < len(found):
-            cascade.count("misses", len(found) - len(pinned))
-    at = list(todo) if len(pinned) == len(found) else [i for i, e in zip(todo, found) if e is not None]
-    tiers, codecs = (list(column) for column in zip(*fastest)) if fastest else ([], [])
+        at, pinned, tiers, codecs = cascade.pin_fastest(namespace_id, hashes, todo)
+        if len(pinned) < len(todo):
+            cascade.count("misses", len(todo) - len(pinned))
     decode = [k for k, c in enumerate(codecs) if c != 0 and c not in accept] if any(codecs) else ()
     return Round(at, pinned, tiers, codecs, decode)
 

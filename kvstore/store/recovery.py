@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kvstore.keys import NAMESPACE_ID_BYTES
 from kvstore.store.cascade import Cascade
-from kvstore.store.index import Entry, PlainCopies
+from kvstore.store.index import CHARGED, READY, Entry, PlainCopies
 from kvstore.tiers.base import RecoveredBlocks
 
 #: told (tier name, blocks found in it so far, whether that tier is done) during a recovery
@@ -78,8 +78,8 @@ def _recover(cascade: Cascade, on_progress: RecoveryProgress | None) -> None:
                             ns = cascade.namespaces.find(nsid)
                             tenants[nsid] = None if ns is None else ns.tenant
                         tenant = tenants[nsid]
-                        entry = entries[key] = Entry(key, parent_key, raw_size, ready=True,
-                                                     charged=tenant is not None)
+                        entry = entries[key] = Entry(key, parent_key, raw_size,
+                                                     READY | CHARGED if tenant is not None else READY)
                         namespace_bytes[nsid] += raw_size
                         if tenant is not None:  # whatever the quota now: these bytes are already stored
                             restored[tenant] += raw_size
