@@ -92,7 +92,7 @@ class BulkRpcs:
                     blocks = [(None, 0) if block is None else block for block in run.blocks]
                     sizes += bulk_transport.send_blocks(sock, [pieces for pieces, _ in blocks], progress.touch)
                     codecs += [codec for _, codec in blocks]
-        self.service.moved("out", "bulk", sum(sizes))
+        self.service.metrics.moved("out", "bulk", sum(sizes))
         return pb.BulkGetResponse(sizes=sizes, codecs=codecs)
 
     def BulkPut(self, request, context):
@@ -168,5 +168,5 @@ class BulkRpcs:
                 for a, b in put_runs(sizes):
                     if arena is None or not receive_into_arena(a, b):
                         receive(a, b)
-        self.service.moved("in", "bulk", received)
+        self.service.metrics.moved("in", "bulk", received)
         return pb.PutResponse(results=chain.results)

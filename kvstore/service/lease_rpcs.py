@@ -112,7 +112,7 @@ class LeaseRpcs:
         with self.store.quota_hold(ns.id, hashes):
             lease = self.store.leases.prepare_store(ns.id, hashes, parent)
         slots = sum(ext is not None for ext in lease.extents)
-        self.service.moved("in", "shm", ns.block_bytes * slots)   # slots to fill
+        self.service.metrics.moved("in", "shm", ns.block_bytes * slots)   # slots to fill
         self.service.identify(context)
         return self._lease_response(lease, self._public_lease(lease.id, context), True, ns.block_bytes)
 
@@ -130,7 +130,8 @@ class LeaseRpcs:
         hashes = check_hashes(request.hashes)
         lease = self.store.leases.prepare_load(ns.id, hashes, accepted_codecs(self.store, request.accept_codecs))
         stop = len(lease.extents)
-        self.service.moved("out", "shm", sum(lease.sizes) if lease.sizes else ns.block_bytes * stop)   # leased out
+        leased_out = sum(lease.sizes) if lease.sizes else ns.block_bytes * stop
+        self.service.metrics.moved("out", "shm", leased_out)
         self.service.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
         return self._lease_response(lease, self._public_lease(lease.id, context), False, ns.block_bytes)
 

@@ -1,10 +1,9 @@
 """What every role of the KVStore service shares: the daemon's state and the caller's identity and namespace.
 
-The servicer (``servicer.py``) is this state plus the control RPCs, and it hands itself to one
-object per other role (streams, leases, side channel, operator commands), each of which reaches
-the Store, the caller's tenant and namespace, the transports' servers and the metrics only through
-this class. So who-may-see-what is decided in one place: the caller's tenant is folded into every
-namespace it registers, and a namespace id of another tenant is answered exactly like an unknown one.
+Every role (``servicer.py``) reaches the Store, the caller's tenant and namespace, the transports'
+servers and the metrics only through this class, so who-may-see-what is decided in one place: the
+caller's tenant is folded into every namespace it registers, and a namespace id of another tenant
+is answered exactly like an unknown one.
 """
 
 from __future__ import annotations
@@ -123,6 +122,3 @@ class ServiceState:
         if unstaged:
             meta.append((UNSTAGED_KEY, "1"))
         context.set_trailing_metadata(tuple(meta))
-
-    def moved(self, direction: str, transport: str, nbytes: int) -> None:
-        self.metrics.moved(direction, transport, nbytes)

@@ -6,12 +6,8 @@ is the method that answers each RPC.
 
 Each handler validates every field, authorises, translates and calls the Store; it raises a
 ``KVStoreError`` for anything it refuses and never touches gRPC status itself: the call bridge
-(``calls.py``) turns the error into its status, with trailing metadata naming the class and the
-field, so a client sees the same exception class the store raised.
-
-Tenancy (see ``kvstore.service.auth``): the caller's tenant is folded into every namespace it
-registers; a namespace id of another tenant is answered like an unknown one. Stats shows a tenant
-only its own namespaces unless its token is an admin's.
+(``calls.py``) answers the error with its status. Stats shows a tenant only its own namespaces
+unless its token is an admin's.
 """
 
 from __future__ import annotations
@@ -54,6 +50,11 @@ class KVStoreServicer(ServiceState):
     def rpc(self, name: str) -> Callable:
         """The method answering the KVStore RPC ``name``: this class's or its role's."""
         return self._rpcs[name]
+
+    def _fleet(self):
+        if self.fleet is None:
+            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
+        return self.fleet
 
     def Handshake(self, request, context):
         tenant = self.tenant_of(context)
@@ -140,22 +141,19 @@ class KVStoreServicer(ServiceState):
         """A fleet peer's direct fetch: the signed checksums of the leading blocks held here
         (``Fleet.signed_checksums``). Answered to callers with an admitted peer proof only (the
         auth interceptor refuses a proof that does not verify before this runs)."""
-        if self.fleet is None:
-            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
+        fleet = self._fleet()
         peers = self.auth.peers
         if peers is None or authorization(context.invocation_metadata()).partition(" ")[0] != peers.scheme:
             raise Unauthenticated("authorization: PeerChecksums is answered to fleet peers only (a peer proof)")
         ns = self.caller_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes)
-        return pb.PeerChecksumsResponse(signed=self.fleet.signed_checksums(ns.id, hashes))
+        return pb.PeerChecksumsResponse(signed=fleet.signed_checksums(ns.id, hashes))
 
     def Route(self, request, context):
         ns = self.caller_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes, allow_empty=True)
-        if self.fleet is None:
-            raise FleetModeOff("fleet: fleet mode is off on this daemon (set fleet.enabled)")
         out = pb.RouteResponse()
-        for r in self.fleet.route(ns.id, hashes):
+        for r in self._fleet().route(ns.id, hashes):
             out.nodes.add(node_id=r.node_id, address=r.address, blocks=r.blocks, tokens=r.tokens or 0,
                           memory_blocks=r.tiers.get("memory", 0), disk_blocks=r.tiers.get("disk", 0))
         return out

@@ -77,7 +77,7 @@ class PutSink:
         if self.received < self.expected:
             raise InvalidArgument("data", f"the stream ended after {self.received} of {self.expected} bytes; "
                                           f"{len(self.chain.results)} of {len(self.chain.hashes)} blocks were stored")
-        self.service.moved("in", "grpc", self.received)
+        self.service.metrics.moved("in", "grpc", self.received)
         return pb.PutResponse(results=self.chain.results)
 
     def close(self) -> None:
@@ -111,4 +111,4 @@ class StreamRpcs:
                 first += len(run.blocks)
                 if not context.is_active():
                     return
-        service.moved("out", "grpc", sent)
+        service.metrics.moved("out", "grpc", sent)
