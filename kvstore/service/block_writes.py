@@ -12,19 +12,24 @@ from __future__ import annotations
 import contextlib
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace
-from kvstore.service.rpc_base import PUT_RESULT
-from kvstore.store import Store
-from kvstore.store.puts import check_encoded
+from kvstore.service.rpc_base import PUT_RESULT, ServiceState
+from kvstore.service.validation import check_hashes, check_parent
+from kvstore.store.puts import check_encoded, payload_codecs
 
 
 class ChainPut:
-    """The put of ``hashes`` of ``ns`` after ``parent``, payloads encoded as ``codecs`` say
-    (``puts.payload_codecs``; None: all raw). Close it on every exit: that ends the quota hold."""
+    """The put a Put stream's header or a BulkPut request asks for (namespace, hashes, parent,
+    client-encoded payloads: ``puts.payload_codecs``), checked. Close it on every exit: that ends
+    the quota hold."""
 
-    def __init__(self, store: Store, ns: Namespace, hashes: list[bytes], parent: bytes | None,
-                 codecs: list[int] | None) -> None:
-        self.store, self.ns, self.hashes, self.parent, self.codecs = store, ns, hashes, parent, codecs
+    def __init__(self, service: ServiceState, request, context) -> None:
+        self.store = store = service.store
+        self.ns = ns = service.caller_namespace(context, request.namespace_id, request.block_bytes)
+        self.hashes = hashes = check_hashes(request.hashes)
+        self.parent = check_parent(request.parent)
+        self.codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))   # None: all raw
+        #: each block's payload bytes, as the client sends them
+        self.sizes = [ns.block_bytes] * len(hashes) if self.codecs is None else [int(n) for n in request.sizes]
         self.results: list[int] = []   # per block stored so far, in order
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(store.quota_hold(ns.id, hashes))

@@ -16,8 +16,6 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import asked, pinned_runs
 from kvstore.service.block_writes import ChainPut
 from kvstore.service.rpc_base import ServiceState
-from kvstore.service.validation import check_hashes, check_parent
-from kvstore.store.puts import payload_codecs
 from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
@@ -119,12 +117,9 @@ class BulkRpcs:
         with self._transfer(context, sid, session, drain) as (progress, sock):
             if not request.block_bytes:
                 raise InvalidArgument("block_bytes", "required on the side channel")
-            ns = self.service.caller_namespace(context, request.namespace_id, request.block_bytes)
-            hashes = check_hashes(request.hashes)
-            parent = check_parent(request.parent)
             with progress.working():   # the first use of a codec loads it
-                codecs = payload_codecs(ns, request.codec, request.sizes, len(hashes))
-            sizes = [ns.block_bytes] * len(hashes) if codecs is None else [int(n) for n in request.sizes]
+                chain = ChainPut(self.service, request, context)
+            ns, hashes, sizes = chain.ns, chain.hashes, chain.sizes
 
             def receive(a: int, b: int) -> None:   # blocks a..b into the scratch buffer, then stored
                 nonlocal received
@@ -163,8 +158,8 @@ class BulkRpcs:
                     chain.stored(self.store.leases.finish_store(lease))
                 return True
 
-            arena = self.store.shared_arena() if codecs is None and self.store.cpu_index == 0 else None
-            with contextlib.closing(ChainPut(self.store, ns, hashes, parent, codecs)) as chain:
+            with contextlib.closing(chain):
+                arena = self.store.shared_arena() if chain.codecs is None and self.store.cpu_index == 0 else None
                 for a, b in put_runs(sizes):
                     if arena is None or not receive_into_arena(a, b):
                         receive(a, b)

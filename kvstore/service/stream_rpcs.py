@@ -18,8 +18,6 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.block_reads import asked, pinned_runs
 from kvstore.service.block_writes import ChainPut
 from kvstore.service.rpc_base import ServiceState
-from kvstore.service.validation import check_hashes, check_parent
-from kvstore.store.puts import payload_codecs
 from kvstore.transport import chunks
 
 
@@ -35,18 +33,15 @@ class PutSink:
     def __init__(self, service: ServiceState, first: chunks.PutPiece | None, context) -> None:
         if first is None or first.header is None:
             raise InvalidArgument("header", "the first message of a Put stream must carry the header")
-        h = first.header
         self.service = service
-        ns = service.caller_namespace(context, h.namespace_id, h.block_bytes)
-        hashes = check_hashes(h.hashes)
-        codecs = payload_codecs(ns, h.codec, h.sizes, len(hashes))   # client-encoded payloads
-        sizes = list(h.sizes) if codecs is not None else None
-        self.expected = sum(sizes) if sizes is not None else len(hashes) * ns.block_bytes
-        # gathers a block split across messages; allocated untouched, so aligned streams never fault it in
-        self.splitter = chunks.BlockSplitter(ns.block_bytes, _own_buffer(ns.block_bytes), sizes)
-        self.received = 0
-        self.chain = ChainPut(service.store, ns, hashes, check_parent(h.parent), codecs)
+        self.chain = chain = ChainPut(service, first.header, context)
         try:
+            self.expected = sum(chain.sizes)
+            block_bytes = chain.ns.block_bytes
+            # gathers a block split across messages; allocated untouched, so aligned streams never fault it in
+            self.splitter = chunks.BlockSplitter(block_bytes, _own_buffer(block_bytes),
+                                                 None if chain.codecs is None else chain.sizes)
+            self.received = 0
             self._store(first)
         except BaseException:
             self.close()
