@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.threads import BUDGET
 from kvstore.transport.bulk import readable_within
-from kvstore.transport.local_lookup import CALL, MAX_FRAME, CallFailed, connect, frame, recv_frame
-from kvstore.transport.socket_server import Connection
+from kvstore.transport.local_lookup import CALL, MAGIC, MAX_FRAME, CallFailed, frame, recv_frame
+from kvstore.transport.socket_server import Connection, connect
 
 LEASE_METHODS = ("PrepareStore", "CompleteStore", "AbortStore", "PrepareLoad", "CompleteLoad")
 _RPCS = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
@@ -110,7 +110,7 @@ class LocalCalls:
     and any other OSError when the socket is gone (the caller then asks over gRPC)."""
 
     def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float) -> None:
-        self._connect = functools.partial(connect, path, ticket, tenant, timeout_s)
+        self._connect = functools.partial(connect, path, MAGIC, ticket, tenant, timeout_s)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.transport.bulk import readable_within, recv_exact
 from kvstore.transport.lookup_index import IndexReader
-from kvstore.transport.socket_server import Connection, SocketServer, greeting
+from kvstore.transport.socket_server import Connection, SocketServer, connect
 from kvstore.transport.tickets import TokenBook
 
 if TYPE_CHECKING:
@@ -102,19 +102,6 @@ def recv_frame(sock: socket.socket) -> bytes:
     """The body of the next frame (its length read first); ConnectionError when the daemon closes first."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     return recv_exact(sock, n)
-
-
-def connect(path: str, ticket: bytes, tenant: str, timeout_s: float) -> socket.socket:
-    """A client's connection to the socket at ``path``, greeted; ``timeout_s`` bounds each wait on it."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
-        sock.sendall(greeting(MAGIC, ticket, tenant))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _decode_lookup(body: bytes) -> tuple[int, bytes, list[bytes]]:
@@ -290,7 +277,7 @@ class LocalLookup:
 
     def __init__(self, path: str, ticket: bytes, tenant: str, timeout_s: float = 2.0, use_index: bool = True) -> None:
         self._lock = threading.Lock()
-        self._sock = connect(path, ticket, tenant, timeout_s)
+        self._sock = connect(path, MAGIC, ticket, tenant, timeout_s)
         self.index: IndexReader | None = None
         self.told_dropped = 0             # index answers the daemon was too busy to hear of
         self._known: set[bytes] = set()   # namespaces the daemon answered for over the socket

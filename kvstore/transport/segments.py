@@ -37,7 +37,7 @@ import numpy as np
 
 from kvstore.errors import QuotaExceeded
 from kvstore.transport.shm import MappedArena
-from kvstore.transport.socket_server import (GREETING, MAX_TENANT_BYTES, Connection, SocketServer, greeting,
+from kvstore.transport.socket_server import (GREETING, MAX_TENANT_BYTES, Connection, SocketServer, connect,
                                             read_greeting)
 from kvstore.transport.tickets import TokenBook
 
@@ -52,14 +52,10 @@ _MAX_REQUEST = GREETING.size + MAX_TENANT_BYTES + 2 + 4 * MAX_SEGMENTS_PER_REQUE
 _MAX_REPLY = _REPLY.size + _ENTRY.size * (MAX_SEGMENTS_PER_REQUEST + MAX_REPLACED_LISTED)
 
 
-def encode_request(ticket: bytes, tenant: str, segments: Sequence[int]) -> bytes:
-    """A request: the greeting (``socket_server.greeting``), ``u16`` count, ``u32`` segments."""
-    return greeting(MAGIC, ticket, tenant) + struct.pack(f"!H{len(segments)}I", len(segments), *segments)
-
-
 def _decode_request(data: bytes) -> tuple[bytes, str, list[int]] | None:
-    """``(ticket, tenant, segments)`` once ``data`` is a whole request; None while incomplete.
-    Raises ``ValueError`` for a malformed one."""
+    """``(ticket, tenant, segments)`` once ``data`` is a whole request: the greeting
+    (``socket_server.greeting``), ``u16`` count, ``u32`` segments. None while incomplete;
+    ``ValueError`` for a malformed one."""
     greeted = read_greeting(data, MAGIC)
     if greeted is None:
         return None
@@ -162,23 +158,19 @@ class OverHeldLimit(PermissionError):
 def ask(path: str, ticket: bytes, tenant: str, segments: Sequence[int], timeout_s: float = 2.0) -> Answer:
     """Client side: the broker's ``Answer`` for ``segments``. Raises ``OverHeldLimit`` or
     ``PermissionError`` when the daemon refuses, ``OSError`` when it cannot be reached."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
-        sock.sendall(encode_request(ticket, tenant, segments))
+    with connect(path, MAGIC, ticket, tenant, timeout_s) as sock:
+        sock.sendall(struct.pack(f"!H{len(segments)}I", len(segments), *segments))
         data = bytearray()
         fds: list[int] = []
         try:
-            while True:   # an answer with a long replaced list may come in several reads
+            while not _whole(data):   # an answer with a long replaced list may come in several reads
                 chunk, got, _, _ = socket.recv_fds(sock, _MAX_REPLY - len(data), MAX_SEGMENTS_PER_REQUEST)
                 data += chunk
                 fds += got
-                if not chunk or _whole(data):
-                    break
-            if len(data) < _REPLY.size:
-                raise OSError("segment broker closed the connection without an answer")
+                if not chunk:
+                    raise OSError("segment broker closed the connection without a whole answer")
             status, count, n_replaced = _REPLY.unpack_from(data)
-            if not _whole(data) or count != len(fds):
+            if count != len(fds):
                 raise OSError("segment broker answer is malformed")
             entries = [_ENTRY.unpack_from(data, _REPLY.size + i * _ENTRY.size) for i in range(count + n_replaced)]
             replaced = entries[count:]

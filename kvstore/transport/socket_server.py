@@ -289,15 +289,6 @@ class SocketServer:
 
     def hand_off(self, fd: int) -> socket.socket:
         """Take ``fd``'s connection out of this server (unwatched, not closed) for the protocol to keep."""
-        return self._forget(fd).sock
-
-    def end(self, fd: int, reason: str | None) -> None:
-        if reason and fd in self.conns:   # counted before it leaves, so no reader sees it gone uncounted
-            self.counts[reason] += 1
-        if fd in self.conns:
-            self._forget(fd).sock.close()
-
-    def _forget(self, fd: int) -> Connection:
         conn = self.conns.pop(fd)
         if conn.tenant is not None:
             self._per_tenant[conn.tenant] -= 1
@@ -305,7 +296,13 @@ class SocketServer:
                 del self._per_tenant[conn.tenant]
         with contextlib.suppress(OSError, ValueError):
             self.poller.unregister(fd)
-        return conn
+        return conn.sock
+
+    def end(self, fd: int, reason: str | None) -> None:
+        if fd in self.conns:
+            if reason:   # counted before it leaves, so no reader sees it gone uncounted
+                self.counts[reason] += 1
+            self.hand_off(fd).close()
 
     @property
     def pending(self) -> int:
@@ -336,6 +333,19 @@ def greeting(magic: bytes, ticket: bytes, tenant: str) -> bytes:
     Handshake gave it and its tenant's name."""
     name = tenant.encode("utf-8")
     return GREETING.pack(magic, ticket, len(name)) + name
+
+
+def connect(path: str, magic: bytes, ticket: bytes, tenant: str, timeout_s: float) -> socket.socket:
+    """A client's connection to the Unix-socket service at ``path``, greeted; ``timeout_s`` bounds each wait on it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        sock.sendall(greeting(magic, ticket, tenant))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def read_greeting(buf, magic: bytes) -> tuple[bytes, str, int] | None:
