@@ -13,13 +13,8 @@ everyone else sees and touches only their own namespaces.
 Byte quotas are enforced by the store (``kvstore.store.quotas``), where every write path passes.
 No token ever appears in a message this module raises.
 
-A fleet daemon's peers send no token: they prove they hold one (``kvstore.fleet.peer_proof``).
-``peers`` is the daemon's ``PeerVerifier`` in fleet mode; a ``KvsPeer`` proof it admitted names
-the tenant of the token it was made with.
-
-Reload (SIGHUP, ``kvstore reload``): ``replace`` swaps tokens and admins in one assignment, so a
-call sees either the old set or the new one, never a mix; the next call with a removed token is
-refused, on gRPC and on every transport whose ticket was issued for it (``transport.tickets``).
+A fleet daemon's peers send no token: they prove they hold one (``kvstore.fleet.peer_proof``);
+a ``KvsPeer`` proof names the tenant of the token it was made with.
 """
 
 from __future__ import annotations
@@ -60,9 +55,9 @@ class Authenticator:
         self.peers = None     # a fleet daemon's ``PeerVerifier``
 
     def replace(self, tokens: Mapping[str, str], admin_tenants: Iterable[str]) -> set[str]:
-        """New tokens and admins from the next call on (reload). Turning auth on or off is the
-        caller's to refuse: what the daemon offers (the shared arena) was decided at start.
-        Returns the tenants that lost a token: what was issued for it is revoked."""
+        """New tokens and admins from the next call on (reload), swapped in one assignment: a call
+        sees the old set or the new one, never a mix. Returns the tenants that lost a token: what
+        was issued for it is revoked (``transport.tickets``)."""
         old, new = self._credentials, _Credentials(dict(tokens), admin_tenants)
         self._credentials = new
         self.generation += 1

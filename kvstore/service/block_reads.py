@@ -91,10 +91,8 @@ def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray
                 pass
         start += len(lease.extents)
         if len(lease.extents) < asked:
-            # The block that stopped the lease: absent, or present but not stageable in the arena
-            # right now (every slot pinned), or encoded with a codec this client does not decode.
-            # Read the latter through the buffer: a false miss would make an engine recompute a
-            # block that is sitting on NVMe.
+            # the block that stopped the lease, copied if present: a false miss would make an
+            # engine recompute a block that is sitting on NVMe
             h = hashes[start]
             yield Run([_copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None],
                       math.inf)

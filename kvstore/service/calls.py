@@ -40,13 +40,15 @@ _EOF = grpc.aio.EOF
 STEP_BYTES = 1 << 20   # stream messages handed to or taken from a worker at once
 
 
-def status_of(err: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The status, details and trailing metadata a call that raised ``err`` is answered with."""
+def status_of(err: Exception, call: str = "") -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status, details and trailing metadata a call that raised ``err`` is answered with. An
+    error that is no ``KVStoreError`` is unexpected: it is logged with the ``call`` it ended."""
     if isinstance(err, KVStoreError):
         meta = [("kvstore-error", type(err).__name__)]
         if getattr(err, "field", None):
             meta.append(("kvstore-field", str(err.field)))
         return getattr(grpc.StatusCode, err.grpc_status, grpc.StatusCode.INTERNAL), str(err)[:2000], tuple(meta)
+    log.error("unexpected error in %s", call, exc_info=err)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"[:2000], ()
 
 
@@ -108,14 +110,18 @@ class _Steps:
         # a step whose call ended before anyone asked for its outcome must not be logged as lost
         self._running.add_done_callback(lambda step: step.cancelled() or step.exception())
 
+    async def _finished(self) -> asyncio.Future | None:
+        """The running step once it is done (a cancelled call waits too); none runs after."""
+        running = self._running
+        if running is not None and not running.done():
+            await asyncio.wait([running])
+        self._running = None
+        return running
+
     async def settle(self):
-        """Wait for the running step (a cancelled call waits too); its result, or its error."""
-        if self._running is None:
-            return None
-        if not self._running.done():
-            await asyncio.wait([self._running])
-        running, self._running = self._running, None
-        return running.result()
+        """Wait for the running step; its result, or its error."""
+        running = await self._finished()
+        return None if running is None else running.result()
 
     async def run(self, fn: Callable, *args):
         await self.start(fn, *args)
@@ -124,10 +130,7 @@ class _Steps:
     async def cleanup(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` after the running step, whatever became of that one (the call
         reports its error, or has already ended)."""
-        if self._running is not None:
-            if not self._running.done():
-                await asyncio.wait([self._running])
-            self._running = None
+        await self._finished()
         await self.run(fn, *args)
 
 
@@ -143,16 +146,17 @@ def _take(responses, budget: int) -> list:
     return batch
 
 
+async def _request(context):
+    """A unary request's message (``validation.well_formed``)."""
+    request = await context.read()
+    if request is _EOF:
+        raise InvalidArgument("request", "the call ended before its request message")
+    return well_formed(request)
+
+
 def _feed(sink, messages: list) -> None:
     for message in messages:
         sink.feed(message)
-
-
-def _encoded_or(serialize: Callable) -> Callable:
-    """Responses a body encoded itself (bytes: ``chunks.get_messages``) go out as they are."""
-    def out(response) -> bytes:
-        return response if isinstance(response, bytes) else serialize(response)
-    return out
 
 
 class CallBridge:
@@ -172,9 +176,12 @@ class CallBridge:
 
         async def handle(requests, context):
             return await self._serve(name, context, lambda call: serve(body, context, call))
+
+        def encoded(response) -> bytes:   # responses a body encoded itself (``chunks``) go out as they are
+            return response if isinstance(response, bytes) else serialize(response)
         make = grpc.stream_stream_rpc_method_handler if method.server_streaming \
             else grpc.stream_unary_rpc_method_handler
-        return make(handle, request_deserializer=parse, response_serializer=_encoded_or(serialize))
+        return make(handle, request_deserializer=parse, response_serializer=encoded)
 
     async def _serve(self, name: str, context, work: Callable):
         """Run ``work(call)``; answer its failure with the status it stands for."""
@@ -192,9 +199,7 @@ class CallBridge:
             code, meta = grpc.StatusCode.CANCELLED, ()
             details = f"{name}: no progress for {self.stalls.idle_s:g}s (stalled caller); the call was cut"
         except Exception as err:  # noqa: BLE001 - every failure becomes a status, never a crash
-            if not isinstance(err, KVStoreError):
-                log.exception("unexpected error in %s", name)
-            code, details, meta = status_of(err)
+            code, details, meta = status_of(err, name)
         finally:
             call.end()
             self.metrics.observe(name, time.perf_counter() - started, code.name if code else None)
@@ -206,18 +211,13 @@ class CallBridge:
 
     async def _unary(self, body: Callable, context, call: CallContext):
         with self.stalls.watch(call.cancel):
-            request = await context.read()
-        if request is _EOF:
-            raise InvalidArgument("request", "the call ended before its request message")
-        return await asyncio.get_running_loop().run_in_executor(self.pool, body, well_formed(request), call)
+            request = await _request(context)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, body, request, call)
 
     async def _server_stream(self, body: Callable, context, call: CallContext) -> None:
         with self.stalls.watch(call.cancel) as progress:
             steps = _Steps(self.pool, progress)
-            request = await context.read()
-            if request is _EOF:
-                raise InvalidArgument("request", "the call ended before its request message")
-            responses = body(well_formed(request), call)   # a generator: nothing has run yet
+            responses = body(await _request(context), call)   # a generator: nothing has run yet
             try:
                 await steps.start(_take, responses, STEP_BYTES)
                 while batch := await steps.settle():

@@ -4,8 +4,7 @@ Start-up refuses to run if hashing is not deterministic here (``determinism_self
 daemon that hashes differently from its clients would silently never hit. Shutdown on SIGTERM or
 SIGINT: mark health NOT_SERVING, stop accepting, let in-flight RPCs finish (``grace_s``), flush
 write-back blocks to NVMe, close the tiers, exit 0 — so a restart on the same NVMe directory
-serves what the old daemon held. SIGHUP re-reads the configuration and applies tokens, quotas,
-the pin bound and the log level (``reload.py``); a bad file is refused and logged, nothing changes.
+serves what the old daemon held. SIGHUP reloads the configuration (``reload.py``).
 """
 
 from __future__ import annotations
@@ -107,14 +106,9 @@ class Daemon:
     def __init__(self, settings: Settings, reload_settings: Callable[[], Settings]) -> None:
         """``reload_settings`` reads the configuration again (SIGHUP, ``kvstore reload``)."""
         determinism_self_check()
-        # Codecs run where a tier stores them and where a client's encoded put meets a tier that
-        # keeps another form. With tier codecs, torch is imported and the kernels compiled (in a
-        # child process: ``codecs.compiled``) from start (``_compile_codecs``), and the daemon
-        # answers health NOT_SERVING and writes its ready file only once they are: its every
-        # demotion encodes. Without, neither torch (~230 MiB of RSS) nor the kernels (~150 MiB)
-        # are loaded until a lossy codec call arrives (the store imports ``kvstore.codecs``
-        # lazily); that call and those until the kernels are loaded run the torch reference (the
-        # same bytes), so none waits for the compiler.
+        # With tier codecs every demotion encodes: the kernels are compiled from start and the daemon
+        # is NOT_SERVING until they are (``wait_ready``). Without, neither torch (~230 MiB of RSS)
+        # nor the kernels (~150 MiB) are loaded until a lossy codec call arrives.
         self._warm = threading.Event()
         self._warm_up = threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True)
         if not settings.tier_codecs:
@@ -259,16 +253,15 @@ class Daemon:
         parts = [self.http.close if self.http is not None else None,
                  self.fleet.close if self.fleet is not None else None,
                  (lambda: self.server.stop(0).wait(5)) if self.server is not None else None,
-                 self.servicer.close_transports if self.servicer is not None else None]
-        parts.append(self.store.close if self.store is not None else
-                     lambda: [tier.close() for tier in reversed(self._tiers)])
-        parts.append(self.gc_pauses.uninstall if self.gc_pauses is not None else None)
-        for close in parts:
-            if close:
-                try:
-                    close()
-                except Exception:  # noqa: BLE001 - the rest must still be closed
-                    log.exception("closing after a failed start")
+                 self.servicer.close_transports if self.servicer is not None else None,
+                 self.store.close if self.store is not None else
+                 lambda: [tier.close() for tier in reversed(self._tiers)],
+                 self.gc_pauses.uninstall if self.gc_pauses is not None else None]
+        for close in filter(None, parts):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the rest must still be closed
+                log.exception("closing after a failed start")
 
     def ready_info(self) -> dict:
         arena = self.store.shared_arena()

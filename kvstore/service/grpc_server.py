@@ -6,16 +6,9 @@ authentication interceptor refuses unauthenticated calls from their headers
 (``interceptors.py``), and health and reflection are served on the loop itself, so a health check
 answers even while every worker is busy.
 
-Bounds on what a caller can hold (the call-level ones are the stall watch's, see ``calls.py``):
-
-* ``SERVER_OPTIONS``: a connection must finish its HTTP/2 (and TLS) handshake within 10 s; one
-  without calls for 5 minutes is closed; one older than 30 minutes is asked to go away
-  (clients reconnect transparently) and closed 5 minutes later with whatever it still holds;
-  keepalive pings every 60 s find dead peers (20 s to answer); at most 1,024 calls at once per
-  connection.
-* Messages above ``max_message_bytes`` are refused by gRPC itself with RESOURCE_EXHAUSTED.
-
-``GrpcServer`` gives the daemon a synchronous face (start, stop, wait) over the loop thread.
+Bounds on what a connection can hold are ``SERVER_OPTIONS`` (a handshake's time, idle and
+maximal age, keepalive, calls at once; clients reconnect transparently); the call-level ones are
+the stall watch's (``calls.py``). Messages above ``max_message_bytes`` are refused by gRPC itself.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The daemon's C heap after a burst: capping glibc's malloc arenas and handing freed heap back.
 
-Only the daemon process needs this (``kvstore.service.daemon`` calls it); ``kvstore.ops.cli`` sets
-the related MALLOC_* environment at start (``reexec_with_malloc_tuning``), which glibc reads only
-when a process starts, while this works on the running process too.
+Why: glibc keeps freed chunks in per-thread arenas. One burst of large requests parsed on worker
+threads (a maximal LookupBatch is ~160 MB of protobuf) is freed when the requests end, yet stays in
+the daemon's RSS for good unless the heap is trimmed. ``kvstore.ops.cli`` sets the related MALLOC_*
+environment (read only when a process starts); this works on the running process.
 """
 
 from __future__ import annotations
@@ -14,13 +15,8 @@ import time
 class HeapTrimmer:
     """Hands memory the C heap has freed back to the OS (glibc's ``malloc_trim``; a no-op
     elsewhere) whenever the process is more than ``slack`` bytes above the smallest size it has
-    had, at most once per ``min_interval_s``.
-
-    Why: glibc keeps freed chunks in per-thread arenas. One burst of large requests parsed on
-    worker threads (a maximal LookupBatch is ~160 MB of protobuf) is freed when the requests end,
-    yet stays in the daemon's RSS for good unless the heap is trimmed. Meant for a housekeeping
-    thread: checking costs one small /proc read; a trim that finds memory still in use (a burst
-    in flight) is simply repeated on a later tick."""
+    had, at most once per ``min_interval_s``. Meant for a housekeeping thread: checking costs one
+    small /proc read; a trim that finds memory still in use is repeated on a later tick."""
 
     def __init__(self, slack: int = 32 << 20, min_interval_s: float = 2.0) -> None:
         self.slack = slack
@@ -43,11 +39,10 @@ class HeapTrimmer:
 
 
 def limit_heap_arenas(arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (``M_ARENA_MAX``) for threads created from now on. By default
-    each busy thread gets its own arena, and memory freed in one is hard to hand back (freed
-    chunks interleave with live ones); with two, ``HeapTrimmer`` brings a daemon back near its
-    baseline after a burst. Python's small objects use their own allocator, so contention is
-    limited to large buffers and C extensions. False where glibc is not in use."""
+    """Cap glibc's malloc arenas (``M_ARENA_MAX``) for threads created from now on: memory freed
+    in one of many per-thread arenas is hard to hand back (freed chunks interleave with live
+    ones); with two, ``HeapTrimmer`` brings a daemon back near its baseline after a burst (Python's
+    small objects use their own allocator). False where glibc is not in use."""
     malloc = _find_libc()
     if malloc is None or not hasattr(malloc, "mallopt"):
         return False

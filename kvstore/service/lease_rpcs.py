@@ -12,12 +12,11 @@ A same-host client makes these calls over the daemon's Unix socket when it can
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 import time
 
-from kvstore.errors import KVStoreError, LeaseExpired
+from kvstore.errors import LeaseExpired
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.calls import status_of
 from kvstore.service.block_reads import accepted_codecs
@@ -25,7 +24,6 @@ from kvstore.service.rpc_base import PUT_RESULT, PlainContext, ServiceState
 from kvstore.service.validation import check_hashes, check_parent, lenient, well_formed
 from kvstore.transport.local_calls import LEASE_METHODS, REQUESTS, CallFailed
 
-log = logging.getLogger("kvstore.service.lease_rpcs")
 _PARSE = {method: lenient(message) for method, message in REQUESTS.items()}
 
 
@@ -149,9 +147,7 @@ class LeaseRpcs:
             response = getattr(self, method)(well_formed(_PARSE[method](request)), context)
             return response.SerializeToString(), context.trailing
         except Exception as e:  # noqa: BLE001 - every failure becomes an answer, never a lost call
-            if not isinstance(e, KVStoreError):
-                log.exception("unexpected error in %s over the Unix socket", method)
-            status, details, trailing = status_of(e)
+            status, details, trailing = status_of(e, f"{method} over the Unix socket")
             code, told = status.name, dict(trailing)
             raise CallFailed(told.get("kvstore-error", ""), told.get("kvstore-field", ""), details) from None
         finally:

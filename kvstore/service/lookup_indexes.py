@@ -86,7 +86,9 @@ class LookupIndexes(StoreListener):
             log.exception("lookup index: filling the table failed")
 
     def _table(self, namespace_id: bytes) -> IndexTable | None:
-        """Caller holds ``self._lock``."""
+        """The table ``namespace_id``'s blocks go to, if any. Caller holds ``self._lock``."""
+        if not self._tables:
+            return None
         try:
             return self._route[namespace_id]
         except KeyError:
@@ -105,19 +107,19 @@ class LookupIndexes(StoreListener):
         if len(block_hash) < MIN_HASH_BYTES:
             return
         with self._lock:
-            table = self._table(namespace_id) if self._tables else None
+            table = self._table(namespace_id)
             if table is not None:
                 table.put(key_of(namespace_id, block_hash), fastest_tier)
 
     def blocks_moved(self, namespace_id: bytes, block_hashes: list[bytes], fastest_tier: int) -> None:
         with self._lock:
-            table = self._table(namespace_id) if self._tables else None
+            table = self._table(namespace_id)
             if table is not None:
                 table.put_many(keys_of(namespace_id, block_hashes), fastest_tier)
 
     def blocks_removed(self, namespace_id: bytes, block_hashes: list[bytes]) -> None:
         with self._lock:
-            table = self._table(namespace_id) if self._tables else None
+            table = self._table(namespace_id)
             if table is not None:
                 for h in block_hashes:
                     if len(h) >= MIN_HASH_BYTES:

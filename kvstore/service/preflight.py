@@ -1,24 +1,6 @@
-"""Checks ``kvstore serve`` runs on its settings before it builds anything: what would otherwise
-fail late, or be silently wrong, is refused or warned of now, in one line naming the setting.
-
-* A CPU tier larger than the memory left (RAM available now, capped by a cgroup limit) is refused
-  naming ``cpu_bytes`` (``check_memory``): the arena is allocated and touched up front, so it would
-  take the host (or the daemon) down rather than fail later.
-* A tier codec this install cannot run (fp8 / int4 without torch) is refused, naming the extra to
-  install (``check_codecs``); raw and zstd run in the core install.
-* A ``KVSTORE_*`` environment variable that is no setting is warned of, naming the nearest real
-  one (``unknown_environment``): pydantic-settings reads only the names it knows, so a typo
-  would otherwise fall back to the default without a word.
-* A port taken by another process is refused naming ``listen`` or ``metrics_port``
-  (``check_ports``), before gRPC's own bind logs a C-level error line.
-* A CPU arena on a disk-backed filesystem is warned of (``arena_filesystem_warning``): the kernel
-  writes the arena's pages back to that disk, and clients copying into it then compete with
-  whatever else writes there; the arena is meant for memory (tmpfs, as ``/dev/shm``).
-* An NVMe tier larger than the room its filesystem has now is warned of (``nvme_room_warning``):
-  once the disk fills, puts are acknowledged ``stored`` instead of ``persisted`` and demotions drop
-  their victims. It is not refused: a disk that fills degrades, it does not fail requests
-  (guarantee 3), and room may be freed while the daemon runs. The CPU arena's tmpfs room is checked
-  where it is allocated (``CpuTier``).
+"""Checks ``kvstore serve`` runs on its settings before it builds anything (``run_checks``): what
+would otherwise fail late, or be silently wrong, is refused (``ConfigError``) or warned of now, in
+one line naming the setting.
 """
 
 from __future__ import annotations
@@ -42,7 +24,9 @@ OTHER_PREFIXES = ("KVSTORE_VENV_",)   # scripts/engine-venv.sh, scripts/test.sh
 
 
 def check_memory(settings: Settings) -> None:
-    """Raise ``ConfigError`` naming ``cpu_bytes`` if the CPU tier is larger than the memory left."""
+    """Raise ``ConfigError`` naming ``cpu_bytes`` if the CPU tier is larger than the memory left
+    (RAM available now, capped by a cgroup limit): the arena is allocated and touched up front,
+    so it would take the host (or the daemon) down rather than fail later."""
     available = psutil.virtual_memory().available
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
@@ -59,7 +43,8 @@ def check_memory(settings: Settings) -> None:
 
 
 def check_codecs(settings: Settings) -> None:
-    """Raise ``ConfigError`` (one line naming the setting) if a tier's codec cannot run here."""
+    """Raise ``ConfigError`` naming the setting (and the extra to install) if a tier's codec
+    cannot run here (fp8 / int4 without torch)."""
     wanted = settings.tier_codecs
     if not wanted:
         return
@@ -83,7 +68,8 @@ def setting_variables() -> set[str]:
 
 def unknown_environment(environ: Mapping[str, str]) -> Iterator[str]:
     """One warning per ``KVSTORE_*`` variable in ``environ`` that nothing reads (its value is
-    never shown: it may be a secret)."""
+    never shown: it may be a secret): pydantic-settings reads only the names it knows, so a typo
+    would otherwise fall back to the default without a word."""
     known = setting_variables()
     for var in sorted(environ):
         if not var.startswith("KVSTORE_") or var in known or var in OTHER_VARIABLES or var.startswith(OTHER_PREFIXES):
@@ -108,7 +94,9 @@ def _bytes_held(path: str) -> int:
 
 
 def nvme_room_warning(settings: Settings) -> str | None:
-    """A warning naming ``nvme_bytes`` and the path if the NVMe tier could outgrow its filesystem."""
+    """A warning naming ``nvme_bytes`` and the path if the NVMe tier could outgrow its filesystem.
+    Not refused: a disk that fills degrades, it does not fail requests (guarantee 3), and room may
+    be freed while the daemon runs. (The CPU arena's tmpfs room is checked by ``CpuTier``.)"""
     if not settings.nvme_bytes:
         return None
     path = os.path.abspath(os.path.expanduser(settings.nvme_path))

@@ -38,10 +38,7 @@ class Reloader:
         self.auth = auth
         self.store = store
         self.metrics = metrics
-        # told the tenants that lost a token, whose mapped lookup indexes then stop being kept
-        # (``LocalLookupServer.revoke``); connections and sessions opened with their tickets are
-        # closed by their servers (``transport.tickets``)
-        self.revoke = revoke
+        self.revoke = revoke   # told the tenants that lost a token (``LocalLookupServer.revoke``)
         self._lock = threading.Lock()
 
     def __call__(self) -> tuple[list[str], list[str]]:
