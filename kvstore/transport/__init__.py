@@ -13,7 +13,7 @@
 * ``chunks`` — remote fallback: payloads as streams of ~1 MiB protobuf chunks.
 
 This package owns the wire format of each transport and both of its ends (the client's in
-``kvstore.client``, the daemon's in ``kvstore.service`` call in here). It must not import the
-client, the service, the store or ``tiers`` (only the leaves ``kvstore.buffers``, ``kvstore.keys``, ``kvstore.dead_owners`` and the generated protocol),
-so a client never pulls in the daemon's storage code.
+``kvstore.client``, the daemon's in ``kvstore.service`` call in here). It imports only the leaves
+(``kvstore.buffers``, ``errors``, ``keys``, ``dead_owners``, ``threads``) and the generated protocol,
+never the client, the service, the store or ``tiers``: a client never pulls in the daemon's storage.
 """

@@ -8,9 +8,8 @@ authenticated, validated RPC that names a side-channel *session*; only its bytes
 Opening a session: connect to ``bulk_port`` (from Handshake) and send ``MAGIC + ticket`` within
 the daemon's greeting deadline. The ticket (16 bytes) comes from an authenticated Handshake and is
 bound to the caller's tenant; the daemon answers with a random 16-byte session id known only to
-this connection, and accepts that id only in RPCs of the same tenant. The daemon side
-(``kvstore.transport.bulk_server``) ends a session when its connection closes, when it has been
-idle past a bound, or to make room for a new client (least recently used first).
+this connection, and accepts that id only in RPCs of the same tenant. The daemon's end
+(``bulk_server``) may end an idle session, which ``BulkChannel.alive`` then reports.
 
 Framing (all integers little-endian):
 

@@ -1,10 +1,9 @@
 """Daemon end of the bulk side channel: greeted connections become sessions that RPC handlers borrow.
 
-Greetings run on ``socket_server.SocketServer`` (and under its bounds on connections not greeted
-yet): a connection sends ``MAGIC + ticket`` (see ``kvstore.transport.bulk``), and a ticket the
-current tokens do not admit opens nothing. Tickets bind sessions to tenants: Handshake hands a
-caller ``ticket_for(its tenant, its token's digest)``, and a session answers only RPCs of the
-tenant whose ticket opened it; another tenant's session id is answered like an unknown one.
+A connection's greeting (``MAGIC + ticket``, ``transport.bulk``) is read under the bounds of
+``socket_server`` on connections not greeted yet; a ticket the current tokens do not admit opens
+nothing. A session answers only RPCs of the tenant whose ticket opened it: another tenant's
+session id is answered like an unknown one.
 
 A greeted connection leaves the base's connections for the session table (``_sessions``, guarded
 by ``_lock``, which RPC handlers' threads and the server's thread share). Handlers borrow a

@@ -15,10 +15,9 @@ answered, a load that stopped at an unstaged block) + the serialized response; 1
 servicer raised, ``class NUL field NUL message``, which the client raises as the same class.
 
 A connection carries one call at a time (the client keeps a few, one per call in flight): a
-request sent before the previous answer closes the connection. No daemon thread waits for a
-caller to read: what its socket does not take at once, the socket's own thread writes later, and
-an answer not taken within ``socket_server.SEND_WITHIN_S`` ends the connection. The greeting, the ticket check and
-the bounds on connections are the lookup service's.
+request sent before the previous answer closes the connection. Answers leave by
+``SocketServer.send_soon``, so no daemon thread waits for a caller to read. The greeting, the
+ticket check and the bounds on connections are the lookup service's.
 """
 
 from __future__ import annotations
@@ -61,15 +60,15 @@ def _refused(kind: str, field: str, message: str) -> bytes:
 
 
 class CallServer:
-    """Daemon side, plugged into ``LocalLookupServer`` (``calls=``). ``handler(tenant, method,
-    request)`` returns ``(response bytes, trailing metadata pairs)`` or raises ``CallFailed``; it
-    runs on this server's own pool of ``CALL_WORKERS`` threads. ``send(fd, conn, data)`` sends an
-    answer without waiting for the caller to read it (``SocketServer.send_soon``)."""
+    """Daemon side, plugged into ``LocalLookupServer`` (``calls=``), which sets ``send`` to its
+    ``send_soon``. ``handler(tenant, method, request)`` returns ``(response bytes, trailing
+    metadata pairs)`` or raises ``CallFailed``; it runs on this server's own pool of
+    ``CALL_WORKERS`` threads."""
 
     def __init__(self, handler: Callable[[str, str, bytes], tuple[bytes, tuple]]) -> None:
         self._handler = handler
         self._pool = ThreadPoolExecutor(CALL_WORKERS, thread_name_prefix="kvstore-local-call")
-        self.send: Callable[[int, Connection, bytes], None] | None = None   # set by the server it plugs into
+        self.send: Callable[[int, Connection, bytes], None] | None = None
         self.counts: Counter[str] = Counter()
 
     def take(self, fd: int, conn: Connection, body: bytes) -> None:

@@ -3,10 +3,9 @@ cached?") without a gRPC call.
 
 An engine's scheduler asks once per request, hit or miss, and waits for the answer before it
 schedules anything; over gRPC that costs a round trip of several hundred microseconds in Python.
-Here a same-host client keeps one Unix-socket connection open (path and ticket from Handshake,
-bound to its token: ``transport.tickets``, as for the side channel) and
-sends length-prefixed requests; the daemon answers each on one epoll thread
-(``socket_server.SocketServer``), straight from the store's index.
+Here a same-host client keeps one Unix-socket connection open (path and ticket from Handshake:
+``transport.tickets``) and sends length-prefixed requests; the daemon answers each on the socket
+server's one thread (``socket_server``), straight from the store's index.
 
 Where the daemon offers one, the client also maps its tenant's lookup index
 (``transport.lookup_index``) and answers from it without a round trip; it then only *tells* the
@@ -24,9 +23,8 @@ connection at a time; ``TOLD`` / ``TOLD_LEASE`` (a lookup the client answered fr
 hashes it found, then ``u16`` how many it asked about) are not; ``INDEX`` (no namespace, no
 hashes) is answered with the index's descriptor attached (``SCM_RIGHTS``), status 1 when there is
 none. Status 0 is an answer; any other is the error the handler raised, by name, after it (the
-client raises the same class).
-Bounds beside the base's (``socket_server``): a tenant keeps at most ``MAX_CONNECTIONS`` open (its
-least recently used goes first), a frame over ``MAX_FRAME`` closes its connection.
+client raises the same class). Bounds beside the base's: ``MAX_CONNECTIONS`` per tenant; a
+connection closes on a frame over ``MAX_FRAME`` or after ``IDLE_S`` without one.
 """
 
 from __future__ import annotations
@@ -126,15 +124,11 @@ class LocalLookupServer(SocketServer):
                  told: Callable[[str, bytes, list[bytes], int, bool], None], indexes: IndexProvider,
                  calls: CallServer | None = None, tokens: TokenBook | None = None) -> None:
         self._handler, self._told, self._indexes, self._calls = handler, told, indexes, calls
+        self.takes_calls = calls is not None   # whether this socket carries lease calls
         if calls is not None:
             calls.send = self.send_soon
         super().__init__("local-lookup", shm_dir=shm_dir, max_per_tenant=MAX_CONNECTIONS, tokens=tokens)
         self.start()
-
-    @property
-    def takes_calls(self) -> bool:
-        """Whether this socket carries lease calls (``calls`` given)."""
-        return self._calls is not None
 
     def received(self, fd: int, conn: Connection) -> None:
         if conn.tenant is None:
@@ -156,7 +150,7 @@ class LocalLookupServer(SocketServer):
             if conn.busy or conn.unsent is not None or call_taken:
                 self.end(fd, "pipelined")
                 return
-            call_taken = bool(body) and body[0] == CALL and self._calls is not None
+            call_taken = bool(body) and body[0] == CALL and self.takes_calls
             conn.deadline = time.monotonic() + IDLE_S
             try:
                 self._serve(fd, conn, body)
@@ -166,7 +160,7 @@ class LocalLookupServer(SocketServer):
 
     def _serve(self, fd: int, conn: Connection, body: bytes) -> None:
         op = body[0] if body else LOOKUP
-        if op == CALL and self._calls is not None:
+        if op == CALL and self.takes_calls:
             self._calls.take(fd, conn, body)   # answered from the calls' own threads
             return
         if op == INDEX:
@@ -211,7 +205,7 @@ class LocalLookupServer(SocketServer):
     def close(self) -> None:
         super().close()
         self._indexes.close()
-        if self._calls is not None:
+        if self.takes_calls:
             self._calls.close()
 
 

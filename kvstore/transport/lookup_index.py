@@ -93,12 +93,12 @@ def keys_of(namespace_id: bytes, hashes: Sequence[bytes]):
 
 def _keys(namespace_id: bytes, hashes: Sequence[bytes]) -> np.ndarray | None:
     """Each hash's key as a ``(n, 2)`` array of words, or None when a hash is too narrow to key or
-    wider than the daemon takes (it is then refused by name), or the namespace id is not 16 bytes. Hashes of one width that is a multiple of 8 (xxh128,
-    sha256) are viewed in place, without a slice per hash."""
+    wider than the daemon takes (it is then refused by name), or the namespace id is not 16 bytes.
+    Hashes of one width that is a multiple of 8 (xxh128, sha256) are viewed in place."""
     if len(namespace_id) != 16:
         return None
     widths = set(map(len, hashes))
-    if min(widths) < MIN_HASH_BYTES or max(widths) > MAX_HASH_BYTES:   # the latter: the daemon refuses them
+    if min(widths) < MIN_HASH_BYTES or max(widths) > MAX_HASH_BYTES:
         return None
     if len(widths) == 1 and not (width := widths.pop()) % 8:
         words = np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, width // 8)[:, :2]

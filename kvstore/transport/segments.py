@@ -18,14 +18,14 @@ its mappings of them. The daemon counts them against the tenant until they are g
 refuses a request that would take the tenant past ``max_held_segment_bytes_per_tenant``
 (status ``LIMIT``); the client then lets go of what the refusal named and asks once more.
 
-Both ends live here. The daemon's end (``SegmentBroker``) is a ``socket_server.SocketServer`` on
-a Unix socket, whose bounds on unproven connections a request is under (it must arrive within
-``socket_server.FIRST_DEADLINE_S``).
+Both ends live here. The daemon's (``SegmentBroker``) reads each request under the bounds of
+``socket_server`` on connections not proved yet (whole within ``FIRST_DEADLINE_S``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import socket
@@ -201,9 +201,8 @@ class SegmentMap(MappedArena):
         if segment_bytes <= 0:
             raise OSError("the daemon announced no segment size")
         self.path = path
-        self._ticket, self._tenant = ticket, tenant
         self.segment_bytes = segment_bytes
-        self.timeout_s = timeout_s
+        self._ask_broker = functools.partial(ask, path, ticket, tenant, timeout_s=timeout_s)
         self._maps: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}   # segment -> (generation, mapping, array)
         self._ask([])   # reachable, and our ticket is good
 
@@ -228,10 +227,10 @@ class SegmentMap(MappedArena):
         """The broker's descriptors for ``segments``; replaced segments it names are let go of
         first, and a refusal for holding too many is answered by letting go and asking once more."""
         try:
-            answer = ask(self.path, self._ticket, self._tenant, segments, self.timeout_s)
+            answer = self._ask_broker(segments)
         except OverHeldLimit as e:
             self._let_go(e.replaced)
-            answer = ask(self.path, self._ticket, self._tenant, segments, self.timeout_s)
+            answer = self._ask_broker(segments)
         self._let_go(answer.replaced)
         return answer.handed
 

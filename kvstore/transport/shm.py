@@ -44,12 +44,10 @@ def reap_probes(shm_dir: str, older_than_s: float = 30.0) -> int:
     n = 0
     cutoff = time.time() - older_than_s
     for path in glob.glob(os.path.join(shm_dir, f"{PROBE_PREFIX}{os.getpid()}-*")):
-        try:
+        with contextlib.suppress(FileNotFoundError):   # consumed meanwhile
             if os.stat(path).st_mtime < cutoff:
                 os.unlink(path)
                 n += 1
-        except FileNotFoundError:
-            pass
     return n
 
 
