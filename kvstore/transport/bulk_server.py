@@ -126,9 +126,9 @@ class BulkServer(SocketServer):
     def received(self, fd: int, conn: Connection) -> None:
         if len(conn.buf) < GREETING_BYTES:
             return
-        greeting = bytes(conn.buf)
-        tenant = self.tickets.tenant_of(greeting[len(MAGIC):]) if len(greeting) == GREETING_BYTES \
-            and hmac.compare_digest(greeting[:len(MAGIC)], MAGIC) else None
+        magic, ticket = bytes(conn.buf[:len(MAGIC)]), bytes(conn.buf[len(MAGIC):])
+        well_formed = len(conn.buf) == GREETING_BYTES and hmac.compare_digest(magic, MAGIC)
+        tenant = self.tickets.tenant_of(ticket) if well_formed else None
         if tenant is None:
             self.end(fd, "refused")
             return
@@ -140,7 +140,7 @@ class BulkServer(SocketServer):
                 self.session_counts["refused_full"] += 1
                 sock.close()
                 return
-            session = Session(secrets.token_bytes(SESSION_ID_BYTES), sock, tenant, greeting[len(MAGIC):])
+            session = Session(secrets.token_bytes(SESSION_ID_BYTES), sock, tenant, ticket)
             self._sessions[session.sid] = self._by_fd[fd] = session
             self.poller.register(fd, _WATCH_IDLE)
             self.session_counts["opened"] += 1

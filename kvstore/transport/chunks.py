@@ -257,7 +257,7 @@ class BlockSplitter:
     def _size(self) -> int:
         return self.block_bytes if self.sizes is None else int(self.sizes[self.index])
 
-    def feed(self, data: bytes) -> Iterator[tuple[int, np.ndarray]]:
+    def feed(self, data: bytes) -> Iterator[tuple[int, np.ndarray, bool]]:
         src = np.frombuffer(data, dtype=np.uint8)
         pos = 0
         while self.fill == 0 and pos < len(src) and len(src) - pos >= self._size():  # aligned: no copy

@@ -102,9 +102,9 @@ class SegmentBroker(SocketServer):
         self._answer(conn.sock, *request)
         self.end(fd, None)
 
-    def _answer(self, conn: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
+    def _answer(self, sock: socket.socket, ticket: bytes, tenant: str, segments: list[int]) -> None:
         if not self.tickets.admits(ticket, tenant):
-            self._refuse(conn, "refused_ticket", REFUSED, [])
+            self._refuse(sock, "refused_ticket", REFUSED, [])
             return
         handed: list[tuple[int, int, int]] = []   # (segment, fd, generation)
         try:
@@ -112,24 +112,24 @@ class SegmentBroker(SocketServer):
                 try:
                     got = self._descriptor_for(s, tenant)
                 except QuotaExceeded:
-                    self._refuse(conn, "refused_limit", LIMIT, self._replaced_for(tenant))
+                    self._refuse(sock, "refused_limit", LIMIT, self._replaced_for(tenant))
                     return
                 if got is None:
-                    self._refuse(conn, "refused_segment", REFUSED, self._replaced_for(tenant))
+                    self._refuse(sock, "refused_segment", REFUSED, self._replaced_for(tenant))
                     return
                 handed.append((s, *got))
             reply = _reply(OK, [(s, g) for s, _, g in handed], self._replaced_for(tenant))
             with contextlib.suppress(OSError):
-                socket.send_fds(conn, [reply], [fd for _, fd, _ in handed])
+                socket.send_fds(sock, [reply], [fd for _, fd, _ in handed])
                 self.counts["handed"] += len(handed)
         finally:
             for _, fd, _ in handed:
                 os.close(fd)
 
-    def _refuse(self, conn: socket.socket, reason: str, status: int, replaced: list[tuple[int, int]]) -> None:
+    def _refuse(self, sock: socket.socket, reason: str, status: int, replaced: list[tuple[int, int]]) -> None:
         self.counts[reason] += 1
         with contextlib.suppress(OSError):
-            conn.send(_reply(status, [], replaced))
+            sock.send(_reply(status, [], replaced))
 
 
 def _reply(status: int, handed: list[tuple[int, int]], replaced: list[tuple[int, int]]) -> bytes:
