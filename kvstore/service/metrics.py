@@ -19,7 +19,6 @@ scrape time from the store, the lookup usage and the fleet: nothing here runs on
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -120,18 +119,49 @@ KNOWN_EVENTS = ("fetches", "fetched_blocks", "peer_misses", "peer_errors", "pool
                 "direct_failures")
 
 
-def top_and_other(rows: dict, n: int, key: Callable[[dict], float]) -> tuple[list, dict | None]:
-    """The ``n`` largest rows by ``key`` and the field-wise sum of the rest (None if none)."""
-    ordered = sorted(rows.items(), key=lambda kv: (-key(kv[1]), str(kv[0])))
-    rest = ordered[n:]
-    if not rest:
-        return ordered, None
+#: per-tenant and per-namespace gauges: row field -> (metric, help)
+_TENANT_GAUGES = {
+    "bytes": ("kvstore_tenant_bytes", "Raw bytes of the blocks each tenant's namespaces hold (top N tenants by "
+              "bytes, the rest as tenant=\"other\")"),
+    "charged_bytes": ("kvstore_tenant_charged_bytes", "Bytes counted against each tenant's quota (blocks plus "
+                      "reservations in flight)"),
+    "pinned_bytes": ("kvstore_tenant_pinned_bytes", "Bytes of the CPU tier each tenant's pinned prefixes hold "
+                     "(slot footprints, segments kept)"),
+    "namespaces": ("kvstore_tenant_namespaces", "Registered namespaces per tenant"),
+}
+_NAMESPACE_GAUGES = {
+    "bytes": ("kvstore_namespace_bytes", "Raw bytes of each namespace's blocks (top N namespaces by bytes, the rest "
+              "as namespace=\"other\")"),
+    "blocks": ("kvstore_namespace_blocks", "Blocks of each namespace"),
+}
+
+
+def top_and_other(rows: dict[tuple, dict], n: int) -> list[tuple[list[str], dict]]:
+    """``(label values, row)`` of the ``n`` rows holding the most bytes, then, if any are left, the
+    field-wise sum of the rest, labelled ``other``."""
+    ordered = sorted(rows.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))
+    top = [(list(labels), row) for labels, row in ordered[:n]]
+    if len(ordered) <= n:
+        return top
     other: dict[str, float] = defaultdict(float)
-    for _, row in rest:
+    for _, row in ordered[n:]:
         for field, value in row.items():
             if isinstance(value, (int, float)):
                 other[field] += value
-    return ordered[:n], dict(other)
+    return top + [([OTHER] * len(top[0][0]), dict(other))]
+
+
+def _families(rows: list, labels: list[str], gauges: dict, by: str):
+    """A gauge per ``gauges`` field and the lookups counter by result, a sample per row."""
+    families = {field: GaugeMetricFamily(name, doc, labels=labels) for field, (name, doc) in gauges.items()}
+    lookups = CounterMetricFamily(f"kvstore_{by}_lookup_blocks", f"Blocks asked by lookups, by {by} and result "
+                                  "(hit = found)", labels=labels + ["result"])
+    for values, row in rows:
+        for field, family in families.items():
+            family.add_metric(values, row[field])
+        lookups.add_metric(values + ["hit"], row["lookup_hits"])
+        lookups.add_metric(values + ["miss"], row["lookup_blocks"] - row["lookup_hits"])
+    return [*families.values(), lookups]
 
 
 class TenantCollector(Collector):
@@ -143,72 +173,40 @@ class TenantCollector(Collector):
         self.top_n = top_n
 
     def _rows(self) -> tuple[dict, dict]:
+        """Rows by namespace ``(id, model, tenant)`` and by ``(tenant,)``."""
         usage = self.usage.snapshot()
         namespaces: dict[tuple[str, str, str], dict] = {}
-        tenants: dict[str, dict] = defaultdict(lambda: {"bytes": 0, "namespaces": 0, "lookup_blocks": 0,
-                                                        "lookup_hits": 0})
+        tenants: dict[tuple[str], dict] = defaultdict(lambda: {"bytes": 0, "namespaces": 0, "lookup_blocks": 0,
+                                                               "lookup_hits": 0})
         for ns in self.store.namespaces():
             held = self.store.namespace_bytes(ns.id)
             used = usage.get(ns.id)
             asked, hits = (used.lookup_blocks, used.lookup_hits) if used else (0, 0)
             namespaces[(ns.id.hex(), ns.layout.model, ns.tenant)] = {
                 "bytes": held, "blocks": held // max(ns.block_bytes, 1), "lookup_blocks": asked, "lookup_hits": hits}
-            t = tenants[ns.tenant]
+            t = tenants[(ns.tenant,)]
             t["bytes"] += held
             t["namespaces"] += 1
             t["lookup_blocks"] += asked
             t["lookup_hits"] += hits
         pinned = self.store.admin.pins.by_tenant()
-        for tenant, row in tenants.items():
+        for (tenant,), row in tenants.items():
             row["charged_bytes"] = self.store.tenant_bytes(tenant)
             row["pinned_bytes"] = pinned.get(tenant, 0)
         return namespaces, dict(tenants)
 
     def collect(self):
         namespaces, tenants = self._rows()
-        yield from self._tenant_series(tenants)
-        yield from self._namespace_series(namespaces)
-
-    def _tenant_series(self, tenants: dict):
-        held = GaugeMetricFamily("kvstore_tenant_bytes", "Raw bytes of the blocks each tenant's namespaces hold "
-                                 "(top N tenants by bytes, the rest as tenant=\"other\")", labels=["tenant"])
-        charged = GaugeMetricFamily("kvstore_tenant_charged_bytes", "Bytes counted against each tenant's quota "
-                                    "(blocks plus reservations in flight)", labels=["tenant"])
+        tenant_rows = top_and_other(tenants, self.top_n)
+        yield from _families(tenant_rows, ["tenant"], _TENANT_GAUGES, "tenant")
         quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "Each tenant's byte quota (tenants with one)",
                                   labels=["tenant"])
-        pinned = GaugeMetricFamily("kvstore_tenant_pinned_bytes", "Bytes of the CPU tier each tenant's pinned "
-                                   "prefixes hold (slot footprints, segments kept)", labels=["tenant"])
-        count = GaugeMetricFamily("kvstore_tenant_namespaces", "Registered namespaces per tenant", labels=["tenant"])
-        lookups = CounterMetricFamily("kvstore_tenant_lookup_blocks", "Blocks asked by lookups, by tenant and "
-                                      "result (hit = found)", labels=["tenant", "result"])
         limits = self.store.admin.quota_limits()
-        top, other = top_and_other(tenants, self.top_n, key=lambda r: r["bytes"])
-        rows = [(tenant, row) for tenant, row in top] + ([(OTHER, other)] if other else [])
-        for tenant, row in rows:
-            held.add_metric([tenant], row["bytes"])
-            charged.add_metric([tenant], row["charged_bytes"])
-            pinned.add_metric([tenant], row["pinned_bytes"])
-            count.add_metric([tenant], row["namespaces"])
-            lookups.add_metric([tenant, "hit"], row["lookup_hits"])
-            lookups.add_metric([tenant, "miss"], row["lookup_blocks"] - row["lookup_hits"])
-            if tenant in limits and row is not other:
+        for [tenant], _ in tenant_rows[:self.top_n]:   # not "other"
+            if tenant in limits:
                 quota.add_metric([tenant], limits[tenant])
-        yield from (held, charged, quota, pinned, count, lookups)
-
-    def _namespace_series(self, namespaces: dict):
-        held = GaugeMetricFamily("kvstore_namespace_bytes", "Raw bytes of each namespace's blocks (top N "
-                                 "namespaces by bytes, the rest as namespace=\"other\")", labels=NAMESPACE_LABELS)
-        blocks = GaugeMetricFamily("kvstore_namespace_blocks", "Blocks of each namespace", labels=NAMESPACE_LABELS)
-        lookups = CounterMetricFamily("kvstore_namespace_lookup_blocks", "Blocks asked by lookups, by namespace "
-                                      "and result (hit = found)", labels=NAMESPACE_LABELS + ["result"])
-        top, other = top_and_other(namespaces, self.top_n, key=lambda r: r["bytes"])
-        rows = [(list(labels), row) for labels, row in top] + ([([OTHER] * 3, other)] if other else [])
-        for labels, row in rows:
-            held.add_metric(labels, row["bytes"])
-            blocks.add_metric(labels, row["blocks"])
-            lookups.add_metric(labels + ["hit"], row["lookup_hits"])
-            lookups.add_metric(labels + ["miss"], row["lookup_blocks"] - row["lookup_hits"])
-        yield from (held, blocks, lookups)
+        yield quota
+        yield from _families(top_and_other(namespaces, self.top_n), NAMESPACE_LABELS, _NAMESPACE_GAUGES, "namespace")
 
 
 class FleetCollector(Collector):
