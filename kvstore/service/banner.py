@@ -1,13 +1,7 @@
 """What ``kvstore serve`` prints as it starts and once it serves: where it listens, what each tier
-is, what it found.
-
-An operator reading the first lines of a daemon's output should know, without opening the
-config: the gRPC and metrics addresses, whether auth and the fleet are on, and for each tier its
-size (as resolved: ``4GB`` is 3.7 GiB), where it lives (the arena's file, the NVMe directory, the
-Redis server without its password), its eviction policy and codec, and how many blocks a warm
-restart found in it and how long finding them took. Steps of start-up that take seconds (filling
-the arena, recovering a durable tier) show their progress while they run (``kvstore.progress``:
-a bar on a terminal, log lines otherwise).
+is, what it found, so an operator reading the first lines of its output need not open the config.
+Steps of start-up that take seconds (filling the arena, recovering a durable tier) show their
+progress while they run (``kvstore.progress``).
 """
 
 from __future__ import annotations

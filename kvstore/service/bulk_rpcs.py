@@ -20,12 +20,9 @@ from kvstore.transport import bulk as bulk_transport
 from kvstore.wire import MAX_BATCH
 
 
-#: a BulkPut stores small blocks a run at a time: with a CPU tier first, raw blocks are received
-#: straight into arena slots reserved for the run (``Store.reserve_store``) and published together;
-#: otherwise into a scratch buffer, then one Store.put per run. Either way the run's per-call work
-#: and lock rounds are shared among its blocks, and a transfer cut short keeps the runs that arrived
-#: whole. The client's sends fill the socket's buffer while a run is published (a larger block is a
-#: run of its own); past 4 MiB a run saves no more CPU a block.
+#: a BulkPut stores small blocks a run at a time (into reserved arena slots, or one Store.put), so
+#: the per-call work and lock rounds are shared among a run's blocks and a transfer cut short keeps
+#: the runs that arrived whole; past 4 MiB a run saves no more CPU a block
 RUN_BYTES = 4 << 20
 
 

@@ -14,6 +14,7 @@ the stall watch's (``calls.py``). Messages above ``max_message_bytes`` are refus
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import threading
 from collections.abc import Coroutine
 from concurrent import futures
@@ -128,10 +129,7 @@ def build_server(store: Store, settings: Settings, auth: Authenticator, metrics:
         CallServer(servicer.leases.local_call) if arena is not None else None, tokens=auth)
     credentials = None
     if settings.tls_cert:
-        with open(settings.tls_key, "rb") as f:
-            key = f.read()
-        with open(settings.tls_cert, "rb") as f:
-            cert = f.read()
+        key, cert = (pathlib.Path(path).read_bytes() for path in (settings.tls_key, settings.tls_cert))
         credentials = grpc.ssl_server_credentials([(key, cert)])
     server = GrpcServer(threads.rpc)
 

@@ -45,7 +45,9 @@ class Reloader:
         with self._lock:
             try:
                 new = self.load()
-                self._check(new)
+                if bool(new.tokens) != bool(self.settings.tokens):
+                    raise ConfigError("invalid configuration:\n  tokens: a reload cannot turn authentication "
+                                      f"{'on' if new.tokens else 'off'}; restart the daemon for that")
             except ConfigError as e:
                 self.metrics.reloaded(False)
                 log.error("reload refused; the running configuration is kept: %s", " ".join(str(e).split("\n  ")))
@@ -61,11 +63,6 @@ class Reloader:
             log.info("reload: applied %s%s", ", ".join(applied) or "nothing (no change)",
                      f"; changed but need a restart, not applied: {', '.join(ignored)}" if ignored else "")
             return applied, ignored
-
-    def _check(self, new: Settings) -> None:
-        if bool(new.tokens) != bool(self.settings.tokens):
-            raise ConfigError("invalid configuration:\n  tokens: a reload cannot turn authentication "
-                              f"{'on' if new.tokens else 'off'}; restart the daemon for that")
 
     def _apply(self, running: Settings) -> None:
         """``running``: the settings now in force (the old ones, with the reloadable keys new)."""

@@ -68,16 +68,14 @@ class KVStoreServicer(ServiceState):
                                     fleet_node=self.fleet.node_id if self.fleet is not None else "")
         arena = self.store.shared_arena()
         if arena is not None and request.nonce:
-            if arena.segmented:   # auth on: this tenant's segments, by descriptor (transport.segments)
-                if self.segments is not None:
-                    resp.segment_socket = self.segments.path
-                    resp.segment_ticket = self.segments.ticket_for(tenant, token)
-                    resp.segment_bytes = arena.segment_bytes
-                    resp.arena_bytes = arena.nbytes
+            resp.arena_bytes = arena.nbytes
+            if arena.segmented:   # auth on: this tenant's segments, by descriptor (``build_server`` made the broker)
+                resp.segment_socket = self.segments.path
+                resp.segment_ticket = self.segments.ticket_for(tenant, token)
+                resp.segment_bytes = arena.segment_bytes
             else:
                 resp.arena_dev, resp.arena_ino = arena.st_dev, arena.st_ino
                 resp.arena_path = arena.path
-                resp.arena_bytes = arena.nbytes
                 resp.probe_path = shm.write_probe(self.shm_dir, bytes(request.nonce))
         if self.bulk is not None:
             resp.bulk_port = self.bulk.port
@@ -190,17 +188,17 @@ class KVStoreServicer(ServiceState):
         tenant = self.tenant_of(context)
         server = {"server_id": self.server_id, "uptime_s": round(time.time() - self.started, 3),
                   "tenant": tenant, "tenant_bytes": self.store.tenant_bytes(tenant)}
-        usage = self.admin.top_namespaces(context)   # what `kvstore top` shows
         if not self.auth.sees_store_wide(tenant):  # a tenant sees its own namespaces, nothing store-wide
-            stats = {**self.store.tenant_stats(tenant), "server": server, "namespace_usage": usage}
-            return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
-        stats = {**self.store.stats(), "namespace_usage": usage}
-        stats["server"] = {**server, "bulk_sessions": self.bulk.session_count if self.bulk else 0,
-                           "bulk_channel": self.bulk.stats() if self.bulk else {},
-                           "client_leases": len(self.leases.client_leases), "open_streams": self.stalls.open_calls,
-                           "stalled_streams_cancelled": self.stalls.cancelled, "threads": self.threads.as_dict(),
-                           "gc": self.gc_pauses.stats()}
-        if self.fleet is not None:
-            stats["fleet"] = self.fleet.stats()
+            stats = dict(self.store.tenant_stats(tenant))
+        else:
+            stats = dict(self.store.stats())
+            server.update(bulk_sessions=self.bulk.session_count if self.bulk else 0,
+                          bulk_channel=self.bulk.stats() if self.bulk else {},
+                          client_leases=len(self.leases.client_leases), open_streams=self.stalls.open_calls,
+                          stalled_streams_cancelled=self.stalls.cancelled, threads=self.threads.as_dict(),
+                          gc=self.gc_pauses.stats())
+            if self.fleet is not None:
+                stats["fleet"] = self.fleet.stats()
+        stats.update(server=server, namespace_usage=self.admin.top_namespaces(context))   # `kvstore top` shows it
         return pb.StatsResponse(json=json.dumps(stats, sort_keys=True))
 

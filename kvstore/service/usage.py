@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import defaultdict
 
 
 @dataclasses.dataclass
@@ -25,14 +26,12 @@ class NamespaceUsage:
     """Per-namespace lookup counters, written from worker threads."""
 
     def __init__(self) -> None:
-        self._usage: dict[bytes, Usage] = {}
+        self._usage: defaultdict[bytes, Usage] = defaultdict(Usage)
         self._lock = threading.Lock()
 
     def looked_up(self, namespace_id: bytes, asked: int, found: int) -> None:
         with self._lock:
-            usage = self._usage.get(namespace_id)
-            if usage is None:
-                usage = self._usage[namespace_id] = Usage()
+            usage = self._usage[namespace_id]
             usage.lookup_blocks += asked
             usage.lookup_hits += found
             usage.last_used = time.time()
