@@ -34,9 +34,8 @@ class Run(NamedTuple):
 
 
 class Asked(NamedTuple):
-    """What a Get or BulkGet asks for, checked: the caller's namespace, the hashes, the codecs the
-    client decodes itself (none with a byte range: a range of an encoded payload is no one's
-    bytes) and the byte range of each block, (offset, length) or None for the whole block."""
+    """What a Get or BulkGet asks for, checked (``asked``): ``accept`` is empty with a byte range (a
+    range of an encoded payload is no one's bytes); ``byte_range`` is (offset, length) or None."""
     ns: Namespace
     hashes: list[bytes]
     accept: frozenset[int]
@@ -54,17 +53,13 @@ def asked(service, request, context) -> Asked:
 
 def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray]) -> Iterator[Run]:
     """The blocks asked for as views of the CPU arena while they are pinned, a run at a time (one
-    per lease), for a sender that packs several blocks into one message; with a byte range only
-    those bytes of each block, decoded first where it is stored encoded.
-
-    Blocks are pinned a window at a time (at most ``PIN_WINDOW_BYTES`` or an eighth of the arena)
-    under a store lease; if sending a run outlived the lease, its slots may have been reused
-    meanwhile, so that raises LeaseExpired and the caller signals an error instead of vouching for
-    those bytes. Blocks that cannot be viewed in the arena (no arena; present but not stageable
-    right now; encoded with a codec the client does not take) are copied into
-    ``buffer(nbytes)``, asked once per call and reused (a fresh buffer of a large block would page
-    fault at a fraction of the decode's speed), a run of their own. Close the generator
-    (``contextlib.closing``) so an early exit unpins its window."""
+    per lease of at most ``PIN_WINDOW_BYTES`` or an eighth of the arena); with a byte range only
+    those bytes of each block. A run whose sending outlived its lease raises LeaseExpired: its
+    slots may have been reused meanwhile. Blocks that cannot be viewed in the arena (no arena;
+    present but not stageable right now; encoded with a codec the client does not take) are
+    copied, a run of their own, into ``buffer(nbytes)``, asked once per call and reused (a fresh
+    buffer of a large block would page fault at a fraction of the decode's speed). Close the
+    generator (``contextlib.closing``) so an early exit unpins its window."""
     ns, hashes, accept, byte_range = request
     buffer = _reused(buffer)
     arena = store.shared_arena()

@@ -9,13 +9,9 @@ registered request-streaming, so the bridge, not gRPC, reads even a unary reques
 for it without a bound.
 
 Waiting is bounded by the stall watch (``stalls.py``): a call is watched while it waits for its
-request message, a stream for its whole life (touched on every message), and one idle for longer
-than the watch's bound is cut with CANCELLED. The steps the daemon runs for a call (storing a
-batch, reading blocks) do not count as idle.
-
-Errors: a ``KVStoreError`` becomes its gRPC status (the class's ``grpc_status``) with trailing
-metadata naming the class and the field, so the client raises the same class; anything unexpected
-is logged and answered INTERNAL. Every call's latency, and every error status, goes to the metrics.
+request message, a stream for its whole life, and one idle for too long is cut with CANCELLED.
+Errors: a ``KVStoreError`` becomes its gRPC status with trailing metadata naming the class and the
+field, so the client raises the same class; anything unexpected is logged and answered INTERNAL.
 """
 
 from __future__ import annotations

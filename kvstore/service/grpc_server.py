@@ -1,10 +1,8 @@
 """The daemon's gRPC endpoint: a ``grpc.aio`` server on its own event-loop thread.
 
-Why aio: the sync server gives every call a worker thread before its request message arrives, so
-idle callers could take all of them. Here callers wait on the event loop (``calls.py``), the
-authentication interceptor refuses unauthenticated calls from their headers
-(``interceptors.py``), and health and reflection are served on the loop itself, so a health check
-answers even while every worker is busy.
+Why aio: callers wait on the event loop, not on worker threads (``calls.py``), unauthenticated
+calls are refused from their headers (``interceptors.py``), and health and reflection are served
+on the loop itself, so a health check answers even while every worker is busy.
 
 Bounds on what a connection can hold are ``SERVER_OPTIONS`` (a handshake's time, idle and
 maximal age, keepalive, calls at once; clients reconnect transparently); the call-level ones are

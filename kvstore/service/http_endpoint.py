@@ -1,32 +1,18 @@
 """The daemon's HTTP port: Prometheus ``/metrics`` and, for routers that speak HTTP rather than
-gRPC (llm-d, production-stack, SGLang's router), the Route answer as JSON.
-
-    POST /v1/route   {"namespace_id": "<32 hex>", "hashes": ["<hex>", ...]}
-                  or {"namespace_id": "<32 hex>", "token_ids": [1, 2, ...],
-                      "hash_algorithm": "xxh3_128", "hash_seed": 0}          (both optional)
-    200 {"namespace_id": ..., "block_tokens": 16,
-         "nodes": [{"node_id", "address", "blocks", "tokens", "memory_blocks", "disk_blocks"}, ...]}
-
-Token ids are hashed here with ``kvstore.keys.ChainHasher`` and the namespace's block_tokens:
-the algorithm and seed must be the ones the engine's connector uses. The answer is exactly the
-Route RPC's (the same handler runs, so the same authorisation: with auth on, an
-``Authorization: Bearer <token>`` header is required and another tenant's namespace is 404).
-Errors are JSON ``{"error": ..., "field": ...}`` with the HTTP status of the gRPC one; every
-failure, a malformed or hostile request included, is answered with a status code.
+gRPC, ``POST /v1/route``: the Route RPC's answer as JSON, for block hashes in hex or token ids
+hashed here with ``kvstore.keys.ChainHasher`` (docs/operations.md, "HTTP route endpoint for
+routers"). The same handler runs as for the RPC, so the same authorisation; errors are JSON
+``{"error", "field", "kind"}`` with the HTTP status of the gRPC one, and every failure, a malformed
+or hostile request included, is answered with a status code.
 
 Slow or hostile clients cannot stop it. Connections are served by ``h11`` (HTTP/1.1 parsing, no
 I/O of its own) on one asyncio loop, so a held connection costs a socket and a little memory,
-never a thread. Bounds:
-
-* a request must arrive whole (headers and body) within ``REQUEST_DEADLINE_S`` of the
-  connection's first byte or of its previous answer; an answer not taken within
-  ``WRITE_DEADLINE_S`` ends the connection;
-* headers over ``MAX_HEADER_BYTES`` (400) and bodies over ``MAX_BODY_BYTES`` (413) are refused
-  unread; a JSON body nested deeper than ``MAX_JSON_DEPTH`` is refused before it is parsed (400);
-* at most ``MAX_PER_CLIENT`` connections per client address and ``MAX_CONNECTIONS`` in all: a new
-  one pushes out that client's (or anyone's, when all are taken) connection that has waited longest
-  for its request, so a client holding idle connections delays no one else's answer;
-* at most ``MAX_CONCURRENT`` requests are answered at once, on ``BUDGET.http`` threads (503 beyond).
+never a thread. A request must arrive whole within ``REQUEST_DEADLINE_S`` and its answer be taken
+within ``WRITE_DEADLINE_S``; headers, bodies and JSON nesting are bounded before anything is
+parsed; a client holding ``MAX_PER_CLIENT``
+connections (or anyone, when all ``MAX_CONNECTIONS`` are open) has its connection that has waited
+longest for a request pushed out, so idle connections delay no one else's answer; at most
+``MAX_CONCURRENT`` requests are answered at once, on ``BUDGET.http`` threads (503 beyond).
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@ with the store, created the first time one of the tenant's same-host clients ask
 
 With tokens configured each tenant's table holds only its own namespaces' blocks, so mapping it
 tells a client nothing about another tenant's; without tokens every client may look up every
-namespace anyway, and one table serves them all. Tables are created on demand (a daemon whose
-clients never ask keeps none) and bounded in number (``MAX_TABLES``): a tenant past the bound gets
-no table and its lookups go over the socket, as from a client that cannot map one.
+namespace anyway, and one table serves them all. Tables are bounded in number (``MAX_TABLES``): a
+tenant past the bound gets no table and its lookups go over the socket.
 
 A thread stamps every table each ``BEAT_S`` (its heartbeat), so clients stop trusting the tables of
-a daemon that hangs. A new table starts ``LOADING`` (readers ask the daemon) and is filled from the store's snapshot on
-a thread of its own, batch by batch under the store lock (``Store.replay``), while live events
-already reach it: once filled it is exact.
+a daemon that hangs. A new table starts ``LOADING`` (readers ask the daemon) and is filled from the
+store's snapshot on a thread of its own, batch by batch under the store lock (``Store.replay``),
+while live events already reach it: once filled it is exact.
 """
 
 from __future__ import annotations

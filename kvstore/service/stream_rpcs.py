@@ -1,10 +1,9 @@
 """The gRPC streams that carry block bytes: Put (a client stream) and Get (a server stream).
 
-Both are written as steps rather than loops over a blocking iterator: ``Put`` opens a
-``PutSink`` that is fed one message at a time, and ``Get`` is a generator of response messages.
-The call bridge (``calls.py``) receives and sends the messages on the event loop and runs each
-step on a worker thread, so a client that stalls mid-stream costs no thread while it waits; the
-steps of one stream may run on different threads, so a stream owns its buffers.
+Both are written as steps for the call bridge (``calls.py``) rather than loops over a blocking
+iterator: ``Put`` opens a ``PutSink`` that is fed one message at a time, and ``Get`` is a generator
+of response messages. The steps of one stream may run on different threads, so a stream owns its
+buffers.
 """
 
 from __future__ import annotations
