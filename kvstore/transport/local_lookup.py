@@ -136,7 +136,7 @@ class LocalLookupServer(SocketServer):
                 return
             conn.deadline = time.monotonic() + IDLE_S
             self.counts["sessions"] += 1
-        call_taken = False   # a lease call started from this buffer: a frame after it came before its answer
+        call_taken = False   # a lease call started from this buffer (its thread may have answered already)
         while len(conn.buf) >= _LEN.size:
             (n,) = _LEN.unpack_from(conn.buf)
             if n > MAX_FRAME:
@@ -145,9 +145,7 @@ class LocalLookupServer(SocketServer):
             if len(conn.buf) < _LEN.size + n:
                 return
             body, conn.buf = bytes(conn.buf[_LEN.size:_LEN.size + n]), conn.buf[_LEN.size + n:]
-            # a frame before its call's answer was taken (``busy`` alone would miss one read with
-            # the call's own frame when the call's thread answered first)
-            if conn.busy or conn.unsent is not None or call_taken:
+            if conn.busy or conn.unsent is not None or call_taken:   # sent before its call's answer was taken
                 self.end(fd, "pipelined")
                 return
             call_taken = bool(body) and body[0] == CALL and self.takes_calls

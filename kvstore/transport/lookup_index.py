@@ -159,7 +159,7 @@ class IndexTable:
         least ``VECTOR_KEYS`` whose home slot is empty, or holds them already, are written in one
         numpy pass (one round of the sequence counter); the others, and every key of a shorter
         batch or a list, one write per round, so a reader never spins out a whole batch of probes."""
-        if isinstance(keys, np.ndarray):   # a numpy pass has a fixed cost: worth it on long batches only
+        if isinstance(keys, np.ndarray):
             keys = self._put_at_home(keys, tier + 1) if len(keys) >= VECTOR_KEYS else keys.tolist()
         w, base, mask, meta_now = self._w, HEADER_BYTES // 8, self.mask, tier + 1
         for lo, hi in keys:
