@@ -5,6 +5,10 @@ each message costs a send of its own, so Put sends the blocks back to back in me
 ``chunk_bytes`` (several small blocks to one; the first message also carries the header) and Get
 answers with chunks that carry a block index: a piece of one block at an offset, or several
 whole blocks with their sizes (``packed``, for clients that ask for it).
+
+Both ends handle the data field by hand: a sender encodes the small fields with protobuf and
+appends the data in one copy out of the caller's buffers (building and serializing a message
+would copy it three times), and a receiver parses around it (``split_payload``).
 """
 
 from __future__ import annotations
@@ -32,11 +36,7 @@ def put_messages(header: pb.PutHeader, arrays: Sequence[np.ndarray],
     blocks' bytes back to back. Blocks no larger than ``chunk_bytes`` share messages of up to
     ``chunk_bytes`` (the daemon cuts the stream into blocks by their sizes, so a message boundary
     means nothing to it; starting each message at a block boundary lets it store the blocks
-    straight out of the message); a larger block is cut into ``chunk_bytes`` pieces of its own.
-
-    Encoded here, not by protobuf: the header goes through protobuf, the data is appended as
-    field 2 in one copy out of the caller's arrays (building and serializing a message would copy
-    the bytes three times)."""
+    straight out of the message); a larger block is cut into ``chunk_bytes`` pieces of its own."""
     encoded_header = header.SerializeToString()
     prefix = [_field_head(_PUT_CHUNK_HEADER, len(encoded_header)) + encoded_header]   # consumed by the first
     parts: list[memoryview] = []
@@ -171,9 +171,7 @@ def _field_head(field: int, size: int) -> bytes:
 def get_messages(index: int, block: np.ndarray | None, codec: int = 0,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """One block of a Get answer, each chunk as an encoded ``GetChunk`` (a miss is a single chunk
-    with hit=False). Encoded here, not by gRPC: the small fields go through protobuf and the data
-    is appended as field 6 in one copy out of the block, where building a message and serializing
-    it would copy it three times (and serialize on the event loop)."""
+    with hit=False), encoded here rather than by gRPC on the event loop."""
     if block is None:
         yield pb.GetChunk(index=index, hit=False).SerializeToString()
         return
