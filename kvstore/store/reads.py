@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 READS_IN_FLIGHT = BUDGET.slow_reads   # slow-tier reads of one call at once (queue depth for NVMe)
 RUN_BYTES = 1 << 20   # blocks handed to one of those reads together (tiers that read runs)
 _readers = LazyPool(READS_IN_FLIGHT, "kvstore-slow-read")
+_SIZES_ONLY = {int}   # a read's results when no copy failed (each one's size)
 
 # a fresh buffer per decoded read: its payload must outlive this thread's next read (a promotion
 # copies from it after the batch is read)
@@ -197,6 +198,9 @@ def _read_run(cascade: Cascade, rnd: Round, ks: Sequence[int], dsts: Sequence[np
     else:
         sizes = tier.read_many_into([entries[k].key for k in ks], [dsts[at[k]] for k in ks])
     n, below = rnd.n, t > 0
+    if not below and len(ks) == len(n) and set(map(type, sizes)) == _SIZES_ONLY:
+        rnd.n = sizes   # the usual get: every copy of the round read whole from the first tier
+        return
     for k, got in zip(ks, sizes):
         if type(got) is int:
             n[k] = got
