@@ -1,9 +1,7 @@
 """The operator RPCs: ListNamespaces, DropNamespace, Evict, Pin, Unpin, Prewarm and Reload.
 
-Who may do what (see ``auth.py``): without auth every caller is trusted. With auth, a tenant in
-``admin_tenants`` acts on every namespace; any other tenant lists and touches only its own, and
-another tenant's namespace is answered NOT_FOUND exactly like a missing one (no probing). Reload
-changes the whole daemon, so it is for admins only (PERMISSION_DENIED otherwise). The store does
+Who may act on which namespaces is ``auth.py``'s to say; Reload changes the whole daemon, so it
+is for admins only (PERMISSION_DENIED otherwise). The store does
 the work (``Store.admin``); this module authorises, validates and translates, and logs every
 change an operator makes (never a token).
 """

@@ -9,9 +9,7 @@ probe each other's blocks.
 
 Admins are tenants listed in ``admin_tenants``: the tokens of those tenants may read store-wide
 Stats (every tenant's figures, the tiers' totals) and run operator commands on every namespace;
-everyone else sees and touches only their own namespaces.
-Byte quotas are enforced by the store (``kvstore.store.quotas``), where every write path passes.
-No token ever appears in a message this module raises.
+everyone else sees and touches only their own namespaces. No token ever appears in a message this module raises.
 
 A fleet daemon's peers send no token: they prove they hold one (``kvstore.fleet.peer_proof``);
 a ``KvsPeer`` proof names the tenant of the token it was made with.

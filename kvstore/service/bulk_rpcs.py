@@ -9,6 +9,7 @@ the session (waking the thread blocked on the socket) and ends the call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 
 from kvstore.errors import InvalidArgument, StoreFull
@@ -124,10 +125,7 @@ class BulkRpcs:
                 buf = self.service.scratch.get(run_bytes)
                 bulk_transport.recv_exact_into(sock, memoryview(buf[:run_bytes]), progress.touch)
                 received += run_bytes
-                payloads, at = [], 0
-                for i in range(a, b):
-                    payloads.append(buf[at:at + sizes[i]])
-                    at += sizes[i]
+                payloads = [buf[at:at + n] for at, n in zip(itertools.accumulate(sizes[a:b], initial=0), sizes[a:b])]
                 with progress.working():   # the daemon's time, not the caller's stall
                     chain.put(payloads)
 

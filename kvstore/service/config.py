@@ -69,8 +69,7 @@ def _text_not_echoed(value: Any) -> Any:
 
 
 def _redis_url(v: str) -> str:
-    problem = url_problem(v)
-    if problem:
+    if problem := url_problem(v):
         raise ValueError(problem)
     return v
 
@@ -313,8 +312,7 @@ def _describe(error: dict) -> str:
     error = {**error, "loc": tuple(p for p in error["loc"] if p not in (_ONE_POLICY, _PER_TIER))}
     loc, secret = _redacted(error["loc"])
     if not secret and loc[-1:] == ["[key]"]:   # a mapping's key is what is wrong: name it, not "[key]"
-        loc = loc[:-1]
-        return f"{'.'.join(loc)}: unknown key: {error['msg']}"
+        return f"{'.'.join(loc[:-1])}: unknown key: {error['msg']}"
     key = ".".join(loc) or "config"
     ctx = error.get("ctx") or {}
     sized = error["loc"] and error["loc"][0] in _SIZE_KEYS

@@ -55,9 +55,6 @@ class Progress:
                     return
             yield item
 
-    def idle_before(self, cutoff: float) -> bool:
-        return not self.busy and self.last < cutoff
-
 
 class StallWatch:
     def __init__(self, idle_s: float) -> None:
@@ -91,7 +88,7 @@ class StallWatch:
         idle_s, now = self.idle_s, time.monotonic()
         with self._lock:
             stalled = [(p, cancel, on_stall) for p, cancel, on_stall in self._calls.values()
-                       if p.idle_before(now - idle_s)]
+                       if not p.busy and p.last < now - idle_s]
             for p, _, _ in stalled:
                 p.last = now   # once per idle period, not on every tick
         if stalled:   # one line per sweep: a crowd of slowloris callers must not flood the log
