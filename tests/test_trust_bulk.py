@@ -201,6 +201,31 @@ def test_full_session_table_evicts_the_least_recently_used_and_its_client_reconn
                 s.close()
 
 
+def test_a_tenant_filling_the_session_table_pushes_out_its_own_sessions_not_another_tenants():
+    """Alice opens sessions far past the table's size; Bob's two idle sessions, older than all of
+    hers, stay open and keep serving. When Bob opens one more, an idle one of Alice's makes room."""
+    server = BulkServer("127.0.0.1", max_sessions=8)
+    channels = []
+    try:
+        bob = [BulkChannel("127.0.0.1", server.port, server.ticket_for("bob"), 5.0) for _ in range(2)]
+        alice_ticket = server.ticket_for("alice")
+        alice = [BulkChannel("127.0.0.1", server.port, alice_ticket, 5.0) for _ in range(20)]
+        channels = bob + alice
+        assert server.session_count == 8
+        assert all(server.session(c.session, "bob") is not None for c in bob)
+        assert server.stats()["sessions_evicted"] == 14
+        assert _wait_until(lambda: not any(c.alive() for c in alice[:14]), 5)   # hers went, oldest first
+        assert all(c.alive() for c in bob + alice[14:])
+        third = BulkChannel("127.0.0.1", server.port, server.ticket_for("bob"), 5.0)
+        channels.append(third)
+        assert all(server.session(c.session, "bob") is not None for c in bob + [third])
+        assert server.session(alice[14].session, "alice") is None and server.session_count == 8
+    finally:
+        for c in channels:
+            c.close()
+        server.close()
+
+
 def test_sessions_end_when_idle_past_the_bound_or_when_the_client_goes():
     server = BulkServer("127.0.0.1", idle_s=1.5)   # long enough that a busy machine's stall before
     try:                                            # ``gone.close()`` does not expire it first

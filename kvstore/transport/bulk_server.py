@@ -13,9 +13,11 @@ closes it: no thread per session, and no session outliving its client. A socket 
 while a handler uses it: ``using`` counts the session busy first, the server's thread ignores busy
 sessions, and the socket is re-armed only when the last user is done. A session also ends after
 ``SESSION_IDLE_S`` idle (a client that vanished without a FIN, or sent stray bytes); when
-``MAX_SESSIONS`` are open the least recently used idle one makes room for a new client (whose
-``BulkChannel.alive`` then reports the loss, and it reconnects); and the sessions of a revoked
-token close within a tick (``socket_server.TICK_S``).
+``MAX_SESSIONS`` are open, an idle session of the tenant holding the most makes room for a new
+client (its least recently used one; that client's ``BulkChannel.alive`` then reports the loss,
+and it reconnects): a tenant that opens sessions by the thousand pushes out its own, never those
+of a tenant holding fewer; and the sessions of a revoked token close within a tick
+(``socket_server.TICK_S``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import select
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from kvstore.transport.bulk import GREETING_BYTES, MAGIC, SESSION_ID_BYTES, TICKET_BYTES
@@ -35,7 +37,7 @@ from kvstore.transport.socket_server import Connection, SocketServer
 from kvstore.transport.tickets import TokenBook
 
 SESSION_IDLE_S = 300.0         # a session unused this long is closed (its client reconnects on next use)
-MAX_SESSIONS = 1024            # open sessions; the least recently used idle one makes room for a new one
+MAX_SESSIONS = 1024            # open sessions; then an idle one of the largest holder makes room for a new one
 MAX_TICKET_TENANTS = 4096      # tickets remembered (bounded by the configured tokens)
 _WATCH_IDLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 _GONE = select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP
@@ -56,11 +58,13 @@ class Session:
 class BulkServer(SocketServer):
     """Daemon side: accepts side-channel connections and lends their sockets to RPC handlers."""
 
-    def __init__(self, host: str, *, idle_s: float = SESSION_IDLE_S, tokens: TokenBook | None = None) -> None:
+    def __init__(self, host: str, *, idle_s: float = SESSION_IDLE_S, tokens: TokenBook | None = None,
+                 max_sessions: int = MAX_SESSIONS) -> None:
         super().__init__("side-channel", host=host, max_read=GREETING_BYTES, tokens=tokens,
                          ticket_bytes=TICKET_BYTES, remember_tickets=MAX_TICKET_TENANTS)
-        self.idle_s = idle_s
+        self.idle_s, self.max_sessions = idle_s, max_sessions
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()   # least recently used first
+        self._held: Counter[str] = Counter()   # open sessions per tenant
         self._by_fd: dict[int, Session] = {}
         self._lock = threading.Lock()
         self.session_counts = {"opened": 0, "closed_by_peer": 0, "idle_expired": 0, "evicted": 0,
@@ -136,12 +140,13 @@ class BulkServer(SocketServer):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(True)   # handlers use blocking I/O; the stall watchdog bounds it
         with self._lock:
-            if len(self._sessions) >= MAX_SESSIONS and not self._evict_one_idle():
+            if len(self._sessions) >= self.max_sessions and not self._evict_one_idle():
                 self.session_counts["refused_full"] += 1
                 sock.close()
                 return
             session = Session(secrets.token_bytes(SESSION_ID_BYTES), sock, tenant, ticket)
             self._sessions[session.sid] = self._by_fd[fd] = session
+            self._held[tenant] += 1
             self.poller.register(fd, _WATCH_IDLE)
             self.session_counts["opened"] += 1
         try:
@@ -187,11 +192,14 @@ class BulkServer(SocketServer):
             self._close(session, "dropped")
 
     def _evict_one_idle(self) -> bool:
-        for session in self._sessions.values():   # least recently used first
-            if not session.users:
-                self._close(session, "evicted")
-                return True
-        return False
+        """Close the least recently used idle session of the tenant holding the most sessions
+        that has one idle; False when every session is in use."""
+        idle = [session for session in self._sessions.values() if not session.users]   # oldest first
+        if not idle:
+            return False
+        held = self._held
+        self._close(max(idle, key=lambda session: held[session.tenant]), "evicted")   # (max keeps the first)
+        return True
 
     def _close(self, session: Session, reason: str | None) -> None:
         if session.closed:
@@ -200,6 +208,9 @@ class BulkServer(SocketServer):
         if reason:
             self.session_counts[reason] += 1
         self._sessions.pop(session.sid, None)
+        self._held[session.tenant] -= 1
+        if not self._held[session.tenant]:
+            del self._held[session.tenant]
         fd = session.sock.fileno()
         if fd >= 0 and self._by_fd.get(fd) is session:
             del self._by_fd[fd]
