@@ -9,6 +9,7 @@ block is sent as stored when the client decodes its codec itself (``accept``: th
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -61,7 +62,7 @@ def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray
     buffer of a large block would page fault at a fraction of the decode's speed). Close the
     generator (``contextlib.closing``) so an early exit unpins its window."""
     ns, hashes, accept, byte_range = request
-    buffer = _reused(buffer)
+    buffer = functools.lru_cache(maxsize=1)(buffer)   # asked for one block's size, once per call
     arena = store.shared_arena()
     per_lease = 1 if arena is None else max(1, min(PIN_WINDOW_BYTES, arena.capacity_bytes // 8) // ns.block_bytes)
     start = 0
@@ -92,16 +93,6 @@ def pinned_runs(store: Store, request: Asked, buffer: Callable[[int], np.ndarray
             yield Run([_copied(store, ns, h, buffer, accept, byte_range) if store.contains(ns.id, [h])[0] else None],
                       math.inf)
             start += 1
-
-
-def _reused(buffer: Callable[[int], np.ndarray]) -> Callable[[int], np.ndarray]:
-    held: list[np.ndarray] = []
-
-    def get(nbytes: int) -> np.ndarray:
-        if not held or held[0].nbytes < nbytes:
-            held[:] = [buffer(nbytes)]
-        return held[0][:nbytes]
-    return get
 
 
 def _copied(store: Store, ns: Namespace, block_hash: bytes, buffer: Callable[[int], np.ndarray],

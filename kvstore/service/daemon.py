@@ -302,8 +302,6 @@ def run(settings: Settings, ready_file: str | None, reload_settings: Callable[[]
     try:
         while not daemon.wait_ready(0.2) and not stop.is_set():
             pass
-        # what start-up built (modules, tiers, the recovered index) lives for good: out of the collector's
-        # walks, so a full collection pauses requests for what was made since, not for all of it
         frozen = daemon.gc_pauses.freeze_startup_objects()
         log.info("%d objects made at start-up kept out of garbage collections", frozen)
         info = daemon.ready_info()

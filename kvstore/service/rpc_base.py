@@ -65,8 +65,7 @@ class ServiceState:
         self.server_id = secrets.token_hex(8)
         self.fleet = None  # kvstore.fleet.Fleet in fleet mode (set by the daemon)
         self.gc_pauses = GcPauses()   # every collection stops every request: timed, shown in Stats and metrics
-        #: set by the daemon: re-reads the configuration and applies what may change while serving;
-        #: returns ``(applied, ignored)`` setting names or raises ``ConfigError`` naming the key
+        #: set by the daemon (``reload.Reloader``): re-reads the configuration and applies it
         self.reloader: Callable[[], tuple[list[str], list[str]]] | None = None
         self.started = time.time()
         # one pre-touched, page-aligned payload buffer per worker thread, for bodies that run on one

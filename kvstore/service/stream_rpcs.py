@@ -95,9 +95,8 @@ class StreamRpcs:
         chunk = request.chunk_bytes or service.chunk_bytes
         chunk = max(4096, min(chunk, service.max_message_bytes - 4096))
         sent = first = 0
-        # Chunks are copied out of the pinned arena as the client takes them, small blocks sharing
-        # messages; a block whose pin ran out meanwhile ends the stream with an error (the client
-        # then trusts none of it).
+        # copied out of the pinned arena as the client takes them, small blocks sharing messages; a
+        # block whose pin ran out meanwhile ends the stream with an error (the client trusts none of it)
         with contextlib.closing(pinned_runs(service.store, blocks, _own_buffer)) as runs:
             for run in runs:
                 sent += sum(v.nbytes for block in run.blocks if block is not None for v in block[0])
