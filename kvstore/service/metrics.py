@@ -208,6 +208,13 @@ class TenantCollector(Collector):
         yield quota
         yield from _families(top_and_other(namespaces, self.top_n), NAMESPACE_LABELS, _NAMESPACE_GAUGES, "namespace")
 
+_FLEET_GAUGES = {
+    "connected": ("kvstore_fleet_connected", "1 while the fleet directory (Redis) answers"),
+    "published_blocks": ("kvstore_fleet_published_blocks", "Blocks this node has published to the directory"),
+    "namespaces": ("kvstore_fleet_namespaces", "Namespaces this node publishes"),
+    "peer_clients": ("kvstore_fleet_peer_clients", "Open connections to peers"),
+}
+
 
 class FleetCollector(Collector):
     """``kvstore_fleet_*``: membership, what this node publishes, and the fleet's event counters
@@ -218,14 +225,8 @@ class FleetCollector(Collector):
 
     def collect(self):
         stats = self.fleet.stats()
-        yield GaugeMetricFamily("kvstore_fleet_connected", "1 while the fleet directory (Redis) answers",
-                                value=1 if stats.get("connected") else 0)
-        yield GaugeMetricFamily("kvstore_fleet_published_blocks", "Blocks this node has published to the directory",
-                                value=stats.get("published_blocks", 0))
-        yield GaugeMetricFamily("kvstore_fleet_namespaces", "Namespaces this node publishes",
-                                value=stats.get("namespaces", 0))
-        yield GaugeMetricFamily("kvstore_fleet_peer_clients", "Open connections to peers",
-                                value=stats.get("peer_clients", 0))
+        for field, (name, doc) in _FLEET_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(field) or 0))   # connected: 1 or 0
         events = CounterMetricFamily("kvstore_fleet_events", "Fleet events by kind (fetched_blocks, peer_errors, "
                                      "pool_blocks, redis_errors, ...)", labels=["event"])
         counters = {name: 0 for name in KNOWN_EVENTS}

@@ -181,9 +181,5 @@ def run_checks(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     check_ports(settings)
     check_codecs(settings)
     check_memory(settings)
-    warnings = list(unknown_environment(environ))
-    if room := nvme_room_warning(settings):
-        warnings.append(room)
-    if arena := arena_filesystem_warning(settings):
-        warnings.append(arena)
-    return warnings
+    suspicious = (nvme_room_warning(settings), arena_filesystem_warning(settings))
+    return [*unknown_environment(environ), *filter(None, suspicious)]
