@@ -110,7 +110,6 @@ class Daemon:
         # is NOT_SERVING until they are (``wait_ready``). Without, neither torch (~230 MiB of RSS)
         # nor the kernels (~150 MiB) are loaded until a lossy codec call arrives.
         self._warm = threading.Event()
-        self._warm_up = threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True)
         if not settings.tier_codecs:
             self._warm.set()
         self.settings = settings
@@ -157,7 +156,6 @@ class Daemon:
             auth.peers = self.fleet.peer_verifier      # peers prove themselves, never send a token
             self.metrics.registry.register(FleetCollector(self.fleet))
         self.metrics_port: int | None = None
-        self._reaper = threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True)
 
     def _build_fleet(self, settings: Settings):
         import socket
@@ -189,9 +187,8 @@ class Daemon:
                     self.server.set_serving(True)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """True once the daemon is ready: with tier codecs, once their kernels are compiled (every
-        demotion encodes); without, at once (a client-encoded put decodes by the torch reference
-        until the kernels it starts compiling are loaded)."""
+        """True once the daemon is ready: with tier codecs, once their kernels are compiled; without,
+        at once (a lossy codec call runs the torch reference until the kernels it starts are loaded)."""
         return self._warm.wait(timeout_s)
 
     def start(self) -> None:
@@ -199,7 +196,7 @@ class Daemon:
         try:
             if not self._warm.is_set():
                 self.server.set_serving(False)
-                self._warm_up.start()
+                threading.Thread(target=self._compile_codecs, name="kvstore-codec-warm-up", daemon=True).start()
             else:
                 log.info("no tier codecs: torch and the codec kernels are loaded at the first lossy codec call")
             self.server.start()
@@ -207,7 +204,7 @@ class Daemon:
                 self.fleet.start()
             if self.settings.metrics_port is not None:
                 self.metrics_port = self.http.serve(self.settings.metrics_host, self.settings.metrics_port)
-            self._reaper.start()
+            threading.Thread(target=self._reap, name="kvstore-lease-reaper", daemon=True).start()
         except BaseException:
             self.abandon()
             raise

@@ -57,17 +57,13 @@ class Reloader:
             changed = sorted(k for k in named if getattr(old, k) != getattr(new, k))
             applied = [k for k in changed if k in RELOADABLE]
             ignored = [k for k in changed if k not in RELOADABLE]
-            self.settings = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
-            self._apply(self.settings)
+            # in force from now: the old settings with the reloadable keys new
+            self.settings = running = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
+            if revoked := self.auth.replace(running.tokens, running.admin_tenants):
+                self.revoke(revoked)
+            self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit)
+            logging.getLogger().setLevel(running.log_level)
             self.metrics.reloaded(True)
             log.info("reload: applied %s%s", ", ".join(applied) or "nothing (no change)",
                      f"; changed but need a restart, not applied: {', '.join(ignored)}" if ignored else "")
             return applied, ignored
-
-    def _apply(self, running: Settings) -> None:
-        """``running``: the settings now in force (the old ones, with the reloadable keys new)."""
-        revoked = self.auth.replace(running.tokens, running.admin_tenants)
-        if revoked:
-            self.revoke(revoked)
-        self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit)
-        logging.getLogger().setLevel(running.log_level)
