@@ -83,14 +83,18 @@ class Authenticator:
         """The caller's tenant from its metadata (``requested`` counts only without auth)."""
         return self._identify(metadata, requested)[0]
 
+    def peer_proof(self, metadata) -> str | None:
+        """The proof a fleet peer's call carries (``peers.scheme``), or None: not a peer's call."""
+        scheme, _, proof = authorization(metadata).partition(" ")
+        return proof if self.peers is not None and scheme == self.peers.scheme else None
+
     def _identify(self, metadata, requested: str = "") -> tuple[str, bytes]:
         credentials = self._credentials   # one snapshot for the whole check: reload may swap it
         if not credentials.digests:
             return requested, b""
+        if (proof := self.peer_proof(metadata)) is not None:
+            return self.peers.tenant(proof, credentials.digests)
         scheme, _, token = authorization(metadata).partition(" ")
-        peers = self.peers
-        if peers is not None and scheme == peers.scheme:
-            return peers.tenant(token, credentials.digests)
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: missing bearer token")
         # Constant time: compare fixed-size digests against every known token, no early exit,

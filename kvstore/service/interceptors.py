@@ -21,7 +21,7 @@ import hmac
 import grpc
 
 from kvstore.errors import Unauthenticated
-from kvstore.service.auth import Authenticator, authorization
+from kvstore.service.auth import Authenticator
 from kvstore.service.calls import status_of
 from kvstore.service.metrics import Metrics
 from kvstore.service.validation import Malformed
@@ -50,10 +50,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if name is None:
             return await continuation(handler_call_details)
         metadata, peers = handler_call_details.invocation_metadata, self.auth.peers
-        scheme, _, proof = authorization(metadata).partition(" ")
-        proven = peers is not None and scheme == peers.scheme
+        proof = self.auth.peer_proof(metadata)
         try:
-            claim = peers.admit(proof, handler_call_details.method) if proven else None
+            claim = peers.admit(proof, handler_call_details.method) if proof is not None else None
             if self.auth.enabled:
                 self.auth.tenant(metadata)
         except Unauthenticated as err:

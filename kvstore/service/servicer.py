@@ -20,7 +20,6 @@ from kvstore.errors import FleetModeOff, InvalidArgument, Unauthenticated
 from kvstore.keys import Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.service.admin_rpcs import AdminRpcs
-from kvstore.service.auth import authorization
 from kvstore.service.bulk_rpcs import BulkRpcs
 from kvstore.service.config import Settings
 from kvstore.service.lease_rpcs import LeaseRpcs
@@ -140,8 +139,7 @@ class KVStoreServicer(ServiceState):
         (``Fleet.signed_checksums``). Answered to callers with an admitted peer proof only (the
         auth interceptor refuses a proof that does not verify before this runs)."""
         fleet = self._fleet()
-        peers = self.auth.peers
-        if peers is None or authorization(context.invocation_metadata()).partition(" ")[0] != peers.scheme:
+        if self.auth.peer_proof(context.invocation_metadata()) is None:
             raise Unauthenticated("authorization: PeerChecksums is answered to fleet peers only (a peer proof)")
         ns = self.caller_namespace(context, request.namespace_id)
         hashes = check_hashes(request.hashes)
