@@ -79,7 +79,8 @@ def banner_lines(settings: Settings, info: dict, tiers: dict[str, dict], start_s
     for name, t in tiers.items():
         blocks = t.get("policy_blocks", t.get("blocks", 0))
         codec = (t.get("codec") or {}).get("configured", "raw")
-        lines.append(f"  tier {name:5} {size_text(t.get('capacity_bytes', 0)):32} policy {policy_name_for(settings.eviction_policy, name):7} "
+        policy = policy_name_for(settings.eviction_policy, name)
+        lines.append(f"  tier {name:5} {size_text(t.get('capacity_bytes', 0)):32} policy {policy:7} "
                      f"codec {codec:9} at {tier_place(settings, name, info.get('arena_path'))}")
         if blocks:
             recovered.append(f"{name} {blocks} blocks ({format_size(t.get('used_bytes', 0), 'readable')})")

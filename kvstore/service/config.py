@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Union
 
 import psutil
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SecretStr, Tag, ValidationError,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SecretStr, Tag,
+                      ValidationError, field_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import KVStoreError
@@ -290,8 +290,9 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes", "max_held_segment_bytes_per_tenant", "nvme_bytes", "gpu_bytes", "quotas",
-              "max_block_bytes", "max_pinned_bytes_per_tenant"}
+_SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes",
+              "max_held_segment_bytes_per_tenant", "nvme_bytes", "gpu_bytes", "quotas", "max_block_bytes",
+              "max_pinned_bytes_per_tenant"}
 
 
 # Settings that hold secrets. A bad value must not be echoed, nor, under ``tokens`` (token ->
@@ -317,7 +318,8 @@ def _describe(error: dict) -> str:
     ctx = error.get("ctx") or {}
     sized = error["loc"] and error["loc"][0] in _SIZE_KEYS
     bounds = [f"{op} {format_size(v) if sized and isinstance(v, int) and v >= 4096 else v}"
-              for op, name in ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt")) if (v := ctx.get(name)) is not None]
+              for op, name in ((">=", "ge"), (">", "gt"), ("<=", "le"), ("<", "lt"))
+              if (v := ctx.get(name)) is not None]
     allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown setting; see docs/config.md for the known ones"

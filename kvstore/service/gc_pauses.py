@@ -60,7 +60,8 @@ class GcPauses:
 
     def stats(self) -> dict:
         return {"frozen_objects": self.frozen,
-                "generations": {str(g): {"collections": self.count[g], "pause_total_ms": round(self.total_s[g] * 1e3, 3),
+                "generations": {str(g): {"collections": self.count[g],
+                                         "pause_total_ms": round(self.total_s[g] * 1e3, 3),
                                          "pause_max_ms": round(self.max_s[g] * 1e3, 3)}
                                 for g in range(GENERATIONS)}}
 

@@ -279,7 +279,8 @@ class HttpEndpoint:
         if request.method == b"GET" and path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if request.method != b"POST" or path != ROUTE_PATH:
-            return _json(404, {"error": f"no such path; GET /metrics or POST {ROUTE_PATH} (served when the daemon runs)"})
+            return _json(404, {"error": f"no such path; GET /metrics or POST {ROUTE_PATH} "
+                                        "(served when the daemon runs)"})
         if json_depth(body) > MAX_JSON_DEPTH:
             return _json(400, {"error": f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels"})
         try:
