@@ -117,7 +117,10 @@ def test_an_arena_full_of_pinned_blocks_streams_the_whole_put(daemon_factory):
         assert sizes == [size] * 40 and all(np.array_equal(o, b) for o, b in zip(outs, data))
 
 
-def test_misses_anywhere_in_a_get_are_reported_exactly(daemon_factory):
+def test_misses_anywhere_in_a_get_are_reported_exactly(daemon_factory, monkeypatch):
+    """Load leases of 128 blocks here (the client's own constant: the daemon is unchanged), so 400
+    blocks cross window boundaries at 128 and 256, with misses on either side of them."""
+    monkeypatch.setattr(shm_path, "LOAD_WINDOW_BLOCKS", 128)
     d = daemon_factory(cpu_bytes="128MiB", nvme_bytes="0")
     count = 400
     missing = {0, 5, 127, 128, 129, 200, 201, count - 1}

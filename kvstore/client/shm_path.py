@@ -25,10 +25,14 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
-# a put's store leases and a get's load leases, in blocks (the daemon's work is per block): the
-# first small, so copying starts early; later ones double up to the last (fewer round trips per block)
+# a put's store leases, in blocks (the daemon's work is per block): the first small, so copying
+# starts early; later ones double up to the last (fewer round trips per block)
 FIRST_WINDOW_BLOCKS = 128
 MAX_WINDOW_BLOCKS = 1024
+# a get's load leases, in blocks, all of one size: pinning a window takes the daemon a fraction of
+# the time this process takes to copy it out, so a smaller first window only adds a round trip and
+# a daemon thread working beside the copy (the two share this host's cores)
+LOAD_WINDOW_BLOCKS = MAX_WINDOW_BLOCKS
 # a put of blocks at least this large (on average) is copied in by several threads; smaller ones
 # are bound by the daemon's per-block work, which copy threads would take cores from (64 KiB
 # puts were 0.33x memcpy with two threads, 0.48x with one; 256 KiB 0.81x vs 0.61x)
@@ -268,14 +272,14 @@ class ShmPath:
         """Each block into its sink (``delivery``); its size, or None for a miss. ``byte_range``:
         only those bytes of each (raw) block are copied out (``accept`` must then be empty).
 
-        One load lease per window of blocks (``FIRST_WINDOW_BLOCKS``, doubling up to
-        ``MAX_WINDOW_BLOCKS``, as a put's): window k+1's lease is asked for before window k is
-        copied, so the daemon pins and describes the next blocks while this process copies. A
+        One load lease per window of ``LOAD_WINDOW_BLOCKS``: window k+1's lease is asked for
+        before window k is copied, so the daemon pins and describes the next blocks while this
+        process copies. A
         lease stops at the first block it cannot lease: that one is fetched over a stream when the
         daemon says it is present but could not be staged, else it is a miss; the next window
         starts after it (a lease asked for ahead from elsewhere is released unused)."""
         sizes: list[int | None] = [None] * len(hashes)
-        start, span = 0, FIRST_WINDOW_BLOCKS
+        start, span = 0, LOAD_WINDOW_BLOCKS
         ahead = None   # (start, stop, call): the next window's PrepareLoad, in flight while this one is copied
 
         def prepare(a: int, b: int):
@@ -290,7 +294,6 @@ class ShmPath:
                     ahead = prepare(start, min(len(hashes), start + span))
                 (_, asked, call), ahead = ahead, None
                 lease, meta = call.result()
-                span = min(2 * span, MAX_WINDOW_BLOCKS)
                 if asked < len(hashes):
                     ahead = prepare(asked, min(len(hashes), asked + span))
                 got = []
