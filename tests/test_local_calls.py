@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore import ChainHasher, KVLayout, Namespace
+from kvstore.client import shm_path
 from kvstore.errors import DaemonUnavailable
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -42,7 +43,7 @@ def blocks(n: int, seed: int) -> list[np.ndarray]:
 
 
 def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
-    hashes, data = chain(300, seed=1), blocks(300, seed=1)   # three store windows (128, 256 blocks)
+    hashes, data = chain(300, seed=1), blocks(300, seed=1)   # two store windows (128, 172 blocks)
     with daemon.client(token="alice-token") as c:
         ns = c.register_namespace(Namespace(LAYOUT))
         assert c.active_transport == "shm"
@@ -54,7 +55,8 @@ def test_puts_and_gets_lease_over_the_socket_and_read_back_every_byte(daemon):
         outs = [np.empty(4096, np.uint8) for _ in hashes]
         assert c.get_into(ns, hashes, outs) == [4096] * 300
         c.stats()   # waits for the background CompleteLoads
-        assert local.answered - before == 2 * 2 + 2 * 2   # and PrepareLoad + CompleteLoad per window of 128, 172
+        load_windows = -(-300 // shm_path.LOAD_WINDOW_BLOCKS)
+        assert local.answered - before == 2 * 2 + 2 * load_windows   # and PrepareLoad + CompleteLoad per load window
         assert all(np.array_equal(o, d) for o, d in zip(outs, data))
         assert c.put(ns, hashes[:3], data[:3]) == ["exists"] * 3
         hs = c.call("Handshake", pb.HandshakeRequest(nonce=os.urandom(16)))
