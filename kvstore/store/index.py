@@ -279,7 +279,8 @@ class Entry(Copies, NamedByKey):
 
     @property
     def pins(self) -> int:
-        """Explicit pins (in-flight reads, leases): changed only by ``Cascade.pin_entry`` / ``unpin``."""
+        """Explicit pins (in-flight reads, leases): changed only through the cascade (``pin_all``,
+        ``pin_fastest``, ``unpin_all``), which the index serves (``add_pin``, ``pin_fastest``, ``drop_pins``)."""
         return self._flags // _PIN
 
     def add_pin(self) -> None:
