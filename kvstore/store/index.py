@@ -258,7 +258,7 @@ class Entry(Copies, NamedByKey):
                  copy: PlainCopy | None = None) -> None:
         """``state``: ``READY`` and/or ``CHARGED``, or 0; ``copy``: its one copy, where a
         ``PlainCopy`` describes it (``hold_plain``). Positional: a put makes one per block, and
-        keywords cost a call twice as much."""
+        keyword arguments make each call slower."""
         assert len(key) > NAMESPACE_ID_BYTES, "a key is a namespace id and a block hash (block_key)"
         self.key = key
         self.parent_key = parent_key
