@@ -17,6 +17,7 @@ MAX_STRING = 256            # longest model / tenant / salt string accepted
 RAW_CODEC = 0               # codec id of an unencoded block
 SERVER_ID_KEY = "kvstore-server-id"   # trailing metadata of lease RPCs: which daemon run answered
 UNSTAGED_KEY = "kvstore-unstaged"     # PrepareLoad stopped at a present block it could not stage
+CAPPED_KEY = "kvstore-lease-capped"   # PrepareLoad stopped at its tenant's lease budget (ask again once released)
 
 
 @dataclasses.dataclass

@@ -28,9 +28,11 @@ LAYOUT = KVLayout(model="test/local-calls", num_layers=1, num_kv_heads=1, head_d
 
 @pytest.fixture
 def daemon(daemon_factory, tmp_path):
-    """Tenants alice and bob, with an arena whose tenant segments take a put of 300 blocks."""
+    """Tenants alice and bob, with an arena whose tenant segments take a put of 300 blocks (a
+    256 KiB slot each), and where one load lease may pin all 300 (a tenant's leases may pin half
+    of it, ``leases.LEASED_SHARE_PER_TENANT``)."""
     return daemon_factory("--token", "alice-token=alice", "--token", "bob-token=bob", "--shm-dir", str(tmp_path),
-                          cpu_bytes="128MiB", nvme_bytes="64MiB")
+                          cpu_bytes="192MiB", nvme_bytes="64MiB")
 
 
 def chain(n: int, seed: int) -> list[bytes]:
@@ -272,11 +274,13 @@ STALLER = textwrap.dedent("""
 def test_callers_that_never_read_their_answers_hold_up_no_daemon_thread(daemon_factory, tmp_path):
     """A caller that stops reading fills its socket with answers; none of the daemon's call
     threads waits on it (the rest is written by the socket's own thread, later), so another
-    client's lease calls go on at once, and the stalled connections are ended."""
+    client's lease calls go on at once, and the stalled connections are ended. Alice's lease budget
+    is lifted (``max_leased_bytes_per_tenant``): the answers the callers do not read are whole
+    leases of 16 MiB each, 64 times the arena in all, not leases cut short at her budget."""
     from kvstore.transport.socket_server import SEND_WITHIN_S
 
     d = daemon_factory("--token", "alice-token=alice", "--shm-dir", str(tmp_path), "--cpu-slot-bytes", "4KiB",
-                       cpu_bytes="64MiB", nvme_bytes="64MiB")
+                       cpu_bytes="64MiB", nvme_bytes="64MiB", env={"KVSTORE_MAX_LEASED_BYTES_PER_TENANT": "64TiB"})
     hashes = chain(4096, seed=6)
     with d.client(token="alice-token") as c:
         ns = c.register_namespace(Namespace(LAYOUT))

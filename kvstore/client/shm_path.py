@@ -22,7 +22,7 @@ from kvstore.client.negotiation import Negotiation
 from kvstore.client.rpc_errors import error_from_rpc
 from kvstore.errors import KVStoreError
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import UNSTAGED_KEY
+from kvstore.wire import CAPPED_KEY, UNSTAGED_KEY
 
 STORE_LEASE_SAFETY = 0.8   # stop copying into a store lease after this fraction of its lifetime
 # a put's store leases, in blocks (the daemon's work is per block): the first small, so copying
@@ -274,10 +274,11 @@ class ShmPath:
 
         One load lease per window of ``LOAD_WINDOW_BLOCKS``: window k+1's lease is asked for
         before window k is copied, so the daemon pins and describes the next blocks while this
-        process copies. A
-        lease stops at the first block it cannot lease: that one is fetched over a stream when the
-        daemon says it is present but could not be staged, else it is a miss; the next window
-        starts after it (a lease asked for ahead from elsewhere is released unused)."""
+        process copies. A lease cut short at the tenant's lease budget (the daemon says so) is
+        asked for again from where it stopped, once this get's earlier lease is released. Any
+        other lease stops at the first block it cannot lease: that one is fetched over a stream
+        when the daemon says it is present but could not be staged, else it is a miss; the next
+        window starts after it (a lease asked for ahead from elsewhere is released unused)."""
         sizes: list[int | None] = [None] * len(hashes)
         start, span = 0, LOAD_WINDOW_BLOCKS
         ahead = None   # (start, stop, call): the next window's PrepareLoad, in flight while this one is copied
@@ -288,7 +289,8 @@ class ShmPath:
 
         try:
             while start < len(hashes):
-                if ahead is None or ahead[0] != start:
+                fresh = ahead is None or ahead[0] != start   # asked with none of our pins held
+                if fresh:
                     self._drop(ahead)
                     self.settle()  # our previous pins are released before we pin more (small arenas)
                     ahead = prepare(start, min(len(hashes), start + span))
@@ -325,6 +327,12 @@ class ShmPath:
                         sizes[i] = sinks[i].finish(size, codec)
                 stop = start + count
                 if stop == asked:   # the whole window leased: the next one goes on from here
+                    start = stop
+                    continue
+                if meta.get(CAPPED_KEY) and not (fresh and count == 0):
+                    # cut short at our tenant's lease budget, which our earlier window still held
+                    # part of: asked again from here once that is released (progress: a fresh
+                    # lease that gets nothing falls through to the stream below)
                     start = stop
                     continue
                 if meta.get(UNSTAGED_KEY) and stop < len(hashes):

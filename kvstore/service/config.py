@@ -176,6 +176,8 @@ class Settings(BaseSettings):
     # and act on every namespace (kvstore ns / evict / pin / prewarm / reload)
     # the most bytes one tenant may pin (kvstore pin); None: a quarter of the CPU tier
     max_pinned_bytes_per_tenant: Size | None = Field(None, ge=0, le=64 * TiB)
+    # the most of the CPU tier one tenant's open load leases may pin; None: half of it
+    max_leased_bytes_per_tenant: Size | None = Field(None, ge=0, le=64 * TiB)
     max_namespaces_per_tenant: int = Field(1024, ge=1, le=1 << 20)
     max_block_bytes: Size = Field(64 * MiB, ge=4 * KiB, le=1 * GiB)   # and at most 1/4 of the smallest tier
     tls_cert: str | None = None
@@ -292,7 +294,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 _SIZE_KEYS = {"max_message_bytes", "chunk_bytes", "cpu_bytes", "cpu_slot_bytes", "cpu_segment_bytes",
               "max_held_segment_bytes_per_tenant", "nvme_bytes", "gpu_bytes", "quotas", "max_block_bytes",
-              "max_pinned_bytes_per_tenant"}
+              "max_pinned_bytes_per_tenant", "max_leased_bytes_per_tenant"}
 
 
 # Settings that hold secrets. A bad value must not be echoed, nor, under ``tokens`` (token ->

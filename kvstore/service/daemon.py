@@ -139,7 +139,7 @@ class Daemon:
         finally:
             recovering.close()
         self.open_s = time.monotonic() - opened   # the store built: after a restart, its blocks recovered
-        self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit)
+        self.store.admin.set_limits(settings.quotas, settings.pinned_bytes_limit, settings.max_leased_bytes_per_tenant)
         self.metrics = Metrics(self.store)
         auth = Authenticator(settings.tokens, settings.admin_tenants)
         self.server, self.servicer, self.port = build_server(self.store, settings, auth, self.metrics)

@@ -130,7 +130,8 @@ class LeaseRpcs:
         stop = len(lease.extents)
         leased_out = sum(lease.sizes) if lease.sizes else ns.block_bytes * stop
         self.service.metrics.moved("out", "shm", leased_out)
-        self.service.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0])
+        self.service.identify(context, unstaged=stop < len(hashes) and self.store.contains(ns.id, [hashes[stop]])[0],
+                              capped=lease.capped)
         return self._lease_response(lease, self._public_lease(lease.id, context), False, ns.block_bytes)
 
     def CompleteLoad(self, request, context):

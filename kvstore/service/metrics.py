@@ -45,6 +45,8 @@ _STORE_COUNTERS = {
     "prewarmed": ("kvstore_prewarmed_blocks", "Blocks copied into the CPU tier by prewarm or pin"),
     "admin_dropped_blocks": ("kvstore_admin_dropped_blocks", "Blocks dropped by ns drop or evict"),
     "pins_refused_limit": ("kvstore_pins_refused", "Pins refused by max_pinned_bytes_per_tenant"),
+    "load_leases_capped": ("kvstore_load_leases_capped",
+                           "Load leases cut short at their tenant's share of the CPU tier (or all tenants')"),
 }
 
 

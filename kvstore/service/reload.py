@@ -25,7 +25,8 @@ from kvstore.store import Store
 log = logging.getLogger("kvstore.service.reload")
 
 #: what a reload applies; any other changed setting needs a restart
-RELOADABLE = ("tokens", "admin_tenants", "quotas", "max_pinned_bytes_per_tenant", "log_level")
+RELOADABLE = ("tokens", "admin_tenants", "quotas", "max_pinned_bytes_per_tenant", "max_leased_bytes_per_tenant",
+              "log_level")
 
 
 class Reloader:
@@ -61,7 +62,8 @@ class Reloader:
             self.settings = running = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
             if revoked := self.auth.replace(running.tokens, running.admin_tenants):
                 self.revoke(revoked)
-            self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit)
+            self.store.admin.set_limits(running.quotas, running.pinned_bytes_limit,
+                                        running.max_leased_bytes_per_tenant)
             logging.getLogger().setLevel(running.log_level)
             self.metrics.reloaded(True)
             log.info("reload: applied %s%s", ", ".join(applied) or "nothing (no change)",

@@ -27,7 +27,7 @@ from kvstore.store import Store
 from kvstore.transport.bulk_server import BulkServer
 from kvstore.transport.local_lookup import LocalLookupServer
 from kvstore.transport.segments import SegmentBroker
-from kvstore.wire import SERVER_ID_KEY, UNSTAGED_KEY
+from kvstore.wire import CAPPED_KEY, SERVER_ID_KEY, UNSTAGED_KEY
 
 PUT_RESULT = {"stored": pb.PUT_STORED, "exists": pb.PUT_EXISTS, "persisted": pb.PUT_PERSISTED}
 
@@ -112,12 +112,16 @@ class ServiceState:
                                  f"{ns.id.hex()} has {ns.block_bytes}-byte blocks (layout differs)")
         return ns
 
-    def identify(self, context, unstaged: bool = False) -> None:
+    def identify(self, context, unstaged: bool = False, capped: bool = False) -> None:
         """Tell a same-host client which daemon run answered: its arena mapping is only valid
         for that run (a restarted daemon has a new arena; stale offsets would be wrong bytes).
         ``unstaged``: a load stopped at a block that *is* present but could not be staged in the
-        arena right now (every slot pinned), so the client fetches it another way, not a miss."""
+        arena right now (every slot pinned), so the client fetches it another way, not a miss.
+        ``capped``: the load stopped at its tenant's lease budget (``leases``): once the client has
+        released its other load leases, it may ask for the rest again."""
         meta = [(SERVER_ID_KEY, self.server_id)]
         if unstaged:
             meta.append((UNSTAGED_KEY, "1"))
+        if capped:
+            meta.append((CAPPED_KEY, "1"))
         context.set_trailing_metadata(tuple(meta))

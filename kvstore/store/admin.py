@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import Entry
+from kvstore.store.leases import Leases
 from kvstore.store.namespaces import NamespaceRegistry
 from kvstore.store.pinned_prefixes import PinnedPrefixes
 from kvstore.store.transfers import ALREADY_WARM, WARMED
@@ -52,21 +53,26 @@ class Warmed:
 
 
 class StoreAdmin:
-    """The store's operator seam (``Store.admin``); ``pins`` holds ``kvstore pin``'s pinned prefixes."""
+    """The store's operator seam (``Store.admin``); ``pins`` holds ``kvstore pin``'s pinned prefixes;
+    ``leases`` are the store's, whose budget ``set_limits`` sets."""
 
-    def __init__(self, cascade: Cascade, namespaces: NamespaceRegistry) -> None:
+    def __init__(self, cascade: Cascade, namespaces: NamespaceRegistry, leases: Leases) -> None:
         self.cascade = cascade
         self.namespaces = namespaces
         self.pins = PinnedPrefixes(cascade)
+        self.leases = leases
 
     # -- limits changed while serving (reload) ----------------------------------------------------
 
-    def set_limits(self, quotas: Mapping[str, int], max_pinned_bytes_per_tenant: int | None) -> None:
-        """New per-tenant byte quotas and pin bound. Bytes already stored or pinned stay: a lower
-        limit only refuses what comes next."""
+    def set_limits(self, quotas: Mapping[str, int], max_pinned_bytes_per_tenant: int | None,
+                   max_leased_bytes_per_tenant: int | None = None) -> None:
+        """New per-tenant byte quotas, pin bound and load-lease budget (None: half the CPU tier,
+        ``leases.LEASED_SHARE``). Bytes already stored, pinned or leased stay: a lower limit only
+        refuses what comes next."""
         with self.cascade.lock:
             self.cascade.quotas.limits = dict(quotas)
             self.pins.limit_bytes = max_pinned_bytes_per_tenant
+            self.leases.limit_bytes = max_leased_bytes_per_tenant
 
     def quota_limits(self) -> dict[str, int]:
         """Tenant -> byte quota, for tenants that have one."""

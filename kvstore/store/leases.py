@@ -13,6 +13,15 @@
 
 A lease that is never completed expires (``expire``), so a crashed client cannot leak pins or
 slots. Lease ids are never reused within one store.
+
+Load leases have a budget: one tenant's open load leases hold at most ``limit_bytes`` of the CPU
+tier (the daemon's ``max_leased_bytes_per_tenant``; None: ``LEASED_SHARE`` of it), each leased
+block counted at its slot footprint, as often as it is leased. Why: a lease pins what it names,
+and a client may open leases as fast as it can call, each lasting ``lease_seconds``; without a
+bound one tenant could keep the whole tier pinned (no other tenant's put or promotion could enter
+it) and grow the lease table without end. A lease stops at the first block beyond the budget
+(counted as ``load_leases_capped``); the reader gets that block by value, as it gets any block a
+lease stops at.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ from kvstore.tiers.cpu import CpuTier
 #: copied into the arena under one lock acquisition
 STAGE_RUN = 16
 STAGE_BYTES = SCRATCH_KEEP_BYTES
+#: the most of the CPU tier one tenant's open load leases may pin unless ``Leases.limit_bytes`` says
+#: (a reader needs a window or two at a time; the rest stays open to other tenants' puts and promotions)
+LEASED_SHARE = 0.5
 
 
 @dataclasses.dataclass
@@ -51,6 +63,9 @@ class Lease:
     extents: list[list[Extent] | None]
     codecs: list[int] = dataclasses.field(default_factory=list)   # load: each block's codec id
     sizes: list[int] = dataclasses.field(default_factory=list)    # load: each block's stored bytes
+    tenant: str = ""              # load: whose budget it is charged to
+    charged: int = 0              # load: the CPU-tier footprints it holds of that budget
+    capped: bool = False          # load: it stopped at that budget
 
 
 class Leases:
@@ -60,6 +75,31 @@ class Leases:
         self._cascade = cascade
         self._open: dict[int, Lease] = {}
         self._ids = itertools.count(1)
+        self._leased: dict[str, int] = {}   # tenant -> footprints its open load leases hold
+        self.limit_bytes: int | None = None   # per tenant (module docstring); set by ``StoreAdmin.set_limits``
+
+    def leased_bytes(self, tenant: str) -> int:
+        """What ``tenant``'s open load leases hold of the CPU tier."""
+        with self._cascade.lock:
+            return self._leased.get(tenant, 0)
+
+    def _room(self, tenant: str, cpu: CpuTier) -> int:
+        """The bytes ``tenant`` may still lease (see the module docstring). Caller holds the lock."""
+        limit = int(cpu.capacity_bytes * LEASED_SHARE) if self.limit_bytes is None else self.limit_bytes
+        return max(0, limit - self._leased.get(tenant, 0))
+
+    def _charge(self, lease: Lease, nbytes: int) -> None:
+        """Add ``nbytes`` (negative: give back) to what ``lease`` holds of its tenant's budget.
+        Caller holds the lock."""
+        if not nbytes:
+            return
+        lease.charged += nbytes
+        held = self._leased.get(lease.tenant, 0) + nbytes
+        assert held >= 0 and lease.charged >= 0, "a load lease gave back more than it held"
+        if held:
+            self._leased[lease.tenant] = held
+        else:
+            del self._leased[lease.tenant]
 
     def __len__(self) -> int:
         return len(self._open)
@@ -210,20 +250,23 @@ class Leases:
         are taken a run at a time under one lock acquisition. Blocks to stage are taken a run of
         up to ``STAGE_RUN`` blocks (and ``STAGE_BYTES``) of one source tier at a time: pinned under
         the lock, then copied into the arena as any copy between tiers is (``Cascade.copy_out_many``:
-        read several at once, no other caller waiting on this one's disk), then leased in order."""
+        read several at once, no other caller waiting on this one's disk), then leased in order.
+        Also stops at the first block beyond the tenant's lease budget (module docstring)."""
         cascade = self._cascade
-        cascade.namespaces.check_batch(namespace_id, hashes)
-        c, _ = self._cpu_tier()
-        lease = Lease(0, "load", [], float("inf"), [])
+        ns = cascade.namespaces.check_batch(namespace_id, hashes)
+        c, cpu = self._cpu_tier()
+        lease = Lease(0, "load", [], float("inf"), [], tenant=ns.tenant)
         entries = cascade.index.entries
         i, stopped = 0, False
         try:
             while i < len(hashes) and not stopped:
                 staging: list = []   # pinned entries whose copies are read from tier ``src``
+                staging_charge: list[int] = []   # the footprint each is charged
                 staged_bytes = src = 0
                 with cascade.lock:
                     leased: list = []   # blocks with a CPU copy, leased below at once (pins, touches, counts)
                     held: list[tuple[int, int]] = []   # (stored size, codec) of each one's CPU copy
+                    room, charged, footprint = self._room(ns.tenant, cpu), 0, {}   # footprint: by stored size
                     while i < len(hashes):
                         entry = entries.get(namespace_id + hashes[i])   # cascade.pin, inlined: hot
                         if entry is None or not entry.visible:
@@ -238,8 +281,14 @@ class Leases:
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES
                                             or t != src):
                                 break
+                            charge = footprint.get(size) or footprint.setdefault(size, cpu.footprint(size))
+                            if charge > room:
+                                stopped = self._capped(lease, not staging)
+                                break
+                            room, charged = room - charge, charged + charge
                             src = t
                             staging.append(cascade.pin_entry(entry))
+                            staging_charge.append(charge)
                             staged_bytes += size
                             i += 1
                             continue
@@ -250,24 +299,42 @@ class Leases:
                             # it; the server reads such blocks for it through get_into instead
                             stopped = True
                             break
+                        size = stored[0]
+                        charge = footprint.get(size) or footprint.setdefault(size, cpu.footprint(size))
+                        if charge > room:
+                            stopped = self._capped(lease, True)
+                            break
+                        room, charged = room - charge, charged + charge
                         leased.append(entry)
                         held.append(stored)
                         i += 1
                     cascade.pin_all(leased)
                     self._lease_held(lease, leased, held, c, c)
+                    self._charge(lease, charged)
                 if staging:
-                    stopped = not self._stage_run(staging, src, c, accept, lease)
+                    stopped = not self._stage_run(staging, staging_charge, src, c, accept, lease)
         except BaseException:
-            cascade.unpin_keys(lease.keys)
+            self._end_load(lease)
             raise
         return self._register(lease)
 
-    def _stage_run(self, staging: list, src: int, c: int, accept: Collection[int], lease: Lease) -> bool:
+    def _capped(self, lease: Lease, now: bool) -> bool:
+        """``lease`` reached its tenant's budget; ``now``: it stops here, counted (else after the
+        run being staged, whose next block meets the budget again). Caller holds the lock."""
+        if now:
+            lease.capped = True
+            self._cascade.counters["load_leases_capped"] += 1
+        return now
+
+    def _stage_run(self, staging: list, charged: list[int], src: int, c: int, accept: Collection[int],
+                   lease: Lease) -> bool:
         """Give each pinned entry of ``staging`` a copy in the CPU tier ``c`` from its copy in tier
         ``src`` (``Cascade.copy_out_many``) and lease it, in order; False at the first that cannot
         be (a damaged copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with
         a codec the reader does not take): it and the rest are unpinned (on any exit, so no pin
-        outlives a failure), and the reader is told it was not staged (it fetches it over a stream)."""
+        outlives a failure), and the reader is told it was not staged (it fetches it over a stream).
+        ``charged``: each one's footprint charged to the lease ahead, from its source copy's size;
+        the lease is then charged what the staged copies hold instead."""
         cascade = self._cascade
         held: list[tuple[int, int]] = []
         try:
@@ -279,6 +346,7 @@ class Leases:
                         break
                     held.append(stored)
                 self._lease_held(lease, staging[:len(held)], held, c, src)
+                self._charge(lease, _footprints(cascade.tiers[c], held) - sum(charged))
         finally:
             if len(held) < len(staging):
                 with cascade.lock:
@@ -301,8 +369,13 @@ class Leases:
         lease.codecs += [codec for _, codec in held]
 
     def complete_load(self, lease_id: int) -> None:
-        lease = self._take(lease_id, "load")
-        self._cascade.unpin_keys(lease.keys)
+        self._end_load(self._take(lease_id, "load"))
+
+    def _end_load(self, lease: Lease) -> None:
+        """Release a load lease's pins and give back what it held of its tenant's budget."""
+        with self._cascade.lock:
+            self._cascade.unpin_keys(lease.keys)
+            self._charge(lease, -lease.charged)
 
     # -- the lease table -------------------------------------------------------------------------
 
@@ -331,8 +404,13 @@ class Leases:
                 del self._open[lease.id]
         for lease in dead:
             if lease.kind == "load":
-                cascade.unpin_keys(lease.keys)
+                self._end_load(lease)
             else:
                 self.cancel_store(lease)
         cascade.count("leases_expired", len(dead))
         return len(dead)
+
+
+def _footprints(cpu: CpuTier, held: list[tuple[int, int]]) -> int:
+    """What copies of these (stored size, codec) hold of the CPU tier: their slot footprints."""
+    return sum(cpu.footprint(size) for size, _ in held)

@@ -68,7 +68,7 @@ class Store:
         self.durable_index = self._cascade.durable_index
         self.cpu_index = self._cascade.cpu_index
         recover(self._cascade, on_recovery)
-        self.admin = StoreAdmin(self._cascade, self._namespaces)  # operator commands (admin.py)
+        self.admin = StoreAdmin(self._cascade, self._namespaces, self.leases)  # operator commands (admin.py)
         self._slack_warned: set[int] = set()   # block sizes already judged
 
     # -- namespaces ------------------------------------------------------------------------------
@@ -396,7 +396,8 @@ class Store:
                           for t, p in zip(self.tiers, self.policies)},
                 "counters": {**self.counters, **self._namespaces.stats()},
                 "tenants": {tenant: {"namespaces": n, "charged_bytes": quotas.charged.get(tenant, 0),
-                                     "quota_bytes": quotas.limits.get(tenant)}
+                                     "quota_bytes": quotas.limits.get(tenant),
+                                     "leased_bytes": self.leases.leased_bytes(tenant)}
                             for tenant, n in per_tenant.items()},
             }
 
