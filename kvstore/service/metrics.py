@@ -46,7 +46,7 @@ _STORE_COUNTERS = {
     "admin_dropped_blocks": ("kvstore_admin_dropped_blocks", "Blocks dropped by ns drop or evict"),
     "pins_refused_limit": ("kvstore_pins_refused", "Pins refused by max_pinned_bytes_per_tenant"),
     "load_leases_capped": ("kvstore_load_leases_capped",
-                           "Load leases cut short at their tenant's share of the CPU tier (or all tenants')"),
+                           "Load leases cut short at max_leased_bytes_per_tenant"),
 }
 
 
