@@ -261,8 +261,7 @@ class Leases:
         try:
             while i < len(hashes) and not stopped:
                 staging: list = []   # pinned entries whose copies are read from tier ``src``
-                staging_charge: list[int] = []   # the footprint each is charged
-                staged_bytes = src = 0
+                staged_bytes = src = staged_charge = 0   # staged_charge: the footprints charged for them
                 with cascade.lock:
                     leased: list = []   # blocks with a CPU copy, leased below at once (pins, touches, counts)
                     held: list[tuple[int, int]] = []   # (stored size, codec) of each one's CPU copy
@@ -281,38 +280,34 @@ class Leases:
                             if staging and (len(staging) == STAGE_RUN or staged_bytes + size > STAGE_BYTES
                                             or t != src):
                                 break
-                            charge = footprint.get(size) or footprint.setdefault(size, cpu.footprint(size))
-                            if charge > room:
-                                stopped = self._capped(lease, not staging)
+                        else:
+                            if staging:
+                                break   # the run to stage ends here; this block is leased after it
+                            if stored[1] != 0 and stored[1] not in accept:
+                                # an encoded arena copy is not the block's bytes to a reader that cannot
+                                # decode it; the server reads such blocks for it through get_into instead
+                                stopped = True
                                 break
-                            room, charged = room - charge, charged + charge
-                            src = t
-                            staging.append(cascade.pin_entry(entry))
-                            staging_charge.append(charge)
-                            staged_bytes += size
-                            i += 1
-                            continue
-                        if staging:
-                            break   # the run to stage ends here; this block is leased after it
-                        if stored[1] != 0 and stored[1] not in accept:
-                            # an encoded arena copy is not the block's bytes to a reader that cannot decode
-                            # it; the server reads such blocks for it through get_into instead
-                            stopped = True
-                            break
-                        size = stored[0]
+                            size = stored[0]
                         charge = footprint.get(size) or footprint.setdefault(size, cpu.footprint(size))
                         if charge > room:
-                            stopped = self._capped(lease, True)
+                            stopped = self._capped(lease, not staging)
                             break
                         room, charged = room - charge, charged + charge
-                        leased.append(entry)
-                        held.append(stored)
                         i += 1
+                        if stored is None:
+                            src = t
+                            staging.append(cascade.pin_entry(entry))
+                            staged_bytes += size
+                            staged_charge += charge
+                        else:
+                            leased.append(entry)
+                            held.append(stored)
                     cascade.pin_all(leased)
                     self._lease_held(lease, leased, held, c, c)
                     self._charge(lease, charged)
                 if staging:
-                    stopped = not self._stage_run(staging, staging_charge, src, c, accept, lease)
+                    stopped = not self._stage_run(staging, staged_charge, src, c, accept, lease)
         except BaseException:
             self._end_load(lease)
             raise
@@ -326,14 +321,14 @@ class Leases:
             self._cascade.counters["load_leases_capped"] += 1
         return now
 
-    def _stage_run(self, staging: list, charged: list[int], src: int, c: int, accept: Collection[int],
+    def _stage_run(self, staging: list, charged: int, src: int, c: int, accept: Collection[int],
                    lease: Lease) -> bool:
         """Give each pinned entry of ``staging`` a copy in the CPU tier ``c`` from its copy in tier
         ``src`` (``Cascade.copy_out_many``) and lease it, in order; False at the first that cannot
         be (a damaged copy: dropped, counted; a failed read; no room; gone meanwhile; encoded with
         a codec the reader does not take): it and the rest are unpinned (on any exit, so no pin
         outlives a failure), and the reader is told it was not staged (it fetches it over a stream).
-        ``charged``: each one's footprint charged to the lease ahead, from its source copy's size;
+        ``charged``: their footprints charged to the lease ahead, from their source copies' sizes;
         the lease is then charged what the staged copies hold instead."""
         cascade = self._cascade
         held: list[tuple[int, int]] = []
@@ -346,7 +341,7 @@ class Leases:
                         break
                     held.append(stored)
                 self._lease_held(lease, staging[:len(held)], held, c, src)
-                self._charge(lease, _footprints(cascade.tiers[c], held) - sum(charged))
+                self._charge(lease, _footprints(cascade.tiers[c], held) - charged)
         finally:
             if len(held) < len(staging):
                 with cascade.lock:
