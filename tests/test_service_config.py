@@ -104,6 +104,26 @@ def test_generated_stubs_are_current():
     assert r.returncode == 0, r.stderr
 
 
+def test_declared_dependencies_match_what_the_stubs_check_at_import():
+    """The generated stubs refuse, at import, a grpcio older than the generator and a protobuf
+    runtime older than its protoc, so pyproject's floors must be those very versions, and the
+    generator is pinned to the one that wrote them (a newer grpcio-tools rewrites the version
+    stamp, and the check above would call the checked-in stubs stale)."""
+    import re
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["test"]
+    grpc_source = open(os.path.join(REPO, "proto", "kvstore_pb2_grpc.py")).read()
+    grpc_stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_source).group(1)
+    pb2_source = open(os.path.join(REPO, "proto", "kvstore_pb2.py")).read()
+    pb_stamp = re.search(r"# Protobuf Python Version: ([0-9.]+)", pb2_source).group(1)
+    assert f"grpcio>={grpc_stamp}" in deps
+    assert f"grpcio-tools=={grpc_stamp}" in deps
+    assert any(d.startswith(f"protobuf>={pb_stamp}") for d in deps), deps
+
+
 def test_stub_imports_its_messages_from_the_package():
     import kvstore.proto.kvstore_pb2_grpc as grpc_stub
     source = open(grpc_stub.__file__).read()
