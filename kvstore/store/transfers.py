@@ -63,9 +63,14 @@ class Transfers:
         (nobody else writes it down). Best effort: it returns once there
         is room, or leaves what it could not do (every block pinned, a race lost to another put, a
         tier split by tenant) to the caller's ``make_room``. It stops where the policy names a key
-        of ``keep`` (a put's parents: one by one, they would not be victims). Takes the lock itself."""
-        if not self.writes_down_slowly(t):
-            return
+        of ``keep`` (a put's parents: one by one, they would not be victims). Where evicting from
+        tier ``t`` is no I/O (the last tier drops its victims; a memory tier demotes them into the
+        memory tier below), room for several ``blocks`` is made the same way, each victim evicted
+        under the lock as named: a run of puts into a full tier then goes in as one run, not block
+        by block. Takes the lock itself."""
+        slow = self.writes_down_slowly(t)
+        if not slow and blocks == 1:
+            return   # ``make_room`` evicts it under the caller's lock
         tier, policy = self.cascade.tiers[t], self.cascade.index.policies[t]
         try:
             need = tier.footprint(nbytes) * blocks
@@ -96,8 +101,12 @@ class Transfers:
                             break
                         left -= 1
                         entry = self.cascade.index.entries[key]
-                        if any(i > t for i in entry.copies):   # a copy below already: evicting is a drop
-                            self.cascade.evict_copy(t, key)
+                        if not slow or any(i > t for i in entry.copies):   # a drop, or a copy in memory
+                            try:
+                                self.cascade.evict_copy(t, key)
+                            except RoomNotReady:   # the memory tier below must write one down first:
+                                left = 0           # ``make_room``'s callers do that
+                                break
                             free = tier.free_bytes_for(namespace_id)
                             continue
                         self.cascade.pin_entry(entry)
