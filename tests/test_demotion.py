@@ -60,9 +60,10 @@ class HeldIO:
 
 
 class HeldNvme(HeldIO, NvmeTier):
-    def punch(self, key, slab, slot) -> None:   # erasing a dropped block's slot
-        self._wait(key)
-        super().punch(key, slab, slot)
+    def punch(self, slab, dropped) -> None:   # erasing dropped blocks' slots
+        for key, _ in dropped:
+            self._wait(key)
+        super().punch(slab, dropped)
 
 
 class HeldRedis(HeldIO, RedisTier):

@@ -19,6 +19,7 @@ from kvstore.store import store as store_module
 from kvstore.store.cascade import Cascade
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.nvme import HEADER_BYTES, NvmeTier
+from proc_io import process_write_calls
 
 SLOT = 64 * 1024
 BLOCK = 2 * SLOT
@@ -329,11 +330,6 @@ def test_a_completed_store_lease_writes_through_what_the_writer_put_in_the_slots
     store.close()
 
 
-def _process_write_calls() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("syscw:")).split()[1])
-
-
 def test_a_put_into_a_full_lru_tier_writes_its_victims_down_together(tmp_path):
     """A chain longer than a full LRU CPU tier: room for each run is made before it, its victims
     written to NVMe in a few large writes rather than one write each; every block is served exact
@@ -343,9 +339,9 @@ def test_a_put_into_a_full_lru_tier_writes_its_victims_down_together(tmp_path):
         first = chain(8)
         store.put(ns, first, [data(h) for h in first])   # the CPU tier full
         rest = chain(32, start=100_000)
-        before = _process_write_calls()
+        before = process_write_calls()
         assert store.put(ns, rest, [data(h) for h in rest]) == ["stored"] * 32
-        writes = _process_write_calls() - before
+        writes = process_write_calls() - before
         demoted = store.stats()["counters"]["demotions"]
         assert demoted == 32 and writes <= demoted // 2, (writes, demoted)   # two calls per batch: slots, records
         assert {s.block_hash for s in store.block_states() if 0 in s.tiers} == set(rest[-8:])
@@ -367,9 +363,9 @@ def test_a_put_into_a_full_prefix_tier_writes_older_chains_down_together(tmp_pat
         for c in old:
             store.put(ns, c, [data(h) for h in c])   # the CPU tier full of four chains
         new = chain(24, start=100_000)
-        before = _process_write_calls()
+        before = process_write_calls()
         assert store.put(ns, new, [data(h) for h in new]) == ["stored"] * 24
-        writes = _process_write_calls() - before
+        writes = process_write_calls() - before
         demoted = store.stats()["counters"]["demotions"]
         assert demoted == 24 and writes <= demoted // 2, (writes, demoted)
         assert {s.block_hash for s in store.block_states() if 0 in s.tiers} == set(old[3] + new)

@@ -468,18 +468,22 @@ class NvmeTier(Tier):
             return
         with self._lock:
             punching, self._to_punch = self._to_punch, []
+        by_slab: dict[Slab, list[tuple[bytes, int]]] = {}
         for key, slab, slot in punching:
-            self.punch(key, slab, slot)
+            by_slab.setdefault(slab, []).append((key, slot))
+        for slab, dropped in by_slab.items():
+            self.punch(slab, dropped)
         with self._lock:
             for _, slab, slot in punching:
                 slab.give_back(slot)
                 if not slab.used:
                     self._retire(slab)
 
-    def punch(self, key: bytes, slab: Slab, slot: int) -> None:
-        """Erase dropped block ``key``'s slot on disk (``Slab.punch``): the slot's next block never
-        sits behind a stale header, and a restart does not bring the block back."""
-        slab.punch(slot)
+    def punch(self, slab: Slab, dropped: list[tuple[bytes, int]]) -> None:
+        """Erase the slots of ``slab``'s dropped blocks (``(key, slot)`` each) on disk, together
+        (``Slab.punch``): a slot's next block never sits behind a stale header, and a restart does
+        not bring a dropped block back."""
+        slab.punch([slot for _, slot in dropped])
 
     def _retire(self, slab: Slab) -> None:
         """Forget an empty slab and delete its file (under the lock: no block is in it, so no read

@@ -151,7 +151,7 @@ class SlabFinder:
                                                               checksum, page))):
                 self._dropped += 1
                 rows[slot] = 0
-                slab.punch(slot)
+                slab.punch([slot])
                 continue
             keys.add(key)
             room -= slab.slot_bytes

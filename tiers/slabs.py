@@ -33,6 +33,7 @@ import heapq
 import os
 import re
 import secrets
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -220,30 +221,37 @@ class Slab:
         if self.records_fd >= 0:
             os.fdatasync(self.records_fd)
 
-    def punch(self, slot: int) -> None:
-        """Release a dropped block's disk space and erase it, so no restart finds it: its record
-        is zeroed first, then its slot punched (a punched range reads back as zeros). Where the
-        filesystem cannot punch, the header page is overwritten with zeros instead (the space is
-        reused by the slot's next block)."""
-        if self.fd < 0:
+    def punch(self, slots: Sequence[int]) -> None:
+        """Release dropped blocks' disk space and erase them, so no restart finds them: their
+        records are zeroed first, then their slots punched (a punched range reads back as zeros),
+        each run of neighbouring slots with one write and one punch (evictions free their slots
+        in runs: a put's victims were written together). Where the filesystem cannot punch, each
+        slot's header page is overwritten with zeros instead (the space is reused by the slot's
+        next block)."""
+        if self.fd < 0 or not slots:
             return
+        runs = _neighbour_runs(sorted(set(slots)))
         if self.records_fd >= 0:
-            try:
-                self.write_records_at(slot, [b""], durable=False)
-            except OSError:
-                pass   # best effort, as below: the slot's own header is erased next
-        off, n = self.offset(slot), self.slot_bytes
+            for first, count in runs:
+                try:
+                    self.write_records_at(first, [b""] * count, durable=False)
+                except OSError:
+                    pass   # best effort, as below: the slot's own header is erased next
         try:
             wfd = self.writer()
         except OSError:
             return   # best effort (a read-only filesystem): a header left behind is a block the index no longer names
         try:
-            _fallocate(wfd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n)
-        except OSError:
-            try:
-                os.pwrite(wfd, _zero_page(), off)
-            except OSError:
-                pass
+            for first, count in runs:
+                try:
+                    _fallocate(wfd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, self.offset(first),
+                               count * self.slot_bytes)
+                except OSError:
+                    for slot in range(first, first + count):
+                        try:
+                            os.pwrite(wfd, _zero_page(), self.offset(slot))
+                        except OSError:
+                            pass
         finally:
             os.close(wfd)
 
@@ -258,6 +266,17 @@ class Slab:
             if fd >= 0:
                 os.close(fd)
         self.fd = self.records_fd = -1
+
+
+def _neighbour_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted, distinct ``slots`` as (first, count) runs of neighbours."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
 
 
 def _same_file(fd: int, path: str) -> bool:
