@@ -10,7 +10,9 @@ one preallocated file (no fsync each: what a write-back demotion needs). Then th
 and opened again on the same directory (warm restart: the index rebuilt from the slabs' record files),
 timed; and once more under ``tracemalloc`` for the bytes the index holds per recovered block
 (every byte allocated while the store opens, over the blocks recovered), and where they are (by
-allocation site).
+allocation site). Then, per policy, puts once both tiers are full (``steady``: ``--steady-blocks``
+more blocks into an NVMe tier sized for that many, each demoting one block and dropping one),
+against raw O_DIRECT writes of as many blocks.
 Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/scale).
 """
 
@@ -126,6 +128,43 @@ def run(blocks: int, directory: str, policy: str, raw_s: float) -> dict:
     }
 
 
+def steady(blocks: int, directory: str, policy: str, raw_s: float) -> dict:
+    """Puts once both tiers are full (a long-running node's steady state): an NVMe tier sized for
+    ``blocks`` blocks under the 64 MiB CPU tier, ``blocks`` put to fill both, then ``blocks`` more
+    timed, each demoting one CPU block and dropping one NVMe block; against ``raw_s`` seconds of
+    raw O_DIRECT writes of as many blocks."""
+    work = tempfile.mkdtemp(prefix="bench-scale-steady-", dir=directory)
+    try:
+        store = Store([CpuTier(CPU_BYTES, slot_bytes=BLOCK), NvmeTier(os.path.join(work, "nvme"),
+                                                                       blocks * (HEADER_BYTES + BLOCK))],
+                      StoreConfig(eviction_policy=policy))
+        ns = store.register_namespace(Namespace(layout()))
+        sources = [np.random.default_rng(k).integers(0, 256, BLOCK, dtype=np.uint8) for k in range(8)]
+        hasher = ChainHasher()
+
+        def put(first: int, count: int) -> None:
+            for start in range(first, first + count, CHAIN):
+                n = min(CHAIN, first + count - start)
+                hashes = hasher.chain(np.arange(16 * n) + 16 * start, 16)
+                if store.put(ns, hashes, [sources[k % 8] for k in range(n)]).count("stored") != n:
+                    raise RuntimeError("a steady-state put was refused")
+            store.tiers[-1].sync()
+
+        filled = blocks + CPU_BYTES // BLOCK   # both tiers' blocks
+        put(0, filled)
+        evicted_before = store.stats()["counters"].get("evictions", 0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        put(filled, blocks)
+        put_s, put_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        evictions = store.stats()["counters"].get("evictions", 0) - evicted_before
+        store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"blocks": blocks, "policy": policy, "put_s": put_s, "put_cpu_s": put_cpu_s, "evictions": evictions,
+            "put_blocks_per_s": blocks / put_s, "put_gbps": blocks * BLOCK / put_s / 1e9,
+            "raw_o_direct_gbps": blocks * BLOCK / raw_s / 1e9, "vs_raw_o_direct": raw_s / put_s}
+
+
 def markdown(r: dict) -> str:
     m, runs = r["machine"], r["scale"]
     sizes = " ".join(dict.fromkeys(str(x["blocks"]) for x in runs))
@@ -164,6 +203,16 @@ def markdown(r: dict) -> str:
           + ", ".join(f"{site} {b:.0f}" for site, b in x["index_bytes_per_block_by_site"]) + "."
           for x in runs if "index_bytes_per_block_by_site" in x],
         "",
+        *([f"Puts once both tiers are full (`--steady-blocks {r['steady'][0]['blocks']}`: an NVMe tier sized for "
+           f"{r['steady'][0]['blocks']:,} blocks under the CPU tier, filled, then as many more blocks timed, each "
+           "demoting one CPU block and dropping one NVMe block, one flush at the end counted), against raw O_DIRECT "
+           "writes of as many blocks:",
+           "",
+           "| policy | steady-state puts | vs raw O_DIRECT | NVMe blocks dropped | CPU time of the process |",
+           "|---|---|---|---|---|"]
+          + [f"| {x['policy']} | {x['put_blocks_per_s']:,.0f} blocks/s, {x['put_gbps']:.3f} GB/s "
+             f"| {x['vs_raw_o_direct']:.2f}x | {x['evictions']:,} | {x['put_cpu_s']:.1f} s of {x['put_s']:.1f} s |"
+             for x in r["steady"]] + [""] if r.get("steady") else []),
         *[f"Under {p}, warm restart grows by {_marginal(rs):.2f} s ({_marginal_cpu(rs):.2f} s of CPU) per 100k "
           f"more blocks recovered from {rs[0]['recovered_blocks']:,} to {rs[-1]['recovered_blocks']:,} (the rest "
           "is a fixed cost: the CPU tier's arena, the NVMe directory's checks)."
@@ -188,6 +237,8 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["lru", "prefix"], help="eviction policies, each run in turn")
     ap.add_argument("--dir", default="/var/tmp", help="where the NVMe tier and the raw file go")
     ap.add_argument("--out", default=None, help="output prefix (default benchmarks/results/scale)")
+    ap.add_argument("--steady-blocks", type=int, default=100_000,
+                    help="blocks the NVMe tier holds in the steady-state run, and blocks timed there (0: none)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     load = lambda: " ".join(f"{v:.1f}" for v in os.getloadavg())   # noqa: E731
@@ -200,6 +251,17 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
         for policy in args.policies:
             results["scale"].append(run(n, args.dir, policy, raw_s))
+            results["load_after"] = load()
+            write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
+    if args.steady_blocks:
+        scratch = tempfile.mkdtemp(prefix="bench-scale-raw-", dir=args.dir)
+        try:
+            raw_s = raw_o_direct_writes(scratch, args.steady_blocks)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        results["steady"] = []
+        for policy in args.policies:
+            results["steady"].append(steady(args.steady_blocks, args.dir, policy, raw_s))
             results["load_after"] = load()
             write_report(args.out or os.path.join(here, "results", "scale"), results, markdown)
 

@@ -11,8 +11,9 @@ Writes ``PREFIX.json`` and ``PREFIX.md`` (default benchmarks/results/store, or s
 
 ``--small-only``: 64 KiB blocks, 64 per call, through a Store over a CPU tier, in this thread's CPU
 time per block against memcpy (the goal: >= 0.8x) and against the same copies in a CPU tier's own
-/dev/shm arena; then the index's bytes per block put into a running CPU tier (``tracemalloc``,
-lru and prefix). Writes results/store-small.
+/dev/shm arena; then puts into a full CPU tier, each block evicting one (lru and prefix), against
+memcpy and against the same puts into an empty tier; then the index's bytes per block put into a
+running CPU tier (``tracemalloc``, lru and prefix). Writes results/store-small.
 """
 
 from __future__ import annotations
@@ -198,6 +199,53 @@ def bench_small_blocks(reps: int, n: int) -> dict[str, float]:
             "get_bookkeeping_us_per_block": us["get_gbps"] - us["get_ceiling_gbps"]}
 
 
+def bench_full_tier_puts(reps: int, n: int, policy: str) -> dict:
+    """Puts into a full CPU tier with nothing below it (a cache in its steady state: each new
+    block evicts one): ``n`` blocks of 64 KiB, one chain per round, ``SMALL_BATCH`` per put call,
+    into a tier of ``n`` slots the warm-up round filled; this thread's CPU time per block against
+    memcpy of the same blocks in the same round, and against puts of the same blocks into the
+    same tier empty (each round's blocks deleted again), also in the same round."""
+    memcpy = ceilings.MemcpyPass(SMALL, count=n, working_set=n * SMALL)
+    store = Store([CpuTier(n * SMALL, slot_bytes=SMALL)], StoreConfig(promote_on_hit=False, eviction_policy=policy))
+    empty = Store([CpuTier(n * SMALL, slot_bytes=SMALL)], StoreConfig(promote_on_hit=False, eviction_policy=policy))
+    ns = store.register_namespace(Namespace(layout(SMALL)))
+    ns_empty = empty.register_namespace(Namespace(layout(SMALL)))
+    sources = payload_pool(SMALL, 8)
+    hasher = ChainHasher()
+    cpu: dict[str, list[float]] = {"copy": [], "full": [], "empty": []}
+
+    def put_all(into: Store, namespace: bytes, hashes: list[bytes]) -> None:
+        for i in range(0, n, SMALL_BATCH):
+            results = into.put(namespace, hashes[i:i + SMALL_BATCH],
+                               [sources[j % len(sources)] for j in range(i, min(n, i + SMALL_BATCH))],
+                               parent=hashes[i - 1] if i else None)
+            if results.count("stored") != len(results):
+                raise RuntimeError("benchmark put refused")
+
+    try:
+        for r in range(reps + 1):
+            hashes = hasher.chain(np.arange(16 * n) + r * 16 * n, 16)
+            _, c_copy = thread_cpu(memcpy)
+            _, c_full = thread_cpu(lambda: put_all(store, ns, hashes))
+            _, c_empty = thread_cpu(lambda: put_all(empty, ns_empty, hashes))
+            empty.delete(ns_empty, hashes)
+            if r:
+                for k, v in (("copy", c_copy), ("full", c_full), ("empty", c_empty)):
+                    cpu[k].append(v)
+        evictions = store.stats()["counters"]["evictions"]
+        if evictions != reps * n:
+            raise RuntimeError(f"expected {reps * n} evictions, saw {evictions}")
+        out = np.zeros(SMALL, dtype=np.uint8)
+        if store.get_into(ns, hashes[-1:], [out]) != [SMALL] or not np.array_equal(out, sources[(n - 1) % 8]):
+            raise RuntimeError("benchmark read back wrong bytes")
+    finally:
+        store.close()
+        empty.close()
+    us = {k: statistics.median(v) / n * 1e6 for k, v in cpu.items()}
+    return {"policy": policy, "blocks": n, "batch": SMALL_BATCH, "evictions": evictions, "cpu_us_per_block": us,
+            "ratio": us["copy"] / us["full"], "vs_empty": us["empty"] / us["full"]}
+
+
 #: blocks put for the live index's bytes (``live_index_bytes``), and their size (the index does not
 #: depend on it: small blocks keep the arena small)
 LIVE_BLOCKS = 100_000
@@ -272,7 +320,17 @@ def small_markdown(r: dict) -> str:
         f"| the arena into outputs | {c['arena_get']:.1f} | get {c['arena_get'] / c['get']:.2f}x "
         f"| {c['get'] - c['arena_get']:.1f} |",
         "",
-    ] if "arena_put" in c else []) + [
+    ] if "arena_put" in c else []) + ([
+        "Puts into a full CPU tier with nothing below it (a cache's steady state: each new block evicts the "
+        f"one its policy names), {r['full_tier'][0]['blocks']} blocks of 64 KiB a round, one chain, "
+        f"{SMALL_BATCH} per call; CPU time in the same rounds as memcpy of the same blocks and as the same puts "
+        "into the same tier empty:",
+        "",
+        "| policy | CPU us per block | vs memcpy | vs the same puts into an empty tier | evictions |",
+        "|---|---|---|---|---|",
+    ] + [f"| {f['policy']} | {f['cpu_us_per_block']['full']:.1f} | {f['ratio']:.2f}x | {f['vs_empty']:.2f}x "
+         f"({f['cpu_us_per_block']['empty']:.1f} us) | {f['evictions']:,} |" for f in r["full_tier"]] + [""]
+        if "full_tier" in r else []) + [
         f"Index bytes per block put into a running CPU tier (``tracemalloc`` over {x['blocks']:,} puts of "
         f"{LIVE_BLOCK // 1024} KiB blocks, {SMALL_BATCH} per call, no restart), eviction policy {x['policy']}: "
         f"{x['bytes_per_block']:.0f} bytes; largest sites: "
@@ -334,6 +392,8 @@ def main() -> None:
         reps = 3 if args.quick else 7
         results = {"machine": machine_facts(args.dir), "reps": reps, "load": os.getloadavg(),
                    "small": bench_small_blocks(reps, 1024 if args.quick else 4096), "load_end": os.getloadavg()}
+        results["full_tier"] = [bench_full_tier_puts(reps, 1024 if args.quick else 4096, policy)
+                                for policy in ("lru", "prefix")]
         results["live_index"] = [live_index_bytes(LIVE_BLOCKS // (5 if args.quick else 1), policy)
                                  for policy in ("lru", "prefix")]
         write_report(args.out or os.path.join(here, "results", "store-small"), results, small_markdown)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 
 from kvstore.ops.machine import machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
@@ -14,6 +16,9 @@ def test_machine_line_states_this_machine_and_the_load_given(tmp_path):
     assert line.startswith(f"Machine: {m['cpu_model']}, {m['cores_usable']} usable cores, {m['ram_gib']} GiB RAM, ")
     assert f"kernel {platform.release()}, Python {platform.python_version()}, numpy {m['numpy']}" in line
     assert f"directory {tmp_path} on {m['dir_fs_type']}" in line
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    assert m["kvstore_commit"].rstrip("+") == head.strip() and f"; kvstore at {m['kvstore_commit']}; " in line
     assert line.endswith("; load average 0.5 at start, 12.3 at end")
 
 

@@ -55,8 +55,27 @@ def _version(module: str) -> str | None:
     return getattr(m, "__version__", getattr(m, "VERSION", "?"))
 
 
+def _kvstore_commit() -> str | None:
+    """The commit of the checkout this kvstore was imported from (short), ``+`` after it where
+    that checkout has uncommitted changes; None outside a git checkout: what a result measured."""
+    import kvstore
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        changed = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+" if changed.stdout.strip() else "")
+
+
 def machine_facts(directory: str | None = None) -> dict:
-    """CPU, cores, RAM, kernel, load, versions; with ``directory``, its filesystem and O_DIRECT."""
+    """CPU, cores, RAM, kernel, load, versions, the kvstore commit measured; with ``directory``,
+    its filesystem and O_DIRECT."""
     facts = {
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
@@ -69,6 +88,7 @@ def machine_facts(directory: str | None = None) -> dict:
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "malloc_tuned": "MALLOC_MMAP_MAX_" in os.environ,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kvstore_commit": _kvstore_commit(),
     }
     if directory is not None:
         facts["dir"] = directory

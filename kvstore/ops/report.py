@@ -41,9 +41,10 @@ def run_or_render(main: Callable[[], None], markdown: Callable[[dict], str], arg
 def machine_line(m: dict, *versions: str, load: tuple = (), directory: bool = False) -> str:
     """``Machine: …``, the facts of ``machine_facts`` a reader weighs a figure by: CPU, usable
     cores, RAM, kernel, Python, the library ``versions`` named; with ``directory``, the filesystem
-    and O_DIRECT of the directory measured; then the load average at start (``load[0]``, else the
-    1-minute load ``machine_facts`` saw; left out when neither is known) and at end (``load[1]``,
-    when given). No closing full stop: the report goes on."""
+    and O_DIRECT of the directory measured; the kvstore commit measured (``+``: with uncommitted
+    changes); then the load average at start (``load[0]``, else the 1-minute load
+    ``machine_facts`` saw; left out when neither is known) and at end (``load[1]``, when given).
+    No closing full stop: the report goes on."""
     cores = m.get("cores_usable", m.get("cores"))
     ram_gib = m.get("ram_gib", round(m.get("ram_bytes", 0) / 2**30, 1))
     facts = [str(m.get("cpu_model", "?")), f"{cores} usable cores", f"{ram_gib} GiB RAM",
@@ -53,6 +54,8 @@ def machine_line(m: dict, *versions: str, load: tuple = (), directory: bool = Fa
     if directory:
         text += (f"; directory {m.get('dir', '?')} on {m.get('dir_fs_type', '?')} "
                  f"(O_DIRECT {'yes' if m.get('dir_o_direct') else 'no'})")
+    if m.get("kvstore_commit"):
+        text += f"; kvstore at {m['kvstore_commit']}"
     start = load[0] if load else m.get("load_avg_1m")
     if start is not None:
         text += f"; load average {_load(start)} at start"
