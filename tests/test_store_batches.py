@@ -433,3 +433,32 @@ def test_a_put_into_a_full_last_tier_makes_room_for_each_run_at_once(tmp_path, m
     finally:
         batched.close()
         single.close()
+
+
+def test_a_get_promoting_into_a_full_lru_tier_writes_its_victims_down_together(tmp_path):
+    """A get of blocks only on NVMe while the LRU CPU tier is full of blocks only there: each hit
+    is promoted, and the room for all of them is made first, its victims written to NVMe in a
+    few large writes rather than one write each (a write and a record write a block: 16 here);
+    every block is served exact, the CPU tier ends holding the blocks read, and the victims
+    stay served from NVMe."""
+    store, ns = make_store(tmp_path, "g", cpu_blocks=8, nvme_blocks=64, slot=BLOCK, eviction_policy="lru")
+    try:
+        cold = chain(8)
+        store.put(ns, cold, [data(h) for h in cold])
+        hot = chain(8, start=100_000)
+        store.put(ns, hot, [data(h) for h in hot])   # cold written down to NVMe; hot only in the CPU tier
+        assert {s.block_hash for s in store.block_states() if s.tiers == (1,)} == set(cold)
+        demoted = store.stats()["counters"]["demotions"]
+        outs = [np.zeros(BLOCK, np.uint8) for _ in cold]
+        before = process_write_calls()
+        assert store.get_into(ns, cold, outs) == [BLOCK] * 8
+        writes = process_write_calls() - before
+        assert store.stats()["counters"]["demotions"] - demoted == 8 and writes <= 4, writes
+        assert all(np.array_equal(o, data(h)) for o, h in zip(outs, cold))
+        assert {s.block_hash for s in store.block_states() if 0 in s.tiers} == set(cold)
+        assert store.stats()["counters"]["promotions"] == 8
+        outs = [np.zeros(BLOCK, np.uint8) for _ in hot]
+        assert store.get_into(ns, hot, outs) == [BLOCK] * 8
+        assert all(np.array_equal(o, data(h)) for o, h in zip(outs, hot))
+    finally:
+        store.close()
