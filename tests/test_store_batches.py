@@ -435,13 +435,14 @@ def test_a_put_into_a_full_last_tier_makes_room_for_each_run_at_once(tmp_path, m
         single.close()
 
 
-def test_a_get_promoting_into_a_full_lru_tier_writes_its_victims_down_together(tmp_path):
-    """A get of blocks only on NVMe while the LRU CPU tier is full of blocks only there: each hit
-    is promoted, and the room for all of them is made first, its victims written to NVMe in a
-    few large writes rather than one write each (a write and a record write a block: 16 here);
-    every block is served exact, the CPU tier ends holding the blocks read, and the victims
-    stay served from NVMe."""
-    store, ns = make_store(tmp_path, "g", cpu_blocks=8, nvme_blocks=64, slot=BLOCK, eviction_policy="lru")
+@pytest.mark.parametrize("policy", ["lru", "prefix"])
+def test_a_get_promoting_into_a_full_tier_writes_its_victims_down_together(tmp_path, policy):
+    """A get of a chain only on NVMe while the CPU tier is full of another chain only there: each
+    hit is promoted, and the room for all of them is made first (both policies name the same
+    victims ahead as one by one here), its victims written to NVMe in a few large writes rather
+    than one write each (a write and a record write a block: 16 here); every block is served
+    exact, the CPU tier ends holding the blocks read, and the victims stay served from NVMe."""
+    store, ns = make_store(tmp_path, "g", cpu_blocks=8, nvme_blocks=64, slot=BLOCK, eviction_policy=policy)
     try:
         cold = chain(8)
         store.put(ns, cold, [data(h) for h in cold])

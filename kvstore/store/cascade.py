@@ -15,7 +15,7 @@ method here that changes them expects it held unless its docstring says it takes
 
 No I/O runs under that lock. Under it the cascade plans (picks victims, allocates room, pins what
 a copy reads) and records what was done; disk and network reads and writes run between the two
-with it released (``transfers.Transfers``, whose ``clear_room``, ``copy_out`` and ``copy_out_many``
+with it released (``transfers.Transfers``, whose ``clear_room``, ``victims_ahead``, ``copy_out`` and ``copy_out_many``
 the cascade answers as its own), the blocks they touch pinned: a victim written down (``clear_room``), a
 write-through, a flush, a prewarm or a promotion into a disk tier (``copy_out``), a dropped
 block's slot erased (``store_lock.StoreLock`` runs ``Tier.finish_drops`` on release). Under the lock only
@@ -84,6 +84,7 @@ class Cascade:
         # the copies that do I/O (transfers.py), called as the cascade's own
         self.transfers = Transfers(self)
         self.clear_room = self.transfers.clear_room
+        self.victims_ahead = self.transfers.victims_ahead
         self.copy_out = self.transfers.copy_out
         self.copy_out_many = self.transfers.copy_out_many
 
@@ -390,16 +391,19 @@ class Cascade:
 
     def prepare_promotions(self, copies: Sequence[tuple[Entry, int]]) -> None:
         """Before several hits on slower tiers are promoted one by one (``prepare_promotion``),
-        outside the lock: where the memory tier they go to names its victims ahead (LRU: the same
-        victims as one by one), room for all of them at once, the victims written down together
+        outside the lock: where the memory tier they go to names the same victims ahead as one by
+        one (``victims_ahead``), room for all of them at once, the victims written down together
         (``clear_room``), not one write each."""
         by_target: dict[int, list[Entry]] = {}
         for entry, t in copies:
             by_target.setdefault(self.promotion_target(t), []).append(entry)
         for target, entries in by_target.items():
-            if len(entries) > 1 and self.tiers[target].in_memory and self.index.policies[target].picks_ahead:
+            if len(entries) < 2 or not self.tiers[target].in_memory:
+                continue
+            keep = self.victims_ahead(target, [e.key for e in entries], [e.parent_key for e in entries])
+            if keep is not None:
                 self.clear_room(target, max(e.raw_size for e in entries), entries[0].namespace_id,
-                                blocks=len(entries))
+                                blocks=len(entries), keep=keep)
 
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster memory tier (see

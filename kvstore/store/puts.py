@@ -129,49 +129,31 @@ def reserve_next(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], paren
                  t: int, limit: int) -> list:
     """The next run of raw blocks from ``start`` reserved in tier ``t`` (``Cascade.reserve_run``);
     where tier ``t`` is full and its policy names the same victims ahead of time as one by one
-    (``_victims_ahead``), room for the run is made first, its victims written down together
-    (``Cascade.clear_room``). Empty: the block at ``start`` goes one by one (``Cascade.reserve``)."""
+    (``Cascade.victims_ahead``), room for the run's absent blocks is made first, its victims
+    written down together (``Cascade.clear_room``). Empty: the block at ``start`` goes one by one
+    (``Cascade.reserve``)."""
     run = cascade.reserve_run(ns, hashes, parents, start, t, limit)
-    if not run and (keep := _victims_ahead(cascade, ns, hashes, parents, start, t, limit)) is not None:
-        cascade.clear_room(t, ns.block_bytes, ns.id, blocks=_absent(cascade, ns, hashes, start, limit), keep=keep)
-        run = cascade.reserve_run(ns, hashes, parents, start, t, limit)
+    if not run:
+        keys, parent_keys = _absent(cascade, ns, hashes, parents, start, limit)
+        if (keep := cascade.victims_ahead(t, keys, parent_keys)) is not None:
+            cascade.clear_room(t, ns.block_bytes, ns.id, blocks=len(keys), keep=keep)
+            run = cascade.reserve_run(ns, hashes, parents, start, t, limit)
     return run
 
 
-def _victims_ahead(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], parents: Sequence,
-                   start: int, t: int, limit: int) -> set[bytes] | None:
-    """Whether tier ``t``'s policy names the same victims before the next ``limit`` blocks from
-    ``start`` arrive as while they arrive one by one, and the keys ``clear_room`` must stop at:
-    LRU (``picks_ahead``): yes, none; the prefix-aware policy: where each new block's parent is
-    new in the run too, or none, or held in tier ``t`` — the new blocks are then its newest leaves,
-    never a victim while an older leaf is unpinned — and until it would name such a held parent
-    (one by one, the parent is no longer a leaf once its child arrives; its own chain's newest
-    block is named instead). A new block whose prefix is not in tier ``t`` is an orphan leaf, its
-    first victim: None, those go one by one. Read without the lock: a hint."""
-    policy = cascade.index.policies[t]
-    if policy.picks_ahead:
-        return set()
-    if not policy.uses_chains:
-        return None
-    entries, new, keep = cascade.index.entries, set(), set()
+def _absent(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], parents: Sequence, start: int,
+            limit: int) -> tuple[list[bytes], list[bytes | None]]:
+    """The keys of the next ``limit`` blocks from ``start`` the store does not hold, each once, in
+    order, and each one's parent's key (None: none): a hint, read without the lock."""
+    entries, keys, parent_keys, seen = cascade.index.entries, [], [], set()
     for k in range(start, min(len(hashes), start + limit)):
         key = ns.id + hashes[k]
-        if key in entries or key in new:
+        if key in entries or key in seen:
             continue
-        if parents[k] is not None and ns.id + parents[k] not in new:
-            held = entries.get(ns.id + parents[k])
-            if held is None or t not in held.copies:
-                return None
-            keep.add(held.key)
-        new.add(key)
-    return keep
-
-
-def _absent(cascade: Cascade, ns: Namespace, hashes: Sequence[bytes], start: int, limit: int) -> int:
-    """How many of the next ``limit`` blocks from ``start`` the store does not hold (a hint, read
-    without the lock: room is made for them)."""
-    entries = cascade.index.entries
-    return len({h for h in hashes[start:start + limit] if ns.id + h not in entries})
+        seen.add(key)
+        keys.append(key)
+        parent_keys.append(None if parents[k] is None else ns.id + parents[k])
+    return keys, parent_keys
 
 
 class PutResults:

@@ -118,6 +118,31 @@ class Transfers:
                 return
             self.write_down_many(victims, t)
 
+    def victims_ahead(self, t: int, keys: Sequence[bytes], parent_keys: Sequence[bytes | None]) -> set[bytes] | None:
+        """Whether tier ``t``'s policy names the same victims before blocks ``keys`` (in order, each
+        with its parent's key) get a copy there as while they get one one by one, and the keys
+        ``clear_room`` must stop at. LRU (``picks_ahead``): yes, none. The prefix-aware policy:
+        where each block's parent gets its copy in this run too, or is none, or is in tier ``t``
+        — the blocks are then its newest leaves, never a victim while an older leaf is unpinned —
+        and until it would name such a parent in tier ``t`` (one by one, the parent is no longer a
+        leaf once its child arrives; its own chain's newest block is named instead). A block whose
+        prefix is not in tier ``t`` is an orphan leaf, its first victim: None, those go one by one.
+        Read without the lock: a hint."""
+        policy = self.cascade.index.policies[t]
+        if policy.picks_ahead:
+            return set()
+        if not policy.uses_chains:
+            return None
+        entries, new, keep = self.cascade.index.entries, set(), set()
+        for key, parent_key in zip(keys, parent_keys):
+            if parent_key is not None and parent_key not in new:
+                held = entries.get(parent_key)
+                if held is None or t not in held.copies:
+                    return None
+                keep.add(held.key)
+            new.add(key)
+        return keep
+
     def writes_down_slowly(self, t: int) -> bool:
         """Whether demoting a victim of tier ``t`` is I/O (a disk or network read or write), not a
         copy from memory to memory."""
