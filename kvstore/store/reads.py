@@ -94,9 +94,9 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
             # room is then chosen knowing where this one went, as prefix-aware eviction wants; a
             # policy that names its victims ahead has the room for all of them made first
             cascade.prepare_promotions([(rnd.entries[k], rnd.tiers[k]) for k in up])
-            todo = []
+            todo, promoting = [], set(up)
             for k in range(len(rnd)):
-                if k in up and cascade.prepare_promotion(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k),
+                if k in promoting and cascade.prepare_promotion(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k),
                                                          rnd.decoded.get(k)):
                     rnd.promote.add(k)
                 todo += _complete(cascade, rnd, out, range(k, k + 1))
@@ -226,7 +226,9 @@ def _complete(cascade: Cascade, rnd: Round, out: list, ks: range) -> list[int]:
     at, entries, tiers, n = rnd.at, rnd.entries, rnd.tiers, rnd.n
     hits, nbytes = [0] * len(cascade.tiers), [0] * len(cascade.tiers)
     # the reads that are not plain hits, in order: each ends a stretch of plain ones, touched first
-    marked = sorted(k for k in (*rnd.failed, *rnd.promote) if k in ks)
+    # (by position in ``ks``: a batch promoted block by block calls this once per block)
+    failed, promote = rnd.failed, rnd.promote
+    marked = [k for k in ks if k in failed or k in promote] if failed or promote else []
     with cascade.lock:
         start = ks.start
         for k in marked + [ks.stop]:
