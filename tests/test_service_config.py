@@ -108,7 +108,8 @@ def test_declared_dependencies_match_what_the_stubs_check_at_import():
     """The generated stubs refuse, at import, a grpcio older than the generator and a protobuf
     runtime older than its protoc, so pyproject's floors must be those very versions, and the
     generator is pinned to the one that wrote them (a newer grpcio-tools rewrites the version
-    stamp, and the check above would call the checked-in stubs stale)."""
+    stamp, and the check above would call the checked-in stubs stale); the engine venvs' own
+    requirement files, which install kvstore without its dependencies, say the same floors."""
     import re
     import tomllib
 
@@ -122,6 +123,15 @@ def test_declared_dependencies_match_what_the_stubs_check_at_import():
     assert f"grpcio>={grpc_stamp}" in deps
     assert f"grpcio-tools=={grpc_stamp}" in deps
     assert any(d.startswith(f"protobuf>={pb_stamp}") for d in deps), deps
+    # the engine venvs install kvstore without its dependencies: their own lists must say the same
+    ours = {re.split(r"[<>=]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
+    requirements = os.path.join(REPO, "connectors", "requirements")
+    for name in sorted(os.listdir(requirements)):
+        if name.endswith(".txt"):
+            for line in open(os.path.join(requirements, name)).read().splitlines():
+                pkg = re.split(r"[<>=\[ ]", line.strip(), maxsplit=1)[0]
+                if pkg in ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf"):
+                    assert line.strip() == ours[pkg], (name, line)
 
 
 def test_stub_imports_its_messages_from_the_package():
