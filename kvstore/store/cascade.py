@@ -389,22 +389,6 @@ class Cascade:
             self.count("promotions" if done == COPIED else "promotion_failures")
         return False
 
-    def prepare_promotions(self, copies: Sequence[tuple[Entry, int]]) -> None:
-        """Before several hits on slower tiers are promoted one by one (``prepare_promotion``),
-        outside the lock: where the memory tier they go to names the same victims ahead as one by
-        one (``victims_ahead``), room for all of them at once, the victims written down together
-        (``clear_room``), not one write each."""
-        by_target: dict[int, list[Entry]] = {}
-        for entry, t in copies:
-            by_target.setdefault(self.promotion_target(t), []).append(entry)
-        for target, entries in by_target.items():
-            if len(entries) < 2 or not self.tiers[target].in_memory:
-                continue
-            keep = self.victims_ahead(target, [e.key for e in entries], [e.parent_key for e in entries])
-            if keep is not None:
-                self.clear_room(target, max(e.raw_size for e in entries), entries[0].namespace_id,
-                                blocks=len(entries), keep=keep)
-
     def promote(self, entry: Entry, t: int, payload: np.ndarray, decoded: np.ndarray | None = None) -> None:
         """Copy a block just read from tier ``t`` into a faster memory tier (see
         ``prepare_promotion``). ``payload``: its copy's stored bytes; ``decoded``: its raw bytes

@@ -91,13 +91,11 @@ def read_blocks(cascade: Cascade, namespace_id: bytes, hashes: Sequence[bytes], 
         if any(rnd.tiers[k] >= slow_from(cascade) for k in up):
             # hits below the CPU tier are promoted one by one, in the callers' order, each after
             # the room it needs is made (victims written down, lock released): the next block's
-            # room is then chosen knowing where this one went, as prefix-aware eviction wants; a
-            # policy that names its victims ahead has the room for all of them made first
-            cascade.prepare_promotions([(rnd.entries[k], rnd.tiers[k]) for k in up])
+            # room is then chosen knowing where this one went, as prefix-aware eviction wants
             todo, promoting = [], set(up)
             for k in range(len(rnd)):
                 if k in promoting and cascade.prepare_promotion(rnd.entries[k], rnd.tiers[k], rnd.payloads.get(k),
-                                                         rnd.decoded.get(k)):
+                                                                rnd.decoded.get(k)):
                     rnd.promote.add(k)
                 todo += _complete(cascade, rnd, out, range(k, k + 1))
         else:   # in RAM already: promoted (GPU) under the one lock acquisition
