@@ -35,6 +35,10 @@ logger = logging.getLogger("kvstore.pd_proxy")
 #: what vLLM's P/D connectors expect in a prefill request (NIXL's keys; kvstore reads the first)
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+#: seconds the proxy keeps an idle connection to an instance open: below the 5 s keep-alive of
+#: uvicorn (vLLM's and SGLang's servers), so that the proxy closes an idle connection before the
+#: instance does, rather than send a request down one the instance is closing
+KEEPALIVE_S = 2.0
 #: hop-by-hop and length headers are the proxy's own to set
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
@@ -80,7 +84,7 @@ class PDProxy:
         import aiohttp
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                              connector=aiohttp.TCPConnector(limit=1024))
+                                              connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=KEEPALIVE_S))
 
     async def _stop(self, app) -> None:
         await self._session.close()
@@ -124,7 +128,7 @@ class PDProxy:
         if "max_completion_tokens" in req:
             req["max_completion_tokens"] = 1
         try:
-            async with self._session.post(url + path, json=req, headers=headers) as resp:
+            async with await self._post(url + path, req, headers) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 answer = await resp.json()
@@ -135,12 +139,24 @@ class PDProxy:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         return params if isinstance(params, dict) else None
 
+    async def _post(self, url: str, body: dict, headers: dict):
+        """POST ``body`` to an instance; once more where the connection failed before any answer
+        (an instance closing a pooled connection as the request went down it answers nothing)."""
+        import aiohttp
+
+        try:
+            return await self._session.post(url, json=body, headers=headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            self.counters["resent"] += 1
+            logger.info("pd-proxy: %s dropped the connection before answering (%s); sending again", url, e)
+            return await self._session.post(url, json=body, headers=headers)
+
     async def _decode(self, request, path: str, body: dict, headers: dict):
         from aiohttp import web
 
         url = self.decode.next()
         try:
-            upstream = await self._session.post(url + path, json=body, headers=headers)
+            upstream = await self._post(url + path, body, headers)
         except Exception as e:  # noqa: BLE001
             self.counters["decode_failures"] += 1
             logger.warning("pd-proxy: decode at %s failed: %s", url, e)
