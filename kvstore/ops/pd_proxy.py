@@ -140,12 +140,15 @@ class PDProxy:
         return params if isinstance(params, dict) else None
 
     async def _post(self, url: str, body: dict, headers: dict):
-        """POST ``body`` to an instance; once more where the connection failed before any answer
-        (an instance closing a pooled connection as the request went down it answers nothing)."""
+        """POST ``body`` to an instance; once more where an open connection failed before any
+        answer (an instance closing a pooled connection as the request went down it answers
+        nothing). An instance that refuses the connection is down: that failure is the caller's."""
         import aiohttp
 
         try:
             return await self._session.post(url, json=body, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             self.counters["resent"] += 1
             logger.info("pd-proxy: %s dropped the connection before answering (%s); sending again", url, e)
