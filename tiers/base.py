@@ -253,6 +253,11 @@ class Tier(ABC):
     @abstractmethod
     def drop(self, key: bytes) -> None: ...
 
+    def drop_many(self, keys) -> None:
+        """``drop`` of each key (a batch of deletes or victims)."""
+        for key in keys:
+            self.drop(key)
+
     def finish_drops(self) -> None:
         pass
 

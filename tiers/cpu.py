@@ -295,6 +295,9 @@ class CpuTier(Tier):
     def drop(self, key: bytes) -> None:
         self.used_bytes -= self.slots.release(key)
 
+    def drop_many(self, keys) -> None:
+        self.used_bytes -= self.slots.release_many(keys)
+
     def close(self) -> None:
         if self.segment_path is None:
             self.arena.close()

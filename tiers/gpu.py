@@ -95,6 +95,9 @@ class GpuTier(Tier):
     def drop(self, key: bytes) -> None:
         self.used_bytes -= self.slots.release(key)
 
+    def drop_many(self, keys) -> None:
+        self.used_bytes -= self.slots.release_many(keys)
+
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "blocks": len(self.slots), "payload_bytes": self.slots.payload_bytes,
                 "slack_bytes": self.used_bytes - self.slots.payload_bytes}

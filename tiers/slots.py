@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import array
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvstore.buffers import Extent
@@ -267,19 +267,30 @@ class SlotTable:
 
     def release(self, key: bytes) -> int:
         """Free a block's slots; returns the bytes it accounted (0 if absent)."""
+        return self.release_many((key,))
+
+    def release_many(self, keys) -> int:
+        """``release`` of each key under one lock acquisition; the bytes they accounted."""
+        freed = 0
         with self._lock:
-            held = self._forget(key)
-            if held is None:
-                return 0
-            self.payload_bytes -= self._unpack(held)[1]   # (a slot's ``_nbytes`` is rewritten when next taken)
-            slots = _slots_of(held)
-            for slot in sorted(slots, reverse=True):
-                self._free[slot // self.segment_slots].append(slot)
-            if self.owned:
-                for s in {slot // self.segment_slots for slot in slots}:
-                    if len(self._free[s]) == self._segment_size(s):
-                        self._owner[s] = None      # empty: back to the pool (``_last_owner`` kept)
-            return len(slots) * self.slot_bytes
+            for key in keys:
+                held = self._forget(key)
+                if held is None:
+                    continue
+                if type(held) is int:   # one slot (most blocks)
+                    self.payload_bytes -= self._nbytes[held]   # (a slot's ``_nbytes`` is rewritten when next taken)
+                    slots: Sequence[int] = (held,)
+                else:
+                    self.payload_bytes -= held[1]
+                    slots = sorted(_slots_of(held), reverse=True)
+                for slot in slots:
+                    self._free[slot // self.segment_slots].append(slot)
+                if self.owned:
+                    for s in {slot // self.segment_slots for slot in slots}:
+                        if len(self._free[s]) == self._segment_size(s):
+                            self._owner[s] = None      # empty: back to the pool (``_last_owner`` kept)
+                freed += len(slots) * self.slot_bytes
+        return freed
 
     def _segment_size(self, s: int) -> int:
         return min(self.num_slots, (s + 1) * self.segment_slots) - s * self.segment_slots

@@ -131,7 +131,7 @@ class StoreAdmin:
         freed = Freed(blocks=len(entries), bytes=sum(e.raw_size for e in entries))
         for entry in entries:
             entry.held = False
-            self.cascade.delete(entry)
+        self.cascade.delete(entries)
         self.cascade.count("admin_dropped_blocks", freed.blocks)
         return freed
 

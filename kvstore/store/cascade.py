@@ -367,6 +367,15 @@ class Cascade:
         if not len(entry.copies):
             self.counters["evictions"] += 1
 
+    def evicts_whole(self, entry: Entry, t: int) -> bool:
+        """Whether evicting ``entry`` from tier ``t`` drops the block: its one copy is there, the last tier."""
+        return t + 1 == len(self.tiers) and len(entry.copies) == 1
+
+    def evict_entries(self, entries: Sequence[Entry]) -> None:
+        """``evict_copy`` of victims that ``evicts_whole``, together (``drop_entries``). Caller holds the lock."""
+        self.drop_entries(entries)
+        self.counters["evictions"] += len(entries)
+
     def promotion_target(self, t: int) -> int:
         """The tier a hit on tier ``t`` is copied up to: the CPU tier when it is faster, else the first."""
         return self.cpu_index if self.cpu_index is not None and self.cpu_index < t else 0
@@ -476,13 +485,13 @@ class Cascade:
         return placed.payload
 
     def drop_copy(self, entry: Entry, t: int) -> None:
+        if len(entry.copies) == 1 and t in entry.copies:   # its last: the block leaves
+            self.drop_entries((entry,))
+            return
         self.tiers[t].drop(entry.key)
         self.index.policies[t].remove(entry.key)
         del entry.copies[t]
-        if len(entry.copies):
-            self.copies_changed(entry)
-        else:
-            self._forget(entry)
+        self.copies_changed(entry)
 
     def discard_corrupt_copy(self, entry: Entry, t: int) -> None:
         """Forget a copy that failed its checksum or decode (a miss, counted)."""
@@ -490,38 +499,42 @@ class Cascade:
         self.drop_copy(entry, t)   # a durable tier drops corrupt copies itself; codecs do not
 
     def drop_entry(self, entry: Entry) -> None:
-        for t in list(entry.copies):
-            self.drop_copy(entry, t)
-        self._forget(entry)
+        self.drop_entries((entry,))
 
-    def delete(self, entry: Entry) -> None:
-        """Delete a block: dropped now, or, while a reader pins it, *doomed*: invisible, uncounted
-        and announced as removed now, freed on its last unpin."""
-        if not entry.pins:
-            self.drop_entry(entry)
-            return
-        entry.doomed = True
-        self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
-        if entry.ready:
-            self.listeners.removed(entry.namespace_id, entry.block_hash)
-        entry.ready = False
-        self._uncharge(entry)
+    def drop_entries(self, entries: Sequence[Entry]) -> None:
+        """Drop each of ``entries`` (indexed, each once) with every copy, together: each tier's
+        copies and each policy's keys at once, the index told once (``BlockIndex.forget_many``),
+        the listeners once per namespace, the quotas released. Caller holds the lock."""
+        by_tier: dict[int, list[bytes]] = {}
+        for entry in entries:
+            for t in entry.copies:
+                by_tier.setdefault(t, []).append(entry.key)
+        for t, keys in by_tier.items():
+            self.tiers[t].drop_many(keys)
+            self.index.policies[t].remove_many(keys)
+        for entry in entries:
+            entry.copies.clear()
+            if entry.slot is not None:   # CPU room taken for a copy still being written: kept by key
+                self.tiers[self.cpu_index].let_go(entry.key, entry)
+        self.listeners.removed_many(self.index.forget_many(entries))
+        for entry in entries:
+            self._uncharge(entry)
+
+    def delete(self, entries: Sequence[Entry]) -> None:
+        """Delete blocks (visible, each once): each dropped now, or, while a reader pins it,
+        *doomed*: invisible, uncounted and announced as removed now, freed on its last unpin."""
+        self.drop_entries([entry for entry in entries if not entry.pins])
+        for entry in entries:
+            if entry.pins:
+                entry.doomed = True
+                self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+                if entry.ready:
+                    self.listeners.removed(entry.namespace_id, entry.block_hash)
+                entry.ready = False
+                self._uncharge(entry)
 
     def _uncharge(self, entry: Entry) -> None:
         if entry.charged:
             self.quotas.release_block(entry.namespace_id, entry.raw_size)
             entry.charged = False
 
-    def _forget(self, entry: Entry) -> None:
-        index = self.index
-        if index.entries.get(entry.key) is entry:
-            index.unlink(entry)
-            if entry.slot is not None:   # CPU room taken for a copy still being written: kept by key
-                self.tiers[self.cpu_index].let_go(entry.key, entry)
-            index.forget_lease(entry)
-            del index.entries[entry.key]
-            if entry.ready:  # announced as added, and not yet as removed (a doomed one was, by delete)
-                self.listeners.removed(entry.namespace_id, entry.block_hash)
-                index.namespace_bytes[entry.namespace_id] -= entry.raw_size
-            self._uncharge(entry)
-            index.copies_changed(entry)  # its children just lost their prefix

@@ -75,6 +75,10 @@ class Copies:
     def __init__(self) -> None:
         self._flat: tuple | BlockRecord | PlainCopy | None = None
 
+    def clear(self) -> None:
+        """No copy any more (their tiers dropped them)."""
+        self._flat = None
+
     def _record(self, stand_in: PlainCopy) -> BlockRecord:
         """The record ``stand_in`` stands for, made from it and the entry, and kept in its place."""
         assert isinstance(self, Entry), "copies are an entry's"
@@ -576,17 +580,48 @@ class BlockIndex:
             chains = [self.chain_state(e, t) for e in held] if policy.uses_chains else None
             policy.insert_many([e.key for e in held], chains)
 
-    def unlink(self, entry: Entry) -> None:
+    def _unlink(self, entry: Entry) -> Entry | None:
+        """Take ``entry`` out of its parent's ``children``; the parent, if it was listed there."""
         parent = self.parent(entry)
-        if entry.linked and parent is not None:
-            kids = parent.children
-            if type(kids) is set:
-                kids.discard(entry.key)
-            else:
-                left = tuple(k for k in parent.child_keys() if k != entry.key)
-                parent.children = left[0] if len(left) == 1 else left
-            self.refresh_policies(parent)
-        entry.linked = False
+        linked = entry._flags & _LINKED
+        entry._flags &= ~_LINKED
+        if not linked or parent is None:
+            return None
+        kids = parent.children
+        if type(kids) is set:
+            kids.discard(entry.key)
+        else:
+            left = tuple(k for k in parent.child_keys() if k != entry.key)
+            parent.children = left[0] if len(left) == 1 else left
+        return parent
+
+    def forget_many(self, entries: Sequence[Entry]) -> list[Entry]:
+        """Take ``entries`` (their copies dropped) out of the index together, and tell the chain
+        policies the state of each neighbour that stays once (a parent lost a child, a child its
+        prefix): only the final states count to a policy. One no longer indexed is skipped.
+        Returns those that were visible (the caller announces them removed)."""
+        index, shown, neighbours = self.entries, [], {}
+        namespace_bytes = self.namespace_bytes
+        for entry in entries:
+            if index.get(entry.key) is not entry:
+                continue
+            parent = self._unlink(entry)
+            if self._chains:
+                if parent is not None:
+                    neighbours[parent.key] = parent
+                for child_key in entry.child_keys():
+                    child = index.get(child_key)
+                    if child is not None:
+                        neighbours[child_key] = child
+            self.forget_lease(entry)
+            del index[entry.key]
+            if entry._flags & _READY:
+                shown.append(entry)
+                namespace_bytes[entry.key[:NAMESPACE_ID_BYTES]] -= entry.raw_size
+        for key, entry in neighbours.items():
+            if index.get(key) is entry:
+                self.refresh_policies(entry)
+        return shown
 
     # -- what the policies see -------------------------------------------------------------------
 

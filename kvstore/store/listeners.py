@@ -63,7 +63,7 @@ class Listeners:
                 listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
         adders = [x for x in adders if x not in both]
         movers = [x for x in movers if x not in both]
-        for ns, tier, run in _runs(entries) if adders or movers else ():
+        for (ns, tier), run in _runs(entries, _namespace_and_tier) if adders or movers else ():
             hashes = [e.block_hash for e in run]
             for listener in adders:
                 listener.blocks_added(ns, hashes)
@@ -74,18 +74,35 @@ class Listeners:
         for listener in self._registered:
             listener.blocks_removed(namespace_id, [block_hash])
 
+    def removed_many(self, entries) -> None:
+        """``removed`` of each entry, each namespace's stretch of them in one call."""
+        if not self._registered:
+            return
+        for ns, run in _runs(entries, _namespace):
+            hashes = [e.block_hash for e in run]
+            for listener in self._registered:
+                listener.blocks_removed(ns, hashes)
+
     def moved(self, namespace_id: bytes, block_hash: bytes, fastest_tier: int) -> None:
         for listener in self._registered:
             listener.block_moved(namespace_id, block_hash, fastest_tier)
 
 
-def _runs(entries):
-    """``(namespace id, fastest tier, entries)`` of each stretch of ``entries`` that shares both."""
+def _runs(entries, by):
+    """``(by(entry), entries)`` of each stretch of ``entries`` that shares ``by``."""
     start = 0
     while start < len(entries):
-        ns, tier = entries[start].namespace_id, entries[start].fastest
+        shared = by(entries[start])
         stop = start + 1
-        while stop < len(entries) and entries[stop].namespace_id == ns and entries[stop].fastest == tier:
+        while stop < len(entries) and by(entries[stop]) == shared:
             stop += 1
-        yield ns, tier, entries[start:stop]
+        yield shared, entries[start:stop]
         start = stop
+
+
+def _namespace(entry) -> bytes:
+    return entry.namespace_id
+
+
+def _namespace_and_tier(entry) -> tuple[bytes, int]:
+    return entry.namespace_id, entry.fastest

@@ -70,6 +70,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
 
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.remove(key)
+
     def update(self, key: bytes, children: int, orphan: bool) -> None:
         pass
 
@@ -199,6 +203,12 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: bytes) -> None:
         if self._order.pop(key, None) is None and self._dormant.holds(key):   # not in _order: dormant (or not held)
             self._dormant.leave(key)
+
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        pop = self._order.pop
+        for key in keys:
+            if pop(key, None) is None:
+                self.remove(key)
 
     def _least_recent_first(self) -> Iterator[bytes]:
         """``_order``'s keys, least recently used first (see the class docstring). Only read

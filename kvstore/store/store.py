@@ -335,15 +335,10 @@ class Store:
     def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
         self._namespaces.check_batch(namespace_id, hashes)
         index = self._cascade.index
-        n = 0
         with self._lock:
-            for h in hashes:
-                entry = index.visible(namespace_id, h)
-                if entry is None:
-                    continue
-                n += 1
-                self._cascade.delete(entry)
-        return n
+            found = [e for e in (index.visible(namespace_id, h) for h in dict.fromkeys(hashes)) if e is not None]
+            self._cascade.delete(found)
+        return len(found)
 
     def flush(self) -> int:
         """Write every block that has no durable copy to the durable tier (write-back drain), each

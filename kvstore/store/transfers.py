@@ -94,6 +94,7 @@ class Transfers:
                     keys = policy.pick_victims(self.cascade.is_pinned, min(batch - len(victims), left))
                     if not keys:
                         break
+                    whole: list[Entry] = []   # victims whose block leaves with its copy: dropped together
                     for key in keys:
                         if key in keep:
                             left = 0
@@ -101,6 +102,11 @@ class Transfers:
                             break
                         left -= 1
                         entry = self.cascade.index.entries[key]
+                        if self.cascade.evicts_whole(entry, t):
+                            whole.append(entry)
+                            free += tier.footprint(entry.copies.stored(t)[0])
+                            continue
+                        whole = self._evict_whole(whole)
                         if not slow or any(i > t for i in entry.copies):   # a drop, or a copy in memory
                             try:
                                 self.cascade.evict_copy(t, key)
@@ -114,9 +120,18 @@ class Transfers:
                         self.cascade.index.leaving(entry, t)
                         victims.append(entry)
                         free += tier.footprint(entry.copies[t].stored_size)   # once written down
+                    if whole:
+                        self._evict_whole(whole)
+                        free = tier.free_bytes_for(namespace_id)   # (a tier split by tenant may have freed less)
             if not victims:
                 return
             self.write_down_many(victims, t)
+
+    def _evict_whole(self, entries: list[Entry]) -> list[Entry]:
+        """Evict victims that ``evicts_whole`` together; the list to collect the next ones in."""
+        if entries:
+            self.cascade.evict_entries(entries)
+        return []
 
     def victims_ahead(self, t: int, keys: Sequence[bytes], parent_keys: Sequence[bytes | None]) -> set[bytes] | None:
         """Whether tier ``t``'s policy names the same victims before blocks ``keys`` (in order, each
