@@ -142,7 +142,7 @@ def run(block: int, cpu_bytes: int, seconds: float, directory: str) -> dict:
 def markdown(r: dict) -> str:
     m = r["machine"]
     out = ["# Gets while puts demote to NVMe (benchmarks/bench_demotion.py)", "",
-           machine_line(m) + f"; kvstore at {r['commit']}. One daemon per block size (CPU tier "
+           machine_line(m) + (f"; kvstore at {r['commit']}" if "commit" in r else "") + ". One daemon per block size (CPU tier "
            f"{r['cpu_mib']} MiB in slots of one block, NVMe tier in {r['dir']}). The reader (this process) gets "
            f"{HOT_BLOCKS} hot CPU-resident blocks over shared memory every {READ_EVERY_S * 1e3:.0f} ms for "
            f"{r['seconds']} s a phase; the writer (another process) puts {BATCH} fresh blocks per call back to back, "
@@ -171,14 +171,6 @@ def markdown(r: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="reader time per phase")
@@ -186,7 +178,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "demotion"))
     a = ap.parse_args()
     sizes = {"1MiB": (1 << 20, 64 << 20), "64KiB": (64 << 10, 16 << 20)}
-    report = {"machine": machine_facts(), "commit": _commit(), "seconds": a.seconds, "dir": a.dir,
+    report = {"machine": machine_facts(), "seconds": a.seconds, "dir": a.dir,
               "cpu_mib": {k: v[1] >> 20 for k, v in sizes.items()}, "sizes": {}}
     for name, (block, cpu_bytes) in sizes.items():
         report["sizes"][name] = run(block, cpu_bytes, a.seconds, a.dir)

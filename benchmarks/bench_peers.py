@@ -52,7 +52,7 @@ from kvstore.ops.ceilings import GB, MemcpyPass, ODirectReadPass, ODirectWritePa
 from kvstore.ops.engines import engine_env, engine_venv, job_result
 from kvstore.ops.grpc_ceiling import GrpcStreamPass
 from kvstore.ops.local_daemon import start_local_daemon
-from kvstore.ops.machine import machine_facts
+from kvstore.ops.machine import code_changes, git_state, machine_facts
 from kvstore.ops.report import machine_line, write_report
 from kvstore.store import Store, StoreConfig
 from kvstore.transport.chunks import DEFAULT_CHUNK_BYTES
@@ -549,17 +549,6 @@ def run(args) -> dict:
     return report
 
 
-def git_state() -> dict:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line[3:]]
-    return {"commit": git("rev-parse", "HEAD").strip(), "modified_tracked_files": dirty}
-
-
 # -- ratios ----------------------------------------------------------------------------------------
 
 def ceiling_of(report: dict, size: str, kind: str, op: str) -> float:
@@ -615,10 +604,10 @@ def summary(r: dict) -> str:
 
 
 def dirty_note(files: list[str]) -> str:
-    code = [f for f in files if not f.startswith("benchmarks/results/")]
+    code = code_changes(files)
     if code:
         return f" with uncommitted changes in {len(code)} tracked files of code (other work in progress)"
-    return " (uncommitted changes only in other benchmarks' results)" if files else ""
+    return " (uncommitted changes only in results and docs)" if files else ""
 
 
 def reasons_for(r: dict, c: dict) -> str:

@@ -6,7 +6,7 @@ import os
 import platform
 import subprocess
 
-from kvstore.ops.machine import machine_facts
+from kvstore.ops.machine import code_changes, git_state, machine_facts
 from kvstore.ops.report import machine_line, run_or_render, write_report
 
 
@@ -20,6 +20,19 @@ def test_machine_line_states_this_machine_and_the_load_given(tmp_path):
     head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     assert m["kvstore_commit"].rstrip("+") == head.strip() and f"; kvstore at {m['kvstore_commit']}; " in line
     assert line.endswith("; load average 0.5 at start, 12.3 at end")
+
+
+def test_a_result_names_the_commit_measured_and_marks_only_changes_to_code():
+    """``+`` after the commit where tracked code has uncommitted changes; results and prose do not
+    change what a benchmark measures."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    state = git_state()
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert state["commit"] == head and head.startswith(state["short"])
+    assert code_changes(["README.md", "docs/pd.md", "benchmarks/results/store-small.json", "tiers/cpu.py",
+                         "benchmarks/bench_store.py"]) == ["tiers/cpu.py", "benchmarks/bench_store.py"]
+    mark = "+" if code_changes(state["modified_tracked_files"]) else ""
+    assert machine_facts()["kvstore_commit"] == state["short"] + mark
 
 
 def test_machine_line_leaves_out_what_an_old_result_did_not_record():

@@ -55,22 +55,37 @@ def _version(module: str) -> str | None:
     return getattr(m, "__version__", getattr(m, "VERSION", "?"))
 
 
-def _kvstore_commit() -> str | None:
-    """The commit of the checkout this kvstore was imported from (short), ``+`` after it where
-    that checkout has uncommitted changes; None outside a git checkout: what a result measured."""
+def git_state() -> dict | None:
+    """The git checkout this kvstore was imported from: its commit (``commit``, ``short``) and
+    its tracked files with uncommitted changes; None outside one. What a result measured."""
     import kvstore
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))
     try:
-        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
         changed = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                  capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if head.returncode != 0:
         return None
-    return head.stdout.strip() + ("+" if changed.stdout.strip() else "")
+    commit, short = head.stdout.split()
+    return {"commit": commit, "short": short,
+            "modified_tracked_files": [line[3:] for line in changed.stdout.splitlines() if line[3:]]}
+
+
+def code_changes(files: list[str]) -> list[str]:
+    """Those of ``files`` that can change what a benchmark measures: not results, not prose."""
+    return [f for f in files if not f.startswith("benchmarks/results/") and not f.endswith(".md")]
+
+
+def _kvstore_commit() -> str | None:
+    """``git_state``'s short commit, ``+`` after it where code in that checkout has uncommitted changes."""
+    state = git_state()
+    if state is None:
+        return None
+    return state["short"] + ("+" if code_changes(state["modified_tracked_files"]) else "")
 
 
 def machine_facts(directory: str | None = None) -> dict:
