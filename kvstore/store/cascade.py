@@ -516,7 +516,7 @@ class Cascade:
             entry.copies.clear()
             if entry.slot is not None:   # CPU room taken for a copy still being written: kept by key
                 self.tiers[self.cpu_index].let_go(entry.key, entry)
-        self.listeners.removed_many(self.index.forget_many(entries))
+        self.listeners.removed(self.index.forget_many(entries))
         for entry in entries:
             self._uncharge(entry)
 
@@ -524,14 +524,13 @@ class Cascade:
         """Delete blocks (visible, each once): each dropped now, or, while a reader pins it,
         *doomed*: invisible, uncounted and announced as removed now, freed on its last unpin."""
         self.drop_entries([entry for entry in entries if not entry.pins])
-        for entry in entries:
-            if entry.pins:
-                entry.doomed = True
-                self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
-                if entry.ready:
-                    self.listeners.removed(entry.namespace_id, entry.block_hash)
-                entry.ready = False
-                self._uncharge(entry)
+        doomed = [entry for entry in entries if entry.pins]
+        self.listeners.removed(doomed)
+        for entry in doomed:
+            entry.doomed = True
+            entry.ready = False
+            self.index.namespace_bytes[entry.namespace_id] -= entry.raw_size
+            self._uncharge(entry)
 
     def _uncharge(self, entry: Entry) -> None:
         if entry.charged:

@@ -70,12 +70,8 @@ class Listeners:
             for listener in movers:
                 listener.blocks_moved(ns, hashes, tier)
 
-    def removed(self, namespace_id: bytes, block_hash: bytes) -> None:
-        for listener in self._registered:
-            listener.blocks_removed(namespace_id, [block_hash])
-
-    def removed_many(self, entries) -> None:
-        """``removed`` of each entry, each namespace's stretch of them in one call."""
+    def removed(self, entries) -> None:
+        """Each of ``entries`` left the store: each namespace's stretch of them in one call."""
         if not self._registered:
             return
         for ns, run in _runs(entries, _namespace):
