@@ -33,6 +33,8 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 # kvstore itself (editable, so the venv always runs this checkout's code)
 if [ "${KVSTORE_VENV_WITHOUT_KVSTORE:-0}" != 1 ]; then
+  # built with the venv's own setuptools, which must read pyproject's SPDX license (>= 77)
+  "$venv/bin/python" -m pip install -q "setuptools>=77" >&2
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
 fi
 echo "$venv"
