@@ -9,6 +9,9 @@ while pinned counts: it is freed later, silently).
 
 from __future__ import annotations
 
+from itertools import groupby
+from operator import attrgetter
+
 
 class StoreListener:
     """Told when blocks appear in or leave the store. Called with the store lock held:
@@ -63,7 +66,7 @@ class Listeners:
                 listener.block_moved(e.namespace_id, e.block_hash, e.fastest)
         adders = [x for x in adders if x not in both]
         movers = [x for x in movers if x not in both]
-        for (ns, tier), run in _runs(entries, _namespace_and_tier) if adders or movers else ():
+        for (ns, tier), run in groupby(entries, attrgetter("namespace_id", "fastest")) if adders or movers else ():
             hashes = [e.block_hash for e in run]
             for listener in adders:
                 listener.blocks_added(ns, hashes)
@@ -74,7 +77,7 @@ class Listeners:
         """Each of ``entries`` left the store: each namespace's stretch of them in one call."""
         if not self._registered:
             return
-        for ns, run in _runs(entries, _namespace):
+        for ns, run in groupby(entries, attrgetter("namespace_id")):
             hashes = [e.block_hash for e in run]
             for listener in self._registered:
                 listener.blocks_removed(ns, hashes)
@@ -82,23 +85,3 @@ class Listeners:
     def moved(self, namespace_id: bytes, block_hash: bytes, fastest_tier: int) -> None:
         for listener in self._registered:
             listener.block_moved(namespace_id, block_hash, fastest_tier)
-
-
-def _runs(entries, by):
-    """``(by(entry), entries)`` of each stretch of ``entries`` that shares ``by``."""
-    start = 0
-    while start < len(entries):
-        shared = by(entries[start])
-        stop = start + 1
-        while stop < len(entries) and by(entries[stop]) == shared:
-            stop += 1
-        yield shared, entries[start:stop]
-        start = stop
-
-
-def _namespace(entry) -> bytes:
-    return entry.namespace_id
-
-
-def _namespace_and_tier(entry) -> tuple[bytes, int]:
-    return entry.namespace_id, entry.fastest
