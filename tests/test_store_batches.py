@@ -59,7 +59,13 @@ class Events(StoreListener):
     def one_per_block(self) -> list[tuple]:
         """The log with each "added" or "removed" of several blocks split into one per block, in
         order (blocks deleted or evicted together are announced in one call)."""
-        return [e if e[0] == "moved" else (e[0], [h]) for e in self.log for h in ([None] if e[0] == "moved" else e[1])]
+        out: list[tuple] = []
+        for event in self.log:
+            if event[0] == "moved":
+                out.append(event)
+            else:
+                out.extend((event[0], [h]) for h in event[1])
+        return out
 
     def blocks_added(self, namespace_id, block_hashes):
         self.log.append(("added", list(block_hashes)))
